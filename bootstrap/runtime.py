@@ -1,0 +1,438 @@
+"""Process group and NVSHMEM lifecycle for one process of a launch (one process per GPU).
+
+Usage::
+
+    env = DistEnv.from_environ()
+    with start(env, symmetric_bytes=plan_bytes) as rt:   # backend="nvshmem" by default
+        rt.add_finalizer(compiled_modules.finalize)      # runs before nvshmem.core.finalize()
+        ...
+
+Two backends:
+
+* ``"gloo"``: CPU only, a plain gloo process group. Used by the torch reference path and by CI.
+* ``"nvshmem"``: binds the GPU, starts a ``cpu:gloo,cuda:nccl`` process group plus a separate gloo
+  group, sizes the NVSHMEM symmetric heap, broadcasts NVSHMEM's unique id over gloo and initialises
+  NVSHMEM with the *global* rank.
+
+This module must import on machines without a GPU, so torch, NVSHMEM and cuda.core are imported
+inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, MutableMapping
+from datetime import timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from .dist_env import DistEnv
+
+if TYPE_CHECKING:
+    import numpy
+    import torch
+
+__all__ = [
+    "BACKENDS",
+    "HEAP_ENV_VAR",
+    "HeapConfigError",
+    "Runtime",
+    "configure_symmetric_heap",
+    "format_size",
+    "heap_bytes_for",
+    "parse_size",
+    "share_unique_id",
+    "start",
+]
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("nvshmem", "gloo")
+HEAP_ENV_VAR = "NVSHMEM_SYMMETRIC_SIZE"
+
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+TIB = 1 << 40
+
+# Heap sizing. Observed on a 4x H200 host: 352 MiB of symmetric buffers faulted with an illegal
+# memory access under NVSHMEM's default heap (1 GiB), and ran with 8G. So the heap needs room
+# beyond the caller's own buffers (NVSHMEM's internal allocations, alignment): scale the request,
+# add a fixed reserve, round to whole GiB, and never go below twice the default.
+HEAP_HEADROOM = 1.25
+HEAP_RESERVE_BYTES = 256 * MIB
+HEAP_MIN_BYTES = 2 * GIB
+
+
+class HeapConfigError(ValueError):
+    """NVSHMEM_SYMMETRIC_SIZE is malformed or too small for what the caller will allocate."""
+
+
+# --------------------------------------------------------------------------------------------------
+# symmetric heap sizing
+# --------------------------------------------------------------------------------------------------
+
+
+def heap_bytes_for(buffers_bytes: int) -> int:
+    """Symmetric heap size (bytes) to request for `buffers_bytes` of symmetric buffers.
+
+    ``ceil_GiB(buffers * 1.25 + 256 MiB)``, at least 2 GiB.
+    """
+    if buffers_bytes < 0:
+        raise ValueError(f"buffers_bytes={buffers_bytes} is negative")
+    wanted = math.ceil(buffers_bytes * HEAP_HEADROOM) + HEAP_RESERVE_BYTES
+    rounded = -(-wanted // GIB) * GIB
+    return max(rounded, HEAP_MIN_BYTES)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kKmMgGtT]?)(.*)$")
+_SIZE_SCALE = {"": 1, "k": KIB, "m": MIB, "g": GIB, "t": TIB}
+
+
+def parse_size(text: str) -> int:
+    """Parse a size the way NVSHMEM reads NVSHMEM_SYMMETRIC_SIZE: "8G", "512m", "3.1M", "1073741824".
+
+    Suffixes k/m/g/t (either case) are powers of 1024 and anything after the suffix is ignored, as
+    NVSHMEM does ("8GB" == "8G"). Returns the integer ceiling in bytes.
+    """
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise HeapConfigError(f"{HEAP_ENV_VAR}={text!r} is not a size (e.g. '8G', '512M', '1073741824')")
+    number, suffix, rest = match.groups()
+    if not suffix and rest.strip():
+        raise HeapConfigError(
+            f"{HEAP_ENV_VAR}={text!r} has an unknown unit {rest.strip()!r} (use k, M, G, T)"
+        )
+    return math.ceil(float(number) * _SIZE_SCALE[suffix.lower()])
+
+
+def format_size(nbytes: int) -> str:
+    """Format bytes for NVSHMEM_SYMMETRIC_SIZE: whole GiB as "9G", whole MiB as "640M", else bytes."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes={nbytes} is negative")
+    if nbytes and nbytes % GIB == 0:
+        return f"{nbytes // GIB}G"
+    if nbytes and nbytes % MIB == 0:
+        return f"{nbytes // MIB}M"
+    return str(nbytes)
+
+
+def configure_symmetric_heap(
+    nbytes: int,
+    environ: MutableMapping[str, str] = os.environ,
+    *,
+    minimum_bytes: int | None = None,
+) -> str:
+    """Set NVSHMEM_SYMMETRIC_SIZE to `nbytes` unless the user set it; return the value in force.
+
+    A user value is kept (they may know their job better), but it must be at least `minimum_bytes`
+    (default: `nbytes`), else `HeapConfigError` names both sizes. Pass the raw buffer total as
+    `minimum_bytes` and `heap_bytes_for(...)` as `nbytes` to accept any user value that can hold
+    the buffers while still defaulting to a padded heap. Must run before NVSHMEM is initialised:
+    NVSHMEM reads the variable at init.
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes={nbytes} is negative")
+    needed = nbytes if minimum_bytes is None else minimum_bytes
+    current = environ.get(HEAP_ENV_VAR, "").strip()
+    if current:
+        have = parse_size(current)
+        if have < needed:
+            raise HeapConfigError(
+                f"{HEAP_ENV_VAR}={current!r} ({have} bytes) is smaller than the {needed} bytes "
+                f"({format_size(needed)}) this run needs; unset it to get {format_size(nbytes)} "
+                f"automatically, or raise it"
+            )
+        if have < nbytes:
+            log.warning(
+                "%s=%s is below the recommended %s (buffers plus headroom); keeping the user's value",
+                HEAP_ENV_VAR,
+                current,
+                format_size(nbytes),
+            )
+        return current
+    value = format_size(nbytes)
+    environ[HEAP_ENV_VAR] = value
+    return value
+
+
+# --------------------------------------------------------------------------------------------------
+# unique id broadcast
+# --------------------------------------------------------------------------------------------------
+
+
+def share_unique_id(group: Any, make_uid: Callable[[], numpy.ndarray], rank: int) -> numpy.ndarray:
+    """Rank 0 of `group` calls `make_uid()`; every rank returns the same bytes as a uint8 array.
+
+    `group` must handle CPU tensors (gloo, or a ``cpu:gloo,...`` default group); None means the
+    default group. `rank` is the caller's rank in `group`. The length is broadcast first, so any
+    id size works (NVSHMEM's is 128 bytes).
+    """
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    group_rank = dist.get_rank(group)
+    if rank != group_rank:
+        raise ValueError(f"rank={rank} but this process is rank {group_rank} of the group")
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+
+    if rank == 0:
+        payload = np.ascontiguousarray(make_uid()).view(np.uint8).reshape(-1).copy()
+        length = torch.tensor([payload.size], dtype=torch.int64)
+    else:
+        payload = None
+        length = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(length, src=src, group=group)
+
+    if payload is not None:
+        data = torch.from_numpy(payload)
+    else:
+        data = torch.empty(int(length.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=src, group=group)
+    return data.numpy().copy()
+
+
+# --------------------------------------------------------------------------------------------------
+# Runtime
+# --------------------------------------------------------------------------------------------------
+
+
+class Runtime:
+    """torch.distributed (+ NVSHMEM) for one process; use as a context manager or call `close()`.
+
+    Attributes after `start()`: `env`, `backend`, `group` (default group), `cpu_group` (a gloo group
+    for host-side collectives), `device` (torch.device), `symmetric_size` (NVSHMEM_SYMMETRIC_SIZE in
+    force, or None for gloo).
+    """
+
+    def __init__(
+        self,
+        env: DistEnv,
+        *,
+        symmetric_bytes: int = 0,
+        backend: str = "nvshmem",
+        timeout: timedelta | None = None,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        if symmetric_bytes < 0:
+            raise ValueError(f"symmetric_bytes={symmetric_bytes} is negative")
+        self.env = env
+        self.backend = backend
+        self.symmetric_bytes = symmetric_bytes
+        self.timeout = timeout
+        self.group: Any = None
+        self.cpu_group: Any = None
+        self.device: torch.device | None = None
+        self.symmetric_size: str | None = None
+        self._finalizers: list[Callable[[], object]] = []
+        self._owns_process_group = False
+        self._nvshmem_up = False
+        self._started = False
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> Runtime:
+        """Initialise the process group (and NVSHMEM); on failure, undo what was done and re-raise."""
+        if self._closed:
+            raise RuntimeError("this Runtime was closed; make a new one")
+        if self._started:
+            return self
+        self._started = True
+        try:
+            if self.backend == "gloo":
+                self._start_gloo()
+            else:
+                self._start_nvshmem()
+        except BaseException:
+            # Local teardown only: the peers may never have arrived.
+            self._close(collective=False, swallow=True)
+            raise
+        log.info("runtime up (%s): %s", self.backend, self.env.describe())
+        return self
+
+    def _init_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "init_method": self.env.init_method,
+            "rank": self.env.rank,
+            "world_size": self.env.world_size,
+        }
+        if self.timeout is not None:
+            kwargs["timeout"] = self.timeout
+        return kwargs
+
+    def _start_gloo(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", **self._init_kwargs())
+        self._owns_process_group = True
+        self.group = dist.group.WORLD
+        self.cpu_group = self.group  # already gloo: no second group needed
+        self.device = torch.device("cpu")
+
+    def _start_nvshmem(self) -> None:
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+
+        env = self.env
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend='nvshmem' needs CUDA, but torch.cuda.is_available() is False")
+        count = torch.cuda.device_count()
+        if env.local_rank >= count:
+            raise RuntimeError(
+                f"local rank {env.local_rank} has no GPU: this host shows {count} "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+            )
+        # Heap size first: NVSHMEM reads the variable when it initialises, and a user error here
+        # should surface before any rendezvous.
+        self.symmetric_size = configure_symmetric_heap(
+            heap_bytes_for(self.symmetric_bytes), minimum_bytes=self.symmetric_bytes
+        )
+
+        torch.cuda.set_device(env.local_rank)
+        self.device = torch.device("cuda", env.local_rank)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=self.device, **self._init_kwargs())
+        self._owns_process_group = True
+        self.group = dist.group.WORLD
+        # A pure gloo group keeps host-side traffic (the unique id, barriers) off NCCL.
+        gloo_kwargs: dict[str, Any] = {"backend": "gloo"}
+        if self.timeout is not None:
+            gloo_kwargs["timeout"] = self.timeout
+        self.cpu_group = dist.new_group(**gloo_kwargs)
+
+        import nvshmem.core as nvshmem
+
+        device = _cuda_core_device(env.local_rank)
+        device.set_current()  # NVSHMEM initialises on the current context: make it this GPU's
+
+        if env.rank == 0:
+            uid = nvshmem.get_unique_id()
+        else:
+            uid = nvshmem.get_unique_id(empty=True)
+        # uid._data is a one-element numpy record array (128 bytes); view it as raw bytes.
+        uid_bytes = uid._data.view(np.uint8)
+        shared = share_unique_id(self.cpu_group, lambda: uid_bytes.copy(), env.rank)
+        if shared.size != uid_bytes.size:
+            raise RuntimeError(f"NVSHMEM unique id is {uid_bytes.size} bytes here, got {shared.size}")
+        uid_bytes[:] = shared
+
+        nvshmem.init(device=device, uid=uid, rank=env.rank, nranks=env.world_size, initializer_method="uid")
+        self._nvshmem_up = True
+        pe, npes = nvshmem.my_pe(), nvshmem.n_pes()
+        if (pe, npes) != (env.rank, env.world_size):
+            raise RuntimeError(
+                f"NVSHMEM reports PE {pe} of {npes}, expected rank {env.rank} of {env.world_size}"
+            )
+
+    def add_finalizer(self, fn: Callable[[], object]) -> None:
+        """Register `fn` to run at `close()`, before NVSHMEM is finalised; run in reverse order."""
+        self._finalizers.append(fn)
+
+    def barrier(self, *, device_sync: bool = True) -> None:
+        """Host barrier over all ranks; with a GPU, first wait for this rank's queued GPU work."""
+        import torch
+        import torch.distributed as dist
+
+        if self.cpu_group is None:
+            raise RuntimeError("Runtime is not started")
+        if device_sync and self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.cpu_group)
+
+    def close(self, *, collective: bool = True) -> None:
+        """Run finalizers (reverse order), finalise NVSHMEM, destroy the process group. Idempotent.
+
+        An error in one step does not stop the others; the first one is re-raised at the end.
+        `collective=False` skips `nvshmem.core.finalize()`, which waits for every PE and would hang
+        if a peer already failed; the process is expected to exit soon after.
+        """
+        self._close(collective=collective, swallow=False)
+
+    def _close(self, *, collective: bool, swallow: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        errors: list[BaseException] = []
+
+        def attempt(what: str, fn: Callable[[], object]) -> None:
+            try:
+                fn()
+            except Exception as exc:  # keep tearing down; report afterwards
+                log.exception("rank %d: %s failed during close", self.env.rank, what)
+                errors.append(exc)
+
+        finalizers, self._finalizers = self._finalizers, []
+        for fn in reversed(finalizers):
+            attempt(f"finalizer {getattr(fn, '__qualname__', fn)!r}", fn)
+
+        if self._nvshmem_up:
+            self._nvshmem_up = False
+            if collective:
+                import nvshmem.core as nvshmem
+
+                attempt("nvshmem.core.finalize()", nvshmem.finalize)
+            else:
+                log.warning("rank %d: skipping nvshmem.core.finalize() after an error", self.env.rank)
+
+        if self._owns_process_group:
+            self._owns_process_group = False
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                attempt("torch.distributed.destroy_process_group()", dist.destroy_process_group)
+        self.group = self.cpu_group = None
+
+        if errors and not swallow:
+            raise errors[0]
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` has run."""
+        return self._closed
+
+    def __enter__(self) -> Runtime:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # Keep the original exception; teardown errors are logged by _close. No collective
+            # NVSHMEM finalize: a peer that failed differently would leave us waiting forever.
+            self._close(collective=False, swallow=True)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("started" if self._started else "new")
+        return f"Runtime(backend={self.backend!r}, {state}, {self.env.describe()})"
+
+
+def start(
+    env: DistEnv,
+    *,
+    symmetric_bytes: int = 0,
+    backend: str = "nvshmem",
+    timeout: timedelta | None = None,
+) -> Runtime:
+    """Create and start a `Runtime`; use it as ``with start(env, ...) as rt:``."""
+    return Runtime(env, symmetric_bytes=symmetric_bytes, backend=backend, timeout=timeout).start()
+
+
+def _cuda_core_device(index: int) -> Any:
+    """cuda.core's Device for GPU `index` (older cuda-core releases keep it in `experimental`)."""
+    try:
+        from cuda.core import Device
+    except ImportError:
+        from cuda.core.experimental import Device
+    return Device(index)
