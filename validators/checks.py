@@ -1,0 +1,446 @@
+"""Distributed correctness checks of dispatch and combine, on any torch.distributed process group.
+
+Every rank passes its own inputs and its own output buffers; the inputs (and, for combine, the expert
+outputs) are all-gathered to CPU, each rank computes the reference for itself with
+:mod:`cute_ep.validators.reference`, and compares bit for bit. The verdict is reduced over all ranks
+(all_reduce MIN) so that one failing rank cannot leave the others passing, and errors while comparing
+are turned into failures instead of exceptions so that no rank skips the final collective (which
+would hang the others).
+
+Works with gloo (CPU) and NCCL (the tensors may live on CUDA; they are moved to CPU first). Without
+an initialised process group, world size 1 is assumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cute_ep.bootstrap.dist_env import ROUTE_CLASSES, possible_route_classes, route_class
+from cute_ep.validators.reference import (
+    Layout,
+    reference_combine,
+    reference_dispatch_rank,
+    reference_layout,
+    unpack_source,
+)
+
+__all__ = [
+    "CheckResult",
+    "check_combine",
+    "check_dispatch",
+    "format_summary",
+    "route_counts_of",
+]
+
+
+@dataclass
+class CheckResult:
+    """Outcome of a distributed check, as seen by one rank.
+
+    Attributes:
+        passed: True only if every rank passed (already reduced over the group).
+        message: this rank's first mismatch (readable), or "ok"; on a passing rank of a failing run it
+            names the failing ranks.
+        route_counts: non-dropped (t, k) pairs per route class, summed over all ranks (every class of
+            ROUTE_CLASSES is a key).
+        coverage_ok: every route class possible in this topology has at least one pair.
+        local_passed: this rank's own verdict (including the coverage gate).
+        failed_ranks: ranks whose local verdict was a failure.
+    """
+
+    passed: bool
+    message: str
+    route_counts: dict[str, int]
+    coverage_ok: bool
+    local_passed: bool
+    failed_ranks: list[int] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# Collective helpers (group=None and no initialised process group: world of 1)
+# --------------------------------------------------------------------------------------------
+
+
+def _world(group: Any) -> tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) without an initialised process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RuntimeError("a process group was given but torch.distributed is not initialised")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _collective_device(group: Any) -> torch.device:
+    # A pure NCCL group cannot reduce CPU tensors; mixed "cpu:gloo,cuda:nccl" and gloo can.
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather(obj: Any, group: Any) -> list[Any]:
+    _, world = _world(group)
+    if world == 1 and not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _reduce_verdict(local_ok: bool, group: Any) -> list[int]:
+    """Failing ranks, known on every rank: one all_reduce MIN over a per-rank flag vector."""
+    rank, world = _world(group)
+    flags = torch.ones(world, dtype=torch.int32, device=_collective_device(group))
+    flags[rank] = int(local_ok)
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    return [r for r, f in enumerate(flags.cpu().tolist()) if f == 0]
+
+
+def _cpu(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.detach().cpu()
+
+
+# --------------------------------------------------------------------------------------------
+# Shared pieces
+# --------------------------------------------------------------------------------------------
+
+
+def route_counts_of(layout: Layout, local_world_size: int) -> dict[str, int]:
+    """Non-dropped pairs per route class (source rank -> expert owner), over all ranks.
+
+    Args:
+        layout: the routing's :class:`~cute_ep.validators.reference.Layout`.
+        local_world_size: L, ranks per (possibly virtual) node.
+
+    Returns:
+        {class: count} with every class of ROUTE_CLASSES as a key.
+    """
+    world, el = layout.world_size, layout.experts_per_rank
+    per_dst = layout.counts.view(world, world, el).sum(dim=2)  # [src, dst] pairs
+    counts = dict.fromkeys(ROUTE_CLASSES, 0)
+    for s in range(world):
+        for d in range(world):
+            counts[route_class(s, d, local_world_size)] += int(per_dst[s, d])
+    return counts
+
+
+def _coverage(route_counts: dict[str, int], world: int, local_world_size: int) -> list[str]:
+    """Route classes possible in the topology that no pair exercised."""
+    return [c for c in possible_route_classes(world, local_world_size) if route_counts.get(c, 0) == 0]
+
+
+def _bits(t: Tensor) -> Tensor:
+    """Integer view of the same bits, so NaN compares equal only to the same NaN and -0.0 != 0.0."""
+    if t.dtype.is_floating_point:
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8)
+    return t
+
+
+def _fmt(v: Tensor) -> str:
+    """A scalar tensor's value and, for floats, its bits (two values may print alike yet differ)."""
+    if v.dtype.is_floating_point:
+        bits = int(_bits(v.reshape(1))[0]) & ((1 << (8 * v.element_size())) - 1)
+        return f"{float(v)!r} (0x{bits:0{2 * v.element_size()}x})"
+    return str(int(v))
+
+
+def _finish(
+    local_msgs: list[str], route_counts: dict[str, int], coverage_ok: bool, group: Any
+) -> CheckResult:
+    local_ok = not local_msgs
+    failed = _reduce_verdict(local_ok, group)
+    if local_msgs:
+        message = "; ".join(local_msgs)
+    elif failed:
+        message = f"ok on this rank; failed on rank(s) {failed}"
+    else:
+        message = "ok"
+    return CheckResult(
+        passed=not failed,
+        message=message,
+        route_counts=route_counts,
+        coverage_ok=coverage_ok,
+        local_passed=local_ok,
+        failed_ranks=failed,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------------------------
+
+
+def _group_ids(layout: Layout, dst: int) -> Tensor:
+    """[num_recv_dst] int64: the (local expert, source) group index l * R + s of every slot."""
+    sizes = layout.counts.view(layout.world_size, layout.world_size, -1)[:, dst, :].t().reshape(-1)
+    return torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
+
+
+def _sort_within_groups(
+    layout: Layout, dst: int, x: Tensor, w: Tensor, src: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Atomic-mode canonical order: rows sorted by recv_src inside each (local expert, source) group."""
+    groups = _group_ids(layout, dst)
+    # Groups are contiguous ranges, so sorting by (group, tag) moves rows only inside their group;
+    # the +2**31 shift keeps arbitrary (even negative) int32 tags ordered within one group.
+    key = groups * (1 << 33) + (src.to(torch.int64) + (1 << 31))
+    order = torch.argsort(key, stable=True)
+    return x[order], w[order], src[order]
+
+
+def _compare_dispatch(
+    layout: Layout,
+    expected: Any,
+    recv_x: Tensor,
+    recv_w: Tensor,
+    recv_src: Tensor,
+    topk_idx: Sequence[Tensor],
+    max_tokens: int,
+    rank: int,
+    ordered: bool,
+) -> list[str]:
+    n = expected.num_recv
+    hidden = expected.recv_x.shape[1]
+    problems = []
+    if recv_x.dim() != 2 or recv_x.shape[1] != hidden or recv_x.dtype != expected.recv_x.dtype:
+        problems.append(
+            f"recv_x must be [>= {n}, {hidden}] of {expected.recv_x.dtype}, "
+            f"got {tuple(recv_x.shape)} {recv_x.dtype}"
+        )
+    if recv_w.dtype != torch.float32:
+        problems.append(f"recv_w must be float32, got {recv_w.dtype}")
+    if recv_src.dtype.is_floating_point or recv_src.dtype == torch.bool:
+        problems.append(f"recv_src must be an integer tensor (int32), got {recv_src.dtype}")
+    for name, t in (("recv_x", recv_x), ("recv_w", recv_w), ("recv_src", recv_src)):
+        if t.dim() >= 1 and t.shape[0] < n:
+            problems.append(f"{name} has {t.shape[0]} rows but rank {rank} receives {n}")
+    if problems:
+        return [f"dest rank {rank}: " + p for p in problems]
+
+    got_x, got_w, got_src = recv_x[:n], recv_w[:n].reshape(n), recv_src[:n].reshape(n).to(torch.int64)
+    if not ordered:
+        got_x, got_w, got_src = _sort_within_groups(layout, rank, got_x, got_w, got_src)
+    exp_src = expected.recv_src.to(torch.int64)
+    bad_x = (_bits(got_x) != _bits(expected.recv_x)).any(dim=1)
+    bad_w = _bits(got_w) != _bits(expected.recv_w)
+    bad_src = got_src != exp_src
+    bad = bad_x | bad_w | bad_src
+    if not bool(bad.any()):
+        return []
+
+    i = int(torch.nonzero(bad)[0])
+    k_total = layout.topk
+    s, t, k = unpack_source(int(exp_src[i]), max_tokens, k_total)
+    e = int(topk_idx[s][t, k])
+    where = (
+        f"(source rank {s}, token {t}, k {k}, expert {e}, dest rank {rank}, slot {i}"
+        + ("" if ordered else ", after sorting within its (local expert, source) group")
+        + ")"
+    )
+    fields = []
+    if bool(bad_x[i]):
+        col = int(torch.nonzero(_bits(got_x[i]) != _bits(expected.recv_x[i]))[0])
+        fields.append(
+            f"field recv_x differs: expected {_fmt(expected.recv_x[i, col])}, got {_fmt(got_x[i, col])} "
+            f"at column {col}"
+        )
+    if bool(bad_w[i]):
+        fields.append(f"field recv_w differs: expected {_fmt(expected.recv_w[i])}, got {_fmt(got_w[i])}")
+    if bool(bad_src[i]):
+        gs, gt, gk = unpack_source(int(got_src[i]), max_tokens, k_total)
+        fields.append(
+            f"field recv_src differs: expected {int(exp_src[i])} (rank {s}, token {t}, k {k}), "
+            f"got {int(got_src[i])} (rank {gs}, token {gt}, k {gk})"
+        )
+    n_bad = int(bad.sum())
+    more = f" [{n_bad} of {n} rows differ on dest rank {rank}]"
+    return [f"{where}: " + "; ".join(fields) + more]
+
+
+def check_dispatch(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    recv_x: Tensor,
+    recv_w: Tensor,
+    recv_src: Tensor,
+    *,
+    max_tokens: int,
+    num_experts: int,
+    local_world_size: int,
+    ordered: bool = True,
+    require_coverage: bool = True,
+    group: Any = None,
+) -> CheckResult:
+    """Check this rank's dispatch receive buffers bit for bit against the reference (collective).
+
+    Every rank of ``group`` must call it with its own tensors.
+
+    Args:
+        x: [T, H] this rank's input tokens (bf16 / fp16 / fp32; any device).
+        topk_idx: [T, K] int64 or int32 in [-1, E), this rank's routing.
+        topk_weights: [T, K] float32.
+        recv_x: [C, H] this rank's received rows, C >= rows received (the tail is ignored).
+        recv_w: [C] float32 received weights.
+        recv_src: [C] int32 received source tags (see reference.pack_source).
+        max_tokens: M, the most tokens per rank the buffers were built for (tags depend on it).
+        num_experts: E.
+        local_world_size: L, ranks per (possibly virtual) node, for the route classes.
+        ordered: True: the deterministic layout exactly. False (atomic slot allocation): each (local
+            expert, source) group must hold the right rows in any order (compared after sorting each
+            group by recv_src).
+        require_coverage: fail unless every route class possible for (R, L) has at least one pair.
+        group: the process group (None: the default group, or a world of 1 if none is initialised).
+
+    Returns:
+        A :class:`CheckResult` with the verdict reduced over all ranks.
+    """
+    rank, world = _world(group)
+    gathered = _all_gather((_cpu(x), _cpu(topk_idx), _cpu(topk_weights)), group)
+    msgs: list[str] = []
+    counts = dict.fromkeys(ROUTE_CLASSES, 0)
+    coverage_ok = False
+    try:
+        xs = [g[0] for g in gathered]
+        idxs = [g[1] for g in gathered]
+        ws = [g[2] for g in gathered]
+        layout = reference_layout(idxs, num_experts)
+        counts = route_counts_of(layout, local_world_size)
+        missing = _coverage(counts, world, local_world_size)
+        coverage_ok = not missing
+        expected = reference_dispatch_rank(xs, idxs, ws, layout, max_tokens, rank)
+        msgs += _compare_dispatch(
+            layout, expected, _cpu(recv_x), _cpu(recv_w), _cpu(recv_src), idxs, max_tokens, rank, ordered
+        )
+        if missing and require_coverage:
+            msgs.append(
+                f"coverage: no pair exercised route class(es) {', '.join(missing)} "
+                f"(world size {world}, local world size {local_world_size})"
+            )
+    except Exception as exc:  # every rank must still reach the verdict collective
+        msgs.append(f"dest rank {rank}: error while checking dispatch: {type(exc).__name__}: {exc}")
+    return _finish(msgs, counts, coverage_ok, group)
+
+
+# --------------------------------------------------------------------------------------------
+# Combine
+# --------------------------------------------------------------------------------------------
+
+
+def check_combine(
+    out: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    recv_y: Tensor,
+    *,
+    local_world_size: int,
+    num_experts: int,
+    scatter: Tensor | None = None,
+    atol: float = 0.0,
+    require_coverage: bool = True,
+    group: Any = None,
+) -> CheckResult:
+    """Check this rank's combine output against the reference (collective).
+
+    Every rank of ``group`` must call it with its own tensors.
+
+    Args:
+        out: [T, H] this rank's combine output, in recv_y's dtype.
+        topk_idx: [T, K] int64 or int32 in [-1, E), this rank's routing.
+        topk_weights: [T, K] float32.
+        recv_y: [N, H] this rank's expert outputs, the rows the combine read (N >= rows received).
+        local_world_size: L, ranks per (possibly virtual) node, for the route classes.
+        num_experts: E.
+        scatter: optional [T, K] integer: the slot each (t, k) was written to on its owner (e.g. an
+            atomic-mode kernel's slots); default: the reference layout's.
+        atol: 0.0 compares bits; > 0 allows |expected - got| <= atol (NaN never passes).
+        require_coverage: fail unless every route class possible for (R, L) has at least one pair.
+        group: the process group (None: the default group, or a world of 1 if none is initialised).
+
+    Returns:
+        A :class:`CheckResult` with the verdict reduced over all ranks.
+    """
+    rank, world = _world(group)
+    gathered = _all_gather((_cpu(topk_idx), _cpu(topk_weights), _cpu(scatter), _cpu(recv_y)), group)
+    msgs: list[str] = []
+    counts = dict.fromkeys(ROUTE_CLASSES, 0)
+    coverage_ok = False
+    try:
+        idxs = [g[0] for g in gathered]
+        layout = reference_layout(idxs, num_experts)
+        counts = route_counts_of(layout, local_world_size)
+        missing = _coverage(counts, world, local_world_size)
+        coverage_ok = not missing
+        slots = gathered[rank][2] if gathered[rank][2] is not None else layout.scatter[rank]
+        ys = [g[3] for g in gathered]
+        weights = gathered[rank][1]
+        expected = reference_combine(ys, [idxs[rank]], [weights], [slots], num_experts=num_experts)[0]
+        msgs += _compare_combine(expected, _cpu(out), idxs[rank], slots, layout, rank, atol)
+        if missing and require_coverage:
+            msgs.append(
+                f"coverage: no pair exercised route class(es) {', '.join(missing)} "
+                f"(world size {world}, local world size {local_world_size})"
+            )
+    except Exception as exc:  # every rank must still reach the verdict collective
+        msgs.append(f"rank {rank}: error while checking combine: {type(exc).__name__}: {exc}")
+    return _finish(msgs, counts, coverage_ok, group)
+
+
+def _compare_combine(
+    expected: Tensor, out: Tensor, idx: Tensor, slots: Tensor, layout: Layout, rank: int, atol: float
+) -> list[str]:
+    if out.shape != expected.shape or out.dtype != expected.dtype:
+        return [
+            f"rank {rank}: combine output must be {tuple(expected.shape)} of {expected.dtype}, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        ]
+    bad = _bits(out) != _bits(expected)
+    if atol > 0:
+        close = (out.float() - expected.float()).abs() <= atol  # False for NaN
+        bad &= ~close
+    if not bool(bad.any()):
+        return []
+    t, col = (int(v) for v in torch.nonzero(bad)[0])
+    routes = []
+    for k in range(idx.shape[1]):
+        e = int(idx[t, k])
+        if e < 0:
+            routes.append(f"(k {k}, dropped)")
+        else:
+            routes.append(f"(k {k}, expert {e}, dest rank {int(layout.owner(e))}, slot {int(slots[t, k])})")
+    n_bad = int(bad.sum())
+    return [
+        f"(rank {rank}, token {t}, column {col}): "
+        f"expected {_fmt(expected[t, col])}, got {_fmt(out[t, col])}; "
+        f"token routes: {', '.join(routes)} [{n_bad} of {bad.numel()} elements differ on rank {rank}]"
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------------------------
+
+
+def format_summary(result: CheckResult, name: str) -> str:
+    """One readable line, e.g. "dispatch: PASS (pairs: self=10 same_node=12 ...)".
+
+    Args:
+        result: a :class:`CheckResult`.
+        name: what was checked ("dispatch", "combine", ...).
+    """
+    pairs = " ".join(f"{c}={result.route_counts.get(c, 0)}" for c in ROUTE_CLASSES)
+    verdict = "PASS" if result.passed else "FAIL"
+    line = f"{name}: {verdict} (pairs: {pairs})"
+    if not result.coverage_ok:
+        line += " [route coverage incomplete]"
+    if not result.passed:
+        line += f" -- {result.message}"
+    return line

@@ -1,0 +1,571 @@
+"""Pure-torch references for the expert-parallel dispatch and combine (all ranks' data at once).
+
+These functions define what the kernels must produce (see docs in /work/shared/design.md,
+"Receive layout"). They run on CPU (or any device the inputs live on) over the inputs of every rank,
+so a test or a distributed check can compute any rank's expected receive buffers.
+
+Conventions (R ranks, E experts, El = E // R experts per rank, K = top-k, M = max tokens per rank):
+  owner(e) = e // El, local expert l = e % El.
+  count[s][e] = pairs (t, k) on source rank s routed to expert e (dropped -1 pairs not counted).
+  On destination d, local expert l: the rows of all sources back to back (source 0's, then 1's...);
+  within (l, s) the source's (t, k) row-major order. offsets[d][l][s] is the first slot of (l, s).
+  Source tag: (src_rank * M + token) * K + k, as int32.
+  Combine: fp32 acc = 0; for k ascending (skipping -1): acc = acc + (w * y.float()), the product
+  rounded to fp32 first, then the add (no fused multiply-add); cast to the input dtype (RNE).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import overload
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "INT32_MAX",
+    "DispatchResult",
+    "Layout",
+    "apply_test_expert",
+    "global_expert_of_rows",
+    "local_expert_of_rows",
+    "pack_source",
+    "reference_combine",
+    "reference_dispatch",
+    "reference_dispatch_rank",
+    "reference_expert_outputs",
+    "reference_layout",
+    "unpack_source",
+]
+
+INT32_MAX = 2**31 - 1
+
+
+# --------------------------------------------------------------------------------------------
+# Source tags
+# --------------------------------------------------------------------------------------------
+
+
+def _range_of(v: int | Tensor) -> tuple[int, int] | None:
+    """(min, max) of an int or a tensor; None for an empty tensor."""
+    if isinstance(v, Tensor):
+        if v.numel() == 0:
+            return None
+        return int(v.min().item()), int(v.max().item())
+    return int(v), int(v)
+
+
+@overload
+def pack_source(src_rank: int, token: int, k: int, max_tokens: int, topk: int) -> int: ...
+@overload
+def pack_source(
+    src_rank: int | Tensor, token: int | Tensor, k: int | Tensor, max_tokens: int, topk: int
+) -> Tensor: ...
+
+
+def pack_source(
+    src_rank: int | Tensor, token: int | Tensor, k: int | Tensor, max_tokens: int, topk: int
+) -> int | Tensor:
+    """Pack (source rank, token, k) into the int32 source tag ``(src_rank * max_tokens + token) * topk + k``.
+
+    Args:
+        src_rank: source rank, an int or an integer tensor (any shape broadcastable with the others).
+        token: token index on the source rank, in [0, max_tokens); int or integer tensor.
+        k: top-k position, in [0, topk); int or integer tensor.
+        max_tokens: M, the most tokens per rank the buffers were built for (int >= 1).
+        topk: K, the number of experts per token (int >= 1).
+
+    Returns:
+        A Python int when all of src_rank, token, k are ints, else an int32 tensor of the broadcast shape.
+
+    Raises:
+        ValueError: a value is out of range or the tag does not fit in int32 (the message names the values).
+    """
+    if max_tokens < 1 or topk < 1:
+        raise ValueError(f"pack_source: max_tokens ({max_tokens}) and topk ({topk}) must be >= 1")
+    for name, v, hi in (("src_rank", src_rank, None), ("token", token, max_tokens), ("k", k, topk)):
+        r = _range_of(v)
+        if r is None:
+            continue
+        if r[0] < 0 or (hi is not None and r[1] >= hi):
+            bound = f"[0, {hi})" if hi is not None else ">= 0"
+            raise ValueError(f"pack_source: {name} must be {bound}, got range [{r[0]}, {r[1]}]")
+    rank_range = _range_of(src_rank)
+    if rank_range is not None:
+        # The largest tag this rank range can produce (token = M-1, k = K-1): check it fits int32.
+        worst = (rank_range[1] * max_tokens + max_tokens - 1) * topk + topk - 1
+        if worst > INT32_MAX:
+            raise ValueError(
+                f"pack_source: tag (src_rank={rank_range[1]}, max_tokens={max_tokens}, topk={topk}) "
+                f"can reach "
+                f"{worst}, which exceeds int32 max {INT32_MAX}"
+            )
+    if not any(isinstance(v, Tensor) for v in (src_rank, token, k)):
+        return (int(src_rank) * max_tokens + int(token)) * topk + int(k)
+    # int64 arithmetic first: the intermediate products are only known to fit after the check above.
+    s = torch.as_tensor(src_rank, dtype=torch.int64)
+    t = torch.as_tensor(token, dtype=torch.int64)
+    kk = torch.as_tensor(k, dtype=torch.int64)
+    return ((s * max_tokens + t) * topk + kk).to(torch.int32)
+
+
+@overload
+def unpack_source(tag: int, max_tokens: int, topk: int) -> tuple[int, int, int]: ...
+@overload
+def unpack_source(tag: Tensor, max_tokens: int, topk: int) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+def unpack_source(
+    tag: int | Tensor, max_tokens: int, topk: int
+) -> tuple[int, int, int] | tuple[Tensor, Tensor, Tensor]:
+    """Invert :func:`pack_source`.
+
+    Args:
+        tag: a source tag (int) or an integer tensor of tags (any shape, int32 or int64).
+        max_tokens: M used when packing (int >= 1).
+        topk: K used when packing (int >= 1).
+
+    Returns:
+        (src_rank, token, k): ints for an int tag, else three int64 tensors of tag's shape.
+        Negative tags (e.g. a -1 poison) give a negative rank.
+    """
+    if max_tokens < 1 or topk < 1:
+        raise ValueError(f"unpack_source: max_tokens ({max_tokens}) and topk ({topk}) must be >= 1")
+    if isinstance(tag, Tensor):
+        t64 = tag.to(torch.int64)
+        return t64 // (max_tokens * topk), (t64 // topk) % max_tokens, t64 % topk
+    tag = int(tag)
+    return tag // (max_tokens * topk), (tag // topk) % max_tokens, tag % topk
+
+
+# --------------------------------------------------------------------------------------------
+# Layout
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Layout:
+    """The expert-major receive layout of one routing over all ranks.
+
+    Attributes:
+        num_experts: E.
+        world_size: R.
+        topk: K.
+        counts: [R_src, E] int64, count[s][e] = pairs on source s routed to expert e.
+        tokens_per_expert: [R_dst, El] int64, rows each destination receives per local expert.
+        offsets: [R_dst, El, R_src] int64, first slot of (local expert l, source s) on destination d.
+        num_recv: [R_dst] int64, rows each destination receives.
+        scatter: per source rank s, [T_s, K] int64: the slot of (t, k) in owner(topk_idx[t, k])'s
+            receive buffer, -1 for dropped pairs.
+    """
+
+    num_experts: int
+    world_size: int
+    topk: int
+    counts: Tensor
+    tokens_per_expert: Tensor
+    offsets: Tensor
+    num_recv: Tensor
+    scatter: list[Tensor] = field(default_factory=list)
+
+    @property
+    def experts_per_rank(self) -> int:
+        """El = E // R."""
+        return self.num_experts // self.world_size
+
+    def owner(self, expert: int | Tensor) -> int | Tensor:
+        """Rank owning global expert id(s) ``expert`` (int or integer tensor): expert // El."""
+        return expert // self.experts_per_rank
+
+    def local_expert(self, expert: int | Tensor) -> int | Tensor:
+        """Local index on the owner of global expert id(s) ``expert``: expert % El."""
+        return expert % self.experts_per_rank
+
+    def group_range(self, dst: int, local_expert: int, src: int) -> tuple[int, int]:
+        """[start, end) slots of the rows source ``src`` sends to ``local_expert`` on ``dst``."""
+        start = int(self.offsets[dst, local_expert, src])
+        n = int(self.counts[src, dst * self.experts_per_rank + local_expert])
+        return start, start + n
+
+
+def _validate_topk(topk_idx: Sequence[Tensor], num_experts: int) -> tuple[int, int]:
+    """Check the routing of all ranks; return (R, K)."""
+    world = len(topk_idx)
+    if world < 1:
+        raise ValueError("topk_idx must hold one tensor per rank (got an empty sequence)")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if num_experts % world != 0:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by the world size ({world})")
+    ks = set()
+    for s, idx in enumerate(topk_idx):
+        if idx.dim() != 2:
+            raise ValueError(f"topk_idx[{s}] must be 2-D [T, K], got shape {tuple(idx.shape)}")
+        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise ValueError(f"topk_idx[{s}] must be an integer tensor (int64/int32), got {idx.dtype}")
+        ks.add(idx.shape[1])
+        if idx.numel():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < -1 or hi >= num_experts:
+                raise ValueError(
+                    f"topk_idx[{s}] ids must be in [-1, {num_experts}) (num_experts={num_experts}), "
+                    f"got range [{lo}, {hi}]"
+                )
+    if len(ks) != 1:
+        raise ValueError(f"all ranks must use the same topk K, got K values {sorted(ks)}")
+    k = ks.pop()
+    if k < 1:
+        raise ValueError("topk K must be >= 1 (topk_idx has 0 columns)")
+    return world, k
+
+
+def reference_layout(topk_idx: Sequence[Tensor], num_experts: int) -> Layout:
+    """Compute counts, offsets and every pair's slot for the routing of all ranks.
+
+    Args:
+        topk_idx: one tensor per rank s, [T_s, K] int64 or int32, ids in [-1, E) (-1 = dropped).
+            T_s may differ between ranks and may be 0.
+        num_experts: E, divisible by R = len(topk_idx).
+
+    Returns:
+        The :class:`Layout` (on the device of topk_idx[0]).
+
+    Raises:
+        ValueError: E not divisible by R, ids outside [-1, E), K differing between ranks, bad shapes.
+    """
+    world, topk = _validate_topk(topk_idx, num_experts)
+    el = num_experts // world
+    device = topk_idx[0].device
+    counts = torch.zeros(world, num_experts, dtype=torch.int64, device=device)
+    flat_ids = []
+    for s, idx in enumerate(topk_idx):
+        ids = idx.reshape(-1).to(torch.int64)
+        # Dropped pairs go to a virtual expert E so they sort last and are not counted.
+        ids = torch.where(ids < 0, torch.full_like(ids, num_experts), ids)
+        flat_ids.append(ids)
+        counts[s] = torch.bincount(ids, minlength=num_experts + 1)[:num_experts]
+
+    # [R_src, R_dst, El] -> [R_dst, El, R_src]: per destination, the groups in l-major order.
+    groups = counts.view(world, world, el).permute(1, 2, 0).reshape(world, el * world)
+    offsets = (torch.cumsum(groups, dim=1) - groups).view(world, el, world)
+    tokens_per_expert = counts.sum(dim=0).view(world, el)
+    num_recv = tokens_per_expert.sum(dim=1)
+
+    scatter = []
+    for s, ids in enumerate(flat_ids):
+        n = ids.numel()
+        # A stable sort by expert keeps (t, k) row-major order inside each expert, so a pair's
+        # position in the sorted order minus its expert's first position is its index in the group.
+        order = torch.sort(ids, stable=True).indices
+        start = torch.cumsum(counts[s], 0) - counts[s]
+        start = torch.cat([start, start.new_tensor([0])])  # virtual expert E: value unused
+        within_sorted = torch.arange(n, device=device) - start[ids[order]]
+        within = torch.empty_like(within_sorted)
+        within[order] = within_sorted
+        valid = ids < num_experts
+        e = ids.clamp(max=num_experts - 1)
+        slot = offsets[e // el, e % el, s] + within
+        slot = torch.where(valid, slot, torch.full_like(slot, -1))
+        scatter.append(slot.view(topk_idx[s].shape))
+
+    return Layout(
+        num_experts=num_experts,
+        world_size=world,
+        topk=topk,
+        counts=counts,
+        tokens_per_expert=tokens_per_expert,
+        offsets=offsets,
+        num_recv=num_recv,
+        scatter=scatter,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DispatchResult:
+    """Expected receive buffers of one destination rank (exactly num_recv rows, no tail).
+
+    Attributes:
+        recv_x: [num_recv, H], the input dtype: the token rows.
+        recv_w: [num_recv] float32: the routing weight of each row.
+        recv_src: [num_recv] int32: the packed (source rank, token, k) of each row.
+    """
+
+    recv_x: Tensor
+    recv_w: Tensor
+    recv_src: Tensor
+
+    @property
+    def num_recv(self) -> int:
+        return int(self.recv_x.shape[0])
+
+
+def _validate_dispatch_inputs(
+    x: Sequence[Tensor],
+    topk_idx: Sequence[Tensor],
+    topk_weights: Sequence[Tensor],
+    layout: Layout,
+    max_tokens: int,
+) -> None:
+    world = layout.world_size
+    if not (len(x) == len(topk_idx) == len(topk_weights) == world):
+        raise ValueError(
+            f"need one x, topk_idx, topk_weights per rank (world size {world}), "
+            f"got {len(x)}, {len(topk_idx)}, {len(topk_weights)}"
+        )
+    hidden = {xs.shape[1] if xs.dim() == 2 else None for xs in x}
+    dtypes = {xs.dtype for xs in x}
+    if None in hidden or len(hidden) != 1:
+        shapes = [tuple(a.shape) for a in x]
+        raise ValueError(f"every x must be 2-D [T, H] with the same H, got shapes {shapes}")
+    if len(dtypes) != 1:
+        raise ValueError(f"every x must have the same dtype, got {sorted(map(str, dtypes))}")
+    for s in range(world):
+        t = x[s].shape[0]
+        if tuple(topk_idx[s].shape) != (t, layout.topk):
+            raise ValueError(f"topk_idx[{s}] shape {tuple(topk_idx[s].shape)} != (T={t}, K={layout.topk})")
+        if tuple(topk_weights[s].shape) != (t, layout.topk):
+            raise ValueError(
+                f"topk_weights[{s}] shape {tuple(topk_weights[s].shape)} != (T={t}, K={layout.topk})"
+            )
+        if topk_weights[s].dtype != torch.float32:
+            raise ValueError(f"topk_weights[{s}] must be float32, got {topk_weights[s].dtype}")
+        if t > max_tokens:
+            raise ValueError(f"rank {s} has {t} tokens, more than max_tokens ({max_tokens})")
+    # Every tag must fit int32: check the largest one once.
+    pack_source(world - 1, max_tokens - 1, layout.topk - 1, max_tokens, layout.topk)
+
+
+def reference_dispatch_rank(
+    x: Sequence[Tensor],
+    topk_idx: Sequence[Tensor],
+    topk_weights: Sequence[Tensor],
+    layout: Layout,
+    max_tokens: int,
+    dst: int,
+) -> DispatchResult:
+    """Expected receive buffers of destination rank ``dst`` (see :func:`reference_dispatch`)."""
+    _validate_dispatch_inputs(x, topk_idx, topk_weights, layout, max_tokens)
+    if not 0 <= dst < layout.world_size:
+        raise ValueError(f"dst ({dst}) must be in [0, {layout.world_size})")
+    k_total = layout.topk
+    el = layout.experts_per_rank
+    n = int(layout.num_recv[dst])
+    hidden = x[0].shape[1]
+    device = x[0].device
+    recv_x = torch.empty(n, hidden, dtype=x[0].dtype, device=device)
+    if recv_x.dtype.is_floating_point:
+        recv_x.fill_(float("nan"))  # an unwritten row would show as NaN, never as valid data
+    recv_w = torch.full((n,), float("nan"), dtype=torch.float32, device=device)
+    recv_src = torch.full((n,), -1, dtype=torch.int32, device=device)
+    for s in range(layout.world_size):
+        ids = topk_idx[s].reshape(-1).to(torch.int64)
+        mask = (ids >= 0) & (torch.div(ids, el, rounding_mode="floor") == dst)
+        pair = torch.nonzero(mask).flatten()  # flat (t, k) row-major indices routed to dst
+        slot = layout.scatter[s].reshape(-1)[pair].to(device)
+        tok = pair // k_total
+        kk = pair % k_total
+        recv_x[slot] = x[s][tok.to(x[s].device)].to(device)
+        recv_w[slot] = topk_weights[s].reshape(-1)[pair.to(topk_weights[s].device)].to(device)
+        recv_src[slot] = pack_source(torch.full_like(tok, s), tok, kk, max_tokens, k_total).to(device)
+    return DispatchResult(recv_x=recv_x, recv_w=recv_w, recv_src=recv_src)
+
+
+def reference_dispatch(
+    x: Sequence[Tensor],
+    topk_idx: Sequence[Tensor],
+    topk_weights: Sequence[Tensor],
+    layout: Layout,
+    max_tokens: int,
+) -> list[DispatchResult]:
+    """Expected receive buffers of every destination rank.
+
+    Args:
+        x: per source rank s, [T_s, H] (bf16 / fp16 / fp32; same dtype and H on every rank).
+        topk_idx: per rank, [T_s, K] int64 or int32 in [-1, E).
+        topk_weights: per rank, [T_s, K] float32.
+        layout: :func:`reference_layout` of topk_idx.
+        max_tokens: M, the most tokens per rank (>= every T_s); used for the source tags.
+
+    Returns:
+        One :class:`DispatchResult` per destination rank d with recv_x [num_recv_d, H] (x's dtype),
+        recv_w [num_recv_d] float32, recv_src [num_recv_d] int32.
+    """
+    return [
+        reference_dispatch_rank(x, topk_idx, topk_weights, layout, max_tokens, d)
+        for d in range(layout.world_size)
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Test expert
+# --------------------------------------------------------------------------------------------
+
+
+def apply_test_expert(rows: Tensor, global_expert: Tensor) -> Tensor:
+    """The non-identity expert of the tests: y = rows * (global_expert + 1), computed in rows' dtype.
+
+    A row delivered to the wrong expert comes back scaled wrongly. The product of two bf16/fp16
+    values is exact in fp32, so the single rounding to the dtype matches a GPU multiply bit for bit.
+
+    Args:
+        rows: [N, H] floating (bf16 / fp16 / fp32).
+        global_expert: [N] integer, the global expert id of each row.
+
+    Returns:
+        [N, H] in rows' dtype.
+    """
+    if rows.dim() != 2 or global_expert.shape != (rows.shape[0],):
+        raise ValueError(
+            f"rows must be [N, H] and global_expert [N], "
+            f"got {tuple(rows.shape)} and {tuple(global_expert.shape)}"
+        )
+    scale = (global_expert.to(torch.int64) + 1).to(rows.dtype).to(rows.device)
+    return rows * scale[:, None]
+
+
+def local_expert_of_rows(tokens_per_expert: Tensor) -> Tensor:
+    """Local expert index of each received row (rows are expert-major).
+
+    Args:
+        tokens_per_expert: [El] integer, rows per local expert on one rank.
+
+    Returns:
+        [N] int64 with N = tokens_per_expert.sum(): row i's local expert.
+    """
+    if tokens_per_expert.dim() != 1:
+        raise ValueError(f"tokens_per_expert must be 1-D [El], got shape {tuple(tokens_per_expert.shape)}")
+    counts = tokens_per_expert.to(torch.int64)
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+
+
+def global_expert_of_rows(tokens_per_expert: Tensor, rank: int) -> Tensor:
+    """Global expert id of each row received on ``rank``.
+
+    Args:
+        tokens_per_expert: [El] integer, rows per local expert on ``rank``.
+        rank: the receiving rank.
+
+    Returns:
+        [N] int64: rank * El + local expert.
+    """
+    return rank * tokens_per_expert.numel() + local_expert_of_rows(tokens_per_expert)
+
+
+def reference_expert_outputs(dispatched: Sequence[DispatchResult], layout: Layout) -> list[Tensor]:
+    """Apply :func:`apply_test_expert` to every rank's expected receive rows.
+
+    Args:
+        dispatched: per destination rank, its :class:`DispatchResult`.
+        layout: the routing's :class:`Layout`.
+
+    Returns:
+        Per rank d, recv_y [num_recv_d, H] in recv_x's dtype.
+    """
+    return [
+        apply_test_expert(r.recv_x, global_expert_of_rows(layout.tokens_per_expert[d], d).to(r.recv_x.device))
+        for d, r in enumerate(dispatched)
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Combine
+# --------------------------------------------------------------------------------------------
+
+
+def reference_combine(
+    recv_y: Sequence[Tensor],
+    topk_idx: Sequence[Tensor],
+    topk_weights: Sequence[Tensor],
+    scatter: Sequence[Tensor],
+    *,
+    num_experts: int,
+) -> list[Tensor]:
+    """Weighted sum of each token's expert outputs, in the fixed fp32 order the kernels follow.
+
+    For each token: acc = zeros(H, fp32); for k ascending, skipping -1:
+    ``acc = acc + (w * y.float())`` (the product rounded to fp32, then the add; no FMA), where
+    y = recv_y[owner][slot]; finally cast to recv_y's dtype. All-dropped tokens give zeros.
+
+    Args:
+        recv_y: per rank d (all R ranks), [N_d, H] expert outputs (bf16 / fp16 / fp32); N_d may
+            exceed the rows received (only the slots read matter).
+        topk_idx: per source rank to combine for, [T_s, K] int64/int32 in [-1, E). May cover fewer
+            ranks than recv_y (e.g. only this rank's routing).
+        topk_weights: matching [T_s, K] float32.
+        scatter: matching [T_s, K] integer: the slot each (t, k) was written to (e.g. layout.scatter);
+            ignored where topk_idx is -1.
+        num_experts: E (owner(e) = e // (E // R) with R = len(recv_y)).
+
+    Returns:
+        Per entry of topk_idx, [T_s, H] in recv_y's dtype.
+
+    Raises:
+        ValueError: mismatched shapes/dtypes, E not divisible by R, a slot outside its owner's recv_y.
+    """
+    world = len(recv_y)
+    if world < 1:
+        raise ValueError("recv_y must hold one tensor per rank (got an empty sequence)")
+    if num_experts < 1 or num_experts % world != 0:
+        raise ValueError(
+            f"num_experts ({num_experts}) must be >= 1 and divisible by the world size ({world})"
+        )
+    if not (len(topk_idx) == len(topk_weights) == len(scatter)):
+        raise ValueError(
+            "topk_idx, topk_weights, scatter lengths differ: "
+            f"{len(topk_idx)}, {len(topk_weights)}, {len(scatter)}"
+        )
+    dtype = recv_y[0].dtype
+    hidden = recv_y[0].shape[1] if recv_y[0].dim() == 2 else -1
+    for d, y in enumerate(recv_y):
+        if y.dim() != 2 or y.shape[1] != hidden or y.dtype != dtype:
+            raise ValueError(
+                f"recv_y[{d}] must be [N, H={hidden}] of {dtype}, got {tuple(y.shape)} {y.dtype}"
+            )
+    if not dtype.is_floating_point:
+        raise ValueError(f"recv_y must be floating point, got {dtype}")
+    el = num_experts // world
+    device = recv_y[0].device
+    outs = []
+    for s, (idx, w, slots) in enumerate(zip(topk_idx, topk_weights, scatter, strict=True)):
+        if idx.dim() != 2 or w.shape != idx.shape or slots.shape != idx.shape:
+            raise ValueError(
+                f"rank {s}: topk_idx {tuple(idx.shape)}, topk_weights {tuple(w.shape)}, scatter "
+                f"{tuple(slots.shape)} must all be the same [T, K]"
+            )
+        if w.dtype != torch.float32:
+            raise ValueError(f"rank {s}: topk_weights must be float32, got {w.dtype}")
+        n_tok, k_total = idx.shape
+        if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= num_experts):
+            raise ValueError(f"rank {s}: topk_idx ids must be in [-1, {num_experts})")
+        idx = idx.to(device=device, dtype=torch.int64)
+        w = w.to(device)
+        slots = slots.to(device=device, dtype=torch.int64)
+        acc = torch.zeros(n_tok, hidden, dtype=torch.float32, device=device)
+        for k in range(k_total):
+            e = idx[:, k]
+            valid = e >= 0
+            owner = torch.div(e, el, rounding_mode="floor")
+            y = torch.zeros(n_tok, hidden, dtype=dtype, device=device)
+            for d in range(world):
+                m = valid & (owner == d)
+                if not bool(m.any()):
+                    continue
+                sl = slots[:, k][m]
+                if int(sl.min()) < 0 or int(sl.max()) >= recv_y[d].shape[0]:
+                    raise ValueError(
+                        f"rank {s}, k {k}: slot range [{int(sl.min())}, {int(sl.max())}] outside recv_y[{d}] "
+                        f"rows [0, {recv_y[d].shape[0]})"
+                    )
+                y[m] = recv_y[d][sl]
+            # Two separate fp32 ops: the product is rounded before the add, as in the kernels.
+            prod = w[:, k][:, None] * y.float()
+            summed = acc + prod
+            acc = torch.where(valid[:, None], summed, acc)
+        outs.append(acc.to(dtype))
+    return outs
