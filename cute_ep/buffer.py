@@ -1,0 +1,282 @@
+"""``EpBuffer``: symmetric buffers + the compiled kernels of one expert-parallel configuration.
+
+    buf = EpBuffer(runtime, cfg)                    # collective: every rank, same cfg
+    res = buf.dispatch(x, topk_idx, topk_weights)   # rows land in res.recv_x, expert-major
+    y = buf.expert_output(res.num_recv)             # write the experts' outputs here (or pass any
+    ...                                             # [num_recv, H] tensor to combine: it is copied)
+    out = buf.combine(y, res.handle)                # [T, H], top-k weighted sum
+    buf.close()
+
+Shapes: T tokens on this rank (T <= cfg.max_tokens, may be 0), H = cfg.hidden, K = cfg.topk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cute_ep.kernels.config import MODES, OP_COMBINE, OP_DISPATCH, OP_LAYOUT, ConfigError, EpConfig
+
+
+class KernelDidNotRun(RuntimeError):
+    """A launch returned without its kernel running (its epoch did not advance)."""
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What combine needs from a dispatch: the routing and the slot of every (token, k).
+
+    topk_idx [T, K] int32, topk_weights [T, K] fp32, scatter [T, K] int32 (slot in the owner's
+    receive buffer, -1 for dropped pairs), num_tokens T, mode "scatter" | "atomic".
+    """
+
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    scatter: torch.Tensor
+    num_tokens: int
+    mode: str
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    """recv_x [num_recv, H] (view of the symmetric buffer, valid until the next dispatch),
+    recv_weights [num_recv] fp32, recv_src [num_recv] int32 ((src_rank * max_tokens + t) * K + k),
+    tokens_per_expert [E/R] int32 (rows of each local expert, back to back), num_recv, handle."""
+
+    recv_x: torch.Tensor
+    recv_weights: torch.Tensor
+    recv_src: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    num_recv: int
+    handle: DispatchHandle
+
+
+class EpBuffer:
+    """Owns one configuration's NVSHMEM symmetric buffers and compiled module (see module docstring).
+
+    runtime: a started ``cute_ep.bootstrap.runtime.Runtime`` with backend "nvshmem".
+    cfg:     the ``EpConfig``; world_size must match the runtime's.
+    registry: a ``ModuleRegistry`` to share compiled modules between buffers (one is made otherwise).
+    """
+
+    def __init__(self, runtime: Any, cfg: EpConfig, registry: Any = None) -> None:
+        import nvshmem.core.interop.torch as nvshmem_torch
+
+        from cute_ep.bootstrap.compile import ModuleRegistry
+        from cute_ep.kernels.host import build
+
+        env = runtime.env
+        if cfg.world_size != env.world_size:
+            raise ConfigError(
+                f"cfg.world_size={cfg.world_size} but the launch has world_size={env.world_size}"
+            )
+        self.runtime = runtime
+        self.cfg = cfg
+        self.rank = env.rank
+        self.device = runtime.device
+        self._closed = False
+        self._own_registry = registry is None
+        self.registry = registry if registry is not None else ModuleRegistry(device_id=env.local_rank)
+        if self._own_registry:
+            runtime.add_finalizer(self.registry.finalize_all)
+        _check_same_config(runtime, cfg)
+
+        c = cfg
+        sym = lambda shape, dtype: nvshmem_torch.tensor(shape, dtype=dtype)  # noqa: E731
+        self.recv_x = sym((c.capacity, c.hidden), c.dtype)
+        self.recv_y = sym((c.capacity, c.hidden), c.dtype)
+        self.recv_w = sym((c.capacity,), torch.float32)
+        self.recv_src = sym((c.capacity,), torch.int32)
+        self.counts = sym((c.world_size, c.num_experts), torch.int32)
+        self.signals = sym((3, c.world_size), torch.int64)  # uint64 on the device
+        self.stage = sym((c.stage_rows, c.hidden), c.dtype)
+        self._symmetric = [self.recv_x, self.recv_y, self.recv_w, self.recv_src, self.counts,
+                           self.signals, self.stage]
+        dev = self.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.scatter = torch.full((c.max_tokens * c.topk,), -1, **i32)
+        self.send_offsets = torch.zeros(c.num_experts, **i32)
+        self.cursor = torch.zeros(c.num_experts, **i32)
+        self.tokens_per_expert = torch.zeros(c.experts_per_rank, **i32)
+        self.num_recv = torch.zeros(1, **i32)
+        self.epochs = torch.zeros(3, dtype=torch.int64, device=dev)
+        self.done = torch.zeros(2, **i32)
+        self._calls = [0, 0, 0]  # expected epochs: layout, dispatch, combine
+        # Signals and counts start at zero on every rank before anyone may signal.
+        self.counts.zero_()
+        self.signals.zero_()
+        self.poison()
+        torch.cuda.synchronize(dev)
+        runtime.barrier()
+
+        self.module = self.registry.get(c.compile_key(), lambda: build(c))
+        self._empty_x = torch.empty((1, c.hidden), dtype=c.dtype, device=dev)
+        self._empty_i = torch.empty((1, c.topk), dtype=torch.int32, device=dev)
+        self._empty_w = torch.empty((1, c.topk), dtype=torch.float32, device=dev)
+
+    # -- public API ------------------------------------------------------------------------------
+
+    def poison(self) -> None:
+        """Fill the receive buffers with NaN / -1 so that a row nobody wrote cannot pass a check."""
+        self.recv_x.fill_(float("nan"))
+        self.recv_y.fill_(float("nan"))
+        self.recv_w.fill_(float("nan"))
+        self.recv_src.fill_(-1)
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 mode: str = "scatter") -> DispatchResult:
+        """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]``.
+
+        x [T, H] cfg.dtype, topk_idx [T, K] int32/int64 in [-1, E) (-1: dropped), topk_weights
+        [T, K] fp32, all contiguous on this rank's GPU. mode "scatter" (deterministic order) or
+        "atomic" (slots taken with an atomic add on the sender). Collective: every rank calls it.
+        """
+        self._check_open()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        x, idx, w = self._check_inputs(x, topk_idx, topk_weights)
+        t = x.shape[0]
+        self._launch(OP_LAYOUT, 0, t, x=x, idx=idx, w=w)
+        self._launch(OP_DISPATCH, MODES[mode], t, x=x, idx=idx, w=w)
+        num_recv = int(self.num_recv.item())  # host sync: the receive size (sync-free path: issue 5)
+        self._check_ran(OP_LAYOUT, OP_DISPATCH)
+        tpe = self.tokens_per_expert.clone()
+        scatter = self.scatter[: t * self.cfg.topk].view(t, self.cfg.topk).clone()
+        handle = DispatchHandle(idx, w, scatter, t, mode)
+        return DispatchResult(self.recv_x[:num_recv], self.recv_w[:num_recv], self.recv_src[:num_recv],
+                              tpe, num_recv, handle)
+
+    def expert_output(self, num_recv: int) -> torch.Tensor:
+        """The symmetric [num_recv, H] buffer combine reads; experts writing here save a copy."""
+        return self.recv_y[:num_recv]
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """out[t] = sum over k ascending of topk_weights[t, k] * y_owner[scatter[t, k]] (fp32, then
+        cfg.dtype). y [num_recv, H] cfg.dtype: this rank's expert outputs, in recv_x's row order.
+        Collective. Returns a new [T, H] tensor."""
+        self._check_open()
+        c = self.cfg
+        if y.dtype != c.dtype or y.dim() != 2 or y.shape[1] != c.hidden or y.device != self.device:
+            raise ValueError(
+                f"y must be [num_recv, {c.hidden}] {c.dtype} on {self.device}, got "
+                f"{list(y.shape)} {y.dtype} on {y.device}"
+            )
+        if y.shape[0] > c.capacity:
+            raise ValueError(f"y has {y.shape[0]} rows, more than the capacity {c.capacity}")
+        if y.data_ptr() != self.recv_y.data_ptr():
+            self.recv_y[: y.shape[0]].copy_(y)
+        t = handle.num_tokens
+        out = torch.empty((t, c.hidden), dtype=c.dtype, device=self.device)
+        self.scatter[: t * c.topk].copy_(handle.scatter.view(-1))
+        self._launch(OP_COMBINE, 0, t, idx=handle.topk_idx, w=handle.topk_weights, out=out)
+        torch.cuda.synchronize(self.device)
+        self._check_ran(OP_COMBINE)
+        return out
+
+    def close(self) -> None:
+        """Free the symmetric buffers (collective). Safe to call twice."""
+        if self._closed:
+            return
+        import nvshmem.core.interop.torch as nvshmem_torch
+
+        torch.cuda.synchronize(self.device)
+        self.runtime.barrier()
+        for tensor in self._symmetric:
+            nvshmem_torch.free_tensor(tensor)
+        self._symmetric = []
+        self._closed = True
+
+    def __enter__(self) -> EpBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this EpBuffer is closed")
+
+    def _check_inputs(self, x, topk_idx, topk_weights):
+        c = self.cfg
+        for name, ten in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if ten.device != self.device:
+                raise ValueError(f"{name} must be on {self.device}, got {ten.device}")
+            if not ten.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (stride {ten.stride()})")
+        if x.dim() != 2 or x.shape[1] != c.hidden or x.dtype != c.dtype:
+            raise ValueError(f"x must be [T, {c.hidden}] {c.dtype}, got {list(x.shape)} {x.dtype}")
+        t = x.shape[0]
+        if t > c.max_tokens:
+            raise ValueError(f"x has {t} tokens, more than max_tokens={c.max_tokens}")
+        if tuple(topk_idx.shape) != (t, c.topk) or topk_idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"topk_idx must be [{t}, {c.topk}] int32/int64, got {list(topk_idx.shape)} {topk_idx.dtype}"
+            )
+        if tuple(topk_weights.shape) != (t, c.topk) or topk_weights.dtype != torch.float32:
+            raise ValueError(
+                f"topk_weights must be [{t}, {c.topk}] float32, got {list(topk_weights.shape)} "
+                f"{topk_weights.dtype}"
+            )
+        if t:
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            if lo < -1 or hi >= c.num_experts:
+                raise ValueError(f"topk_idx values must be in [-1, {c.num_experts}), got min {lo}, max {hi}")
+        return x, topk_idx.to(torch.int32).contiguous(), topk_weights
+
+    def _launch(self, op: int, mode: int, num_tokens: int, *, x=None, idx=None, w=None, out=None) -> None:
+        import cuda.bindings.driver as cuda
+
+        from cute_ep.kernels.host import make_pointers
+
+        addrs = {
+            "x": (x if x is not None and x.numel() else self._empty_x).data_ptr(),
+            "topk_idx": (idx if idx is not None and idx.numel() else self._empty_i).data_ptr(),
+            "topk_w": (w if w is not None and w.numel() else self._empty_w).data_ptr(),
+            "scatter": self.scatter.data_ptr(),
+            "out": (out if out is not None and out.numel() else self._empty_x).data_ptr(),
+            "recv_x": self.recv_x.data_ptr(),
+            "recv_y": self.recv_y.data_ptr(),
+            "recv_w": self.recv_w.data_ptr(),
+            "recv_src": self.recv_src.data_ptr(),
+            "counts": self.counts.data_ptr(),
+            "signals": self.signals.data_ptr(),
+            "stage": self.stage.data_ptr(),
+            "send_offsets": self.send_offsets.data_ptr(),
+            "cursor": self.cursor.data_ptr(),
+            "tokens_per_expert": self.tokens_per_expert.data_ptr(),
+            "num_recv": self.num_recv.data_ptr(),
+            "epochs": self.epochs.data_ptr(),
+            "done": self.done.data_ptr(),
+        }
+        stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        ptrs = make_pointers(self.cfg, addrs)
+        self.module(op, mode, self.rank, num_tokens, *self.cfg.shape_args(), *ptrs, stream)
+        self._calls[op] += 1
+
+    def _check_ran(self, *ops: int) -> None:
+        """Raise if a kernel did not run: its epoch must equal the number of launches so far."""
+        got = self.epochs.tolist()
+        for op in ops:
+            if got[op] != self._calls[op]:
+                err = torch.cuda.synchronize(self.device)  # surfaces a sticky CUDA error, if any
+                raise KernelDidNotRun(
+                    f"{['layout', 'dispatch', 'combine'][op]} kernel did not complete: epoch {got[op]}, "
+                    f"expected {self._calls[op]} (sync: {err})"
+                )
+
+
+def _check_same_config(runtime: Any, cfg: EpConfig) -> None:
+    """Every rank must build the same configuration; a mismatch would hang in the first kernel."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    keys: list = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, cfg.key(), group=runtime.cpu_group)
+    if any(k != keys[0] for k in keys):
+        diff = {r: k for r, k in enumerate(keys) if k != keys[0]}
+        raise ConfigError(f"ranks built different EpConfigs: rank 0 has {keys[0]}, others {diff}")

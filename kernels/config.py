@@ -1,0 +1,198 @@
+"""Configuration of the layout, dispatch and combine kernels.
+
+Only the element type is fixed when the kernels are compiled (one module per dtype: compiling one
+costs tens of seconds, and NVSHMEM tolerates few registered modules per process). Every size here is
+passed to the kernels at run time, so one compiled module serves any ``EpConfig`` of its dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Dispatch modes (run-time argument of the dispatch kernel).
+MODE_SCATTER = 0  # slots precomputed by the layout kernel: deterministic order
+MODE_ATOMIC = 1  # slots taken by an atomic add on the sender: order inside a (expert, source) group varies
+MODES = {"scatter": MODE_SCATTER, "atomic": MODE_ATOMIC}
+
+# Operations of the one compiled module (NVSHMEM tolerates few registered modules per process).
+OP_LAYOUT = 0
+OP_DISPATCH = 1
+OP_COMBINE = 2
+
+WARP = 32
+VECTOR_BYTES = 16  # one 128-bit access per lane
+MAX_TOPK = 64  # per-warp routing of a token is staged in shared memory: [warps, MAX_TOPK]
+LAYOUT_SMEM_INTS = 12288  # 48 KB of per-warp expert histograms in the layout kernel
+MAX_EXPERTS = LAYOUT_SMEM_INTS  # the layout kernel needs at least one warp's histogram
+COMBINE_WARPS_PER_CTA = 4
+
+
+# Run-time sizes every kernel receives (see EpConfig.shape_args).
+SHAPE_ARGS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
+              "stage_rows", "num_ctas")
+
+
+def cute_dtype(dtype: torch.dtype):
+    """The CuTe DSL element type of a supported torch dtype."""
+    import cutlass
+
+    table = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
+    if dtype not in table:
+        raise ConfigError(f"dtype must be one of {[str(d) for d in table]}, got {dtype}")
+    return table[dtype]
+
+
+class ConfigError(ValueError):
+    """An argument that violates a constraint of the kernels; the message names it and its value."""
+
+
+@dataclass(frozen=True)
+class EpConfig:
+    """Shapes and placement a compiled module is specialized for.
+
+    world_size:        R, ranks in the expert-parallel group.
+    local_world_size:  L, ranks per (possibly virtual) node; peers on the same node are read through
+                       their NVSHMEM peer pointer in combine, others are fetched with ``get_warp``.
+    num_experts:       E, divisible by R; rank r owns experts [r*E/R, (r+1)*E/R).
+    topk:              K, experts per token (1 <= K <= E).
+    hidden:            H, elements per row; H * element size must be a multiple of 16 bytes.
+    dtype:             torch.bfloat16, torch.float16 or torch.float32 (rows and combine output).
+    max_tokens:        M, most tokens per rank and call; buffers and the source tag are sized by it.
+    capacity:          rows each rank can receive; default R * M * min(K, E/R) (every routing fits).
+    num_sms:           CTAs launched by dispatch/combine (persistent grid-stride loops).
+    """
+
+    world_size: int
+    local_world_size: int
+    num_experts: int
+    topk: int
+    hidden: int
+    dtype: torch.dtype
+    max_tokens: int
+    capacity: int = 0
+    num_sms: int = 132
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        need(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
+        need(
+            self.local_world_size >= 1 and self.world_size % self.local_world_size == 0,
+            f"local_world_size must divide world_size={self.world_size}, got {self.local_world_size}",
+        )
+        need(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}")
+        need(
+            self.num_experts % self.world_size == 0,
+            f"num_experts must be divisible by world_size={self.world_size}, got {self.num_experts}",
+        )
+        need(
+            self.num_experts <= MAX_EXPERTS,
+            f"num_experts must be <= {MAX_EXPERTS} (layout kernel shared memory), got {self.num_experts}",
+        )
+        need(
+            1 <= self.topk <= min(self.num_experts, MAX_TOPK),
+            f"topk must be in [1, min(num_experts={self.num_experts}, {MAX_TOPK})], got {self.topk}",
+        )
+        need(
+            self.dtype in SUPPORTED_DTYPES,
+            f"dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {self.dtype}",
+        )
+        need(self.hidden >= 1, f"hidden must be >= 1, got {self.hidden}")
+        need(
+            (self.hidden * self.element_size) % VECTOR_BYTES == 0,
+            f"hidden * element size must be a multiple of {VECTOR_BYTES} bytes: hidden={self.hidden} x "
+            f"{self.element_size} B = {self.hidden * self.element_size} B",
+        )
+        need(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        # The source tag (rank * M + token) * K + k is an int32.
+        need(
+            self.world_size * self.max_tokens * self.topk < 2**31,
+            f"world_size * max_tokens * topk must be < 2**31 (int32 source tag), got "
+            f"{self.world_size} * {self.max_tokens} * {self.topk}",
+        )
+        if self.capacity == 0:
+            object.__setattr__(self, "capacity", self.worst_case_capacity)
+        need(self.capacity >= 1, f"capacity must be >= 1, got {self.capacity}")
+        need(self.capacity < 2**31, f"capacity must be < 2**31 (int32 slots), got {self.capacity}")
+        need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def worst_case_capacity(self) -> int:
+        return self.world_size * self.max_tokens * min(self.topk, self.experts_per_rank)
+
+    @property
+    def vec(self) -> int:
+        """Elements per 128-bit access."""
+        return VECTOR_BYTES // self.element_size
+
+    @property
+    def nnodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * self.element_size
+
+    @property
+    def combine_warps(self) -> int:
+        return self.num_sms * COMBINE_WARPS_PER_CTA
+
+    @property
+    def stage_rows(self) -> int:
+        """Rows of the combine staging buffer: one per (combine warp, k), only when other nodes exist."""
+        return self.combine_warps * self.topk if self.nnodes > 1 else 1
+
+    def key(self) -> tuple:
+        """Everything that defines the configuration (compared across ranks at construction)."""
+        return (
+            self.world_size,
+            self.local_world_size,
+            self.num_experts,
+            self.topk,
+            self.hidden,
+            str(self.dtype),
+            self.max_tokens,
+            self.capacity,
+            self.num_sms,
+        )
+
+    def compile_key(self) -> tuple:
+        """The explicit compile-cache key: the kernels are specialized on the element type only."""
+        return ("ep_module", str(self.dtype))
+
+    def shape_args(self) -> tuple[int, ...]:
+        """Run-time sizes passed to the kernels, in ``SHAPE_ARGS`` order."""
+        return (
+            self.world_size,
+            self.local_world_size,
+            self.num_experts,
+            self.topk,
+            self.hidden,
+            self.max_tokens,
+            self.capacity,
+            self.stage_rows,
+            self.num_sms,
+        )
+
+    def symmetric_bytes(self) -> int:
+        """Bytes of NVSHMEM symmetric memory one rank allocates for this configuration."""
+        rows = 2 * self.capacity * self.row_bytes  # recv_x and recv_y
+        meta = self.capacity * (4 + 4)  # recv_w, recv_src
+        counts = self.world_size * self.num_experts * 4
+        signals = 3 * self.world_size * 8
+        stage = self.stage_rows * self.row_bytes
+        return rows + meta + counts + signals + stage

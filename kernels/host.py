@@ -1,0 +1,41 @@
+"""Host-side helpers to call an ``EpModule``: pointers for real tensors or for CPU-only compiles."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from cute_ep.kernels.config import EpConfig
+from cute_ep.kernels.module import POINTER_ARGS, EpModule, pointer_dtypes
+
+
+def make_pointers(cfg: EpConfig, addresses: Mapping[str, int]) -> list:
+    """CuTe pointers in ``POINTER_ARGS`` order for the given device addresses (bytes)."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    kinds = pointer_dtypes(cfg)
+    ptrs = []
+    for name in POINTER_ARGS:
+        dtype, align = kinds[name]
+        addr = int(addresses[name])
+        if addr % align:
+            raise ValueError(f"{name} must be {align}-byte aligned, got address {addr:#x}")
+        ptrs.append(make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align))
+    return ptrs
+
+
+def example_args(cfg: EpConfig) -> tuple:
+    """Arguments for compiling ``EpModule(cfg)`` without touching memory (no GPU needed)."""
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32
+
+    fake = {name: 1 << 20 for name in POINTER_ARGS}  # any aligned address: compile only
+    ints = (0, 0, 0, 1, *cfg.shape_args())  # op, mode, rank, num_tokens, sizes
+    return (*(Int32(v) for v in ints), *make_pointers(cfg, fake), cuda.CUstream(0))
+
+
+def build(cfg: EpConfig):
+    """(jit function, example args) for ``ModuleRegistry.get`` under ``cfg.compile_key()``."""
+    from cute_ep.kernels.config import cute_dtype
+
+    return EpModule(cute_dtype(cfg.dtype)), example_args(cfg)

@@ -1,0 +1,200 @@
+"""Layout kernel: tokens per expert, the count exchange between ranks, receive offsets, scatter slots.
+
+One CTA per rank (the work is a few histogram passes over T*K expert ids):
+1. per-warp histograms of this rank's (t, k) pairs per expert (shared-memory atomics);
+2. the rank's count row goes into every peer's symmetric ``counts[R, E]`` with ``put_signal_warp``,
+   and the kernel waits until every peer's row has arrived (signal >= this call's epoch);
+3. expert-major offsets: the slot range of (dst rank d, local expert l, source s) starts at the sum of
+   count[s'][d*El + l'] over (l', s') before (l, s) in l-major order — identical to
+   ``validators.reference.reference_layout``;
+4. scatter slots: each warp walks its contiguous range of pairs in row-major order, 32 at a time; a
+   lane's slot is its warp's running base for the expert plus the number of earlier lanes with the
+   same expert (found with shuffles), so the order inside an (expert, source) group is the (t, k)
+   order, deterministically.
+
+Outputs (device): scatter [T*K] int32 (-1 dropped), send_offsets [E] and cursor [E] int32 (first slot of
+this rank's rows for each expert; cursor is the atomic-mode allocator), tokens_per_expert [E/R] and
+num_recv [1] int32 (rows this rank receives), epochs[0] advanced by one.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import nvshmem.core.device.cute as nvshmem_cute
+from cutlass import Int32, Int64
+
+from cute_ep.kernels.config import LAYOUT_SMEM_INTS, WARP
+from cute_ep.kernels.ptx import CMP_GE, SIGNAL_SET, ld_volatile_i32
+
+
+class LayoutKernel:
+    """The layout kernel (see the module docstring); every size is a run-time argument."""
+
+    threads = 32 * WARP
+
+    def __init__(self, dtype) -> None:
+        self.dtype = dtype
+
+    @cute.jit
+    def __call__(
+        self,
+        topk_idx: cute.Tensor,
+        scatter: cute.Tensor,
+        counts: cute.Tensor,
+        signals: cute.Tensor,
+        send_offsets: cute.Tensor,
+        cursor: cute.Tensor,
+        tokens_per_expert: cute.Tensor,
+        num_recv: cute.Tensor,
+        epochs: cute.Tensor,
+        rank: Int32,
+        num_tokens: Int32,
+        world_size: Int32,
+        num_experts: Int32,
+        topk: Int32,
+        stream,
+    ):
+        self.kernel(
+            topk_idx, scatter, counts, signals, send_offsets, cursor, tokens_per_expert, num_recv, epochs,
+            rank, num_tokens, world_size, num_experts, topk,
+        ).launch(grid=(1, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        topk_idx: cute.Tensor,
+        scatter: cute.Tensor,
+        counts: cute.Tensor,
+        signals: cute.Tensor,
+        send_offsets: cute.Tensor,
+        cursor: cute.Tensor,
+        tokens_per_expert: cute.Tensor,
+        num_recv: cute.Tensor,
+        epochs: cute.Tensor,
+        rank: Int32,
+        num_tokens: Int32,
+        world_size: Int32,
+        num_experts: Int32,
+        topk: Int32,
+    ):
+        R = world_size
+        E = num_experts
+        K = topk
+        El = E // R
+        NT = self.threads
+
+        tid, _, _ = cute.arch.thread_idx()
+        warp = tid // WARP
+        lane = tid % WARP
+
+        smem = cutlass.memory.SmemAllocator()
+        # hist[w * E + e]: pairs of warp w routed to expert e; later the warp's running slot base.
+        hist = smem.allocate_tensor(Int32, cute.make_layout(LAYOUT_SMEM_INTS), 16)
+        # As many histogram warps as fit the shared memory (E <= LAYOUT_SMEM_INTS is checked on the host).
+        NW = LAYOUT_SMEM_INTS // E
+        if NW > NT // WARP:
+            NW = NT // WARP
+
+        epoch = epochs[0] + Int64(1)
+
+        for i in range(tid, NW * E, NT):
+            hist[i] = Int32(0)
+        cute.arch.sync_threads()
+
+        num_pairs = num_tokens * K
+        chunk = (num_pairs + NW - 1) // NW
+        start = warp * chunk
+        end = start + chunk
+        if end > num_pairs:
+            end = num_pairs
+        if warp >= NW:
+            end = start  # no pairs for warps beyond the histograms
+
+        # 1. per-warp histograms
+        for i in range(start + lane, end, WARP):
+            e = topk_idx[i]
+            if e >= 0:
+                cute.arch.atomic_add(hist.iterator + (warp * E + e), Int32(1))
+        cute.arch.sync_threads()
+        # 2. this rank's count row, then the exchange
+        counts_base = counts.iterator.toint()
+        for e in range(tid, E, NT):
+            total = Int32(0)
+            for w in range(NW):
+                total = total + hist[w * E + e]
+            counts[rank * E + e] = total
+        cute.arch.sync_threads()
+
+        my_row = cute.make_tensor(counts.iterator + rank * E, cute.make_layout(E))
+        NWT = NT // WARP
+        my_signal = cute.make_tensor(signals.iterator + rank, cute.make_layout(1))
+        for p in range(warp, R, NWT):
+            if p != rank:
+                nvshmem_cute.put_signal_warp(my_row, my_row, my_signal, epoch, SIGNAL_SET, p)
+        for p in range(tid, R, NT):
+            if p != rank:
+                nvshmem_cute.signal_wait(
+                    cute.make_tensor(signals.iterator + p, cute.make_layout(1)), CMP_GE, epoch
+                )
+        cute.arch.sync_threads()
+
+        # 3. offsets (counts written by peers are read with volatile loads)
+        for e in range(tid, E, NT):
+            d = e // El
+            le = e % El
+            off = Int32(0)
+            for l2 in range(le):
+                for s in range(R):
+                    off = off + ld_volatile_i32(counts_base + Int64((s * E + d * El + l2) * 4))
+            for s in range(rank):
+                off = off + ld_volatile_i32(counts_base + Int64((s * E + e) * 4))
+            send_offsets[e] = off
+            cursor[e] = off
+            run = off
+            for w in range(NW):
+                c = hist[w * E + e]
+                hist[w * E + e] = run
+                run = run + c
+        for le in range(tid, El, NT):
+            tot = Int32(0)
+            for s in range(R):
+                tot = tot + ld_volatile_i32(counts_base + Int64((s * E + rank * El + le) * 4))
+            tokens_per_expert[le] = tot
+        if tid == 0:
+            tot_all = Int32(0)
+            for s in range(R):
+                for le in range(El):
+                    tot_all = tot_all + ld_volatile_i32(counts_base + Int64((s * E + rank * El + le) * 4))
+            num_recv[0] = tot_all
+        cute.arch.sync_threads()
+
+        # 4. scatter slots, 32 pairs per step in row-major order
+        for base in range(start, end, WARP):  # warp-uniform bounds: all lanes shuffle together
+            i = base + lane
+            e = Int32(-1)
+            if i < end:
+                e = topk_idx[i]
+            before = Int32(0)
+            later = Int32(0)
+            for j in cutlass.range_constexpr(WARP):
+                ej = cute.arch.shuffle_sync(e, j)
+                if ej == e:
+                    if j < lane:
+                        before = before + 1
+                    if j > lane:
+                        later = later + 1
+            slot = Int32(-1)
+            if e >= 0:
+                slot = hist[warp * E + e] + before
+            if i < end:
+                scatter[i] = slot
+            cute.arch.sync_warp()
+            if e >= 0:
+                if later == 0:
+                    hist[warp * E + e] = hist[warp * E + e] + before + 1
+            cute.arch.sync_warp()
+
+        if tid == 0:
+            epochs[0] = epoch

@@ -1,0 +1,156 @@
+"""One compiled module holding the layout, dispatch and combine kernels of one element type.
+
+Why one module: each module that calls NVSHMEM must be registered with ``nvshmem.core.library_init``,
+and on the lent 4x H200 a process faulted ("illegal memory access") once a 4th registered module was
+alive; compiling one also takes tens of seconds (NVSHMEM's device library is linked in). With all
+three kernels behind one host entry point (``op`` picks the launch) and every size a run-time
+argument, one registration per dtype serves every configuration.
+
+All arguments are raw device pointers plus sizes, so a call builds no DLPack views: tensors and their
+layouts are made inside the jitted function.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from cute_ep.kernels.combine import CombineKernel
+from cute_ep.kernels.config import OP_COMBINE, OP_DISPATCH, OP_LAYOUT, EpConfig, cute_dtype
+from cute_ep.kernels.dispatch import DispatchKernel
+from cute_ep.kernels.layout import LayoutKernel
+
+# Order of the pointer arguments of ``EpModule.__call__`` (the host side passes them in this order).
+POINTER_ARGS = (
+    "x",  # [T, H] dtype: tokens to dispatch (layout/dispatch)
+    "topk_idx",  # [T, K] int32
+    "topk_w",  # [T, K] fp32
+    "scatter",  # [T, K] int32: slot of each pair in its owner's receive buffer
+    "out",  # [T, H] dtype: combine output
+    "recv_x",  # symmetric [C, H] dtype
+    "recv_y",  # symmetric [C, H] dtype: expert outputs read by combine
+    "recv_w",  # symmetric [C] fp32
+    "recv_src",  # symmetric [C] int32
+    "counts",  # symmetric [R, E] int32
+    "signals",  # symmetric [3, R] uint64: count, dispatch, combine
+    "stage",  # symmetric [stage_rows, H] dtype
+    "send_offsets",  # [E] int32
+    "cursor",  # [E] int32
+    "tokens_per_expert",  # [E/R] int32
+    "num_recv",  # [1] int32
+    "epochs",  # [3] int64
+    "done",  # [2] int32
+)
+
+
+class EpModule:
+    """Host entry point: ``op`` (OP_LAYOUT / OP_DISPATCH / OP_COMBINE) selects the kernel launched."""
+
+    def __init__(self, dtype) -> None:
+        self.dtype = dtype
+        self.layout = LayoutKernel(dtype)
+        self.dispatch = DispatchKernel(dtype)
+        self.combine = CombineKernel(dtype)
+
+    @cute.jit
+    def __call__(
+        self,
+        op: Int32,
+        mode: Int32,
+        rank: Int32,
+        num_tokens: Int32,
+        world_size: Int32,
+        local_world_size: Int32,
+        num_experts: Int32,
+        topk: Int32,
+        hidden: Int32,
+        max_tokens: Int32,
+        capacity: Int32,
+        stage_rows: Int32,
+        num_ctas: Int32,
+        x: cute.Pointer,
+        topk_idx: cute.Pointer,
+        topk_w: cute.Pointer,
+        scatter: cute.Pointer,
+        out: cute.Pointer,
+        recv_x: cute.Pointer,
+        recv_y: cute.Pointer,
+        recv_w: cute.Pointer,
+        recv_src: cute.Pointer,
+        counts: cute.Pointer,
+        signals: cute.Pointer,
+        stage: cute.Pointer,
+        send_offsets: cute.Pointer,
+        cursor: cute.Pointer,
+        tokens_per_expert: cute.Pointer,
+        num_recv: cute.Pointer,
+        epochs: cute.Pointer,
+        done: cute.Pointer,
+        stream,
+    ):
+        H, K, E, R, C = hidden, topk, num_experts, world_size, capacity
+        rows = lambda p, n: cute.make_tensor(p, cute.make_layout((n, H), stride=(H, 1)))  # noqa: E731
+        flat = lambda p, n: cute.make_tensor(p, cute.make_layout(n))  # noqa: E731
+        pairs = num_tokens * K
+
+        t_x = rows(x, num_tokens)
+        t_out = rows(out, num_tokens)
+        t_idx = flat(topk_idx, pairs)
+        t_w = flat(topk_w, pairs)
+        t_scatter = flat(scatter, pairs)
+        t_recv_x = rows(recv_x, C)
+        t_recv_y = rows(recv_y, C)
+        t_recv_w = flat(recv_w, C)
+        t_recv_src = flat(recv_src, C)
+        t_counts = flat(counts, R * E)
+        t_signals = flat(signals, 3 * R)
+        t_stage = rows(stage, stage_rows)
+        t_send_offsets = flat(send_offsets, E)
+        t_cursor = flat(cursor, E)
+        t_tpe = flat(tokens_per_expert, E // R)
+        t_num_recv = flat(num_recv, 1)
+        t_epochs = flat(epochs, 3)
+        t_done = flat(done, 2)
+
+        if op == OP_LAYOUT:
+            self.layout(
+                t_idx, t_scatter, t_counts, t_signals, t_send_offsets, t_cursor, t_tpe, t_num_recv,
+                t_epochs, rank, num_tokens, world_size, num_experts, topk, stream,
+            )
+        if op == OP_DISPATCH:
+            self.dispatch(
+                t_x, t_idx, t_w, t_scatter, t_cursor, t_recv_x, t_recv_w, t_recv_src, t_signals,
+                t_epochs, t_done, rank, num_tokens, mode, world_size, num_experts, topk, max_tokens,
+                num_ctas, stream,
+            )
+        if op == OP_COMBINE:
+            self.combine(
+                t_out, t_idx, t_w, t_scatter, t_recv_y, t_stage, t_signals, t_epochs, t_done, rank,
+                num_tokens, world_size, local_world_size, num_experts, topk, hidden, num_ctas, stream,
+            )
+
+
+def pointer_dtypes(cfg: EpConfig) -> dict:
+    """CuTe element type and assumed alignment (bytes) of each pointer argument."""
+    row = cute_dtype(cfg.dtype)
+    return {
+        "x": (row, 16),
+        "topk_idx": (cutlass.Int32, 4),
+        "topk_w": (cutlass.Float32, 4),
+        "scatter": (cutlass.Int32, 4),
+        "out": (row, 16),
+        "recv_x": (row, 16),
+        "recv_y": (row, 16),
+        "recv_w": (cutlass.Float32, 4),
+        "recv_src": (cutlass.Int32, 4),
+        "counts": (cutlass.Int32, 4),
+        "signals": (cutlass.Uint64, 8),
+        "stage": (row, 16),
+        "send_offsets": (cutlass.Int32, 4),
+        "cursor": (cutlass.Int32, 4),
+        "tokens_per_expert": (cutlass.Int32, 4),
+        "num_recv": (cutlass.Int32, 4),
+        "epochs": (cutlass.Int64, 8),
+        "done": (cutlass.Int32, 4),
+    }

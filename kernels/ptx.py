@@ -1,0 +1,93 @@
+"""Small device helpers shared by the kernels: exact fp32 arithmetic, system-scope loads, views.
+
+Why these exist:
+- ``mul_rn``/``add_rn``: a plain ``a * b + c`` may be contracted into an FMA by the compiler (one
+  rounding instead of two). Combine promises bit-identity with the fixed-order torch reference,
+  which rounds the product and the sum separately, so the kernels spell both roundings out.
+- ``ld_volatile_*``: values written by other GPUs (counts, peers' rows) must not come from a stale
+  L1 line; a volatile global load always goes to the memory system.
+- ``elem_view``: NVSHMEM's CuTe FFIs accept a pointer whose alignment is exactly the element size,
+  while 128-bit vector copies want a 16-byte aligned view of the same bytes.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import nvshmem.core as _nvshmem_core
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+# NVSHMEM enum values used on the device (taken from nvshmem4py so they can never drift).
+SIGNAL_SET = int(_nvshmem_core.SignalOp.SIGNAL_SET)
+SIGNAL_ADD = int(_nvshmem_core.SignalOp.SIGNAL_ADD)
+CMP_GE = int(_nvshmem_core.ComparisonType.CMP_GE)
+
+
+def _asm(ret, args, text: str, constraints: str, side_effects: bool = False):
+    return llvm.inline_asm(
+        ret,
+        args,
+        text,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a * b rounded to nearest even, never fused with a following add."""
+    return Float32(
+        _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+             "mul.rn.f32 $0, $1, $2;", "=f,f,f")
+    )
+
+
+@dsl_user_op
+def add_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a + b rounded to nearest even, never fused with a preceding multiply."""
+    return Float32(
+        _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+             "add.rn.f32 $0, $1, $2;", "=f,f,f")
+    )
+
+
+@dsl_user_op
+def ld_volatile_i32(addr: Int64, *, loc=None, ip=None) -> Int32:
+    """32-bit volatile global load from a raw address (sees other GPUs' completed writes)."""
+    return Int32(
+        _asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)],
+             "ld.volatile.global.b32 $0, [$1];", "=r,l", side_effects=True)
+    )
+
+
+@dsl_user_op
+def fence_sys(*, loc=None, ip=None) -> None:
+    """Order this thread's earlier writes before its later ones for every observer in the system."""
+    _asm(None, [], "fence.sc.sys;", "", side_effects=True)
+
+
+@dsl_user_op
+def atomic_add_i32(addr: Int64, val: Int32, *, loc=None, ip=None) -> Int32:
+    """Device-scope atomic add on a raw global address; returns the old value."""
+    return Int32(
+        _asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip), Int32(val).ir_value(loc=loc, ip=ip)],
+             "atom.add.global.s32 $0, [$1], $2;", "=r,l,r", side_effects=True)
+    )
+
+
+@cute.jit
+def elem_view(t: cute.Tensor) -> cute.Tensor:
+    """The same tensor with the pointer alignment set to exactly one element (NVSHMEM FFIs)."""
+    width = t.element_type.width // 8
+    p = cute.make_ptr(t.element_type, t.iterator.toint(), cute.AddressSpace.gmem, assumed_align=width)
+    return cute.make_tensor(p, t.layout)
+
+
+@cute.jit
+def gmem_tensor(dtype: cutlass.Constexpr, addr: Int64, layout: cute.Layout, align: cutlass.Constexpr):
+    """A global-memory tensor over a raw address (peer pointers, staging rows)."""
+    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align), layout)

@@ -1,0 +1,111 @@
+"""Every kernel variant traces and compiles for sm_90 on a machine without a GPU.
+
+The kernels are specialized on the element type only (sizes and the dispatch mode are run-time
+arguments), so one compile per dtype covers every mode and shape. Beyond "it compiled", the PTX is
+read for what correctness depends on: the NVSHMEM calls each kernel makes, 128-bit volatile
+(system-scope) loads in combine, and separately rounded multiply/add (no FMA) in its accumulation.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from cute_ep.bootstrap.compile import ModuleRegistry, compile_kernel, use_cpu_target
+from cute_ep.kernels.config import EpConfig
+from cute_ep.kernels.host import build
+
+DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "half", torch.float32: "float"}
+
+
+def _kernels(ptx: str) -> dict[str, str]:
+    """PTX text of each entry point, keyed Layout / Dispatch / Combine."""
+    out = {}
+    for part in re.split(r"(?m)^(?=\.visible \.entry|\.func|\.visible \.func|\.weak \.func)", ptx):
+        m = re.match(r"\.visible \.entry (\w+)", part)
+        if m:
+            out[re.search(r"(Layout|Dispatch|Combine)Kernel", m.group(1)).group(1)] = part
+    return out
+
+
+def _ops(text: str) -> Counter:
+    return Counter(re.findall(r"(?m)^\s*([a-z]+(?:\.[\w]+)+)", text))
+
+
+@pytest.fixture(scope="module", params=list(DTYPES), ids=list(DTYPES.values()))
+def compiled_ptx(request, tmp_path_factory):
+    use_cpu_target()
+    cfg = EpConfig(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256,
+                   dtype=request.param, max_tokens=64, num_sms=8)
+    fn, args = build(cfg)
+    dump = tmp_path_factory.mktemp("ptx")  # --keep-ptx writes a file; keep it out of the checkout
+    compiled = compile_kernel(fn, *args, options=f"--keep-ptx --dump-dir {dump}")
+    return request.param, compiled.artifacts.PTX
+
+
+def test_targets_sm90_with_three_kernels(compiled_ptx):
+    _, ptx = compiled_ptx
+    assert re.search(r"(?m)^\.target sm_90$", ptx)
+    assert sorted(_kernels(ptx)) == ["Combine", "Dispatch", "Layout"]
+
+
+def test_links_the_nvshmem_calls_each_step_needs(compiled_ptx):
+    dtype, ptx = compiled_ptx
+    name = DTYPES[dtype]
+    for fn in (
+        f"nvshmemx_{name}_put_warp",  # dispatch rows
+        f"nvshmemx_{name}_get_warp",  # combine, other-node rows
+        "nvshmemx_int32_put_signal_warp",  # layout count exchange
+        "nvshmem_signal_wait_until",
+        "nvshmemx_signal_op",
+        "nvshmem_float_p",  # weights
+        "nvshmem_int32_p",  # source tags
+        "_Z23nvshmemi_transfer_quietIL13threadgroup_t0EEvbiPii",  # nvshmem_quiet, inlined
+    ):
+        assert re.search(rf"\b{fn}\b", ptx), f"{fn} not in the PTX"
+
+
+def test_combine_accumulates_without_fma_and_loads_128_bit_volatile(compiled_ptx):
+    _, ptx = compiled_ptx
+    ops = _ops(_kernels(ptx)["Combine"])
+    assert ops["mul.rn.f32"] > 0 and ops["mul.rn.f32"] == ops["add.rn.f32"]
+    assert ops["fma.rn.f32"] == 0
+    assert ops["ld.volatile.global.v4.b32"] > 0
+    assert ops["st.global.v4.b32"] > 0
+
+
+def test_dispatch_has_the_atomic_slot_path(compiled_ptx):
+    _, ptx = compiled_ptx
+    assert _ops(_kernels(ptx)["Dispatch"])["atom.global.add.u32"] > 0
+    assert _ops(_kernels(ptx)["Layout"])["atom.shared.add.u32"] > 0
+
+
+class _FakeLib:
+    def __init__(self, name):
+        self.name = name
+
+
+def test_registry_caches_by_tuple_and_bounds_alive_modules(monkeypatch):
+    finalized = []
+    reg = ModuleRegistry(register=True, max_alive=3)
+    monkeypatch.setattr("cute_ep.bootstrap.compile.compile_kernel", lambda fn, *a: f"compiled-{fn}")
+    monkeypatch.setattr(reg, "_register", lambda compiled: (compiled, _FakeLib(compiled)))
+    monkeypatch.setattr(ModuleRegistry, "_finalize", staticmethod(lambda lib: finalized.append(lib.name)))
+    for k in ("a", "b", "c"):
+        assert reg.get((k,), lambda k=k: (k, ())) == f"compiled-{k}"
+    assert reg.get(("a",), lambda: pytest.fail("cached key recompiled")) == "compiled-a"
+    assert reg.compiles == 3 and finalized == []
+    reg.get(("d",), lambda: ("d", ()))  # evicts the least recently used: b
+    assert finalized == ["compiled-b"] and len(reg) == 3 and ("b",) not in reg
+    reg.finalize_all()
+    assert sorted(finalized) == ["compiled-a", "compiled-b", "compiled-c", "compiled-d"] and len(reg) == 0
+
+
+def test_registry_rejects_implicit_keys():
+    with pytest.raises(TypeError, match="explicit tuples"):
+        ModuleRegistry(register=False).get("bf16", lambda: ("f", ()))
+    with pytest.raises(ValueError, match="max_alive must be >= 1, got 0"):
+        ModuleRegistry(max_alive=0)
