@@ -1,0 +1,333 @@
+"""``ReferenceEpBuffer``: the public API of ``cute_ep.buffer.EpBuffer``, computed on the CPU.
+
+    with Runtime(env, backend="gloo") as runtime:
+        buf = ReferenceEpBuffer(runtime, cfg)          # collective: every rank, same cfg
+        res = buf.dispatch(x, topk_idx, topk_weights)  # same DispatchResult as the GPU buffer
+        y = buf.expert_output(res.num_recv)            # write the experts' outputs here
+        out = buf.combine(y, res.handle)               # [T, H]
+        buf.close()
+
+Every call all-gathers the inputs of all ranks (``all_gather_object`` on ``runtime.cpu_group``, or
+nothing in a world of one without a process group) and evaluates the pure-torch references of
+:mod:`cute_ep.validators.reference` for this rank. The results are the references themselves, so a
+run with this backend passes the checks by construction: it exists to exercise the whole flow of a
+script (arguments, launch, checks, baselines) without GPUs, and to make baselines on a CPU that a
+GPU run must match bit for bit.
+
+Mode "atomic" imitates the kernels' non-deterministic slot allocation: inside every (local expert,
+source) group the rows are shuffled with a generator seeded by the number of dispatch calls so far
+(identical on every rank, since dispatch is collective), and the handle's ``scatter`` holds the
+slots where each (token, k) really went, so combine still finds its rows.
+
+Only torch, ``cute_ep.validators`` and ``cute_ep.kernels.config`` are imported: no CUDA, CuTe DSL
+or NVSHMEM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cute_ep.kernels.config import MODES, ConfigError, EpConfig
+from cute_ep.validators.reference import (
+    Layout,
+    reference_combine,
+    reference_dispatch_rank,
+    reference_layout,
+)
+
+__all__ = ["ReferenceEpBuffer"]
+
+_ATOMIC_SEED_SALT = 0x5EED_A70
+
+
+def _dispatch_types() -> tuple[type, type]:
+    """``cute_ep.buffer``'s DispatchHandle and DispatchResult (importing it needs no GPU stack)."""
+    from cute_ep.buffer import DispatchHandle, DispatchResult
+
+    return DispatchHandle, DispatchResult
+
+
+class ReferenceEpBuffer:
+    """Same public API as ``cute_ep.buffer.EpBuffer``, computed with the torch references over gloo.
+
+    runtime: a started ``cute_ep.bootstrap.runtime.Runtime`` (backend "gloo"; anything with ``env``,
+             ``device`` and ``cpu_group`` attributes works, e.g. in a world of one).
+    cfg:     the ``EpConfig``; world_size must match the runtime's.
+
+    Receive buffers are grown on demand up to ``cfg.capacity`` rows instead of being allocated at
+    full capacity, so large configurations stay affordable on a CPU.
+    """
+
+    def __init__(self, runtime: Any, cfg: EpConfig) -> None:
+        env = runtime.env
+        if cfg.world_size != env.world_size:
+            raise ConfigError(
+                f"cfg.world_size={cfg.world_size} but the launch has world_size={env.world_size}"
+            )
+        self.runtime = runtime
+        self.cfg = cfg
+        self.rank = env.rank
+        device = getattr(runtime, "device", None)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.group = getattr(runtime, "cpu_group", None)
+        self._closed = False
+        self._calls = 0  # dispatch calls so far: seeds the atomic-mode shuffle
+        self._num_recv = 0
+        c = cfg
+        self.recv_x = torch.empty((0, c.hidden), dtype=c.dtype, device=self.device)
+        self.recv_y = torch.empty((0, c.hidden), dtype=c.dtype, device=self.device)
+        self.recv_w = torch.empty((0,), dtype=torch.float32, device=self.device)
+        self.recv_src = torch.empty((0,), dtype=torch.int32, device=self.device)
+        keys = self._all_gather(cfg.key())
+        if any(k != keys[0] for k in keys):
+            diff = {r: k for r, k in enumerate(keys) if k != keys[0]}
+            raise ConfigError(f"ranks built different EpConfigs: rank 0 has {keys[0]}, others {diff}")
+
+    # -- public API ------------------------------------------------------------------------------
+
+    def poison(self) -> None:
+        """Fill the receive buffers with NaN / -1 so that a row nobody wrote cannot pass a check."""
+        self.recv_x.fill_(float("nan"))
+        self.recv_y.fill_(float("nan"))
+        self.recv_w.fill_(float("nan"))
+        self.recv_src.fill_(-1)
+
+    def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter") -> Any:
+        """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (see EpBuffer.dispatch).
+
+        Returns a ``cute_ep.buffer.DispatchResult``. Collective: every rank calls it. Invalid inputs
+        on any rank raise on every rank (the rank at fault gets the EpBuffer message).
+        """
+        self._check_open()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        error = None
+        try:
+            x, idx, w = self._check_inputs(x, topk_idx, topk_weights)
+            payload = (None, mode, x.detach().cpu(), idx.cpu(), w.detach().cpu())
+        except ValueError as exc:
+            error = str(exc)
+            payload = (error, mode, None, None, None)
+        gathered = self._all_gather(payload)
+        if error is not None:
+            raise ValueError(error)
+        bad = [f"rank {r}: {g[0]}" for r, g in enumerate(gathered) if g[0] is not None]
+        if bad:
+            raise ValueError("dispatch: invalid inputs on another rank: " + "; ".join(bad))
+        modes = [g[1] for g in gathered]
+        if any(m != mode for m in modes):
+            raise ValueError(f"dispatch: every rank must use the same mode, got {modes}")
+
+        c = self.cfg
+        xs, idxs, ws = [g[2] for g in gathered], [g[3] for g in gathered], [g[4] for g in gathered]
+        layout = reference_layout(idxs, c.num_experts)
+        over = [(d, int(n)) for d, n in enumerate(layout.num_recv.tolist()) if n > c.capacity]
+        if over:
+            raise ValueError(
+                f"dispatch: rank(s) {[d for d, _ in over]} would receive {[n for _, n in over]} rows, "
+                f"more than the capacity {c.capacity}"
+            )
+        expected = reference_dispatch_rank(xs, idxs, ws, layout, c.max_tokens, self.rank)
+        scatter = layout.scatter[self.rank].to(torch.int64)
+        rx, rw, rsrc = expected.recv_x, expected.recv_w, expected.recv_src
+        if mode == "atomic":
+            inverse = _atomic_inverse_permutations(layout, self._calls)
+            order = torch.empty_like(inverse[self.rank])
+            order[inverse[self.rank]] = torch.arange(order.numel())
+            rx, rw, rsrc = rx[order], rw[order], rsrc[order]
+            scatter = _remap_scatter(scatter, idxs[self.rank], layout, inverse)
+        self._calls += 1
+
+        n = expected.num_recv
+        self._ensure_rows(n)
+        self._num_recv = n
+        self.recv_x[:n].copy_(rx)
+        self.recv_w[:n].copy_(rw)
+        self.recv_src[:n].copy_(rsrc)
+        t = x.shape[0]
+        tpe = layout.tokens_per_expert[self.rank].to(device=self.device, dtype=torch.int32)
+        DispatchHandle, DispatchResult = _dispatch_types()
+        handle = DispatchHandle(
+            idx, w, scatter.view(t, c.topk).to(device=self.device, dtype=torch.int32), t, mode
+        )
+        return DispatchResult(self.recv_x[:n], self.recv_w[:n], self.recv_src[:n], tpe, n, handle)
+
+    def expert_output(self, num_recv: int) -> Tensor:
+        """The [num_recv, H] buffer combine reads; experts writing here save a copy."""
+        self._check_open()
+        if not 0 <= num_recv <= self.cfg.capacity:
+            raise ValueError(f"num_recv must be in [0, capacity={self.cfg.capacity}], got {num_recv}")
+        self._ensure_rows(num_recv)
+        return self.recv_y[:num_recv]
+
+    def combine(self, y: Tensor, handle: Any) -> Tensor:
+        """out[t] = sum over k ascending of topk_weights[t, k] * y_owner[scatter[t, k]] (fp32, then
+        cfg.dtype), as EpBuffer.combine. Collective. Returns a new [T, H] tensor."""
+        self._check_open()
+        c = self.cfg
+        if y.dtype != c.dtype or y.dim() != 2 or y.shape[1] != c.hidden or y.device != self.device:
+            raise ValueError(
+                f"y must be [num_recv, {c.hidden}] {c.dtype} on {self.device}, got "
+                f"{list(y.shape)} {y.dtype} on {y.device}"
+            )
+        if y.shape[0] > c.capacity:
+            raise ValueError(f"y has {y.shape[0]} rows, more than the capacity {c.capacity}")
+        rows = max(self._num_recv, y.shape[0])
+        self._ensure_rows(rows)
+        if y.numel() and y.data_ptr() != self.recv_y.data_ptr():
+            self.recv_y[: y.shape[0]].copy_(y)
+        ys = self._all_gather(self.recv_y[:rows].detach().cpu().clone())
+        out, error = None, None
+        try:
+            out = reference_combine(
+                ys,
+                [handle.topk_idx.cpu()],
+                [handle.topk_weights.cpu()],
+                [handle.scatter.cpu()],
+                num_experts=c.num_experts,
+            )[0]
+        except ValueError as exc:
+            error = str(exc)
+        # A bad handle on one rank must not leave the others waiting in their next collective.
+        errors = self._all_gather(error)
+        if error is not None:
+            raise ValueError(f"combine: {error}")
+        bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        if bad:
+            raise ValueError("combine failed on another rank: " + "; ".join(bad))
+        return out.to(self.device)
+
+    def close(self) -> None:
+        """Release the buffers (collective, like EpBuffer.close). Safe to call twice."""
+        self._close(collective=True)
+
+    def __enter__(self) -> ReferenceEpBuffer:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # After an error the peers may never arrive: no barrier then.
+        self._close(collective=exc_type is None)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _close(self, *, collective: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if collective and dist.is_available() and dist.is_initialized():
+            dist.barrier(group=self.group)
+        empty_rows = torch.empty((0, self.cfg.hidden), dtype=self.cfg.dtype, device=self.device)
+        self.recv_x = self.recv_y = empty_rows
+        self.recv_w = torch.empty((0,), dtype=torch.float32, device=self.device)
+        self.recv_src = torch.empty((0,), dtype=torch.int32, device=self.device)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ReferenceEpBuffer is closed")
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not (dist.is_available() and dist.is_initialized()):
+            if self.cfg.world_size != 1:
+                raise RuntimeError(
+                    f"world_size={self.cfg.world_size} needs an initialised torch.distributed process group"
+                )
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _ensure_rows(self, n: int) -> None:
+        """Grow the receive buffers to at least n rows (new rows poisoned, old rows kept)."""
+        have = self.recv_x.shape[0]
+        if n <= have:
+            return
+        dev = self.device
+
+        def grow(buf: Tensor, fill: float) -> Tensor:
+            new = torch.full((n, *buf.shape[1:]), fill, dtype=buf.dtype, device=dev)
+            new[:have].copy_(buf)
+            return new
+
+        self.recv_x = grow(self.recv_x, float("nan"))
+        self.recv_y = grow(self.recv_y, float("nan"))
+        self.recv_w = grow(self.recv_w, float("nan"))
+        self.recv_src = grow(self.recv_src, -1)
+
+    def _check_inputs(
+        self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """EpBuffer._check_inputs: the same checks and messages."""
+        c = self.cfg
+        for name, ten in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if ten.device != self.device:
+                raise ValueError(f"{name} must be on {self.device}, got {ten.device}")
+            if not ten.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (stride {ten.stride()})")
+        if x.dim() != 2 or x.shape[1] != c.hidden or x.dtype != c.dtype:
+            raise ValueError(f"x must be [T, {c.hidden}] {c.dtype}, got {list(x.shape)} {x.dtype}")
+        t = x.shape[0]
+        if t > c.max_tokens:
+            raise ValueError(f"x has {t} tokens, more than max_tokens={c.max_tokens}")
+        if tuple(topk_idx.shape) != (t, c.topk) or topk_idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"topk_idx must be [{t}, {c.topk}] int32/int64, got {list(topk_idx.shape)} {topk_idx.dtype}"
+            )
+        if tuple(topk_weights.shape) != (t, c.topk) or topk_weights.dtype != torch.float32:
+            raise ValueError(
+                f"topk_weights must be [{t}, {c.topk}] float32, got {list(topk_weights.shape)} "
+                f"{topk_weights.dtype}"
+            )
+        if t:
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            if lo < -1 or hi >= c.num_experts:
+                raise ValueError(f"topk_idx values must be in [-1, {c.num_experts}), got min {lo}, max {hi}")
+        return x, topk_idx.to(torch.int32).contiguous(), topk_weights
+
+
+# --------------------------------------------------------------------------------------------------
+# atomic-mode imitation
+# --------------------------------------------------------------------------------------------------
+
+
+def _group_sizes(layout: Layout, dst: int) -> Tensor:
+    """Rows of each (local expert l, source s) group on ``dst``, in slot order (l-major, then s)."""
+    world = layout.world_size
+    return layout.counts.view(world, world, layout.experts_per_rank)[:, dst, :].t().reshape(-1)
+
+
+def _atomic_inverse_permutations(layout: Layout, call: int) -> list[Tensor]:
+    """Per destination d, [num_recv_d] int64: the shuffled slot of every deterministic slot.
+
+    Rows move only inside their (local expert, source) group. Every rank computes the permutations
+    of all destinations from the same generator, so the slots a source sees match what the
+    destination holds.
+    """
+    g = torch.Generator(device="cpu")
+    g.manual_seed(_ATOMIC_SEED_SALT + call)
+    out = []
+    for d in range(layout.world_size):
+        sizes = _group_sizes(layout, d).cpu()
+        group = torch.repeat_interleave(torch.arange(sizes.numel(), dtype=torch.float64), sizes)
+        # group + U[0, 1) sorts by group first, randomly inside a group.
+        order = torch.argsort(group + torch.rand(group.numel(), generator=g, dtype=torch.float64))
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        out.append(inverse)
+    return out
+
+
+def _remap_scatter(scatter: Tensor, topk_idx: Tensor, layout: Layout, inverse: Sequence[Tensor]) -> Tensor:
+    """Move this rank's slots (deterministic layout) to where the shuffle put them on each owner."""
+    flat = scatter.reshape(-1).clone()
+    ids = topk_idx.reshape(-1).to(torch.int64)
+    owner = torch.div(ids, layout.experts_per_rank, rounding_mode="floor")
+    for d in range(layout.world_size):
+        m = (ids >= 0) & (owner == d)
+        if bool(m.any()):
+            flat[m] = inverse[d][flat[m]]
+    return flat.view(scatter.shape)

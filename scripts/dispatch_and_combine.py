@@ -1,0 +1,620 @@
+"""Expert-parallel dispatch and combine of cute-ep, checked bit for bit against the torch references.
+
+Every rank makes deterministic inputs (a function of the seed and its rank), dispatches its tokens to
+the ranks owning their top-k experts, applies a test expert (y = x * (expert + 1)) to the received
+rows, combines them back and checks every step against :mod:`cute_ep.validators.reference`.
+
+To run:
+    # 4 GPUs of one host (backend "cute": the CuTe DSL kernels on NVSHMEM)
+    torchrun --nproc-per-node 4 scripts/dispatch_and_combine.py --num-tokens 64 --hidden 256 \\
+        --num-experts 32 --topk 2
+
+    # the same flow on the CPU (gloo, pure-torch references; no GPU needed)
+    torchrun --nproc-per-node 4 scripts/dispatch_and_combine.py --backend reference --num-tokens 64 \\
+        --hidden 256 --num-experts 32 --topk 2
+
+    # one host split into 2 virtual nodes of 2 ranks, so that all four route classes occur
+    torchrun --nproc-per-node 4 scripts/dispatch_and_combine.py ... --local-world-size 2
+
+    # several nodes under SLURM (see scripts/slurm/dispatch_and_combine.sbatch)
+    srun --ntasks-per-node 4 python scripts/dispatch_and_combine.py --num-tokens 64 ...
+
+    # bit-exact baselines (a CPU-made baseline can check a GPU run of the same configuration)
+    ... --save-baseline-to out/base.npz
+    ... --compare-baseline out/base.npz
+
+    # timing (backend cute): CUDA events, median of --bench-iters after --bench-warmup
+    ... --benchmark
+
+Constraints:
+    * --num-experts divisible by the world size; 1 <= --topk <= --num-experts.
+    * --hidden >= 4 and --hidden * element size a multiple of 16 bytes (8 bf16/fp16, 4 fp32).
+    * 1 <= --num-tokens <= 65536 (tokens per rank, also the buffers' max_tokens);
+      world size * num tokens * topk < 2**31.
+    * --local-world-size (or CUTE_EP_LOCAL_WORLD_SIZE) divides the ranks per host; every host runs
+      the same number of ranks, numbered host by host (torchrun, srun's block distribution).
+    * backend cute: one GPU per rank, NVSHMEM (keep NVLink multicast off: NCCL_NVLS_ENABLE=0
+      TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1). --benchmark needs backend cute.
+    * baselines hold the scatter mode's first iteration: --modes must include scatter to save or
+      compare one.
+
+PASS means, for every mode and iteration and on every rank: the layout (tokens per expert, rows
+received, the handle's slots) matches the reference; the received rows, weights and source tags are
+bit-identical to the reference (in atomic mode, after sorting each (local expert, source) group);
+the combine output is bit-identical to the reference sum of the expert outputs; every route class
+possible in the topology carried at least one pair (unless --no-coverage); and, with
+--compare-baseline, every array is bit-identical to the baseline's. Rank 0 prints one line per check
+and a final PASS or FAIL line.
+
+Exit status (the same on every rank): 0 PASS, 1 FAIL or a run-time error, 2 invalid arguments, a
+launch error, or a baseline of another configuration (or an unreadable one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cute_ep.bootstrap.dist_env import (
+    LOCAL_WORLD_SIZE_OVERRIDE_VAR,
+    ROUTE_CLASSES,
+    DistEnv,
+    DistEnvError,
+    possible_route_classes,
+)
+from cute_ep.bootstrap.runtime import HeapConfigError, Runtime
+from cute_ep.kernels.config import MODES, ConfigError, EpConfig
+from cute_ep.validators.baseline import (
+    BaselineConfigError,
+    BaselineFormatError,
+    compare_baselines,
+    compare_to_baseline,
+    load_baseline,
+    make_baseline,
+    save_baseline,
+)
+from cute_ep.validators.checks import (
+    CheckResult,
+    check_combine,
+    check_dispatch,
+    format_summary,
+    route_counts_of,
+)
+from cute_ep.validators.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
+from cute_ep.validators.reference import (
+    apply_test_expert,
+    global_expert_of_rows,
+    pack_source,
+    reference_layout,
+    unpack_source,
+)
+
+EXIT_PASS = 0
+EXIT_FAIL = 1
+EXIT_USAGE = 2
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+BACKENDS = ("cute", "reference")
+MAX_TOKENS_PER_RANK = 256 * 256  # make_inputs writes the token id into two bf16-exact columns
+BASELINE_MODE = "scatter"  # the only mode with a deterministic receive order
+
+
+class UsageError(ValueError):
+    """An argument combination the script cannot run; exit status 2."""
+
+
+# --------------------------------------------------------------------------------------------------
+# arguments
+# --------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="See the module docstring (To run / Constraints) for examples.",
+    )
+    p.add_argument("--num-tokens", type=int, default=64, help="tokens per rank (also max_tokens)")
+    p.add_argument("--hidden", type=int, default=256, help="elements per row (H)")
+    p.add_argument(
+        "--num-experts", type=int, default=32, help="experts in total (E), divisible by the world size"
+    )
+    p.add_argument("--topk", type=int, default=2, help="experts per token (K)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="rows and combine output")
+    p.add_argument(
+        "--modes", default="scatter,atomic", help="comma-separated dispatch modes: scatter, atomic"
+    )
+    p.add_argument("--routing", choices=ROUTINGS, default="uniform", help="how inputs pick their experts")
+    p.add_argument("--seed", type=int, default=0, help="input seed (iteration i uses seed + i)")
+    p.add_argument(
+        "--local-world-size",
+        type=int,
+        default=None,
+        help=f"ranks per (virtual) node; default ${LOCAL_WORLD_SIZE_OVERRIDE_VAR}, else the ranks per host",
+    )
+    p.add_argument("--backend", choices=BACKENDS, default="cute", help="cute: GPU kernels; reference: CPU")
+    p.add_argument("--iters", type=int, default=1, help="validation iterations per mode")
+    p.add_argument("--save-baseline-to", metavar="PATH", help="write every rank's arrays to this .npz")
+    p.add_argument("--compare-baseline", metavar="PATH", help="compare every rank's arrays with this .npz")
+    p.add_argument("--benchmark", action="store_true", help="time dispatch and combine (backend cute)")
+    p.add_argument("--bench-iters", type=int, default=50, help="timed iterations of --benchmark")
+    p.add_argument("--bench-warmup", type=int, default=10, help="untimed iterations before them")
+    p.add_argument("--no-coverage", action="store_true", help="do not fail when a route class gets no pair")
+    p.add_argument("--num-sms", type=int, default=None, help="CTAs of dispatch/combine (EpConfig default)")
+    p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
+    return p
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Checks that do not depend on the launch; raise UsageError naming the argument."""
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if not modes or unknown:
+        raise UsageError(f"--modes must be a comma-separated list of {sorted(MODES)}, got {args.modes!r}")
+    args.mode_list = list(dict.fromkeys(modes))
+    if args.iters < 1:
+        raise UsageError(f"--iters must be >= 1, got {args.iters}")
+    if not 1 <= args.num_tokens <= MAX_TOKENS_PER_RANK:
+        raise UsageError(f"--num-tokens must be in [1, {MAX_TOKENS_PER_RANK}], got {args.num_tokens}")
+    if args.hidden < SENDER_COLUMNS:
+        raise UsageError(
+            f"--hidden must be >= {SENDER_COLUMNS} (the first columns name the sender), got {args.hidden}"
+        )
+    if args.benchmark and args.backend != "cute":
+        raise UsageError("--benchmark needs --backend cute (it times the GPU kernels with CUDA events)")
+    if args.bench_iters < 1 or args.bench_warmup < 0:
+        raise UsageError(
+            f"--bench-iters must be >= 1 and --bench-warmup >= 0, got {args.bench_iters}, {args.bench_warmup}"
+        )
+    if (args.save_baseline_to or args.compare_baseline) and BASELINE_MODE not in args.mode_list:
+        raise UsageError(
+            f"baselines hold the {BASELINE_MODE!r} mode (its order is deterministic): add it to --modes "
+            f"(got {args.modes!r})"
+        )
+
+
+def make_config(args: argparse.Namespace, env: DistEnv) -> EpConfig:
+    extra = {} if args.num_sms is None else {"num_sms": args.num_sms}
+    return EpConfig(
+        world_size=env.world_size,
+        local_world_size=env.local_world_size,
+        num_experts=args.num_experts,
+        topk=args.topk,
+        hidden=args.hidden,
+        dtype=DTYPES[args.dtype],
+        max_tokens=args.num_tokens,
+        **extra,
+    )
+
+
+def baseline_meta(args: argparse.Namespace) -> dict[str, Any]:
+    """What identifies the data: the backend is recorded but deliberately not part of ``config``."""
+    return {
+        "config": {
+            "num_tokens": args.num_tokens,
+            "max_tokens": args.num_tokens,
+            "hidden": args.hidden,
+            "num_experts": args.num_experts,
+            "topk": args.topk,
+            "routing": args.routing,
+            "mode": BASELINE_MODE,
+            "iteration": 0,
+        },
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "backend": args.backend,
+        "script": "scripts/dispatch_and_combine.py",
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# small collective helpers (the cpu group is gloo in both backends)
+# --------------------------------------------------------------------------------------------------
+
+
+def all_gather(obj: Any, group: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_from_rank0(obj: Any, group: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def failed_ranks(local_ok: bool, group: Any) -> list[int]:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    flags = torch.ones(world, dtype=torch.int32)
+    flags[rank] = int(local_ok)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    return [r for r, f in enumerate(flags.tolist()) if f == 0]
+
+
+class Printer:
+    """Prints on rank 0 only, flushed (torchrun interleaves the ranks' output)."""
+
+    def __init__(self, rank: int) -> None:
+        self.on = rank == 0
+
+    def __call__(self, *lines: str) -> None:
+        if self.on:
+            for line in lines:
+                print(line, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# layout check (what check_dispatch / check_combine take on trust: counts, num_recv, handle slots)
+# --------------------------------------------------------------------------------------------------
+
+
+def _layout_problems(gathered: list[tuple], layout: Any, cfg: EpConfig, rank: int) -> list[str]:
+    idx, _, tpe, num_recv, scatter = gathered[rank]
+    problems = []
+    exp_tpe = layout.tokens_per_expert[rank]
+    if tpe.dtype != torch.int32 or tuple(tpe.shape) != (cfg.experts_per_rank,):
+        problems.append(
+            f"rank {rank}: tokens_per_expert must be [{cfg.experts_per_rank}] int32, "
+            f"got {list(tpe.shape)} {tpe.dtype}"
+        )
+    elif not torch.equal(tpe.to(torch.int64), exp_tpe):
+        local = int(torch.nonzero(tpe.to(torch.int64) != exp_tpe)[0])
+        problems.append(
+            f"rank {rank}: tokens_per_expert[{local}] (expert {rank * cfg.experts_per_rank + local}) is "
+            f"{int(tpe[local])}, expected {int(exp_tpe[local])}"
+        )
+    exp_n = int(layout.num_recv[rank])
+    if num_recv != exp_n:
+        problems.append(f"rank {rank}: num_recv is {num_recv}, expected {exp_n}")
+
+    t_count, k_count = idx.shape
+    if scatter.dtype != torch.int32 or tuple(scatter.shape) != (t_count, k_count):
+        problems.append(
+            f"rank {rank}: handle.scatter must be [{t_count}, {k_count}] int32, got "
+            f"{list(scatter.shape)} {scatter.dtype}"
+        )
+        return problems
+    ids = idx.to(torch.int64)
+    slots = scatter.to(torch.int64)
+    dropped = (ids < 0) & (slots != -1)
+    if bool(dropped.any()):
+        t, k = (int(v) for v in torch.nonzero(dropped)[0])
+        problems.append(
+            f"rank {rank}: handle.scatter[{t}, {k}] is {int(slots[t, k])} for a dropped pair, expected -1"
+        )
+    owner = torch.div(ids, cfg.experts_per_rank, rounding_mode="floor")
+    for d in range(cfg.world_size):
+        mask = (ids >= 0) & (owner == d)
+        if not bool(mask.any()):
+            continue
+        pairs = torch.nonzero(mask)  # [P, 2] (t, k), row-major
+        sl = slots[mask]
+        recv_src = gathered[d][1].to(torch.int64)
+        out_of_range = (sl < 0) | (sl >= recv_src.numel())
+        want = pack_source(rank, pairs[:, 0], pairs[:, 1], cfg.max_tokens, cfg.topk).to(torch.int64)
+        found = torch.where(
+            out_of_range, torch.full_like(sl, -1), recv_src[sl.clamp(0, max(recv_src.numel() - 1, 0))]
+        )
+        bad = out_of_range | (found != want)
+        if not bool(bad.any()):
+            continue
+        i = int(torch.nonzero(bad)[0])
+        t, k = int(pairs[i, 0]), int(pairs[i, 1])
+        head = (
+            f"rank {rank}: handle.scatter[{t}, {k}] = {int(sl[i])} (expert {int(ids[t, k])}, dest rank {d})"
+        )
+        if bool(out_of_range[i]):
+            problems.append(f"{head} is outside dest rank {d}'s {recv_src.numel()} received rows")
+        else:
+            s2, t2, k2 = unpack_source(int(found[i]), cfg.max_tokens, cfg.topk)
+            problems.append(
+                f"{head} holds the row of (rank {s2}, token {t2}, k {k2}), "
+                f"not (rank {rank}, token {t}, k {k}) [{int(bad.sum())} such slots]"
+            )
+    return problems
+
+
+def check_layout(res: Any, topk_idx: torch.Tensor, cfg: EpConfig, group: Any) -> CheckResult:
+    """tokens_per_expert and num_recv equal the reference's; every slot of the handle holds its pair.
+
+    The slots are checked against the owners' recv_src, so the check holds in atomic mode too; with
+    a dispatch that passed in scatter mode it also means the slots are the deterministic layout's.
+    Collective; the verdict is reduced over all ranks.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    local = (
+        topk_idx.detach().cpu(),
+        res.recv_src.detach().cpu(),
+        res.tokens_per_expert.detach().cpu(),
+        int(res.num_recv),
+        res.handle.scatter.detach().cpu(),
+    )
+    gathered = all_gather(local, group)
+    msgs: list[str] = []
+    counts = dict.fromkeys(ROUTE_CLASSES, 0)
+    coverage_ok = False
+    try:
+        layout = reference_layout([g[0] for g in gathered], cfg.num_experts)
+        counts = route_counts_of(layout, cfg.local_world_size)
+        coverage_ok = all(counts[c] > 0 for c in possible_route_classes(world, cfg.local_world_size))
+        msgs = _layout_problems(gathered, layout, cfg, rank)
+    except Exception as exc:  # every rank must reach the verdict collective
+        msgs.append(f"rank {rank}: error while checking the layout: {type(exc).__name__}: {exc}")
+    failed = failed_ranks(not msgs, group)
+    if msgs:
+        message = "; ".join(msgs)
+    elif failed:
+        message = f"ok on this rank; failed on rank(s) {failed}"
+    else:
+        message = "ok"
+    return CheckResult(
+        passed=not failed,
+        message=message,
+        route_counts=counts,
+        coverage_ok=coverage_ok,
+        local_passed=not msgs,
+        failed_ranks=failed,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------------------
+
+
+def report(result: CheckResult, name: str, group: Any, say: Printer) -> bool:
+    """Print the check's line on rank 0 and, if it failed, every failing rank's own message."""
+    say(format_summary(result, name))
+    if not result.passed:  # the same on every rank, so the gather below is collective-safe
+        messages = all_gather(None if result.local_passed else result.message, group)
+        for r, m in enumerate(messages):
+            if m is not None:
+                say(f"    rank {r}: {m}")
+    return result.passed
+
+
+def expert_ids(res: Any, rank: int) -> torch.Tensor | None:
+    """Global expert of each received row, from the buffer's own tokens_per_expert (None if they disagree)."""
+    tpe = res.tokens_per_expert.to(torch.int64)
+    if tpe.numel() == 0 or int(tpe.min()) < 0 or int(tpe.sum()) != res.num_recv:
+        return None
+    return global_expert_of_rows(tpe, rank)
+
+
+def run_once(
+    buffer: Any, args: argparse.Namespace, cfg: EpConfig, runtime: Runtime, mode: str, it: int, say: Printer
+) -> tuple[bool, dict[str, torch.Tensor] | None]:
+    """One dispatch + expert + combine with every check. Returns (passed, baseline arrays or None)."""
+    env, group, device = runtime.env, runtime.cpu_group, runtime.device
+    rank = env.rank
+    x, idx, w = make_inputs(
+        rank, args.num_tokens, args.hidden, args.num_experts, args.topk, cfg.dtype, args.seed + it,
+        routing=args.routing, device=device,
+    )  # fmt: skip
+    coverage = not args.no_coverage
+    tag = f"[{mode} #{it}]"
+
+    buffer.poison()
+    res = buffer.dispatch(x, idx, w, mode=mode)
+    ok = report(check_layout(res, idx, cfg, group), f"{tag} layout", group, say)
+    disp = check_dispatch(
+        x, idx, w, res.recv_x, res.recv_weights, res.recv_src,
+        max_tokens=cfg.max_tokens, num_experts=cfg.num_experts, local_world_size=cfg.local_world_size,
+        ordered=(mode == "scatter"), require_coverage=coverage, group=group,
+    )  # fmt: skip
+    ok &= report(disp, f"{tag} dispatch", group, say)
+
+    y = buffer.expert_output(res.num_recv)
+    experts = expert_ids(res, rank)
+    if experts is None:  # the layout check has failed already; give combine defined input
+        y.fill_(float("nan"))
+    else:
+        y.copy_(apply_test_expert(res.recv_x, experts.to(device)))
+    out = buffer.combine(y, res.handle)
+    comb = check_combine(
+        out, idx, w, y, local_world_size=cfg.local_world_size, num_experts=cfg.num_experts,
+        scatter=res.handle.scatter, require_coverage=coverage, group=group,
+    )  # fmt: skip
+    ok &= report(comb, f"{tag} combine", group, say)
+
+    arrays = None
+    if mode == BASELINE_MODE and it == 0:
+        named = {
+            "x": x,
+            "topk_idx": idx,
+            "topk_weights": w,
+            "recv_x": res.recv_x,
+            "recv_w": res.recv_weights,
+            "recv_src": res.recv_src,
+            "tokens_per_expert": res.tokens_per_expert,
+            "combine_out": out,
+        }
+        # Copies: recv_* are views of buffers the next dispatch overwrites.
+        arrays = {k: v.detach().to("cpu", copy=True) for k, v in named.items()}
+    return ok, arrays
+
+
+def precheck_baseline(path: str, meta: dict[str, Any], env: DistEnv, group: Any) -> BaseException | None:
+    """The reason the baseline cannot be compared (unreadable, another configuration), or None.
+
+    Decided on rank 0 before any kernel runs and returned on every rank.
+    """
+    outcome: Any = None
+    if env.rank == 0:
+        try:
+            empty = make_baseline(
+                [{} for _ in range(env.world_size)], meta, local_world_size=env.local_world_size
+            )
+            compare_baselines(load_baseline(path), empty)  # raises BaselineConfigError on a mismatch
+        except OSError as exc:
+            outcome = UsageError(f"cannot read baseline {path}: {exc.strerror or exc}")
+        except Exception as exc:
+            outcome = exc
+    return broadcast_from_rank0(outcome, group)
+
+
+def leave(runtime: Runtime, exc: BaseException, code: int, *, meet: bool = True) -> int:
+    """An error every rank got alike: print it once, meet the others, return ``code``.
+
+    Returning (instead of raising through the Runtime's ``with``) keeps the teardown collective, so
+    no rank tears its connections down under another that is still talking.
+    """
+    if runtime.env.rank == 0:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    if meet:
+        runtime.barrier()
+    return code
+
+
+def benchmark(buffer: Any, args: argparse.Namespace, cfg: EpConfig, runtime: Runtime, say: Printer) -> None:
+    """Median CUDA-event time of dispatch and of combine, and algorithmic bandwidth, per rank.
+
+    Algorithmic bandwidth = pairs_off * H * bytes per element / time, pairs_off = this rank's
+    (token, k) pairs whose expert lives on another rank (docs: design.md, "Measuring"). The events
+    bracket the whole ``dispatch`` / ``combine`` call, so the times include the buffer's host-side
+    work (input checks, reading num_recv back); ranks start each op together (host barrier).
+    """
+    env, group, device = runtime.env, runtime.cpu_group, runtime.device
+    rank = env.rank
+    x, idx, w = make_inputs(
+        rank, args.num_tokens, args.hidden, args.num_experts, args.topk, cfg.dtype, args.seed,
+        routing=args.routing, device=device, idx_dtype=torch.int32,  # the kernels' dtype: no conversion
+    )  # fmt: skip
+    owner = torch.div(idx.to(torch.int64), cfg.experts_per_rank, rounding_mode="floor")
+    pairs_off = int(((idx >= 0) & (owner != rank)).sum())
+    say(f"benchmark: {args.bench_warmup} warm-up + {args.bench_iters} timed iterations per mode")
+    for mode in args.mode_list:
+        times: dict[str, list[float]] = {"dispatch": [], "combine": []}
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        for i in range(args.bench_warmup + args.bench_iters):
+            runtime.barrier()
+            events[0].record()
+            res = buffer.dispatch(x, idx, w, mode=mode)
+            events[1].record()
+            y = buffer.expert_output(res.num_recv)
+            runtime.barrier()
+            events[2].record()
+            buffer.combine(y, res.handle)
+            events[3].record()
+            torch.cuda.synchronize(device)
+            if i >= args.bench_warmup:
+                times["dispatch"].append(events[0].elapsed_time(events[1]) * 1e3)  # ms -> us
+                times["combine"].append(events[2].elapsed_time(events[3]) * 1e3)
+        med = {op: statistics.median(v) for op, v in times.items()}
+        rows = all_gather((pairs_off, med["dispatch"], med["combine"]), group)
+        for r, (p_off, t_d, t_c) in enumerate(rows):
+            b = p_off * cfg.row_bytes
+            say(
+                f"[{mode}] rank {r}: dispatch {t_d:9.1f} us {b / (t_d * 1e3):8.2f} GB/s | "
+                f"combine {t_c:9.1f} us {b / (t_c * 1e3):8.2f} GB/s (pairs_off {p_off}, {b} B)"
+            )
+
+
+def validate(buffer: Any, args: argparse.Namespace, cfg: EpConfig, runtime: Runtime, say: Printer) -> int:
+    """Every mode and iteration, then the baseline and the benchmark; returns the exit status."""
+    env, group = runtime.env, runtime.cpu_group
+    passed = True
+    arrays = None
+    for mode in args.mode_list:
+        for it in range(args.iters):
+            ok, got = run_once(buffer, args, cfg, runtime, mode, it, say)
+            passed &= ok
+            arrays = got if got is not None else arrays
+
+    # save_baseline / compare_to_baseline raise the same exception on every rank (rank 0 decides).
+    meta = baseline_meta(args)
+    lws = env.local_world_size
+    if args.save_baseline_to:
+        try:
+            save_baseline(args.save_baseline_to, arrays, meta, group, local_world_size=lws)
+        except Exception as exc:
+            problem = RuntimeError(f"cannot save the baseline to {args.save_baseline_to}: {exc}")
+            return leave(runtime, problem, EXIT_FAIL, meet=False)
+        say(f"baseline saved to {args.save_baseline_to}")
+    if args.compare_baseline:
+        try:
+            cmp = compare_to_baseline(args.compare_baseline, arrays, meta, group, local_world_size=lws)
+        except Exception as exc:
+            code = EXIT_USAGE if isinstance(exc, BaselineConfigError) else EXIT_FAIL
+            return leave(runtime, exc, code, meet=False)
+        say(f"{cmp.summary} (vs {args.compare_baseline})", *cmp.lines[1:])
+        passed &= cmp.passed
+    if args.benchmark:
+        benchmark(buffer, args, cfg, runtime, say)
+    say("PASS" if passed else "FAIL")
+    return EXIT_PASS if passed else EXIT_FAIL
+
+
+def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
+    say = Printer(env.rank)
+    backend = "gloo" if args.backend == "reference" else "nvshmem"
+    sym = cfg.symmetric_bytes()
+    with Runtime(env, symmetric_bytes=sym, backend=backend) as runtime:
+        topology = all_gather(env.describe(), runtime.cpu_group)
+        say(
+            f"cute-ep dispatch_and_combine: backend {args.backend} ({backend}), world {env.world_size} = "
+            f"{cfg.nnodes} node(s) x {cfg.local_world_size}{' (virtual nodes)' if env.is_virtual else ''}",
+            f"config: tokens/rank {cfg.max_tokens}, hidden {cfg.hidden}, experts {cfg.num_experts} "
+            f"({cfg.experts_per_rank}/rank), topk {cfg.topk}, {args.dtype}, routing {args.routing}, "
+            f"seed {args.seed}, modes {','.join(args.mode_list)}, iters {args.iters}, "
+            f"capacity {cfg.capacity} rows, num_sms {cfg.num_sms}",
+            f"symmetric memory per rank: {sym} bytes ({sym / 2**20:.2f} MiB)"
+            + (f", NVSHMEM_SYMMETRIC_SIZE={runtime.symmetric_size}" if runtime.symmetric_size else ""),
+            "topology:",
+            *(f"  {line}" for line in topology),
+        )
+        if args.compare_baseline:  # fail before building anything
+            problem = precheck_baseline(args.compare_baseline, baseline_meta(args), env, runtime.cpu_group)
+            if problem is not None:
+                return leave(runtime, problem, EXIT_USAGE)
+
+        if args.backend == "cute":
+            from cute_ep.buffer import EpBuffer
+
+            buffer = EpBuffer(runtime, cfg)
+        else:
+            from cute_ep.reference_backend import ReferenceEpBuffer
+
+            buffer = ReferenceEpBuffer(runtime, cfg)
+        code = validate(buffer, args, cfg, runtime, say)
+        buffer.close()  # collective: every rank gets here unless an exception left the run
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # exits 2 with argparse's message on bad syntax
+    rank_hint = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    try:
+        validate_args(args)
+        env = DistEnv.from_environ(local_world_size=args.local_world_size)
+        cfg = make_config(args, env)
+    except (UsageError, ConfigError, DistEnvError) as exc:
+        # Every rank reaches the same verdict; one message is enough (a launch error may be per rank).
+        if rank_hint == "0" or isinstance(exc, DistEnvError):
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    try:
+        return run(args, env, cfg)
+    except (UsageError, BaselineConfigError, BaselineFormatError, HeapConfigError) as exc:
+        if env.rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except Exception as exc:
+        print(f"rank {env.rank}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if args.traceback:
+            traceback.print_exc()
+        else:
+            print(f"rank {env.rank}: (run with --traceback for the traceback)", file=sys.stderr, flush=True)
+        return EXIT_FAIL
+
+
+if __name__ == "__main__":
+    sys.exit(main())
