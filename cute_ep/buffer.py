@@ -136,10 +136,9 @@ class EpBuffer:
         self._check_open()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-        x, idx, w = self._check_inputs(x, topk_idx, topk_weights)
+        x, idx, w = check_dispatch_inputs(self.cfg, self.device, x, topk_idx, topk_weights)
         t = x.shape[0]
-        self._launch(OP_LAYOUT, 0, t, x=x, idx=idx, w=w)
-        self._launch(OP_DISPATCH, MODES[mode], t, x=x, idx=idx, w=w)
+        self.launch_dispatch(x, idx, w, mode)
         num_recv = int(self.num_recv.item())  # host sync: the receive size (sync-free path: issue 5)
         self._check_ran(OP_LAYOUT, OP_DISPATCH)
         tpe = self.tokens_per_expert.clone()
@@ -147,6 +146,26 @@ class EpBuffer:
         handle = DispatchHandle(idx, w, scatter, t, mode)
         return DispatchResult(self.recv_x[:num_recv], self.recv_w[:num_recv], self.recv_src[:num_recv],
                               tpe, num_recv, handle)
+
+    def launch_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                        mode: str = "scatter") -> None:
+        """Enqueue the layout and dispatch kernels on the current stream: no checks, no host sync.
+
+        For timing loops: arguments must already satisfy ``check_dispatch_inputs`` (topk_idx int32).
+        The results stay in the buffer (``recv_x``, ``num_recv``, ``tokens_per_expert``, ``scatter``).
+        """
+        t = x.shape[0]
+        self._launch(OP_LAYOUT, 0, t, x=x, idx=topk_idx, w=topk_weights)
+        self._launch(OP_DISPATCH, MODES[mode], t, x=x, idx=topk_idx, w=topk_weights)
+
+    def launch_combine(self, handle: DispatchHandle, out: torch.Tensor) -> None:
+        """Enqueue the combine kernel on the current stream: no checks, no host sync.
+
+        Reads the symmetric ``recv_y`` (see ``expert_output``); out [handle.num_tokens, H] cfg.dtype.
+        """
+        t = handle.num_tokens
+        self.scatter[: t * self.cfg.topk].copy_(handle.scatter.view(-1))
+        self._launch(OP_COMBINE, 0, t, idx=handle.topk_idx, w=handle.topk_weights, out=out)
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
         """The symmetric [num_recv, H] buffer combine reads; experts writing here save a copy."""
@@ -167,10 +186,8 @@ class EpBuffer:
             raise ValueError(f"y has {y.shape[0]} rows, more than the capacity {c.capacity}")
         if y.data_ptr() != self.recv_y.data_ptr():
             self.recv_y[: y.shape[0]].copy_(y)
-        t = handle.num_tokens
-        out = torch.empty((t, c.hidden), dtype=c.dtype, device=self.device)
-        self.scatter[: t * c.topk].copy_(handle.scatter.view(-1))
-        self._launch(OP_COMBINE, 0, t, idx=handle.topk_idx, w=handle.topk_weights, out=out)
+        out = torch.empty((handle.num_tokens, c.hidden), dtype=c.dtype, device=self.device)
+        self.launch_combine(handle, out)
         torch.cuda.synchronize(self.device)
         self._check_ran(OP_COMBINE)
         return out
@@ -199,33 +216,6 @@ class EpBuffer:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this EpBuffer is closed")
-
-    def _check_inputs(self, x, topk_idx, topk_weights):
-        c = self.cfg
-        for name, ten in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-            if ten.device != self.device:
-                raise ValueError(f"{name} must be on {self.device}, got {ten.device}")
-            if not ten.is_contiguous():
-                raise ValueError(f"{name} must be contiguous (stride {ten.stride()})")
-        if x.dim() != 2 or x.shape[1] != c.hidden or x.dtype != c.dtype:
-            raise ValueError(f"x must be [T, {c.hidden}] {c.dtype}, got {list(x.shape)} {x.dtype}")
-        t = x.shape[0]
-        if t > c.max_tokens:
-            raise ValueError(f"x has {t} tokens, more than max_tokens={c.max_tokens}")
-        if tuple(topk_idx.shape) != (t, c.topk) or topk_idx.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"topk_idx must be [{t}, {c.topk}] int32/int64, got {list(topk_idx.shape)} {topk_idx.dtype}"
-            )
-        if tuple(topk_weights.shape) != (t, c.topk) or topk_weights.dtype != torch.float32:
-            raise ValueError(
-                f"topk_weights must be [{t}, {c.topk}] float32, got {list(topk_weights.shape)} "
-                f"{topk_weights.dtype}"
-            )
-        if t:
-            lo, hi = int(topk_idx.min()), int(topk_idx.max())
-            if lo < -1 or hi >= c.num_experts:
-                raise ValueError(f"topk_idx values must be in [-1, {c.num_experts}), got min {lo}, max {hi}")
-        return x, topk_idx.to(torch.int32).contiguous(), topk_weights
 
     def _launch(self, op: int, mode: int, num_tokens: int, *, x=None, idx=None, w=None, out=None) -> None:
         import cuda.bindings.driver as cuda
@@ -267,6 +257,37 @@ class EpBuffer:
                     f"{['layout', 'dispatch', 'combine'][op]} kernel did not complete: epoch {got[op]}, "
                     f"expected {self._calls[op]} (sync: {err})"
                 )
+
+
+def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x: torch.Tensor, topk_idx: torch.Tensor,
+                          topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate dispatch inputs against ``cfg`` (every backend uses this); returns (x, topk_idx as
+    contiguous int32, topk_weights). Errors name the constraint and the value."""
+    c = cfg
+    for name, ten in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if ten.device != device:
+            raise ValueError(f"{name} must be on {device}, got {ten.device}")
+        if not ten.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (stride {ten.stride()})")
+    if x.dim() != 2 or x.shape[1] != c.hidden or x.dtype != c.dtype:
+        raise ValueError(f"x must be [T, {c.hidden}] {c.dtype}, got {list(x.shape)} {x.dtype}")
+    t = x.shape[0]
+    if t > c.max_tokens:
+        raise ValueError(f"x has {t} tokens, more than max_tokens={c.max_tokens}")
+    if tuple(topk_idx.shape) != (t, c.topk) or topk_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"topk_idx must be [{t}, {c.topk}] int32/int64, got {list(topk_idx.shape)} {topk_idx.dtype}"
+        )
+    if tuple(topk_weights.shape) != (t, c.topk) or topk_weights.dtype != torch.float32:
+        raise ValueError(
+            f"topk_weights must be [{t}, {c.topk}] float32, got {list(topk_weights.shape)} "
+            f"{topk_weights.dtype}"
+        )
+    if t:
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < -1 or hi >= c.num_experts:
+            raise ValueError(f"topk_idx values must be in [-1, {c.num_experts}), got min {lo}, max {hi}")
+    return x, topk_idx.to(torch.int32).contiguous(), topk_weights
 
 
 def _check_same_config(runtime: Any, cfg: EpConfig) -> None:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cute_ep.buffer import DispatchHandle, DispatchResult, check_dispatch_inputs
 from cute_ep.kernels.config import MODES, ConfigError, EpConfig
 from cute_ep.validators.reference import (
     Layout,
@@ -44,12 +45,6 @@ __all__ = ["ReferenceEpBuffer"]
 
 _ATOMIC_SEED_SALT = 0x5EED_A70
 
-
-def _dispatch_types() -> tuple[type, type]:
-    """``cute_ep.buffer``'s DispatchHandle and DispatchResult (importing it needs no GPU stack)."""
-    from cute_ep.buffer import DispatchHandle, DispatchResult
-
-    return DispatchHandle, DispatchResult
 
 
 class ReferenceEpBuffer:
@@ -108,7 +103,7 @@ class ReferenceEpBuffer:
             raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
         error = None
         try:
-            x, idx, w = self._check_inputs(x, topk_idx, topk_weights)
+            x, idx, w = check_dispatch_inputs(self.cfg, self.device, x, topk_idx, topk_weights)
             payload = (None, mode, x.detach().cpu(), idx.cpu(), w.detach().cpu())
         except ValueError as exc:
             error = str(exc)
@@ -151,7 +146,6 @@ class ReferenceEpBuffer:
         self.recv_src[:n].copy_(rsrc)
         t = x.shape[0]
         tpe = layout.tokens_per_expert[self.rank].to(device=self.device, dtype=torch.int32)
-        DispatchHandle, DispatchResult = _dispatch_types()
         handle = DispatchHandle(
             idx, w, scatter.view(t, c.topk).to(device=self.device, dtype=torch.int32), t, mode
         )
@@ -258,35 +252,6 @@ class ReferenceEpBuffer:
         self.recv_w = grow(self.recv_w, float("nan"))
         self.recv_src = grow(self.recv_src, -1)
 
-    def _check_inputs(
-        self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """EpBuffer._check_inputs: the same checks and messages."""
-        c = self.cfg
-        for name, ten in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-            if ten.device != self.device:
-                raise ValueError(f"{name} must be on {self.device}, got {ten.device}")
-            if not ten.is_contiguous():
-                raise ValueError(f"{name} must be contiguous (stride {ten.stride()})")
-        if x.dim() != 2 or x.shape[1] != c.hidden or x.dtype != c.dtype:
-            raise ValueError(f"x must be [T, {c.hidden}] {c.dtype}, got {list(x.shape)} {x.dtype}")
-        t = x.shape[0]
-        if t > c.max_tokens:
-            raise ValueError(f"x has {t} tokens, more than max_tokens={c.max_tokens}")
-        if tuple(topk_idx.shape) != (t, c.topk) or topk_idx.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"topk_idx must be [{t}, {c.topk}] int32/int64, got {list(topk_idx.shape)} {topk_idx.dtype}"
-            )
-        if tuple(topk_weights.shape) != (t, c.topk) or topk_weights.dtype != torch.float32:
-            raise ValueError(
-                f"topk_weights must be [{t}, {c.topk}] float32, got {list(topk_weights.shape)} "
-                f"{topk_weights.dtype}"
-            )
-        if t:
-            lo, hi = int(topk_idx.min()), int(topk_idx.max())
-            if lo < -1 or hi >= c.num_experts:
-                raise ValueError(f"topk_idx values must be in [-1, {c.num_experts}), got min {lo}, max {hi}")
-        return x, topk_idx.to(torch.int32).contiguous(), topk_weights
 
 
 # --------------------------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cute_ep.validators.checks import world_of
+
 __all__ = [
     "IDENTITY_KEYS",
     "META_KEY",
@@ -418,14 +420,6 @@ def compare_baselines(expected: Baseline, actual: Baseline) -> Comparison:
 # --------------------------------------------------------------------------------------------
 
 
-def _world(group: Any) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise RuntimeError("a process group was given but torch.distributed is not initialised")
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def _root(group: Any) -> int:
     """Global rank of the group's rank 0 (collectives take global ranks)."""
     return 0 if group is None else dist.get_global_rank(group, 0)
@@ -436,7 +430,7 @@ def _gather_to_root(arrays: Mapping[str, Any], group: Any) -> list[dict[str, Any
     # Only moving to CPU before the collective: validation happens on rank 0 afterwards, so a bad
     # argument on one rank cannot make it skip the gather and hang the others.
     local = {k: (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in dict(arrays).items()}
-    rank, world = _world(group)
+    rank, world = world_of(group)
     if not dist.is_initialized():
         return [local]
     out: list[Any] | None = [None] * world if rank == 0 else None
@@ -475,7 +469,7 @@ def save_baseline(
     Raises:
         On every rank, whatever failed on rank 0 (bad arguments, write errors).
     """
-    rank, _ = _world(group)
+    rank, _ = world_of(group)
     gathered = _gather_to_root(arrays, group)
     outcome: Any = None
     if rank == 0:
@@ -512,7 +506,7 @@ def compare_to_baseline(
     Raises:
         BaselineConfigError: the baseline was made with another configuration.
     """
-    rank, _ = _world(group)
+    rank, _ = world_of(group)
     gathered = _gather_to_root(arrays, group)
     outcome: Any = None
     if rank == 0:

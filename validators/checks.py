@@ -67,7 +67,7 @@ class CheckResult:
 # --------------------------------------------------------------------------------------------
 
 
-def _world(group: Any) -> tuple[int, int]:
+def world_of(group: Any) -> tuple[int, int]:
     """(rank, world size) in ``group``; (0, 1) without an initialised process group."""
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
@@ -84,7 +84,7 @@ def _collective_device(group: Any) -> torch.device:
 
 
 def _all_gather(obj: Any, group: Any) -> list[Any]:
-    _, world = _world(group)
+    _, world = world_of(group)
     if world == 1 and not dist.is_initialized():
         return [obj]
     out: list[Any] = [None] * world
@@ -94,7 +94,7 @@ def _all_gather(obj: Any, group: Any) -> list[Any]:
 
 def _reduce_verdict(local_ok: bool, group: Any) -> list[int]:
     """Failing ranks, known on every rank: one all_reduce MIN over a per-rank flag vector."""
-    rank, world = _world(group)
+    rank, world = world_of(group)
     flags = torch.ones(world, dtype=torch.int32, device=_collective_device(group))
     flags[rank] = int(local_ok)
     if dist.is_initialized():
@@ -303,7 +303,7 @@ def check_dispatch(
     Returns:
         A :class:`CheckResult` with the verdict reduced over all ranks.
     """
-    rank, world = _world(group)
+    rank, world = world_of(group)
     gathered = _all_gather((_cpu(x), _cpu(topk_idx), _cpu(topk_weights)), group)
     msgs: list[str] = []
     counts = dict.fromkeys(ROUTE_CLASSES, 0)
@@ -368,7 +368,7 @@ def check_combine(
     Returns:
         A :class:`CheckResult` with the verdict reduced over all ranks.
     """
-    rank, world = _world(group)
+    rank, world = world_of(group)
     gathered = _all_gather((_cpu(topk_idx), _cpu(topk_weights), _cpu(scatter), _cpu(recv_y)), group)
     msgs: list[str] = []
     counts = dict.fromkeys(ROUTE_CLASSES, 0)
