@@ -1,0 +1,85 @@
+"""Bad input gets a clear error that names the constraint and the value (shared by every backend)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cute_ep.buffer import check_dispatch_inputs
+from cute_ep.kernels.config import ConfigError, EpConfig
+
+BASE = dict(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256, dtype=torch.bfloat16,
+            max_tokens=64)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(num_experts=30), "num_experts must be divisible by world_size=4, got 30"),
+        (dict(topk=33), r"topk must be in \[1, min\(num_experts=32, 64\)\], got 33"),
+        (dict(topk=0), r"topk must be in \[1, min\(num_experts=32, 64\)\], got 0"),
+        (dict(hidden=100), "multiple of 16 bytes: hidden=100 x 2 B = 200 B"),
+        (dict(hidden=6, dtype=torch.float32), "multiple of 16 bytes: hidden=6 x 4 B = 24 B"),
+        (dict(local_world_size=3), "local_world_size must divide world_size=4, got 3"),
+        (dict(dtype=torch.float64), "dtype must be one of"),
+        (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
+        (dict(num_experts=4 * 4096), "num_experts must be <= 12288"),
+        (dict(max_tokens=2**28, topk=8), r"world_size \* max_tokens \* topk must be < 2\*\*31"),
+    ],
+)
+def test_config_constraints(change, message):
+    with pytest.raises(ConfigError, match=message):
+        EpConfig(**{**BASE, **change})
+
+
+def test_config_defaults_to_worst_case_capacity():
+    cfg = EpConfig(**BASE)
+    assert cfg.capacity == 4 * 64 * min(2, 8)
+    assert cfg.experts_per_rank == 8 and cfg.nnodes == 2 and cfg.vec == 8
+
+
+def _inputs(t=8, h=256, k=2, dtype=torch.bfloat16):
+    x = torch.randn(t, h).to(dtype)
+    idx = torch.randint(0, 32, (t, k))
+    w = torch.rand(t, k)
+    return x, idx, w
+
+
+def test_valid_inputs_pass_and_ids_become_int32():
+    cfg = EpConfig(**BASE)
+    x, idx, w = _inputs()
+    idx[0, 0] = -1  # dropped is allowed
+    _, idx32, _ = check_dispatch_inputs(cfg, torch.device("cpu"), x, idx, w)
+    assert idx32.dtype == torch.int32 and torch.equal(idx32.long(), idx)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda x, i, w: (x, i.clone().fill_(32), w),
+         r"topk_idx values must be in \[-1, 32\), got min 32, max 32"),
+        (lambda x, i, w: (x, i.clone().fill_(-2), w), r"got min -2"),
+        (lambda x, i, w: (x.float(), i, w),
+         r"x must be \[T, 256\] torch.bfloat16, got \[8, 256\] torch.float32"),
+        (lambda x, i, w: (x[:, :128].contiguous(), i, w), r"x must be \[T, 256\]"),
+        (lambda x, i, w: (x.t().contiguous().t(), i, w), "x must be contiguous"),
+        (lambda x, i, w: (x, i[:, :1].contiguous(), w),
+         r"topk_idx must be \[8, 2\] int32/int64, got \[8, 1\]"),
+        (lambda x, i, w: (x, i.float(), w), "topk_idx must be .* int32/int64, got .* torch.float32"),
+        (lambda x, i, w: (x, i, w.double()),
+         r"topk_weights must be \[8, 2\] float32, got \[8, 2\] torch.float64"),
+        (lambda x, i, w: (x, i, w[:4]), r"topk_weights must be \[8, 2\] float32, got \[4, 2\]"),
+        (lambda x, i, w: (x, i, w.t().contiguous().t()), "topk_weights must be contiguous"),
+        (lambda x, i, w: (x.to("meta"), i, w), "x must be on cpu, got meta"),
+    ],
+)
+def test_bad_inputs_are_named(mutate, message):
+    cfg = EpConfig(**BASE)
+    with pytest.raises(ValueError, match=message):
+        check_dispatch_inputs(cfg, torch.device("cpu"), *mutate(*_inputs()))
+
+
+def test_more_tokens_than_the_buffer_was_built_for():
+    cfg = EpConfig(**BASE)
+    with pytest.raises(ValueError, match="x has 65 tokens, more than max_tokens=64"):
+        check_dispatch_inputs(cfg, torch.device("cpu"), *_inputs(t=65))
