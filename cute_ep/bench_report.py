@@ -1,0 +1,542 @@
+"""Metrics, JSON report, table and plot of ``scripts/benchmark.py`` (pure Python + numpy; CPU-testable).
+
+The one bandwidth formula (``/work/shared/design.md``, "Measuring"):
+
+* ``pairs_off`` = this rank's non-dropped (token, k) pairs whose expert lives on another rank.
+* algorithmic bandwidth = pairs_off * H * element bytes / time, for dispatch and for combine
+  (GB/s = 1e9 bytes per second). Sending a token once per destination rank would move fewer bytes,
+  so this may exceed the link rate.
+* bytes our kernels actually move per rank: dispatch = pairs_off * (H * b + 8) (the row, its fp32
+  weight and its int32 source tag), combine = pairs_off * H * b; their rate is also reported as a
+  percentage of the NVLink4 line rate (450 GB/s per direction per GPU).
+* NCCL baseline: ``all_to_all_single`` moving exactly those rows; ratio = NCCL time / our time.
+
+A report is ``{"schema": SCHEMA, "meta": {...}, "rows": [{...}, ...]}``; ``META_KEYS`` and
+``ROW_KEYS`` (the fields of :class:`BenchRow`) are required, extra keys are kept. No GPU import here:
+matplotlib is imported inside :func:`plot` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import importlib.metadata
+import json
+import math
+import os
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "META_KEYS",
+    "NVLINK4_LINE_RATE_GBPS",
+    "ROW_KEYS",
+    "SCHEMA",
+    "TAG_BYTES",
+    "BenchReportError",
+    "BenchRow",
+    "bandwidth_gbps",
+    "combine_moved_bytes",
+    "dispatch_moved_bytes",
+    "format_row",
+    "format_table",
+    "git_sha",
+    "load_json",
+    "median",
+    "package_versions",
+    "pairs_off",
+    "parse_int_list",
+    "parse_name_list",
+    "plot",
+    "split_sizes",
+    "table_header",
+    "utc_timestamp",
+    "write_json",
+]
+
+SCHEMA = "cute-ep-bench/1"
+NVLINK4_LINE_RATE_GBPS = 450.0  # H100/H200 NVLink4: 18 links x 25 GB/s, per direction
+TAG_BYTES = 8  # per dispatched row besides the row itself: fp32 weight + int32 source tag
+VERSION_PACKAGES = (
+    "cute-ep",
+    "torch",
+    "numpy",
+    "nvidia-cutlass-dsl",
+    "nvshmem4py-cu13",
+    "nvidia-nvshmem-cu13",
+    "cuda-python",
+)
+META_KEYS = (
+    "device",
+    "world_size",
+    "local_world_size",
+    "config",
+    "symmetric_bytes",
+    "line_rate_gbps",
+    "versions",
+    "git_sha",
+    "timestamp",
+    "command",
+)
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class BenchReportError(ValueError):
+    """A benchmark report (or an argument of these helpers) that does not have the expected form."""
+
+
+# --------------------------------------------------------------------------------------------------
+# routing metrics
+# --------------------------------------------------------------------------------------------------
+
+
+def _routing(topk_idx: Any, experts_per_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """(owner rank of every non-dropped pair, flat) from a [T, K] array of expert ids (-1 dropped)."""
+    if experts_per_rank < 1:
+        raise BenchReportError(f"experts_per_rank must be >= 1, got {experts_per_rank}")
+    ids = np.asarray(topk_idx)
+    if ids.ndim != 2:
+        raise BenchReportError(f"topk_idx must be 2-D [T, K], got shape {ids.shape}")
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise BenchReportError(f"topk_idx must hold integers, got {ids.dtype}")
+    ids = ids.astype(np.int64, copy=False).reshape(-1)
+    if ids.size and int(ids.min()) < -1:
+        raise BenchReportError(f"topk_idx values must be >= -1 (-1: dropped), got {int(ids.min())}")
+    kept = ids[ids >= 0]
+    return kept // experts_per_rank, kept
+
+
+def pairs_off(topk_idx: Any, rank: int, experts_per_rank: int) -> int:
+    """Non-dropped (t, k) pairs of ``topk_idx`` ([T, K], any integer array) whose expert's owner
+    (expert // experts_per_rank) is not ``rank``."""
+    owners, _ = _routing(topk_idx, experts_per_rank)
+    return int(np.count_nonzero(owners != rank))
+
+
+def split_sizes(topk_idx: Any, world_size: int, experts_per_rank: int) -> list[int]:
+    """Pairs per destination rank (dropped excluded, self included): the all_to_all split sizes."""
+    if world_size < 1:
+        raise BenchReportError(f"world_size must be >= 1, got {world_size}")
+    owners, kept = _routing(topk_idx, experts_per_rank)
+    if owners.size and int(owners.max()) >= world_size:
+        raise BenchReportError(
+            f"expert {int(kept.max())} is owned by rank {int(owners.max())}, outside world_size={world_size} "
+            f"({experts_per_rank} experts per rank)"
+        )
+    return [int(c) for c in np.bincount(owners, minlength=world_size)]
+
+
+def bandwidth_gbps(nbytes: float, seconds: float) -> float:
+    """nbytes / seconds in GB/s (1 GB = 1e9 bytes)."""
+    if nbytes < 0:
+        raise BenchReportError(f"nbytes must be >= 0, got {nbytes}")
+    if not seconds > 0:
+        raise BenchReportError(f"seconds must be > 0, got {seconds}")
+    return nbytes / seconds / 1e9
+
+
+def dispatch_moved_bytes(pairs: float, row_bytes: int) -> float:
+    """Bytes our dispatch moves off-rank: each off-rank pair's row, weight and tag."""
+    return pairs * (row_bytes + TAG_BYTES)
+
+
+def combine_moved_bytes(pairs: float, row_bytes: int) -> float:
+    """Bytes our combine moves off-rank: each off-rank pair's expert-output row."""
+    return pairs * row_bytes
+
+
+def median(values: Iterable[float]) -> float:
+    """Median of a non-empty sequence of numbers (mean of the middle two for an even count)."""
+    vals = sorted(float(v) for v in values)
+    if not vals:
+        raise BenchReportError("median of an empty sequence")
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+
+
+# --------------------------------------------------------------------------------------------------
+# rows
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchRow:
+    """One (routing, tokens per rank, mode) measurement: what was measured and what follows from it.
+
+    Times are microseconds. ``*_per_rank`` lists are indexed by rank: each rank's median over the
+    timed iterations. ``dispatch_us`` etc. are the slowest rank's median (the collective is done
+    when its slowest rank is), ``*_min`` / ``*_max`` the fastest and slowest ranks' medians.
+    ``pairs_off`` per rank is the mean over the input sets. Bandwidths (GB/s) divide the mean over
+    ranks of ``pairs_off`` bytes by the slowest rank's median; ``*_line_pct`` is the moved rate as a
+    percentage of ``line_rate_gbps``; ``*_ratio`` = NCCL time / our time (> 1: we are faster).
+    ``checked``: a bit-exact dispatch + combine round passed before timing (False: not checked).
+    """
+
+    routing: str
+    tokens: int
+    mode: str
+    checked: bool
+    row_bytes: int
+    line_rate_gbps: float
+    pairs_off: list[float]
+    pairs_off_mean: float
+    dispatch_us: float
+    dispatch_us_min: float
+    dispatch_us_max: float
+    dispatch_us_per_rank: list[float]
+    combine_us: float
+    combine_us_min: float
+    combine_us_max: float
+    combine_us_per_rank: list[float]
+    nccl_dispatch_us: float
+    nccl_dispatch_us_min: float
+    nccl_dispatch_us_max: float
+    nccl_dispatch_us_per_rank: list[float]
+    nccl_combine_us: float
+    nccl_combine_us_min: float
+    nccl_combine_us_max: float
+    nccl_combine_us_per_rank: list[float]
+    dispatch_alg_gbps: float
+    combine_alg_gbps: float
+    dispatch_moved_gbps: float
+    combine_moved_gbps: float
+    dispatch_line_pct: float
+    combine_line_pct: float
+    nccl_dispatch_gbps: float
+    nccl_combine_gbps: float
+    dispatch_ratio: float
+    combine_ratio: float
+
+    @classmethod
+    def from_measurements(
+        cls,
+        *,
+        routing: str,
+        tokens: int,
+        mode: str,
+        checked: bool,
+        row_bytes: int,
+        pairs_off: Sequence[float],
+        dispatch_us: Sequence[float],
+        combine_us: Sequence[float],
+        nccl_dispatch_us: Sequence[float],
+        nccl_combine_us: Sequence[float],
+        line_rate_gbps: float = NVLINK4_LINE_RATE_GBPS,
+    ) -> BenchRow:
+        """Build a row from per-rank values (each sequence indexed by rank, all the same length)."""
+        per_rank = {
+            "pairs_off": [float(v) for v in pairs_off],
+            "dispatch_us": [float(v) for v in dispatch_us],
+            "combine_us": [float(v) for v in combine_us],
+            "nccl_dispatch_us": [float(v) for v in nccl_dispatch_us],
+            "nccl_combine_us": [float(v) for v in nccl_combine_us],
+        }
+        world = len(per_rank["pairs_off"])
+        if world == 0 or any(len(v) != world for v in per_rank.values()):
+            raise BenchReportError(
+                "per-rank sequences must be non-empty and of one length, got lengths "
+                + ", ".join(f"{k}={len(v)}" for k, v in per_rank.items())
+            )
+        for name, vals in per_rank.items():
+            if name != "pairs_off" and any(not (v > 0 and math.isfinite(v)) for v in vals):
+                raise BenchReportError(f"{name} must be positive finite times, got {vals}")
+        if any(v < 0 for v in per_rank["pairs_off"]):
+            raise BenchReportError(f"pairs_off must be >= 0, got {per_rank['pairs_off']}")
+
+        mean_pairs = sum(per_rank["pairs_off"]) / world
+        alg_bytes = mean_pairs * row_bytes
+        times = {k: v for k, v in per_rank.items() if k != "pairs_off"}
+        slowest = {k: max(v) for k, v in times.items()}
+
+        def gbps(nbytes: float, key: str) -> float:
+            return bandwidth_gbps(nbytes, slowest[key] * 1e-6)
+
+        d_moved = gbps(dispatch_moved_bytes(mean_pairs, row_bytes), "dispatch_us")
+        c_moved = gbps(combine_moved_bytes(mean_pairs, row_bytes), "combine_us")
+        fields: dict[str, Any] = {
+            "routing": routing,
+            "tokens": int(tokens),
+            "mode": mode,
+            "checked": bool(checked),
+            "row_bytes": int(row_bytes),
+            "line_rate_gbps": float(line_rate_gbps),
+            "pairs_off": per_rank["pairs_off"],
+            "pairs_off_mean": mean_pairs,
+            "dispatch_alg_gbps": gbps(alg_bytes, "dispatch_us"),
+            "combine_alg_gbps": gbps(alg_bytes, "combine_us"),
+            "dispatch_moved_gbps": d_moved,
+            "combine_moved_gbps": c_moved,
+            "dispatch_line_pct": 100.0 * d_moved / line_rate_gbps,
+            "combine_line_pct": 100.0 * c_moved / line_rate_gbps,
+            "nccl_dispatch_gbps": gbps(alg_bytes, "nccl_dispatch_us"),
+            "nccl_combine_gbps": gbps(alg_bytes, "nccl_combine_us"),
+            "dispatch_ratio": slowest["nccl_dispatch_us"] / slowest["dispatch_us"],
+            "combine_ratio": slowest["nccl_combine_us"] / slowest["combine_us"],
+        }
+        for key, vals in times.items():
+            fields[key] = max(vals)
+            fields[f"{key}_min"] = min(vals)
+            fields[f"{key}_max"] = max(vals)
+            fields[f"{key}_per_rank"] = vals
+        return cls(**fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+ROW_KEYS = tuple(f.name for f in dataclasses.fields(BenchRow))
+
+
+def _row_dict(row: BenchRow | Mapping[str, Any]) -> dict[str, Any]:
+    return row.to_dict() if isinstance(row, BenchRow) else dict(row)
+
+
+# --------------------------------------------------------------------------------------------------
+# JSON
+# --------------------------------------------------------------------------------------------------
+
+
+def _describe_row(row: Mapping[str, Any]) -> str:
+    return f"({row.get('routing', '?')}, tokens={row.get('tokens', '?')}, mode={row.get('mode', '?')})"
+
+
+def _check_report(report: Any, where: str) -> None:
+    if not isinstance(report, Mapping):
+        raise BenchReportError(f"{where}: a report must be a JSON object, got {type(report).__name__}")
+    missing_top = [k for k in ("schema", "meta", "rows") if k not in report]
+    if missing_top:
+        raise BenchReportError(f"{where}: missing top-level key(s) {missing_top}")
+    if report["schema"] != SCHEMA:
+        raise BenchReportError(f"{where}: schema is {report['schema']!r}, expected {SCHEMA!r}")
+    meta, rows = report["meta"], report["rows"]
+    if not isinstance(meta, Mapping):
+        raise BenchReportError(f"{where}: 'meta' must be an object, got {type(meta).__name__}")
+    missing_meta = [k for k in META_KEYS if k not in meta]
+    if missing_meta:
+        raise BenchReportError(f"{where}: meta is missing key(s) {missing_meta}")
+    if not isinstance(rows, list):
+        raise BenchReportError(f"{where}: 'rows' must be a list, got {type(rows).__name__}")
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise BenchReportError(f"{where}: row {i} must be an object, got {type(row).__name__}")
+        missing = [k for k in ROW_KEYS if k not in row]
+        if missing:
+            raise BenchReportError(f"{where}: row {i} {_describe_row(row)} is missing key(s) {missing}")
+
+
+def write_json(
+    path: str | os.PathLike, meta: Mapping[str, Any], rows: Sequence[BenchRow | Mapping[str, Any]]
+) -> dict[str, Any]:
+    """Validate and write ``{"schema", "meta", "rows"}`` to ``path`` (parents made; written to a
+    temporary file first, then renamed, so a reader never sees half a report). Returns the report."""
+    report = {"schema": SCHEMA, "meta": dict(meta), "rows": [_row_dict(r) for r in rows]}
+    _check_report(report, str(path))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+    return report
+
+
+def load_json(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a report written by :func:`write_json`; raise :class:`BenchReportError` naming what is
+    missing or malformed (not JSON, another schema, a meta or row key absent)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise BenchReportError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        report = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BenchReportError(f"{path}: not JSON: {exc}") from exc
+    _check_report(report, str(path))
+    return report
+
+
+# --------------------------------------------------------------------------------------------------
+# table
+# --------------------------------------------------------------------------------------------------
+
+# (header, width, format of the row's values)
+_COLUMNS: tuple[tuple[str, int, Any], ...] = (
+    ("routing", 8, lambda r: str(r["routing"])),
+    ("tokens", 6, lambda r: str(r["tokens"])),
+    ("mode", 7, lambda r: str(r["mode"])),
+    ("chk", 3, lambda r: "yes" if r["checked"] else "-"),
+    ("disp us", 8, lambda r: f"{r['dispatch_us']:.1f}"),
+    ("comb us", 8, lambda r: f"{r['combine_us']:.1f}"),
+    ("disp alg", 8, lambda r: f"{r['dispatch_alg_gbps']:.1f}"),
+    ("comb alg", 8, lambda r: f"{r['combine_alg_gbps']:.1f}"),
+    ("disp moved", 13, lambda r: f"{r['dispatch_moved_gbps']:.1f} ({r['dispatch_line_pct']:.0f}%)"),
+    ("comb moved", 13, lambda r: f"{r['combine_moved_gbps']:.1f} ({r['combine_line_pct']:.0f}%)"),
+    ("nccl d us", 9, lambda r: f"{r['nccl_dispatch_us']:.1f}"),
+    ("nccl c us", 9, lambda r: f"{r['nccl_combine_us']:.1f}"),
+    ("ratio d", 7, lambda r: f"{r['dispatch_ratio']:.2f}"),
+    ("ratio c", 7, lambda r: f"{r['combine_ratio']:.2f}"),
+)
+TABLE_NOTE = (
+    "us: slowest rank's median; alg/moved: GB/s (1e9 B/s) from the mean off-rank pairs over ranks; "
+    "%: of the line rate; ratio: NCCL time / ours (> 1: faster than NCCL)"
+)
+
+
+def table_header() -> str:
+    """The header line of :func:`format_table` (printed once before progressive rows)."""
+    return "  ".join(name.rjust(width) for name, width, _ in _COLUMNS)
+
+
+def format_row(row: BenchRow | Mapping[str, Any]) -> str:
+    """One table line of a row (aligned with :func:`table_header`)."""
+    r = _row_dict(row)
+    return "  ".join(fmt(r).rjust(width) for _, width, fmt in _COLUMNS)
+
+
+def format_table(rows: Sequence[BenchRow | Mapping[str, Any]]) -> str:
+    """Header, a rule and one line per row, then a note on the units."""
+    head = table_header()
+    lines = [head, "-" * len(head), *(format_row(r) for r in rows), TABLE_NOTE]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# plot
+# --------------------------------------------------------------------------------------------------
+
+
+def plot(report: Mapping[str, Any], png_path: str | os.PathLike) -> Path:
+    """Algorithmic bandwidth vs tokens per rank (log x), ours vs NCCL, for dispatch and combine; one
+    line per routing (and dispatch mode) for ours, one dashed line per routing for NCCL. Renders with
+    the Agg canvas (no display, no global pyplot state); returns the path written."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    _check_report({"schema": SCHEMA, **report} if "schema" not in report else report, str(png_path))
+    rows = [_row_dict(r) for r in report["rows"]]
+    meta = report["meta"]
+    fig = Figure(figsize=(13, 5.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2, sharey=False)
+    routings = list(dict.fromkeys(r["routing"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(routings)}
+    markers = ("o", "^", "D", "v", "P")
+    for ax, op in zip(axes, ("dispatch", "combine"), strict=True):
+        for routing in routings:
+            for mi, mode in enumerate(modes):
+                sel = sorted(
+                    (r for r in rows if r["routing"] == routing and r["mode"] == mode),
+                    key=lambda r: r["tokens"],
+                )
+                if not sel:
+                    continue
+                label = f"cute-ep {routing}" + (f" ({mode})" if len(modes) > 1 else "")
+                ax.plot(
+                    [r["tokens"] for r in sel],
+                    [r[f"{op}_alg_gbps"] for r in sel],
+                    marker=markers[mi % len(markers)],
+                    color=colors[routing],
+                    label=label,
+                )
+            by_tokens = {r["tokens"]: r for r in rows if r["routing"] == routing}
+            toks = sorted(by_tokens)
+            if toks:
+                ax.plot(
+                    toks,
+                    [by_tokens[t][f"nccl_{op}_gbps"] for t in toks],
+                    linestyle="--",
+                    marker="s",
+                    markerfacecolor="none",
+                    color=colors[routing],
+                    label=f"NCCL all_to_all {routing}",
+                )
+        ax.set_xscale("log", base=2)
+        all_tokens = sorted({r["tokens"] for r in rows})
+        if all_tokens:
+            ax.set_xticks(all_tokens, [str(t) for t in all_tokens])
+            ax.minorticks_off()
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("algorithmic GB/s (off-rank pairs x H x b / time)")
+        ax.set_title(op)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_ylim(bottom=0)
+        if rows:
+            ax.legend(fontsize="small")
+    cfg = meta.get("config", {})
+    fig.suptitle(
+        f"{meta.get('device', '?')} x {meta.get('world_size', '?')} "
+        f"(local {meta.get('local_world_size', '?')}): H={cfg.get('hidden', '?')}, "
+        f"top-k={cfg.get('topk', '?')}, E={cfg.get('num_experts', '?')}, {cfg.get('dtype', '?')}; "
+        f"median of {cfg.get('iters', '?')} iters, slowest rank"
+    )
+    path = Path(png_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# small helpers for the script's metadata and arguments
+# --------------------------------------------------------------------------------------------------
+
+
+def package_versions(packages: Iterable[str] = VERSION_PACKAGES) -> dict[str, str | None]:
+    """Installed version of each distribution (None where it is not installed)."""
+    out: dict[str, str | None] = {}
+    for pkg in packages:
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def git_sha(repo: str | os.PathLike = _REPO_ROOT) -> str | None:
+    """``git rev-parse HEAD`` of ``repo`` with "-dirty" appended when tracked files are modified;
+    None without git or outside a repository."""
+
+    def git(*args: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=repo, capture_output=True, text=True, timeout=10, check=False
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    head = git("rev-parse", "HEAD")
+    if head is None or head.returncode != 0 or not head.stdout.strip():
+        return None
+    sha = head.stdout.strip()
+    status = git("status", "--porcelain", "--untracked-files=no")
+    if status is not None and status.returncode == 0 and status.stdout.strip():
+        sha += "-dirty"
+    return sha
+
+
+def utc_timestamp() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def parse_int_list(text: str, name: str) -> list[int]:
+    """ "128,256, 512" -> [128, 256, 512] (order kept, duplicates removed); every value >= 1."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise BenchReportError(f"{name} must be a comma-separated list of integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise BenchReportError(f"{name} must list integers >= 1, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def parse_name_list(text: str, name: str, allowed: Sequence[str]) -> list[str]:
+    """ "uniform,skewed" -> ["uniform", "skewed"]; every name in ``allowed``, duplicates removed."""
+    values = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [v for v in values if v not in allowed]
+    if not values or unknown:
+        raise BenchReportError(f"{name} must be a comma-separated list of {list(allowed)}, got {text!r}")
+    return list(dict.fromkeys(values))

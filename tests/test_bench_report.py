@@ -1,0 +1,528 @@
+"""cute_ep.bench_report (metrics, JSON, table, plot) on the CPU, and scripts/benchmark.py's --help."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cute_ep import bench_report as br
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "benchmark.py"
+
+
+# --------------------------------------------------------------------------------------------------
+# routing metrics against naive loops
+# --------------------------------------------------------------------------------------------------
+
+
+def _naive_pairs_off(idx: np.ndarray, rank: int, el: int) -> int:
+    n = 0
+    for t in range(idx.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            if e >= 0 and e // el != rank:
+                n += 1
+    return n
+
+
+def _naive_splits(idx: np.ndarray, world: int, el: int) -> list[int]:
+    out = [0] * world
+    for t in range(idx.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            if e >= 0:
+                out[e // el] += 1
+    return out
+
+
+def _random_idx(rng: np.random.Generator, tokens: int, topk: int, experts: int, drop: float) -> np.ndarray:
+    idx = (
+        np.stack([rng.permutation(experts)[:topk] for _ in range(tokens)])
+        if tokens
+        else np.zeros((0, topk), dtype=np.int64)
+    )
+    idx = idx.astype(np.int64)
+    idx[rng.random(idx.shape) < drop] = -1
+    return idx
+
+
+@pytest.mark.parametrize("world,experts,topk,tokens,drop", [
+    (4, 32, 2, 64, 0.0), (4, 32, 8, 37, 0.25), (2, 8, 3, 1, 0.5), (8, 256, 8, 100, 0.1), (1, 4, 4, 9, 0.3),
+    (4, 16, 2, 0, 0.0),
+])  # fmt: skip
+def test_pairs_off_and_split_sizes_match_naive_loops(world, experts, topk, tokens, drop):
+    rng = np.random.default_rng(world * 1000 + tokens)
+    idx = _random_idx(rng, tokens, topk, experts, drop)
+    el = experts // world
+    for dtype in (np.int64, np.int32):
+        splits = br.split_sizes(idx.astype(dtype), world, el)
+        assert splits == _naive_splits(idx, world, el)
+        assert all(isinstance(v, int) for v in splits)
+        for rank in range(world):
+            got = br.pairs_off(idx.astype(dtype), rank, el)
+            assert isinstance(got, int)
+            assert got == _naive_pairs_off(idx, rank, el)
+            # off-rank pairs = all kept pairs minus those to self
+            assert got == sum(splits) - splits[rank]
+
+
+def test_dropped_ids_and_a_rank_with_no_pairs():
+    # 2 ranks, 4 experts per rank: every kept pair goes to rank 0's experts.
+    idx = np.array([[0, -1], [3, 1], [-1, -1], [2, 0]])
+    assert br.split_sizes(idx, 2, 4) == [5, 0]
+    assert br.pairs_off(idx, 0, 4) == 0  # all to self
+    assert br.pairs_off(idx, 1, 4) == 5  # all off-rank
+    everything_dropped = np.full((3, 2), -1)
+    assert br.split_sizes(everything_dropped, 2, 4) == [0, 0]
+    assert br.pairs_off(everything_dropped, 1, 4) == 0
+
+
+def test_pairs_off_accepts_torch_cpu_tensors():
+    torch = pytest.importorskip("torch")
+    idx = torch.tensor([[0, 5], [7, -1]], dtype=torch.int32)
+    assert br.pairs_off(idx, 0, 4) == 2
+    assert br.split_sizes(idx, 2, 4) == [1, 2]
+
+
+def test_routing_metrics_reject_bad_input():
+    with pytest.raises(br.BenchReportError, match="2-D"):
+        br.pairs_off(np.zeros(4, dtype=np.int64), 0, 2)
+    with pytest.raises(br.BenchReportError, match=">= -1"):
+        br.split_sizes(np.array([[-2, 0]]), 2, 2)
+    with pytest.raises(br.BenchReportError, match="outside world_size"):
+        br.split_sizes(np.array([[0, 9]]), 2, 2)
+    with pytest.raises(br.BenchReportError, match="integers"):
+        br.pairs_off(np.array([[0.5]]), 0, 2)
+
+
+# --------------------------------------------------------------------------------------------------
+# bandwidth, median, rows
+# --------------------------------------------------------------------------------------------------
+
+
+def test_bandwidth_formula():
+    assert br.bandwidth_gbps(1e9, 1.0) == pytest.approx(1.0)
+    # 4096 off-rank pairs of a 7168-element bf16 row in 100 us
+    assert br.bandwidth_gbps(4096 * 7168 * 2, 100e-6) == pytest.approx(587.20256)  # bytes per us / 1e3
+    assert br.bandwidth_gbps(0, 1e-6) == 0.0
+    with pytest.raises(br.BenchReportError):
+        br.bandwidth_gbps(1, 0.0)
+    with pytest.raises(br.BenchReportError):
+        br.bandwidth_gbps(-1, 1.0)
+    assert br.dispatch_moved_bytes(10, 14336) == 10 * (14336 + 8)
+    assert br.combine_moved_bytes(10, 14336) == 10 * 14336
+
+
+def test_median():
+    assert br.median([3, 1, 2]) == 2
+    assert br.median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    assert br.median(iter([7])) == 7
+    with pytest.raises(br.BenchReportError):
+        br.median([])
+
+
+def _row(routing="uniform", tokens=4096, mode="scatter", checked=False, scale=1.0, world=4) -> br.BenchRow:
+    return br.BenchRow.from_measurements(
+        routing=routing, tokens=tokens, mode=mode, checked=checked, row_bytes=7168 * 2,
+        pairs_off=[tokens * 6.0 + r for r in range(world)],
+        dispatch_us=[scale * (100.0 + r) for r in range(world)],
+        combine_us=[scale * (150.0 + 2 * r) for r in range(world)],
+        nccl_dispatch_us=[scale * (300.0 - r) for r in range(world)],
+        nccl_combine_us=[scale * 310.0 for _ in range(world)],
+    )  # fmt: skip
+
+
+def test_row_derived_fields():
+    row = _row()
+    rb = 7168 * 2
+    mean_pairs = 4096 * 6.0 + 1.5
+    assert row.pairs_off_mean == pytest.approx(mean_pairs)
+    assert (row.dispatch_us, row.dispatch_us_min, row.dispatch_us_max) == (103.0, 100.0, 103.0)
+    assert row.dispatch_us_per_rank == [100.0, 101.0, 102.0, 103.0]
+    assert (row.combine_us, row.nccl_dispatch_us, row.nccl_dispatch_us_min) == (156.0, 300.0, 297.0)
+    assert row.dispatch_alg_gbps == pytest.approx(mean_pairs * rb / 103e-6 / 1e9)
+    assert row.combine_alg_gbps == pytest.approx(mean_pairs * rb / 156e-6 / 1e9)
+    assert row.dispatch_moved_gbps == pytest.approx(mean_pairs * (rb + 8) / 103e-6 / 1e9)
+    assert row.combine_moved_gbps == pytest.approx(row.combine_alg_gbps)
+    assert row.dispatch_line_pct == pytest.approx(100 * row.dispatch_moved_gbps / 450.0)
+    assert row.nccl_dispatch_gbps == pytest.approx(mean_pairs * rb / 300e-6 / 1e9)
+    assert row.dispatch_ratio == pytest.approx(300.0 / 103.0)
+    assert row.combine_ratio == pytest.approx(310.0 / 156.0)
+    # Same bytes for both: the bandwidth ratio is the time ratio.
+    assert row.dispatch_alg_gbps / row.nccl_dispatch_gbps == pytest.approx(row.dispatch_ratio)
+    assert set(row.to_dict()) == set(br.ROW_KEYS)
+
+
+def test_row_rejects_inconsistent_measurements():
+    kw = dict(routing="u", tokens=1, mode="scatter", checked=True, row_bytes=16)
+    with pytest.raises(br.BenchReportError, match="one length"):
+        br.BenchRow.from_measurements(
+            **kw,
+            pairs_off=[1, 2],
+            dispatch_us=[1.0],
+            combine_us=[1, 1],
+            nccl_dispatch_us=[1, 1],
+            nccl_combine_us=[1, 1],
+        )
+    with pytest.raises(br.BenchReportError, match="positive"):
+        br.BenchRow.from_measurements(
+            **kw, pairs_off=[1], dispatch_us=[0.0], combine_us=[1], nccl_dispatch_us=[1], nccl_combine_us=[1]
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# JSON, table, plot
+# --------------------------------------------------------------------------------------------------
+
+
+def _meta() -> dict:
+    return {
+        "device": "NVIDIA H200",
+        "world_size": 4,
+        "local_world_size": 4,
+        "config": {"hidden": 7168, "topk": 8, "num_experts": 256, "dtype": "bfloat16", "iters": 50},
+        "symmetric_bytes": 123456,
+        "line_rate_gbps": br.NVLINK4_LINE_RATE_GBPS,
+        "versions": br.package_versions(),
+        "git_sha": br.git_sha(),
+        "timestamp": br.utc_timestamp(),
+        "command": "python scripts/benchmark.py --tokens 128,4096",
+        "extra": {"kept": True},
+    }
+
+
+def _rows() -> list[br.BenchRow]:
+    return [
+        _row(routing, tokens, checked=tokens <= 1024, scale=tokens / 4096)
+        for routing in ("uniform", "skewed")
+        for tokens in (128, 1024, 4096)
+    ]
+
+
+def test_json_round_trip(tmp_path):
+    path = tmp_path / "sub" / "report.json"
+    rows = _rows()
+    written = br.write_json(path, _meta(), rows)
+    loaded = br.load_json(path)
+    assert loaded == written
+    assert loaded["schema"] == br.SCHEMA
+    assert loaded["meta"]["extra"] == {"kept": True}
+    assert [r["tokens"] for r in loaded["rows"]] == [r.tokens for r in rows]
+    assert loaded["rows"][0] == rows[0].to_dict()
+    assert not [p for p in path.parent.iterdir() if p.name != "report.json"]  # no temporary left
+    # Rows given as dicts (as the script holds them) write the same report.
+    assert (
+        br.write_json(
+            path, _meta() | {"timestamp": written["meta"]["timestamp"]}, [r.to_dict() for r in rows]
+        )["rows"]
+        == written["rows"]
+    )
+
+
+@pytest.mark.parametrize("where", ["meta", "row", "top"])
+def test_load_json_names_a_missing_key(tmp_path, where):
+    report = {"schema": br.SCHEMA, "meta": _meta(), "rows": [r.to_dict() for r in _rows()]}
+    if where == "meta":
+        del report["meta"]["git_sha"]
+        pattern = r"meta is missing key\(s\) \['git_sha'\]"
+    elif where == "row":
+        del report["rows"][4]["combine_ratio"]
+        pattern = r"row 4 \(skewed, tokens=1024, mode=scatter\) is missing key\(s\) \['combine_ratio'\]"
+    else:
+        del report["rows"]
+        pattern = r"missing top-level key\(s\) \['rows'\]"
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(report))
+    with pytest.raises(br.BenchReportError, match=pattern):
+        br.load_json(path)
+
+
+def test_load_json_other_problems(tmp_path):
+    with pytest.raises(br.BenchReportError, match="cannot read"):
+        br.load_json(tmp_path / "absent.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(br.BenchReportError, match="not JSON"):
+        br.load_json(bad)
+    bad.write_text(json.dumps({"schema": "other/0", "meta": {}, "rows": []}))
+    with pytest.raises(br.BenchReportError, match="schema"):
+        br.load_json(bad)
+
+
+def test_write_json_refuses_an_incomplete_report(tmp_path):
+    meta = _meta()
+    del meta["device"]
+    with pytest.raises(br.BenchReportError, match="device"):
+        br.write_json(tmp_path / "r.json", meta, _rows())
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_write_json_refuses_nan(tmp_path):
+    row = _rows()[0].to_dict() | {"dispatch_ratio": math.nan}
+    with pytest.raises(ValueError):
+        br.write_json(tmp_path / "r.json", _meta(), [row])
+
+
+def test_format_table_has_every_row():
+    rows = _rows()
+    table = br.format_table(rows)
+    lines = table.splitlines()
+    assert lines[0] == br.table_header()
+    assert len(lines) == 2 + len(rows) + 1  # header, rule, rows, note
+    body = lines[2:-1]
+    for row, line in zip(rows, body, strict=True):
+        assert line == br.format_row(row)
+        assert line.split()[:3] == [row.routing, str(row.tokens), row.mode]
+        assert f"{row.dispatch_us:.1f}" in line and f"{row.combine_ratio:.2f}" in line
+        assert f"({row.dispatch_line_pct:.0f}%)" in line
+        assert len(line) == len(lines[0])  # aligned
+    assert br.format_table([r.to_dict() for r in rows]) == table
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is in the dev extra")
+    report = br.write_json(tmp_path / "r.json", _meta(), _rows() + [_row(mode="atomic", tokens=512)])
+    path = br.plot(report, tmp_path / "plots" / "r.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    # A report loaded back from disk plots too.
+    assert br.plot(br.load_json(tmp_path / "r.json"), tmp_path / "again.png").stat().st_size > 10_000
+
+
+def test_parse_lists():
+    assert br.parse_int_list("128, 256,128,8192", "--tokens") == [128, 256, 8192]
+    for bad in ("", "12,x", "0,4", "-1"):
+        with pytest.raises(br.BenchReportError, match="--tokens"):
+            br.parse_int_list(bad, "--tokens")
+    assert br.parse_name_list("uniform,skewed,uniform", "--routing", ("uniform", "skewed")) == [
+        "uniform",
+        "skewed",
+    ]
+    with pytest.raises(br.BenchReportError, match="--routing"):
+        br.parse_name_list("uniform,hot", "--routing", ("uniform", "skewed"))
+
+
+def test_bench_report_has_no_gpu_or_torch_import():
+    code = (
+        "import sys; import cute_ep.bench_report; "
+        "bad = [m for m in ('torch', 'cutlass', 'nvshmem', 'cuda', 'matplotlib') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# the script on the CPU: --help and argument errors need no GPU
+# --------------------------------------------------------------------------------------------------
+
+
+def _script(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120, cwd=REPO, env=env
+    )
+
+
+def test_benchmark_help_runs_on_cpu():
+    res = _script("--help")
+    assert res.returncode == 0, res.stderr
+    for flag in ("--hidden", "--tokens", "--routing", "--modes", "--iters", "--warmup", "--input-sets",
+                 "--num-sms", "--validate-max-tokens", "--local-world-size", "--out-json", "--out-png",
+                 "--seed"):  # fmt: skip
+        assert flag in res.stdout
+
+
+def test_benchmark_help_imports_nothing_of_the_gpu():
+    code = (
+        f"import sys; sys.argv = ['benchmark.py', '--help']; sys.path.insert(0, {str(SCRIPT.parent)!r})\n"
+        "import runpy\n"
+        "try:\n"
+        f"    runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "gpu = ('torch', 'cutlass', 'nvshmem', 'cuda.bindings', 'cuda.core')\n"
+        "bad = [m for m in gpu if m in sys.modules]\n"
+        "print('imported:', bad); sys.exit(1 if bad else 0)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tokens", "128,abc"], "--tokens"),
+    (["--routing", "uniform,hot"], "--routing"),
+    (["--modes", "fast"], "--modes"),
+    (["--iters", "0"], "--iters"),
+    (["--tokens", "70000"], "65536"),
+])  # fmt: skip
+def test_benchmark_rejects_bad_arguments_before_any_launch(args, message):
+    res = _script(*args)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert message in res.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# the script's whole sweep over gloo (4 CPU ranks as 2 virtual nodes): the torch reference buffer
+# stands in for EpBuffer, a step counter for the CUDA-event timer, gloo for NCCL
+# --------------------------------------------------------------------------------------------------
+
+_WORKER = r'''
+import sys
+sys.path.insert(0, SCRIPTS)
+import benchmark as bm
+from dispatch_and_combine import DTYPES, Printer
+from cute_ep.bootstrap.dist_env import DistEnv
+from cute_ep.bootstrap.runtime import Runtime
+from cute_ep.kernels.config import EpConfig
+from cute_ep.reference_backend import ReferenceEpBuffer
+
+
+class Launching(ReferenceEpBuffer):
+    """ReferenceEpBuffer plus the two sync-free launches of EpBuffer (here: synchronous)."""
+
+    def launch_dispatch(self, x, idx, w, mode="scatter"):
+        assert idx.dtype.itemsize == 4  # the script converts topk_idx to int32 once
+        self.dispatch(x, idx, w, mode)
+
+    def launch_combine(self, handle, out):
+        out.copy_(self.combine(self.expert_output(self.cfg.capacity), handle))
+
+
+class Corrupting(Launching):
+    def dispatch(self, *a, **k):
+        res = super().dispatch(*a, **k)
+        if self.rank == 1 and res.num_recv:
+            self.recv_x[0] += 1  # res.recv_x is a view: the check must see it
+        return res
+
+
+class StepTimer:
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def run(self, step, warmup, iters):
+        self.runtime.barrier()
+        for i in range(warmup + 1 + iters):
+            step(i)
+        return [10.0 * (1 + self.runtime.env.rank) + i for i in range(iters)]
+
+
+args = bm.build_parser().parse_args(sys.argv[2:])
+bm.validate_args(args)
+env = DistEnv.from_environ(local_world_size=args.local_world_size)
+cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
+               num_experts=args.num_experts, topk=args.topk, hidden=args.hidden,
+               dtype=DTYPES[args.dtype],
+               max_tokens=max(args.token_list), num_sms=args.num_sms)
+buffer = Corrupting if sys.argv[1] == "corrupt" else Launching
+with Runtime(env, backend="gloo") as rt:
+    code = bm.sweep(args, cfg, rt, Printer(env.rank), make_buffer=buffer, make_timer=StepTimer)
+sys.exit(code)
+'''
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_sweep(tmp_path: Path, kind: str, *args: str, world: int = 4) -> tuple[list[int], str]:
+    worker = tmp_path / "worker.py"
+    worker.write_text(f"SCRIPTS = {str(SCRIPT.parent)!r}\n" + _WORKER)
+    port = str(_free_port())
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC")) and k not in ("CUTE_EP_LOCAL_WORLD_SIZE",)
+    }
+    procs = []
+    for r in range(world):
+        env = base | dict(
+            RANK=str(r),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(r),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+            GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(worker), kind, *args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    out = []
+    try:
+        for p in procs:
+            out.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs], "\n".join(out)
+
+
+SWEEP_ARGS = ("--hidden", "64", "--topk", "2", "--num-experts", "16", "--tokens", "8,24", "--routing",
+              "uniform,dropped", "--modes", "scatter,atomic", "--iters", "3", "--warmup", "1",
+              "--input-sets", "2", "--validate-max-tokens", "8", "--local-world-size", "2")  # fmt: skip
+
+
+def test_sweep_runs_over_gloo_and_writes_report_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    codes, out = _run_sweep(
+        tmp_path, "ok", *SWEEP_ARGS, "--out-json", str(out_json), "--out-png", str(out_png)
+    )
+    assert codes == [0, 0, 0, 0], out[-6000:]
+    report = br.load_json(out_json)
+    rows = report["rows"]
+    expected = [
+        (routing, t, mode)
+        for routing in ("uniform", "dropped")
+        for t in (8, 24)
+        for mode in ("scatter", "atomic")
+    ]
+    assert [(r["routing"], r["tokens"], r["mode"]) for r in rows] == expected
+    assert [r["checked"] for r in rows] == [r["tokens"] <= 8 for r in rows]
+    for r in rows:
+        assert len(r["pairs_off"]) == 4 and r["pairs_off_mean"] > 0
+        # StepTimer: rank r's iterations take 10 (r + 1) + i us; the median is 10 (r + 1) + 1
+        assert r["dispatch_us_per_rank"] == [11.0, 21.0, 31.0, 41.0]
+        assert (r["dispatch_us"], r["dispatch_us_min"], r["nccl_combine_us_max"]) == (41.0, 11.0, 41.0)
+        assert r["dispatch_ratio"] == pytest.approx(1.0)
+    assert report["meta"]["world_size"] == 4 and report["meta"]["local_world_size"] == 2
+    assert report["meta"]["config"]["tokens"] == [8, 24]
+    assert report["meta"]["symmetric_bytes"] > 0
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+    assert br.table_header() in out
+    for r in rows:
+        assert br.format_row(r) in out  # printed progressively on rank 0
+    assert out.count(br.table_header()) == 1  # rank 0 only
+
+
+def test_sweep_aborts_when_the_checked_round_fails(tmp_path):
+    out_json = tmp_path / "r.json"
+    codes, out = _run_sweep(tmp_path, "corrupt", *SWEEP_ARGS, "--out-json", str(out_json))
+    assert codes == [1, 1, 1, 1], out[-6000:]
+    assert "[uniform T=8 scatter] dispatch: FAIL" in out
+    assert "not timing it" in out
+    assert not out_json.exists()  # nothing was measured
