@@ -65,16 +65,11 @@ import os
 import shlex
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-_HERE = Path(__file__).resolve().parent
-if str(_HERE) not in sys.path:  # dispatch_and_combine.py (its helpers) lives next to this file
-    sys.path.insert(0, str(_HERE))
-
-from cute_ep import bench_report as br  # noqa: E402  (pure Python + numpy: safe before parsing)
+from cute_ep import bench_report as br  # pure Python + numpy: safe before parsing
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 ROUTING_CHOICES = ("uniform", "skewed", "dropped")  # validators.inputs.ROUTINGS (checked at run time)
@@ -284,16 +279,18 @@ def exchange_splits(sets: list[InputSet], group: Any) -> None:
 
 def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag: str, say: Any) -> None:
     """Dispatch + test expert + combine on ``s``, checked bit for bit; raise CheckFailed on every rank."""
-    from dispatch_and_combine import check_layout, expert_ids, report
-
-    from cute_ep.validators.checks import check_combine, check_dispatch
+    from cute_ep.cli import expert_ids, report
+    from cute_ep.validators.checks import check_combine, check_dispatch, check_layout
     from cute_ep.validators.reference import apply_test_expert
 
     group, rank = runtime.cpu_group, runtime.env.rank
     lws = cfg.local_world_size
     buf.poison()
     res = buf.dispatch(s.x, s.idx, s.w, mode=mode)
-    results = [("layout", check_layout(res, s.idx, cfg, group))]
+    results = [("layout", check_layout(
+        res, s.idx, max_tokens=cfg.max_tokens, num_experts=cfg.num_experts, local_world_size=lws,
+        group=group,
+    ))]  # fmt: skip
     results.append(("dispatch", check_dispatch(
         s.x, s.idx, s.w, res.recv_x, res.recv_weights, res.recv_src, max_tokens=cfg.max_tokens,
         num_experts=cfg.num_experts, local_world_size=lws, ordered=(mode == "scatter"),
@@ -336,7 +333,8 @@ def measure(
     """Rows (on rank 0; [] elsewhere) of every mode for one (routing, T)."""
     import torch
     import torch.distributed as dist
-    from dispatch_and_combine import all_gather
+
+    from cute_ep.cli import all_gather
 
     env, device = runtime.env, runtime.device
     n = args.input_sets
@@ -453,14 +451,13 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
 
 
 def run(args: argparse.Namespace) -> int:
-    from dispatch_and_combine import DTYPES, Printer
-
     from cute_ep.bootstrap.dist_env import DistEnv, DistEnvError
     from cute_ep.bootstrap.runtime import Runtime
+    from cute_ep.cli import DTYPES, Printer, launch_rank, print_run_error
     from cute_ep.kernels.config import MODES, ConfigError, EpConfig
     from cute_ep.validators.inputs import ROUTINGS
 
-    rank_hint = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    rank_hint = launch_rank()
     try:
         if set(args.routing_list) - set(ROUTINGS) or set(args.mode_list) - set(MODES):
             raise UsageError(f"routings must be in {ROUTINGS} and modes in {sorted(MODES)}")
@@ -480,11 +477,7 @@ def run(args: argparse.Namespace) -> int:
         with Runtime(env, symmetric_bytes=cfg.symmetric_bytes()) as runtime:
             return sweep(args, cfg, runtime, say)
     except Exception as exc:
-        print(f"rank {env.rank}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        if args.traceback:
-            traceback.print_exc()
-        else:
-            print(f"rank {env.rank}: (run with --traceback for the traceback)", file=sys.stderr, flush=True)
+        print_run_error(env.rank, exc, args.traceback)
         return EXIT_FAIL
 
 
@@ -502,7 +495,7 @@ def sweep(
     ``make_buffer(runtime, cfg)`` / ``make_timer(runtime)`` default to EpBuffer / Timer (the CPU
     tests pass stand-ins to run this flow over gloo).
     """
-    from dispatch_and_combine import all_gather, leave
+    from cute_ep.cli import all_gather, leave
 
     if make_buffer is None:
         from cute_ep.buffer import EpBuffer as make_buffer

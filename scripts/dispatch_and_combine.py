@@ -53,23 +53,25 @@ launch error, or a baseline of another configuration (or an unreadable one).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import traceback
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from cute_ep.bootstrap.dist_env import (
-    LOCAL_WORLD_SIZE_OVERRIDE_VAR,
-    ROUTE_CLASSES,
-    DistEnv,
-    DistEnvError,
-    possible_route_classes,
-)
+from cute_ep.bootstrap.dist_env import LOCAL_WORLD_SIZE_OVERRIDE_VAR, DistEnv, DistEnvError
 from cute_ep.bootstrap.runtime import HeapConfigError, Runtime
+from cute_ep.cli import (
+    DTYPES,
+    Printer,
+    all_gather,
+    broadcast_from_rank0,
+    expert_ids,
+    launch_rank,
+    leave,
+    print_run_error,
+    report,
+)
 from cute_ep.kernels.config import MODES, ConfigError, EpConfig
 from cute_ep.validators.baseline import (
     BaselineConfigError,
@@ -80,27 +82,14 @@ from cute_ep.validators.baseline import (
     make_baseline,
     save_baseline,
 )
-from cute_ep.validators.checks import (
-    CheckResult,
-    check_combine,
-    check_dispatch,
-    format_summary,
-    route_counts_of,
-)
+from cute_ep.validators.checks import check_combine, check_dispatch, check_layout
 from cute_ep.validators.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
-from cute_ep.validators.reference import (
-    apply_test_expert,
-    global_expert_of_rows,
-    pack_source,
-    reference_layout,
-    unpack_source,
-)
+from cute_ep.validators.reference import apply_test_expert
 
 EXIT_PASS = 0
 EXIT_FAIL = 1
 EXIT_USAGE = 2
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 BACKENDS = ("cute", "reference")
 MAX_TOKENS_PER_RANK = 256 * 256  # make_inputs writes the token id into two bf16-exact columns
 BASELINE_MODE = "scatter"  # the only mode with a deterministic receive order
@@ -215,178 +204,8 @@ def baseline_meta(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
-# small collective helpers (the cpu group is gloo in both backends)
-# --------------------------------------------------------------------------------------------------
-
-
-def all_gather(obj: Any, group: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def broadcast_from_rank0(obj: Any, group: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def failed_ranks(local_ok: bool, group: Any) -> list[int]:
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    flags = torch.ones(world, dtype=torch.int32)
-    flags[rank] = int(local_ok)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-    return [r for r, f in enumerate(flags.tolist()) if f == 0]
-
-
-class Printer:
-    """Prints on rank 0 only, flushed (torchrun interleaves the ranks' output)."""
-
-    def __init__(self, rank: int) -> None:
-        self.on = rank == 0
-
-    def __call__(self, *lines: str) -> None:
-        if self.on:
-            for line in lines:
-                print(line, flush=True)
-
-
-# --------------------------------------------------------------------------------------------------
-# layout check (what check_dispatch / check_combine take on trust: counts, num_recv, handle slots)
-# --------------------------------------------------------------------------------------------------
-
-
-def _layout_problems(gathered: list[tuple], layout: Any, cfg: EpConfig, rank: int) -> list[str]:
-    idx, _, tpe, num_recv, scatter = gathered[rank]
-    problems = []
-    exp_tpe = layout.tokens_per_expert[rank]
-    if tpe.dtype != torch.int32 or tuple(tpe.shape) != (cfg.experts_per_rank,):
-        problems.append(
-            f"rank {rank}: tokens_per_expert must be [{cfg.experts_per_rank}] int32, "
-            f"got {list(tpe.shape)} {tpe.dtype}"
-        )
-    elif not torch.equal(tpe.to(torch.int64), exp_tpe):
-        local = int(torch.nonzero(tpe.to(torch.int64) != exp_tpe)[0])
-        problems.append(
-            f"rank {rank}: tokens_per_expert[{local}] (expert {rank * cfg.experts_per_rank + local}) is "
-            f"{int(tpe[local])}, expected {int(exp_tpe[local])}"
-        )
-    exp_n = int(layout.num_recv[rank])
-    if num_recv != exp_n:
-        problems.append(f"rank {rank}: num_recv is {num_recv}, expected {exp_n}")
-
-    t_count, k_count = idx.shape
-    if scatter.dtype != torch.int32 or tuple(scatter.shape) != (t_count, k_count):
-        problems.append(
-            f"rank {rank}: handle.scatter must be [{t_count}, {k_count}] int32, got "
-            f"{list(scatter.shape)} {scatter.dtype}"
-        )
-        return problems
-    ids = idx.to(torch.int64)
-    slots = scatter.to(torch.int64)
-    dropped = (ids < 0) & (slots != -1)
-    if bool(dropped.any()):
-        t, k = (int(v) for v in torch.nonzero(dropped)[0])
-        problems.append(
-            f"rank {rank}: handle.scatter[{t}, {k}] is {int(slots[t, k])} for a dropped pair, expected -1"
-        )
-    owner = torch.div(ids, cfg.experts_per_rank, rounding_mode="floor")
-    for d in range(cfg.world_size):
-        mask = (ids >= 0) & (owner == d)
-        if not bool(mask.any()):
-            continue
-        pairs = torch.nonzero(mask)  # [P, 2] (t, k), row-major
-        sl = slots[mask]
-        recv_src = gathered[d][1].to(torch.int64)
-        out_of_range = (sl < 0) | (sl >= recv_src.numel())
-        want = pack_source(rank, pairs[:, 0], pairs[:, 1], cfg.max_tokens, cfg.topk).to(torch.int64)
-        found = torch.where(
-            out_of_range, torch.full_like(sl, -1), recv_src[sl.clamp(0, max(recv_src.numel() - 1, 0))]
-        )
-        bad = out_of_range | (found != want)
-        if not bool(bad.any()):
-            continue
-        i = int(torch.nonzero(bad)[0])
-        t, k = int(pairs[i, 0]), int(pairs[i, 1])
-        head = (
-            f"rank {rank}: handle.scatter[{t}, {k}] = {int(sl[i])} (expert {int(ids[t, k])}, dest rank {d})"
-        )
-        if bool(out_of_range[i]):
-            problems.append(f"{head} is outside dest rank {d}'s {recv_src.numel()} received rows")
-        else:
-            s2, t2, k2 = unpack_source(int(found[i]), cfg.max_tokens, cfg.topk)
-            problems.append(
-                f"{head} holds the row of (rank {s2}, token {t2}, k {k2}), "
-                f"not (rank {rank}, token {t}, k {k}) [{int(bad.sum())} such slots]"
-            )
-    return problems
-
-
-def check_layout(res: Any, topk_idx: torch.Tensor, cfg: EpConfig, group: Any) -> CheckResult:
-    """tokens_per_expert and num_recv equal the reference's; every slot of the handle holds its pair.
-
-    The slots are checked against the owners' recv_src, so the check holds in atomic mode too; with
-    a dispatch that passed in scatter mode it also means the slots are the deterministic layout's.
-    Collective; the verdict is reduced over all ranks.
-    """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    local = (
-        topk_idx.detach().cpu(),
-        res.recv_src.detach().cpu(),
-        res.tokens_per_expert.detach().cpu(),
-        int(res.num_recv),
-        res.handle.scatter.detach().cpu(),
-    )
-    gathered = all_gather(local, group)
-    msgs: list[str] = []
-    counts = dict.fromkeys(ROUTE_CLASSES, 0)
-    coverage_ok = False
-    try:
-        layout = reference_layout([g[0] for g in gathered], cfg.num_experts)
-        counts = route_counts_of(layout, cfg.local_world_size)
-        coverage_ok = all(counts[c] > 0 for c in possible_route_classes(world, cfg.local_world_size))
-        msgs = _layout_problems(gathered, layout, cfg, rank)
-    except Exception as exc:  # every rank must reach the verdict collective
-        msgs.append(f"rank {rank}: error while checking the layout: {type(exc).__name__}: {exc}")
-    failed = failed_ranks(not msgs, group)
-    if msgs:
-        message = "; ".join(msgs)
-    elif failed:
-        message = f"ok on this rank; failed on rank(s) {failed}"
-    else:
-        message = "ok"
-    return CheckResult(
-        passed=not failed,
-        message=message,
-        route_counts=counts,
-        coverage_ok=coverage_ok,
-        local_passed=not msgs,
-        failed_ranks=failed,
-    )
-
-
-# --------------------------------------------------------------------------------------------------
 # the run
 # --------------------------------------------------------------------------------------------------
-
-
-def report(result: CheckResult, name: str, group: Any, say: Printer) -> bool:
-    """Print the check's line on rank 0 and, if it failed, every failing rank's own message."""
-    say(format_summary(result, name))
-    if not result.passed:  # the same on every rank, so the gather below is collective-safe
-        messages = all_gather(None if result.local_passed else result.message, group)
-        for r, m in enumerate(messages):
-            if m is not None:
-                say(f"    rank {r}: {m}")
-    return result.passed
-
-
-def expert_ids(res: Any, rank: int) -> torch.Tensor | None:
-    """Global expert of each received row, from the buffer's own tokens_per_expert (None if they disagree)."""
-    tpe = res.tokens_per_expert.to(torch.int64)
-    if tpe.numel() == 0 or int(tpe.min()) < 0 or int(tpe.sum()) != res.num_recv:
-        return None
-    return global_expert_of_rows(tpe, rank)
 
 
 def run_once(
@@ -404,7 +223,11 @@ def run_once(
 
     buffer.poison()
     res = buffer.dispatch(x, idx, w, mode=mode)
-    ok = report(check_layout(res, idx, cfg, group), f"{tag} layout", group, say)
+    lay = check_layout(
+        res, idx, max_tokens=cfg.max_tokens, num_experts=cfg.num_experts,
+        local_world_size=cfg.local_world_size, group=group,
+    )  # fmt: skip
+    ok = report(lay, f"{tag} layout", group, say)
     disp = check_dispatch(
         x, idx, w, res.recv_x, res.recv_weights, res.recv_src,
         max_tokens=cfg.max_tokens, num_experts=cfg.num_experts, local_world_size=cfg.local_world_size,
@@ -459,19 +282,6 @@ def precheck_baseline(path: str, meta: dict[str, Any], env: DistEnv, group: Any)
         except Exception as exc:
             outcome = exc
     return broadcast_from_rank0(outcome, group)
-
-
-def leave(runtime: Runtime, exc: BaseException, code: int, *, meet: bool = True) -> int:
-    """An error every rank got alike: print it once, meet the others, return ``code``.
-
-    Returning (instead of raising through the Runtime's ``with``) keeps the teardown collective, so
-    no rank tears its connections down under another that is still talking.
-    """
-    if runtime.env.rank == 0:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-    if meet:
-        runtime.barrier()
-    return code
 
 
 def benchmark(buffer: Any, args: argparse.Namespace, cfg: EpConfig, runtime: Runtime, say: Printer) -> None:
@@ -591,7 +401,7 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # exits 2 with argparse's message on bad syntax
-    rank_hint = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    rank_hint = launch_rank()
     try:
         validate_args(args)
         env = DistEnv.from_environ(local_world_size=args.local_world_size)
@@ -608,11 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     except Exception as exc:
-        print(f"rank {env.rank}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        if args.traceback:
-            traceback.print_exc()
-        else:
-            print(f"rank {env.rank}: (run with --traceback for the traceback)", file=sys.stderr, flush=True)
+        print_run_error(env.rank, exc, args.traceback)
         return EXIT_FAIL
 
 

@@ -24,6 +24,7 @@ from torch import Tensor
 from cute_ep.bootstrap.dist_env import ROUTE_CLASSES, possible_route_classes, route_class
 from cute_ep.validators.reference import (
     Layout,
+    pack_source,
     reference_combine,
     reference_dispatch_rank,
     reference_layout,
@@ -34,6 +35,7 @@ __all__ = [
     "CheckResult",
     "check_combine",
     "check_dispatch",
+    "check_layout",
     "format_summary",
     "route_counts_of",
 ]
@@ -327,6 +329,133 @@ def check_dispatch(
             )
     except Exception as exc:  # every rank must still reach the verdict collective
         msgs.append(f"dest rank {rank}: error while checking dispatch: {type(exc).__name__}: {exc}")
+    return _finish(msgs, counts, coverage_ok, group)
+
+
+# --------------------------------------------------------------------------------------------
+# Layout (what check_dispatch / check_combine take on trust: counts, num_recv, handle slots)
+# --------------------------------------------------------------------------------------------
+
+
+def _layout_problems(gathered: list[tuple], layout: Layout, max_tokens: int, rank: int) -> list[str]:
+    idx, _, tpe, num_recv, scatter = gathered[rank]
+    el, topk = layout.experts_per_rank, layout.topk
+    problems = []
+    exp_tpe = layout.tokens_per_expert[rank]
+    if tpe.dtype != torch.int32 or tuple(tpe.shape) != (el,):
+        problems.append(
+            f"rank {rank}: tokens_per_expert must be [{el}] int32, got {list(tpe.shape)} {tpe.dtype}"
+        )
+    elif not torch.equal(tpe.to(torch.int64), exp_tpe):
+        local = int(torch.nonzero(tpe.to(torch.int64) != exp_tpe)[0])
+        problems.append(
+            f"rank {rank}: tokens_per_expert[{local}] (expert {rank * el + local}) is "
+            f"{int(tpe[local])}, expected {int(exp_tpe[local])}"
+        )
+    exp_n = int(layout.num_recv[rank])
+    if num_recv != exp_n:
+        problems.append(f"rank {rank}: num_recv is {num_recv}, expected {exp_n}")
+
+    t_count, k_count = idx.shape
+    if scatter.dtype != torch.int32 or tuple(scatter.shape) != (t_count, k_count):
+        problems.append(
+            f"rank {rank}: handle.scatter must be [{t_count}, {k_count}] int32, got "
+            f"{list(scatter.shape)} {scatter.dtype}"
+        )
+        return problems
+    ids = idx.to(torch.int64)
+    slots = scatter.to(torch.int64)
+    dropped = (ids < 0) & (slots != -1)
+    if bool(dropped.any()):
+        t, k = (int(v) for v in torch.nonzero(dropped)[0])
+        problems.append(
+            f"rank {rank}: handle.scatter[{t}, {k}] is {int(slots[t, k])} for a dropped pair, expected -1"
+        )
+    owner = torch.div(ids, el, rounding_mode="floor")
+    for d in range(layout.world_size):
+        mask = (ids >= 0) & (owner == d)
+        if not bool(mask.any()):
+            continue
+        pairs = torch.nonzero(mask)  # [P, 2] (t, k), row-major
+        sl = slots[mask]
+        recv_src = gathered[d][1].to(torch.int64)
+        out_of_range = (sl < 0) | (sl >= recv_src.numel())
+        want = pack_source(rank, pairs[:, 0], pairs[:, 1], max_tokens, topk).to(torch.int64)
+        found = torch.where(
+            out_of_range, torch.full_like(sl, -1), recv_src[sl.clamp(0, max(recv_src.numel() - 1, 0))]
+        )
+        bad = out_of_range | (found != want)
+        if not bool(bad.any()):
+            continue
+        i = int(torch.nonzero(bad)[0])
+        t, k = int(pairs[i, 0]), int(pairs[i, 1])
+        head = (
+            f"rank {rank}: handle.scatter[{t}, {k}] = {int(sl[i])} (expert {int(ids[t, k])}, dest rank {d})"
+        )
+        if bool(out_of_range[i]):
+            problems.append(f"{head} is outside dest rank {d}'s {recv_src.numel()} received rows")
+        else:
+            s2, t2, k2 = unpack_source(int(found[i]), max_tokens, topk)
+            problems.append(
+                f"{head} holds the row of (rank {s2}, token {t2}, k {k2}), "
+                f"not (rank {rank}, token {t}, k {k}) [{int(bad.sum())} such slots]"
+            )
+    return problems
+
+
+def check_layout(
+    res: Any,
+    topk_idx: Tensor,
+    *,
+    max_tokens: int,
+    num_experts: int,
+    local_world_size: int,
+    group: Any = None,
+) -> CheckResult:
+    """Check this rank's dispatch layout against the reference (collective).
+
+    tokens_per_expert and num_recv must equal the reference's, and every slot of the handle must hold
+    its (t, k) pair: the slots are checked against the owners' recv_src (all-gathered), so the check
+    holds in atomic mode too; with a dispatch that passed check_dispatch in scatter (ordered) mode it
+    also means the slots are the deterministic layout's. check_dispatch and check_combine take these
+    on trust. Every rank of ``group`` must call it with its own dispatch result. Coverage never fails
+    this check (it is reported in ``coverage_ok`` only).
+
+    Args:
+        res: this rank's dispatch result (an ``EpBuffer`` / ``ReferenceEpBuffer`` DispatchResult, or
+            anything with the same attributes; any device):
+            ``recv_src``: [>= num_recv] int32 received source tags (see reference.pack_source);
+            ``tokens_per_expert``: [El] int32 rows received per local expert, El = E // R;
+            ``num_recv``: int, rows received;
+            ``handle.scatter``: [T, K] int32, the slot of each (t, k) on its owner, -1 for dropped pairs.
+        topk_idx: [T, K] int64 or int32 in [-1, E), this rank's routing (the dispatch's input).
+        max_tokens: M, the most tokens per rank the buffers were built for (tags depend on it).
+        num_experts: E.
+        local_world_size: L, ranks per (possibly virtual) node, for the route classes.
+        group: the process group (None: the default group, or a world of 1 if none is initialised).
+
+    Returns:
+        A :class:`CheckResult` with the verdict reduced over all ranks.
+    """
+    rank, world = world_of(group)
+    local = (
+        _cpu(topk_idx),
+        _cpu(res.recv_src),
+        _cpu(res.tokens_per_expert),
+        int(res.num_recv),
+        _cpu(res.handle.scatter),
+    )
+    gathered = _all_gather(local, group)
+    msgs: list[str] = []
+    counts = dict.fromkeys(ROUTE_CLASSES, 0)
+    coverage_ok = False
+    try:
+        layout = reference_layout([g[0] for g in gathered], num_experts)
+        counts = route_counts_of(layout, local_world_size)
+        coverage_ok = not _coverage(counts, world, local_world_size)
+        msgs = _layout_problems(gathered, layout, max_tokens, rank)
+    except Exception as exc:  # every rank must still reach the verdict collective
+        msgs.append(f"rank {rank}: error while checking the layout: {type(exc).__name__}: {exc}")
     return _finish(msgs, counts, coverage_ok, group)
 
 
