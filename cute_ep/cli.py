@@ -28,7 +28,6 @@ __all__ = [
     "all_gather",
     "broadcast_from_rank0",
     "expert_ids",
-    "failed_ranks",
     "launch_rank",
     "leave",
     "print_run_error",
@@ -56,15 +55,6 @@ def broadcast_from_rank0(obj: Any, group: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
-
-
-def failed_ranks(local_ok: bool, group: Any) -> list[int]:
-    """Ranks of ``group`` whose ``local_ok`` is False, known on every rank (collective; CPU tensors)."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    flags = torch.ones(world, dtype=torch.int32)
-    flags[rank] = int(local_ok)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-    return [r for r, f in enumerate(flags.tolist()) if f == 0]
 
 
 # --------------------------------------------------------------------------------------------------
