@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import importlib.metadata
 import json
 import math
 import os
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from cute_ep._version import package_versions
 
 __all__ = [
     "META_KEYS",
@@ -58,18 +59,10 @@ __all__ = [
     "write_json",
 ]
 
+
 SCHEMA = "cute-ep-bench/1"
 NVLINK4_LINE_RATE_GBPS = 450.0  # H100/H200 NVLink4: 18 links x 25 GB/s, per direction
 TAG_BYTES = 8  # per dispatched row besides the row itself: fp32 weight + int32 source tag
-VERSION_PACKAGES = (
-    "cute-ep",
-    "torch",
-    "numpy",
-    "nvidia-cutlass-dsl",
-    "nvshmem4py-cu13",
-    "nvidia-nvshmem-cu13",
-    "cuda-python",
-)
 META_KEYS = (
     "device",
     "world_size",
@@ -482,17 +475,6 @@ def plot(report: Mapping[str, Any], png_path: str | os.PathLike) -> Path:
 # --------------------------------------------------------------------------------------------------
 # small helpers for the script's metadata and arguments
 # --------------------------------------------------------------------------------------------------
-
-
-def package_versions(packages: Iterable[str] = VERSION_PACKAGES) -> dict[str, str | None]:
-    """Installed version of each distribution (None where it is not installed)."""
-    out: dict[str, str | None] = {}
-    for pkg in packages:
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
 
 
 def git_sha(repo: str | os.PathLike = _REPO_ROOT) -> str | None:

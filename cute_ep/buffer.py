@@ -177,13 +177,7 @@ class EpBuffer:
         Collective. Returns a new [T, H] tensor."""
         self._check_open()
         c = self.cfg
-        if y.dtype != c.dtype or y.dim() != 2 or y.shape[1] != c.hidden or y.device != self.device:
-            raise ValueError(
-                f"y must be [num_recv, {c.hidden}] {c.dtype} on {self.device}, got "
-                f"{list(y.shape)} {y.dtype} on {y.device}"
-            )
-        if y.shape[0] > c.capacity:
-            raise ValueError(f"y has {y.shape[0]} rows, more than the capacity {c.capacity}")
+        check_combine_input(c, self.device, y)
         if y.data_ptr() != self.recv_y.data_ptr():
             self.recv_y[: y.shape[0]].copy_(y)
         out = torch.empty((handle.num_tokens, c.hidden), dtype=c.dtype, device=self.device)
@@ -288,6 +282,17 @@ def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x: torch.Tensor, 
         if lo < -1 or hi >= c.num_experts:
             raise ValueError(f"topk_idx values must be in [-1, {c.num_experts}), got min {lo}, max {hi}")
     return x, topk_idx.to(torch.int32).contiguous(), topk_weights
+
+
+def check_combine_input(cfg: EpConfig, device: torch.device, y: torch.Tensor) -> None:
+    """Validate combine's expert outputs y [num_recv, H] cfg.dtype on ``device`` (every backend)."""
+    if y.dtype != cfg.dtype or y.dim() != 2 or y.shape[1] != cfg.hidden or y.device != device:
+        raise ValueError(
+            f"y must be [num_recv, {cfg.hidden}] {cfg.dtype} on {device}, got "
+            f"{list(y.shape)} {y.dtype} on {y.device}"
+        )
+    if y.shape[0] > cfg.capacity:
+        raise ValueError(f"y has {y.shape[0]} rows, more than the capacity {cfg.capacity}")
 
 
 def _check_same_config(runtime: Any, cfg: EpConfig) -> None:

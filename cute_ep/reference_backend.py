@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cute_ep.buffer import DispatchHandle, DispatchResult, check_dispatch_inputs
+from cute_ep.buffer import DispatchHandle, DispatchResult, check_combine_input, check_dispatch_inputs
 from cute_ep.kernels.config import MODES, ConfigError, EpConfig
 from cute_ep.validators.reference import (
     Layout,
@@ -164,13 +164,7 @@ class ReferenceEpBuffer:
         cfg.dtype), as EpBuffer.combine. Collective. Returns a new [T, H] tensor."""
         self._check_open()
         c = self.cfg
-        if y.dtype != c.dtype or y.dim() != 2 or y.shape[1] != c.hidden or y.device != self.device:
-            raise ValueError(
-                f"y must be [num_recv, {c.hidden}] {c.dtype} on {self.device}, got "
-                f"{list(y.shape)} {y.dtype} on {y.device}"
-            )
-        if y.shape[0] > c.capacity:
-            raise ValueError(f"y has {y.shape[0]} rows, more than the capacity {c.capacity}")
+        check_combine_input(c, self.device, y)
         rows = max(self._num_recv, y.shape[0])
         self._ensure_rows(rows)
         if y.numel() and y.data_ptr() != self.recv_y.data_ptr():

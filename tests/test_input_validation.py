@@ -83,3 +83,15 @@ def test_more_tokens_than_the_buffer_was_built_for():
     cfg = EpConfig(**BASE)
     with pytest.raises(ValueError, match="x has 65 tokens, more than max_tokens=64"):
         check_dispatch_inputs(cfg, torch.device("cpu"), *_inputs(t=65))
+
+
+def test_combine_input_is_checked():
+    from cute_ep.buffer import check_combine_input
+
+    cfg = EpConfig(**BASE)
+    cpu = torch.device("cpu")
+    check_combine_input(cfg, cpu, torch.zeros(10, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"y must be \[num_recv, 256\] torch.bfloat16 on cpu, got \[10, 128"):
+        check_combine_input(cfg, cpu, torch.zeros(10, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="y has 513 rows, more than the capacity 512"):
+        check_combine_input(cfg, cpu, torch.zeros(513, 256, dtype=torch.bfloat16))

@@ -15,7 +15,6 @@ integers of the same width, holding the same bits, and restored exactly by :func
 from __future__ import annotations
 
 import datetime as _dt
-import importlib.metadata
 import io
 import json
 import os
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cute_ep._version import package_versions
 from cute_ep.validators.checks import world_of
 
 __all__ = [
@@ -52,7 +52,6 @@ META_KEY = "__meta__"
 IDENTITY_KEYS = ("config", "seed", "dtype", "world_size", "local_world_size")
 REPORTED_KEYS = ("device", "versions", "git_sha", "created")
 _REQUIRED_CALLER_KEYS = ("config", "seed", "dtype")
-_VERSION_PACKAGES = ("torch", "numpy", "nvidia-cutlass-dsl", "nvshmem4py-cu13", "cute-ep")
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 _MAX_DETAILS_IN_SUMMARY = 3
 
@@ -153,16 +152,6 @@ def _canonical(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=_json_default, sort_keys=True))
 
 
-def _versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for pkg in _VERSION_PACKAGES:
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
 def _git_sha() -> str | None:
     try:
         res = subprocess.run(
@@ -205,7 +194,7 @@ def _build_meta(meta: Mapping[str, Any], world_size: int, local_world_size: int 
     out["world_size"] = world_size
     out["local_world_size"] = int(lws) if lws is not None else world_size  # default: one node
     out["device"] = _device_name()
-    out["versions"] = _versions()
+    out["versions"] = package_versions()
     out["git_sha"] = _git_sha()
     out["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     return out
