@@ -68,10 +68,7 @@ class EpBuffer:
         from cute_ep.kernels.host import build
 
         env = runtime.env
-        if cfg.world_size != env.world_size:
-            raise ConfigError(
-                f"cfg.world_size={cfg.world_size} but the launch has world_size={env.world_size}"
-            )
+        check_buffer_config(runtime, cfg)
         self.runtime = runtime
         self.cfg = cfg
         self.rank = env.rank
@@ -81,7 +78,6 @@ class EpBuffer:
         self.registry = registry if registry is not None else ModuleRegistry(device_id=env.local_rank)
         if self._own_registry:
             runtime.add_finalizer(self.registry.finalize_all)
-        _check_same_config(runtime, cfg)
 
         c = cfg
         sym = lambda shape, dtype: nvshmem_torch.tensor(shape, dtype=dtype)  # noqa: E731
@@ -295,14 +291,21 @@ def check_combine_input(cfg: EpConfig, device: torch.device, y: torch.Tensor) ->
         raise ValueError(f"y has {y.shape[0]} rows, more than the capacity {cfg.capacity}")
 
 
-def _check_same_config(runtime: Any, cfg: EpConfig) -> None:
-    """Every rank must build the same configuration; a mismatch would hang in the first kernel."""
+def check_buffer_config(runtime: Any, cfg: EpConfig) -> None:
+    """A buffer's configuration must fit the launch and be the same on every rank (collective).
+
+    A mismatch between ranks would otherwise hang in the first kernel; the error names the ranks.
+    """
     import torch.distributed as dist
 
+    env = runtime.env
+    if cfg.world_size != env.world_size:
+        raise ConfigError(f"cfg.world_size={cfg.world_size} but the launch has world_size={env.world_size}")
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    keys: list = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, cfg.key(), group=runtime.cpu_group)
+    group = getattr(runtime, "cpu_group", None)
+    keys: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(keys, cfg.key(), group=group)
     if any(k != keys[0] for k in keys):
         diff = {r: k for r, k in enumerate(keys) if k != keys[0]}
         raise ConfigError(f"ranks built different EpConfigs: rank 0 has {keys[0]}, others {diff}")

@@ -32,8 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cute_ep.buffer import DispatchHandle, DispatchResult, check_combine_input, check_dispatch_inputs
-from cute_ep.kernels.config import MODES, ConfigError, EpConfig
+from cute_ep.buffer import (
+    DispatchHandle,
+    DispatchResult,
+    check_buffer_config,
+    check_combine_input,
+    check_dispatch_inputs,
+)
+from cute_ep.kernels.config import MODES, EpConfig
 from cute_ep.validators.reference import (
     Layout,
     reference_combine,
@@ -60,10 +66,7 @@ class ReferenceEpBuffer:
 
     def __init__(self, runtime: Any, cfg: EpConfig) -> None:
         env = runtime.env
-        if cfg.world_size != env.world_size:
-            raise ConfigError(
-                f"cfg.world_size={cfg.world_size} but the launch has world_size={env.world_size}"
-            )
+        check_buffer_config(runtime, cfg)
         self.runtime = runtime
         self.cfg = cfg
         self.rank = env.rank
@@ -78,10 +81,6 @@ class ReferenceEpBuffer:
         self.recv_y = torch.empty((0, c.hidden), dtype=c.dtype, device=self.device)
         self.recv_w = torch.empty((0,), dtype=torch.float32, device=self.device)
         self.recv_src = torch.empty((0,), dtype=torch.int32, device=self.device)
-        keys = self._all_gather(cfg.key())
-        if any(k != keys[0] for k in keys):
-            diff = {r: k for r, k in enumerate(keys) if k != keys[0]}
-            raise ConfigError(f"ranks built different EpConfigs: rank 0 has {keys[0]}, others {diff}")
 
     # -- public API ------------------------------------------------------------------------------
 

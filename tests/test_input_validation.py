@@ -95,3 +95,43 @@ def test_combine_input_is_checked():
         check_combine_input(cfg, cpu, torch.zeros(10, 128, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="y has 513 rows, more than the capacity 512"):
         check_combine_input(cfg, cpu, torch.zeros(513, 256, dtype=torch.bfloat16))
+
+
+WORKER = """
+from cute_ep.bootstrap.dist_env import DistEnv
+from cute_ep.bootstrap.runtime import Runtime
+from cute_ep.kernels.config import ConfigError, EpConfig
+from cute_ep.reference_backend import ReferenceEpBuffer
+import torch
+
+env = DistEnv.from_environ()
+with Runtime(env, backend="gloo") as rt:
+    cfg = EpConfig(world_size=2, local_world_size=2, num_experts=8, topk=2, hidden=64 * (1 + env.rank),
+                   dtype=torch.float32, max_tokens=4)
+    try:
+        ReferenceEpBuffer(rt, cfg)
+        print(f"rank {env.rank}: built")
+    except ConfigError as exc:
+        print(f"rank {env.rank}: ConfigError: {exc}")
+"""
+
+
+def test_different_configs_on_different_ranks_fail_at_construction(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+         str(script)], capture_output=True, text=True, timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: ConfigError: ranks built different EpConfigs" in out, out[-3000:]
+    assert "built\n" not in out
