@@ -5,6 +5,7 @@
 #   bash scripts/run_gpu_tests.sh            # N = number of GPUs on this host
 #   bash scripts/run_gpu_tests.sh 2          # at most 2 GPUs
 #   PYTEST_ARGS="-k h256" bash scripts/run_gpu_tests.sh
+#   LAUNCHES="virtual full" bash scripts/run_gpu_tests.sh 4   # a subset: 1, 2, virtual, full
 #
 # Prints rank 0's pytest output for each launch and a summary line per launch; exits non-zero if
 # any launch failed.
@@ -32,10 +33,11 @@ launch() {  # launch NAME NPROC LOCAL_WORLD_SIZE
   ((rc == 0)) || status=1
   rm -f "$log"
 }
-launch "1 GPU" 1 1
-((n >= 2)) && launch "2 GPUs" 2 2
-((n >= 2)) && launch "$n GPUs as 2 virtual nodes x $((n / 2))" "$n" $((n / 2))
-((n >= 4)) && launch "$n GPUs" "$n" "$n"
+wanted() { [[ " ${LAUNCHES:-1 2 virtual full} " == *" $1 "* ]]; }
+wanted 1 && launch "1 GPU" 1 1
+((n >= 2)) && wanted 2 && launch "2 GPUs" 2 2
+((n >= 2)) && wanted virtual && launch "$n GPUs as 2 virtual nodes x $((n / 2))" "$n" $((n / 2))
+((n >= 4)) && wanted full && launch "$n GPUs" "$n" "$n"
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
 exit $status
