@@ -8,6 +8,11 @@
     buf.close()
 
 Shapes: T tokens on this rank (T <= cfg.max_tokens, may be 0), H = cfg.hidden, K = cfg.topk.
+
+Ordering: alternate dispatch and combine. A rank's next dispatch writes into its peers' ``recv_x``;
+it is ordered after their experts finished only through the combine in between (combine starts when
+every rank's expert outputs are written). Two dispatches with no combine between them may overwrite
+rows a peer's expert is still reading.
 """
 
 from __future__ import annotations
@@ -242,10 +247,10 @@ class EpBuffer:
         got = self.epochs.tolist()
         for op in ops:
             if got[op] != self._calls[op]:
-                err = torch.cuda.synchronize(self.device)  # surfaces a sticky CUDA error, if any
+                torch.cuda.synchronize(self.device)  # a sticky CUDA error, if any, raises here first
                 raise KernelDidNotRun(
                     f"{['layout', 'dispatch', 'combine'][op]} kernel did not complete: epoch {got[op]}, "
-                    f"expected {self._calls[op]} (sync: {err})"
+                    f"expected {self._calls[op]} launches"
                 )
 
 
@@ -277,6 +282,15 @@ def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x: torch.Tensor, 
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         if lo < -1 or hi >= c.num_experts:
             raise ValueError(f"topk_idx values must be in [-1, {c.num_experts}), got min {lo}, max {hi}")
+        # Distinct experts per token bound the rows a rank can receive (the buffers' capacity).
+        ids = topk_idx.sort(dim=1).values
+        repeated = ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any(dim=1)
+        if bool(repeated.any()):
+            tok = int(repeated.nonzero()[0, 0])
+            raise ValueError(
+                f"topk_idx must name distinct experts per token (-1 may repeat): token {tok} has "
+                f"{topk_idx[tok].tolist()}"
+            )
     return x, topk_idx.to(torch.int32).contiguous(), topk_weights
 
 

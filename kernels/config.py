@@ -29,6 +29,7 @@ MAX_TOPK = 64  # per-warp routing of a token is staged in shared memory: [warps,
 LAYOUT_SMEM_INTS = 12288  # 48 KB of per-warp expert histograms in the layout kernel
 MAX_EXPERTS = LAYOUT_SMEM_INTS  # the layout kernel needs at least one warp's histogram
 COMBINE_WARPS_PER_CTA = 4
+MAX_WORLD_SIZE = COMBINE_WARPS_PER_CTA * WARP  # combine signals and waits with one thread per peer
 
 
 # Run-time sizes every kernel receives (see EpConfig.shape_args).
@@ -62,7 +63,9 @@ class EpConfig:
     hidden:            H, elements per row; H * element size must be a multiple of 16 bytes.
     dtype:             torch.bfloat16, torch.float16 or torch.float32 (rows and combine output).
     max_tokens:        M, most tokens per rank and call; buffers and the source tag are sized by it.
-    capacity:          rows each rank can receive; default R * M * min(K, E/R) (every routing fits).
+    capacity:          rows each rank can receive: R * M * min(K, E/R), every routing with distinct
+                       experts per token fits (the default; a smaller one is refused until dispatch
+                       can drop rows beyond capacity instead of writing past the buffer).
     num_sms:           CTAs launched by dispatch/combine (persistent grid-stride loops).
     """
 
@@ -81,7 +84,11 @@ class EpConfig:
             if not cond:
                 raise ConfigError(msg)
 
-        need(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
+        need(
+            1 <= self.world_size <= MAX_WORLD_SIZE,
+            f"world_size must be in [1, {MAX_WORLD_SIZE}] (combine's start barrier uses one thread per "
+            f"peer), got {self.world_size}",
+        )
         need(
             self.local_world_size >= 1 and self.world_size % self.local_world_size == 0,
             f"local_world_size must divide world_size={self.world_size}, got {self.local_world_size}",
@@ -118,7 +125,11 @@ class EpConfig:
         )
         if self.capacity == 0:
             object.__setattr__(self, "capacity", self.worst_case_capacity)
-        need(self.capacity >= 1, f"capacity must be >= 1, got {self.capacity}")
+        need(
+            self.capacity >= self.worst_case_capacity,
+            f"capacity must be >= world_size * max_tokens * min(topk, experts per rank) = "
+            f"{self.worst_case_capacity} (dispatch does not drop rows yet), got {self.capacity}",
+        )
         need(self.capacity < 2**31, f"capacity must be < 2**31 (int32 slots), got {self.capacity}")
         need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
 

@@ -25,6 +25,9 @@ BASE = dict(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256
         (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
         (dict(num_experts=4 * 4096), "num_experts must be <= 12288"),
         (dict(max_tokens=2**28, topk=8), r"world_size \* max_tokens \* topk must be < 2\*\*31"),
+        (dict(capacity=100),
+         r"capacity must be >= world_size \* max_tokens \* min\(topk, experts per rank\) = 512"),
+        (dict(world_size=256, local_world_size=8, num_experts=256), r"world_size must be in \[1, 128\]"),
     ],
 )
 def test_config_constraints(change, message):
@@ -40,7 +43,7 @@ def test_config_defaults_to_worst_case_capacity():
 
 def _inputs(t=8, h=256, k=2, dtype=torch.bfloat16):
     x = torch.randn(t, h).to(dtype)
-    idx = torch.randint(0, 32, (t, k))
+    idx = torch.rand(t, 32).argsort(dim=1)[:, :k].contiguous()  # distinct experts per token, like top-k
     w = torch.rand(t, k)
     return x, idx, w
 
@@ -77,6 +80,17 @@ def test_bad_inputs_are_named(mutate, message):
     cfg = EpConfig(**BASE)
     with pytest.raises(ValueError, match=message):
         check_dispatch_inputs(cfg, torch.device("cpu"), *mutate(*_inputs()))
+
+
+def test_repeated_experts_in_a_token_are_refused():
+    cfg = EpConfig(**BASE)
+    x, idx, w = _inputs()
+    idx[:, 0], idx[:, 1] = 3, 4
+    idx[5] = torch.tensor([-1, -1])  # dropped slots may repeat
+    check_dispatch_inputs(cfg, torch.device("cpu"), x, idx, w)
+    idx[6] = torch.tensor([7, 7])
+    with pytest.raises(ValueError, match=r"distinct experts per token .* token 6 has \[7, 7\]"):
+        check_dispatch_inputs(cfg, torch.device("cpu"), x, idx, w)
 
 
 def test_more_tokens_than_the_buffer_was_built_for():
