@@ -5,8 +5,8 @@ registration with a bound on how many are alive, and a CPU mode that compiles fo
   on a GPU host the compiled library is then registered with ``nvshmem.core.library_init``.
 - At most ``max_alive`` registered modules are kept (3 by default: on the lent 4x H200 a 4th alive
   module faulted); the least recently used one is finalized and dropped from the cache first.
-- ``finalize_all`` must run before ``nvshmem.core.finalize()`` (``Runtime`` calls it when the
-  registry is attached with ``attach``).
+- ``finalize_all`` must run before ``nvshmem.core.finalize()``: register it with
+  ``Runtime.add_finalizer`` (``EpBuffer`` does for the registry it makes).
 - CPU mode (``use_cpu_target``): NVSHMEM picks its bitcode from the current GPU's architecture and
   CuTe DSL compiles for the detected GPU; with no GPU both are pinned to sm_90.
 """
@@ -97,9 +97,15 @@ class ModuleRegistry:
 
     def _register(self, compiled):
         import nvshmem.core
-        from cuda.core import Device
 
-        device_id = Device().device_id if self.device_id is None else self.device_id
+        if self.device_id is None:
+            try:
+                from cuda.core import Device
+            except ImportError:  # older cuda-core releases
+                from cuda.core.experimental import Device
+            device_id = Device().device_id
+        else:
+            device_id = self.device_id
         compiled = compiled.to(device_id)
         lib = nvshmem.core.NvshmemKernelObject.from_handle(int(compiled.jit_module.cuda_library[0]))
         lib._keepalive = compiled

@@ -231,6 +231,7 @@ class Runtime:
         self.symmetric_size: str | None = None
         self._finalizers: list[Callable[[], object]] = []
         self._owns_process_group = False
+        self._heap_env_set_here = False
         self._nvshmem_up = False
         self._started = False
         self._closed = False
@@ -292,6 +293,9 @@ class Runtime:
             )
         # Heap size first: NVSHMEM reads the variable when it initialises, and a user error here
         # should surface before any rendezvous.
+        # Remember whether the size is ours: a later Runtime in this process must not take it for
+        # the user's setting.
+        self._heap_env_set_here = HEAP_ENV_VAR not in os.environ
         self.symmetric_size = configure_symmetric_heap(
             heap_bytes_for(self.symmetric_bytes), minimum_bytes=self.symmetric_bytes
         )
@@ -388,6 +392,9 @@ class Runtime:
             if dist.is_initialized():
                 attempt("torch.distributed.destroy_process_group()", dist.destroy_process_group)
         self.group = self.cpu_group = None
+        if self._heap_env_set_here:
+            os.environ.pop(HEAP_ENV_VAR, None)
+            self._heap_env_set_here = False
 
         if errors and not swallow:
             raise errors[0]

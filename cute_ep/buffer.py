@@ -83,8 +83,10 @@ class EpBuffer:
         self.registry = registry if registry is not None else ModuleRegistry(device_id=env.local_rank)
         if self._own_registry:
             runtime.add_finalizer(self.registry.finalize_all)
-
         c = cfg
+        # Compile (or fetch) first: it is local work that can fail, and nothing is allocated yet.
+        self.module = self.registry.get(c.compile_key(), lambda: build(c))
+
         sym = lambda shape, dtype: nvshmem_torch.tensor(shape, dtype=dtype)  # noqa: E731
         self.recv_x = sym((c.capacity, c.hidden), c.dtype)
         self.recv_y = sym((c.capacity, c.hidden), c.dtype)
@@ -109,10 +111,8 @@ class EpBuffer:
         self.counts.zero_()
         self.signals.zero_()
         self.poison()
-        torch.cuda.synchronize(dev)
-        runtime.barrier()
+        runtime.barrier()  # synchronizes the device first
 
-        self.module = self.registry.get(c.compile_key(), lambda: build(c))
         self._empty_x = torch.empty((1, c.hidden), dtype=c.dtype, device=dev)
         self._empty_i = torch.empty((1, c.topk), dtype=torch.int32, device=dev)
         self._empty_w = torch.empty((1, c.topk), dtype=torch.float32, device=dev)
@@ -144,7 +144,8 @@ class EpBuffer:
         self._check_ran(OP_LAYOUT, OP_DISPATCH)
         tpe = self.tokens_per_expert.clone()
         scatter = self.scatter[: t * self.cfg.topk].view(t, self.cfg.topk).clone()
-        handle = DispatchHandle(idx, w, scatter, t, mode)
+        # The handle owns its routing: a caller editing its tensors later cannot change combine.
+        handle = DispatchHandle(idx.clone(), w.clone(), scatter, t, mode)
         return DispatchResult(self.recv_x[:num_recv], self.recv_w[:num_recv], self.recv_src[:num_recv],
                               tpe, num_recv, handle)
 
@@ -170,6 +171,8 @@ class EpBuffer:
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
         """The symmetric [num_recv, H] buffer combine reads; experts writing here save a copy."""
+        if not 0 <= num_recv <= self.cfg.capacity:
+            raise ValueError(f"num_recv must be in [0, capacity={self.cfg.capacity}], got {num_recv}")
         return self.recv_y[:num_recv]
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -188,23 +191,29 @@ class EpBuffer:
         return out
 
     def close(self) -> None:
-        """Free the symmetric buffers (collective). Safe to call twice."""
+        """Free the symmetric buffers (collective: every rank calls it). Safe to call twice."""
         if self._closed:
             return
         import nvshmem.core.interop.torch as nvshmem_torch
 
-        torch.cuda.synchronize(self.device)
-        self.runtime.barrier()
+        self.runtime.barrier()  # synchronizes the device first: no kernel still uses the buffers
         for tensor in self._symmetric:
             nvshmem_torch.free_tensor(tensor)
         self._symmetric = []
         self._closed = True
+        if self._own_registry:
+            self.registry.finalize_all()
 
     def __enter__(self) -> EpBuffer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Leaving on an error: the peers may never reach a collective close, so none is attempted
+        # (the buffers stay allocated until NVSHMEM is torn down); the error itself propagates.
+        self._closed = True
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -313,13 +322,15 @@ def check_buffer_config(runtime: Any, cfg: EpConfig) -> None:
     import torch.distributed as dist
 
     env = runtime.env
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Gather before raising anything, so that every rank raises (none waits alone).
+        group = getattr(runtime, "cpu_group", None)
+        keys: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(keys, cfg.key(), group=group)
+    else:
+        keys = [cfg.key()]
     if cfg.world_size != env.world_size:
         raise ConfigError(f"cfg.world_size={cfg.world_size} but the launch has world_size={env.world_size}")
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    group = getattr(runtime, "cpu_group", None)
-    keys: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(keys, cfg.key(), group=group)
     if any(k != keys[0] for k in keys):
         diff = {r: k for r, k in enumerate(keys) if k != keys[0]}
         raise ConfigError(f"ranks built different EpConfigs: rank 0 has {keys[0]}, others {diff}")

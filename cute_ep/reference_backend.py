@@ -98,10 +98,10 @@ class ReferenceEpBuffer:
         on any rank raise on every rank (the rank at fault gets the EpBuffer message).
         """
         self._check_open()
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
         error = None
         try:
+            if mode not in MODES:
+                raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
             x, idx, w = check_dispatch_inputs(self.cfg, self.device, x, topk_idx, topk_weights)
             payload = (None, mode, x.detach().cpu(), idx.cpu(), w.detach().cpu())
         except ValueError as exc:
@@ -163,7 +163,17 @@ class ReferenceEpBuffer:
         cfg.dtype), as EpBuffer.combine. Collective. Returns a new [T, H] tensor."""
         self._check_open()
         c = self.cfg
-        check_combine_input(c, self.device, y)
+        try:
+            check_combine_input(c, self.device, y)
+            bad_y = None
+        except ValueError as exc:
+            bad_y = str(exc)
+        # Every rank learns of a bad y before anyone waits in the gather of the outputs.
+        bad = [f"rank {r}: {e}" for r, e in enumerate(self._all_gather(bad_y)) if e is not None]
+        if bad_y is not None:
+            raise ValueError(bad_y)
+        if bad:
+            raise ValueError("combine: invalid expert outputs on another rank: " + "; ".join(bad))
         rows = max(self._num_recv, y.shape[0])
         self._ensure_rows(rows)
         if y.numel() and y.data_ptr() != self.recv_y.data_ptr():

@@ -381,9 +381,12 @@ def _layout_problems(gathered: list[tuple], layout: Layout, max_tokens: int, ran
         recv_src = gathered[d][1].to(torch.int64)
         out_of_range = (sl < 0) | (sl >= recv_src.numel())
         want = pack_source(rank, pairs[:, 0], pairs[:, 1], max_tokens, topk).to(torch.int64)
-        found = torch.where(
-            out_of_range, torch.full_like(sl, -1), recv_src[sl.clamp(0, max(recv_src.numel() - 1, 0))]
-        )
+        if recv_src.numel() == 0:  # nothing arrived: every slot is out of range (no indexing)
+            found = torch.full_like(sl, -1)
+        else:
+            found = torch.where(
+                out_of_range, torch.full_like(sl, -1), recv_src[sl.clamp(0, recv_src.numel() - 1)]
+            )
         bad = out_of_range | (found != want)
         if not bool(bad.any()):
             continue
