@@ -55,7 +55,9 @@ Constraints:
     * --local-world-size (or CUTE_EP_LOCAL_WORLD_SIZE) divides the ranks per host (virtual nodes).
     * This script never sets NCCL / NVSHMEM / PyTorch multicast variables; it records them.
 
-Exit status (the same on every rank): 0 done, 1 a check failed or a run-time error, 2 bad arguments.
+Exit status (the same on every rank): 0 done, 1 a check failed or a run-time error, 2 bad arguments
+or settings (an --out-json / --out-png that cannot be written, a malformed or too small
+NVSHMEM_SYMMETRIC_SIZE).
 """
 
 from __future__ import annotations
@@ -174,6 +176,30 @@ def validate_args(args: argparse.Namespace) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--out-png needs matplotlib (pip install matplotlib)") from None
+    # Rank 0 alone writes them: a write error there would leave the other ranks in a collective.
+    for flag, value in (("--out-json", args.out_json), ("--out-png", args.out_png)):
+        if value:
+            check_writable(flag, value)
+
+
+def check_writable(flag: str, value: str) -> None:
+    """Raise UsageError unless ``value`` can be written: not a directory, not a read-only file, and
+    its nearest existing ancestor (write_json and plot create missing parents) a writable directory."""
+    path = Path(value)
+    try:
+        if path.is_dir():
+            raise UsageError(f"{flag} {value} is a directory")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise UsageError(f"{flag} {value} is not writable")
+        folder = path.absolute().parent
+        while not folder.exists():
+            folder = folder.parent
+        if not folder.is_dir():
+            raise UsageError(f"{flag} {value}: {folder} is not a directory")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {value}: directory {folder} is not writable")
+    except OSError as exc:
+        raise UsageError(f"{flag} {value}: {exc.strerror or exc}") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -452,7 +478,7 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
 
 def run(args: argparse.Namespace) -> int:
     from cute_ep.bootstrap.dist_env import DistEnv, DistEnvError
-    from cute_ep.bootstrap.runtime import Runtime
+    from cute_ep.bootstrap.runtime import HeapConfigError, Runtime
     from cute_ep.cli import DTYPES, Printer, launch_rank, print_run_error
     from cute_ep.kernels.config import MODES, ConfigError, EpConfig
     from cute_ep.validators.inputs import ROUTINGS
@@ -476,6 +502,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         with Runtime(env, symmetric_bytes=cfg.symmetric_bytes()) as runtime:
             return sweep(args, cfg, runtime, say)
+    except HeapConfigError as exc:  # a bad NVSHMEM_SYMMETRIC_SIZE, the same on every rank
+        if env.rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     except Exception as exc:
         print_run_error(env.rank, exc, args.traceback)
         return EXIT_FAIL
@@ -559,7 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         validate_args(args)
     except UsageError as exc:
-        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        from cute_ep.cli import launch_rank  # imports torch: only after parsing (--help stays torch-free)
+
+        if launch_rank() == "0":
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     return run(args)

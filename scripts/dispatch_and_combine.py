@@ -47,7 +47,8 @@ possible in the topology carried at least one pair (unless --no-coverage); and, 
 and a final PASS or FAIL line.
 
 Exit status (the same on every rank): 0 PASS, 1 FAIL or a run-time error, 2 invalid arguments, a
-launch error, or a baseline of another configuration (or an unreadable one).
+launch error, or a baseline of another configuration (or an unreadable one). A FAILed run saves no
+baseline (--save-baseline-to): it exits 1.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from typing import Any
 
 import torch
 
+from cute_ep.bench_report import pairs_off as count_pairs_off
 from cute_ep.bootstrap.dist_env import LOCAL_WORLD_SIZE_OVERRIDE_VAR, DistEnv, DistEnvError
 from cute_ep.bootstrap.runtime import HeapConfigError, Runtime
 from cute_ep.cli import (
@@ -265,6 +267,11 @@ def run_once(
     return ok, arrays
 
 
+def unreadable_baseline(path: str, exc: OSError) -> UsageError:
+    """The error (exit status 2) of a baseline file that cannot be read."""
+    return UsageError(f"cannot read baseline {path}: {exc.strerror or exc}")
+
+
 def precheck_baseline(path: str, meta: dict[str, Any], env: DistEnv, group: Any) -> BaseException | None:
     """The reason the baseline cannot be compared (unreadable, another configuration), or None.
 
@@ -278,7 +285,7 @@ def precheck_baseline(path: str, meta: dict[str, Any], env: DistEnv, group: Any)
             )
             compare_baselines(load_baseline(path), empty)  # raises BaselineConfigError on a mismatch
         except OSError as exc:
-            outcome = UsageError(f"cannot read baseline {path}: {exc.strerror or exc}")
+            outcome = unreadable_baseline(path, exc)
         except Exception as exc:
             outcome = exc
     return broadcast_from_rank0(outcome, group)
@@ -298,8 +305,7 @@ def benchmark(buffer: Any, args: argparse.Namespace, cfg: EpConfig, runtime: Run
         rank, args.num_tokens, args.hidden, args.num_experts, args.topk, cfg.dtype, args.seed,
         routing=args.routing, device=device, idx_dtype=torch.int32,  # the kernels' dtype: no conversion
     )  # fmt: skip
-    owner = torch.div(idx.to(torch.int64), cfg.experts_per_rank, rounding_mode="floor")
-    pairs_off = int(((idx >= 0) & (owner != rank)).sum())
+    pairs_off = count_pairs_off(idx.cpu(), rank, cfg.experts_per_rank)
     say(f"benchmark: {args.bench_warmup} warm-up + {args.bench_iters} timed iterations per mode")
     for mode in args.mode_list:
         times: dict[str, list[float]] = {"dispatch": [], "combine": []}
@@ -342,6 +348,14 @@ def validate(buffer: Any, args: argparse.Namespace, cfg: EpConfig, runtime: Runt
     # save_baseline / compare_to_baseline raise the same exception on every rank (rank 0 decides).
     meta = baseline_meta(args)
     lws = env.local_world_size
+    if args.save_baseline_to and not passed:  # `passed` is the same on every rank: no file, exit 1
+        problem = RuntimeError(
+            f"not saving the baseline to {args.save_baseline_to}: the checks failed (see above), and a "
+            "baseline must hold correct results"
+        )
+        leave(runtime, problem, EXIT_FAIL, meet=False)
+        say("FAIL")
+        return EXIT_FAIL
     if args.save_baseline_to:
         try:
             save_baseline(args.save_baseline_to, arrays, meta, group, local_world_size=lws)
@@ -352,9 +366,11 @@ def validate(buffer: Any, args: argparse.Namespace, cfg: EpConfig, runtime: Runt
     if args.compare_baseline:
         try:
             cmp = compare_to_baseline(args.compare_baseline, arrays, meta, group, local_world_size=lws)
+        except OSError as exc:  # unreadable: exit 2, as in precheck_baseline
+            return leave(runtime, unreadable_baseline(args.compare_baseline, exc), EXIT_USAGE, meet=False)
         except Exception as exc:
-            code = EXIT_USAGE if isinstance(exc, BaselineConfigError) else EXIT_FAIL
-            return leave(runtime, exc, code, meet=False)
+            usage = isinstance(exc, (BaselineConfigError, BaselineFormatError))
+            return leave(runtime, exc, EXIT_USAGE if usage else EXIT_FAIL, meet=False)
         say(f"{cmp.summary} (vs {args.compare_baseline})", *cmp.lines[1:])
         passed &= cmp.passed
     if args.benchmark:
@@ -413,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return run(args, env, cfg)
-    except (UsageError, BaselineConfigError, BaselineFormatError, HeapConfigError) as exc:
+    # run() returns (never raises) the script's UsageError and the baseline errors; the heap size
+    # setting is checked when the Runtime starts, on every rank alike.
+    except HeapConfigError as exc:
         if env.rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -325,8 +326,9 @@ def test_bench_report_has_no_gpu_or_torch_import():
 # --------------------------------------------------------------------------------------------------
 
 
-def _script(*args: str) -> subprocess.CompletedProcess:
+def _script(*args: str, **extra_env: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(extra_env)
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120, cwd=REPO, env=env
     )
@@ -368,6 +370,84 @@ def test_benchmark_rejects_bad_arguments_before_any_launch(args, message):
     res = _script(*args)
     assert res.returncode == 2, res.stdout + res.stderr
     assert message in res.stderr
+
+
+def test_benchmark_usage_error_is_printed_by_rank_0_only():
+    res = _script("--iters", "0", RANK="1")
+    assert res.returncode == 2 and res.stderr == "", res.stdout + res.stderr
+
+
+@pytest.fixture
+def bm():
+    """scripts/benchmark.py as a module (its imports are torch-free)."""
+    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _output_cases(tmp_path: Path) -> list[tuple[str, str, str]]:
+    """(flag, path, expected message) of outputs that rank 0 could not write."""
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    return [
+        ("--out-json", str(a_file / "r.json"), f"{a_file} is not a directory"),
+        ("--out-json", str(a_file / "sub" / "r.json"), f"{a_file} is not a directory"),
+        ("--out-json", str(tmp_path), "is a directory"),
+        ("--out-png", str(tmp_path), "is a directory"),
+    ]
+
+
+def test_benchmark_rejects_unwritable_outputs_before_any_launch(tmp_path):
+    pytest.importorskip("matplotlib")  # --out-png needs it
+    for flag, path, message in _output_cases(tmp_path):
+        res = _script(flag, path)
+        assert res.returncode == 2, (flag, path, res.stdout + res.stderr)
+        assert f"error: {flag} {path}" in res.stderr and message in res.stderr, res.stderr
+
+
+def test_check_writable(bm, tmp_path):
+    for flag, path, message in _output_cases(tmp_path):
+        with pytest.raises(bm.UsageError, match=message):
+            bm.check_writable(flag, path)
+    # Missing parents are fine (write_json and plot create them), and so is an existing file.
+    bm.check_writable("--out-json", str(tmp_path / "new" / "deeper" / "r.json"))
+    (tmp_path / "old.json").write_text("{}")
+    bm.check_writable("--out-json", str(tmp_path / "old.json"))
+    bm.check_writable("--out-json", "relative-name.json")  # the working directory
+    if os.geteuid() != 0:  # root may write anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o555)
+        try:
+            with pytest.raises(bm.UsageError, match=f"directory {locked} is not writable"):
+                bm.check_writable("--out-json", str(locked / "new" / "r.json"))
+        finally:
+            locked.chmod(0o755)
+
+
+@pytest.mark.parametrize("error,code", [("heap", 2), ("other", 1)])
+def test_benchmark_heap_setting_error_exits_2(bm, monkeypatch, capsys, error, code):
+    # NVSHMEM_SYMMETRIC_SIZE is checked when the Runtime starts (it needs a GPU there, so a stand-in
+    # raises here): a bad setting exits 2 like a bad argument, other run-time errors 1.
+    pytest.importorskip("torch")
+    from cute_ep.bootstrap import runtime as rt
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                "CUTE_EP_LOCAL_WORLD_SIZE"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+
+    def runtime(*args, **kwargs):
+        if error == "heap":
+            raise rt.HeapConfigError("NVSHMEM_SYMMETRIC_SIZE='1M' is too small")
+        raise RuntimeError("no GPU")
+
+    monkeypatch.setattr(rt, "Runtime", runtime)
+    assert bm.main(["--tokens", "8", "--hidden", "64", "--num-experts", "8", "--topk", "2"]) == code
+    err = capsys.readouterr().err
+    heap = "error: NVSHMEM_SYMMETRIC_SIZE='1M' is too small"
+    expected = heap if error == "heap" else "rank 0: error: RuntimeError: no GPU"
+    assert expected in err, err
 
 
 # --------------------------------------------------------------------------------------------------

@@ -71,8 +71,11 @@ def _single(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=run_env, cwd=REPO)
 
 
-def _launch_ranks(*args: str) -> tuple[list[int], str]:
-    """Start WORLD ranks with torchrun's variables by hand; every rank's exit status and all output."""
+def _launch_ranks(*args: str, patches: str | None = None) -> tuple[list[int], str]:
+    """Start WORLD ranks with torchrun's variables by hand; every rank's exit status and all output.
+
+    ``patches``: run the script through _PATCHED with these patches (comma-separated).
+    """
     port = str(_free_port())
     procs = []
     for r in range(WORLD):
@@ -81,6 +84,8 @@ def _launch_ranks(*args: str) -> tuple[list[int], str]:
             MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
         )  # fmt: skip
         cmd = [sys.executable, str(SCRIPT), *args]
+        if patches is not None:
+            cmd = [sys.executable, "-c", _PATCHED, str(SCRIPT), patches, *args]
         procs.append(
             subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         )
@@ -184,11 +189,15 @@ def test_argument_errors_exit_2_with_the_constraint(args, message):
     assert message in proc.stderr, _text(proc)
 
 
-_CORRUPTING = textwrap.dedent(
+# python -c _PATCHED SCRIPT PATCHES ARGS...: the script's main(ARGS) with PATCHES (comma-separated):
+# "corrupt" (wrong dispatch results in both modes), "no-precheck" (the baseline is first read at
+# compare time), "" (none).
+_PATCHED = textwrap.dedent(
     """
     import dataclasses, importlib.util, sys
     from cute_ep.reference_backend import ReferenceEpBuffer
 
+    patches = sys.argv[2].split(",")
     original = ReferenceEpBuffer.dispatch
 
     def dispatch(self, x, topk_idx, topk_weights, mode="scatter"):
@@ -200,21 +209,30 @@ _CORRUPTING = textwrap.dedent(
         scatter[0, 0], scatter[1, 0] = int(scatter[1, 0]), int(scatter[0, 0])  # two swapped slots
         return dataclasses.replace(res, handle=dataclasses.replace(res.handle, scatter=scatter))
 
-    ReferenceEpBuffer.dispatch = dispatch
+    if "corrupt" in patches:
+        ReferenceEpBuffer.dispatch = dispatch
     spec = importlib.util.spec_from_file_location("dispatch_and_combine", sys.argv[1])
     script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # its exceptions travel pickled between ranks
     spec.loader.exec_module(script)
-    sys.exit(script.main(sys.argv[2:]))
+    if "no-precheck" in patches:
+        script.precheck_baseline = lambda *args, **kwargs: None
+    sys.exit(script.main(sys.argv[3:]))
     """
 )
+SMALL = ["--backend", "reference", "--num-tokens", "16", "--hidden", "64", "--num-experts", "4"]
+
+
+def _patched(patches: str, *args: str) -> subprocess.CompletedProcess:
+    """The script in a single process (a world of one) with _PATCHED's ``patches``."""
+    cmd = [sys.executable, "-c", _PATCHED, str(SCRIPT), patches, *args]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(MASTER_PORT=str(_free_port()))
+    )
 
 
 def test_wrong_results_fail_with_readable_messages():
-    cmd = [sys.executable, "-c", _CORRUPTING, str(SCRIPT), "--backend", "reference", "--num-tokens", "16",
-           "--hidden", "64", "--num-experts", "4"]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(MASTER_PORT=str(_free_port()))
-    )
+    proc = _patched("corrupt", *SMALL)
     out = proc.stdout
     assert proc.returncode == 1, _text(proc)
     assert out.strip().splitlines()[-1] == "FAIL"
@@ -224,6 +242,43 @@ def test_wrong_results_fail_with_readable_messages():
     # check_combine takes the handle's slots on trust (the combine did read what they name): only
     # the layout check can tell that they are wrong.
     assert "[atomic #0] dispatch: PASS" in out and "[atomic #0] combine: PASS" in out
+
+
+def test_a_failed_run_saves_no_baseline_and_exits_1_on_every_rank(tmp_path):
+    path = tmp_path / "bad.npz"
+    codes, out = _launch_ranks(*BASE, "--save-baseline-to", str(path), patches="corrupt")
+    assert codes == [1] * WORLD, out[-6000:]
+    assert "[scatter #0] dispatch: FAIL" in out
+    assert f"error: not saving the baseline to {path}: the checks failed" in out
+    assert out.count("error: not saving the baseline") == 1  # rank 0 prints it
+    assert "baseline saved" not in out and "PASS\n" not in out
+    assert [ln.strip() for ln in out.splitlines() if ln.strip()][-1] == "FAIL"
+    assert not path.exists() and not list(tmp_path.iterdir())
+
+
+def test_an_uncorrupted_patched_run_still_saves(tmp_path):
+    # The control of the test above: the same wrapper without "corrupt" saves the baseline.
+    path = tmp_path / "good.npz"
+    proc = _patched("", *SMALL, "--save-baseline-to", str(path))
+    assert f"baseline saved to {path}" in _assert_passed(proc) and path.is_file()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(None, "cannot read baseline"), (b"not a zip", "not a readable .npz file")],
+    ids=["missing", "malformed"],
+)
+def test_a_baseline_unreadable_at_compare_time_exits_2(tmp_path, content, message):
+    # The pre-check normally reports these before any kernel runs (exit 2); without it, the comparison
+    # after the run must give the same exit status.
+    path = tmp_path / "base.npz"
+    if content is not None:
+        path.write_bytes(content)
+    for patches in ("no-precheck", ""):
+        proc = _patched(patches, *SMALL, "--compare-baseline", str(path))
+        assert proc.returncode == 2, (patches, _text(proc))
+        assert message in proc.stderr and str(path) in proc.stderr, (patches, _text(proc))
+        assert ("[scatter #0] dispatch: PASS" in proc.stdout) == (patches == "no-precheck")
 
 
 # --------------------------------------------------------------------------------------------------
