@@ -169,17 +169,7 @@ class EpConfig:
 
     def key(self) -> tuple:
         """Everything that defines the configuration (compared across ranks at construction)."""
-        return (
-            self.world_size,
-            self.local_world_size,
-            self.num_experts,
-            self.topk,
-            self.hidden,
-            str(self.dtype),
-            self.max_tokens,
-            self.capacity,
-            self.num_sms,
-        )
+        return (str(self.dtype), *self.shape_args())
 
     def compile_key(self) -> tuple:
         """The explicit compile-cache key: the kernels are specialized on the element type only."""

@@ -132,9 +132,19 @@ def route_counts_of(layout: Layout, local_world_size: int) -> dict[str, int]:
     return counts
 
 
-def _coverage(route_counts: dict[str, int], world: int, local_world_size: int) -> list[str]:
-    """Route classes possible in the topology that no pair exercised."""
-    return [c for c in possible_route_classes(world, local_world_size) if route_counts.get(c, 0) == 0]
+def _coverage_gate(
+    route_counts: dict[str, int], world: int, local_world_size: int, require: bool
+) -> tuple[bool, list[str]]:
+    """(coverage ok, failure messages): the route classes possible in the topology that no pair
+    exercised; a message only when coverage is required."""
+    missing = [c for c in possible_route_classes(world, local_world_size) if route_counts.get(c, 0) == 0]
+    msgs = []
+    if missing and require:
+        msgs.append(
+            f"coverage: no pair exercised route class(es) {', '.join(missing)} "
+            f"(world size {world}, local world size {local_world_size})"
+        )
+    return not missing, msgs
 
 
 def _bits(t: Tensor) -> Tensor:
@@ -316,17 +326,12 @@ def check_dispatch(
         ws = [g[2] for g in gathered]
         layout = reference_layout(idxs, num_experts)
         counts = route_counts_of(layout, local_world_size)
-        missing = _coverage(counts, world, local_world_size)
-        coverage_ok = not missing
+        coverage_ok, gate = _coverage_gate(counts, world, local_world_size, require_coverage)
         expected = reference_dispatch_rank(xs, idxs, ws, layout, max_tokens, rank)
         msgs += _compare_dispatch(
             layout, expected, _cpu(recv_x), _cpu(recv_w), _cpu(recv_src), idxs, max_tokens, rank, ordered
         )
-        if missing and require_coverage:
-            msgs.append(
-                f"coverage: no pair exercised route class(es) {', '.join(missing)} "
-                f"(world size {world}, local world size {local_world_size})"
-            )
+        msgs += gate
     except Exception as exc:  # every rank must still reach the verdict collective
         msgs.append(f"dest rank {rank}: error while checking dispatch: {type(exc).__name__}: {exc}")
     return _finish(msgs, counts, coverage_ok, group)
@@ -455,7 +460,7 @@ def check_layout(
     try:
         layout = reference_layout([g[0] for g in gathered], num_experts)
         counts = route_counts_of(layout, local_world_size)
-        coverage_ok = not _coverage(counts, world, local_world_size)
+        coverage_ok, _ = _coverage_gate(counts, world, local_world_size, require=False)
         msgs = _layout_problems(gathered, layout, max_tokens, rank)
     except Exception as exc:  # every rank must still reach the verdict collective
         msgs.append(f"rank {rank}: error while checking the layout: {type(exc).__name__}: {exc}")
@@ -509,18 +514,13 @@ def check_combine(
         idxs = [g[0] for g in gathered]
         layout = reference_layout(idxs, num_experts)
         counts = route_counts_of(layout, local_world_size)
-        missing = _coverage(counts, world, local_world_size)
-        coverage_ok = not missing
+        coverage_ok, gate = _coverage_gate(counts, world, local_world_size, require_coverage)
         slots = gathered[rank][2] if gathered[rank][2] is not None else layout.scatter[rank]
         ys = [g[3] for g in gathered]
         weights = gathered[rank][1]
         expected = reference_combine(ys, [idxs[rank]], [weights], [slots], num_experts=num_experts)[0]
         msgs += _compare_combine(expected, _cpu(out), idxs[rank], slots, layout, rank, atol)
-        if missing and require_coverage:
-            msgs.append(
-                f"coverage: no pair exercised route class(es) {', '.join(missing)} "
-                f"(world size {world}, local world size {local_world_size})"
-            )
+        msgs += gate
     except Exception as exc:  # every rank must still reach the verdict collective
         msgs.append(f"rank {rank}: error while checking combine: {type(exc).__name__}: {exc}")
     return _finish(msgs, counts, coverage_ok, group)
