@@ -262,12 +262,6 @@ class ReferenceEpBuffer:
 # --------------------------------------------------------------------------------------------------
 
 
-def _group_sizes(layout: Layout, dst: int) -> Tensor:
-    """Rows of each (local expert l, source s) group on ``dst``, in slot order (l-major, then s)."""
-    world = layout.world_size
-    return layout.counts.view(world, world, layout.experts_per_rank)[:, dst, :].t().reshape(-1)
-
-
 def _atomic_inverse_permutations(layout: Layout, call: int) -> list[Tensor]:
     """Per destination d, [num_recv_d] int64: the shuffled slot of every deterministic slot.
 
@@ -279,7 +273,7 @@ def _atomic_inverse_permutations(layout: Layout, call: int) -> list[Tensor]:
     g.manual_seed(_ATOMIC_SEED_SALT + call)
     out = []
     for d in range(layout.world_size):
-        sizes = _group_sizes(layout, d).cpu()
+        sizes = layout.group_sizes(d).cpu()
         group = torch.repeat_interleave(torch.arange(sizes.numel(), dtype=torch.float64), sizes)
         # group + U[0, 1) sorts by group first, randomly inside a group.
         order = torch.argsort(group + torch.rand(group.numel(), generator=g, dtype=torch.float64))

@@ -192,7 +192,7 @@ def _finish(
 
 def _group_ids(layout: Layout, dst: int) -> Tensor:
     """[num_recv_dst] int64: the (local expert, source) group index l * R + s of every slot."""
-    sizes = layout.counts.view(layout.world_size, layout.world_size, -1)[:, dst, :].t().reshape(-1)
+    sizes = layout.group_sizes(dst)
     return torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
 
 

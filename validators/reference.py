@@ -188,6 +188,11 @@ class Layout:
         n = int(self.counts[src, dst * self.experts_per_rank + local_expert])
         return start, start + n
 
+    def group_sizes(self, dst: int) -> Tensor:
+        """[El * R] rows of each (local expert l, source s) group on ``dst``, in slot order (l-major)."""
+        world = self.world_size
+        return self.counts.view(world, world, self.experts_per_rank)[:, dst, :].t().reshape(-1)
+
 
 def _validate_topk(topk_idx: Sequence[Tensor], num_experts: int) -> tuple[int, int]:
     """Check the routing of all ranks; return (R, K)."""
