@@ -23,14 +23,13 @@ import datetime as _dt
 import json
 import math
 import os
-import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from cute_ep._version import package_versions
+from cute_ep._version import git_sha, package_versions
 
 __all__ = [
     "META_KEYS",
@@ -75,7 +74,6 @@ META_KEYS = (
     "timestamp",
     "command",
 )
-_REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class BenchReportError(ValueError):
@@ -475,28 +473,6 @@ def plot(report: Mapping[str, Any], png_path: str | os.PathLike) -> Path:
 # --------------------------------------------------------------------------------------------------
 # small helpers for the script's metadata and arguments
 # --------------------------------------------------------------------------------------------------
-
-
-def git_sha(repo: str | os.PathLike = _REPO_ROOT) -> str | None:
-    """``git rev-parse HEAD`` of ``repo`` with "-dirty" appended when tracked files are modified;
-    None without git or outside a repository."""
-
-    def git(*args: str) -> subprocess.CompletedProcess | None:
-        try:
-            return subprocess.run(
-                ["git", *args], cwd=repo, capture_output=True, text=True, timeout=10, check=False
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    head = git("rev-parse", "HEAD")
-    if head is None or head.returncode != 0 or not head.stdout.strip():
-        return None
-    sha = head.stdout.strip()
-    status = git("status", "--porcelain", "--untracked-files=no")
-    if status is not None and status.returncode == 0 and status.stdout.strip():
-        sha += "-dirty"
-    return sha
 
 
 def utc_timestamp() -> str:

@@ -18,7 +18,6 @@ import datetime as _dt
 import io
 import json
 import os
-import subprocess
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cute_ep._version import package_versions
+from cute_ep._version import git_sha, package_versions
 from cute_ep.validators.checks import world_of
 
 __all__ = [
@@ -52,7 +51,6 @@ META_KEY = "__meta__"
 IDENTITY_KEYS = ("config", "seed", "dtype", "world_size", "local_world_size")
 REPORTED_KEYS = ("device", "versions", "git_sha", "created")
 _REQUIRED_CALLER_KEYS = ("config", "seed", "dtype")
-_REPO_ROOT = Path(__file__).resolve().parent.parent
 _MAX_DETAILS_IN_SUMMARY = 3
 
 # torch dtypes numpy holds natively; everything else is stored as same-width unsigned bits.
@@ -152,22 +150,6 @@ def _canonical(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=_json_default, sort_keys=True))
 
 
-def _git_sha() -> str | None:
-    try:
-        res = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=_REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    sha = res.stdout.strip()
-    return sha if res.returncode == 0 and sha else None
-
-
 def _device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
@@ -195,7 +177,7 @@ def _build_meta(meta: Mapping[str, Any], world_size: int, local_world_size: int 
     out["local_world_size"] = int(lws) if lws is not None else world_size  # default: one node
     out["device"] = _device_name()
     out["versions"] = package_versions()
-    out["git_sha"] = _git_sha()
+    out["git_sha"] = git_sha()
     out["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     return out
 
