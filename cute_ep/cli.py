@@ -14,9 +14,10 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from cute_ep.validators.checks import CheckResult, format_summary
+from cute_ep.validators.checks import all_gather_objects as all_gather
+from cute_ep.validators.checks import broadcast_from_root as broadcast_from_rank0
 from cute_ep.validators.reference import global_expert_of_rows
 
 if TYPE_CHECKING:
@@ -41,20 +42,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # --------------------------------------------------------------------------------------------------
 # small collective helpers (the cpu group is gloo in both backends)
 # --------------------------------------------------------------------------------------------------
-
-
-def all_gather(obj: Any, group: Any) -> list[Any]:
-    """Every rank's ``obj`` (picklable), in rank order, on every rank of ``group`` (collective)."""
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def broadcast_from_rank0(obj: Any, group: Any) -> Any:
-    """Rank 0's ``obj`` (picklable) on every rank of ``group``; the others' is ignored (collective)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
 
 
 # --------------------------------------------------------------------------------------------------

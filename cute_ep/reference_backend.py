@@ -40,6 +40,7 @@ from cute_ep.buffer import (
     check_dispatch_inputs,
 )
 from cute_ep.kernels.config import MODES, EpConfig
+from cute_ep.validators.checks import all_gather_objects
 from cute_ep.validators.reference import (
     Layout,
     reference_combine,
@@ -233,10 +234,7 @@ class ReferenceEpBuffer:
                 raise RuntimeError(
                     f"world_size={self.cfg.world_size} needs an initialised torch.distributed process group"
                 )
-            return [obj]
-        out: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return all_gather_objects(obj, self.group)
 
     def _ensure_rows(self, n: int) -> None:
         """Grow the receive buffers to at least n rows (new rows poisoned, old rows kept)."""

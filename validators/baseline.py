@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cute_ep._version import git_sha, package_versions
-from cute_ep.validators.checks import world_of
+from cute_ep.validators.checks import broadcast_from_root, world_of
 
 __all__ = [
     "IDENTITY_KEYS",
@@ -409,15 +409,6 @@ def _gather_to_root(arrays: Mapping[str, Any], group: Any) -> list[dict[str, Any
     return out
 
 
-def _share_outcome(outcome: Any, group: Any) -> Any:
-    """Broadcast rank 0's outcome (a value or an exception) to every rank."""
-    if not dist.is_initialized():
-        return outcome
-    box = [outcome]
-    dist.broadcast_object_list(box, src=_root(group), group=group)
-    return box[0]
-
-
 def save_baseline(
     path: str | os.PathLike[str],
     arrays: Mapping[str, Tensor],
@@ -448,7 +439,7 @@ def save_baseline(
             _write(path, make_baseline(gathered, meta, local_world_size=local_world_size))
         except Exception as exc:  # shared with every rank, then raised everywhere
             outcome = exc
-    outcome = _share_outcome(outcome, group)
+    outcome = broadcast_from_root(outcome, group)
     if isinstance(outcome, BaseException):
         raise outcome
 
@@ -486,7 +477,7 @@ def compare_to_baseline(
             outcome = compare_baselines(load_baseline(path), actual)
         except Exception as exc:
             outcome = exc
-    outcome = _share_outcome(outcome, group)
+    outcome = broadcast_from_root(outcome, group)
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome

@@ -85,13 +85,25 @@ def _collective_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_gather(obj: Any, group: Any) -> list[Any]:
+def all_gather_objects(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank of ``group`` (collective);
+    ``[obj]`` without an initialised process group."""
     _, world = world_of(group)
     if world == 1 and not dist.is_initialized():
         return [obj]
     out: list[Any] = [None] * world
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def broadcast_from_root(obj: Any, group: Any) -> Any:
+    """The ``obj`` of ``group``'s rank 0 (a value or an exception) on every rank (collective);
+    ``obj`` itself without an initialised process group."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    return box[0]
 
 
 def _reduce_verdict(local_ok: bool, group: Any) -> list[int]:
@@ -316,7 +328,7 @@ def check_dispatch(
         A :class:`CheckResult` with the verdict reduced over all ranks.
     """
     rank, world = world_of(group)
-    gathered = _all_gather((_cpu(x), _cpu(topk_idx), _cpu(topk_weights)), group)
+    gathered = all_gather_objects((_cpu(x), _cpu(topk_idx), _cpu(topk_weights)), group)
     msgs: list[str] = []
     counts = dict.fromkeys(ROUTE_CLASSES, 0)
     coverage_ok = False
@@ -453,7 +465,7 @@ def check_layout(
         int(res.num_recv),
         _cpu(res.handle.scatter),
     )
-    gathered = _all_gather(local, group)
+    gathered = all_gather_objects(local, group)
     msgs: list[str] = []
     counts = dict.fromkeys(ROUTE_CLASSES, 0)
     coverage_ok = False
@@ -506,7 +518,7 @@ def check_combine(
         A :class:`CheckResult` with the verdict reduced over all ranks.
     """
     rank, world = world_of(group)
-    gathered = _all_gather((_cpu(topk_idx), _cpu(topk_weights), _cpu(scatter), _cpu(recv_y)), group)
+    gathered = all_gather_objects((_cpu(topk_idx), _cpu(topk_weights), _cpu(scatter), _cpu(recv_y)), group)
     msgs: list[str] = []
     counts = dict.fromkeys(ROUTE_CLASSES, 0)
     coverage_ok = False
