@@ -3,12 +3,16 @@
 The one bandwidth formula (``/work/shared/design.md``, "Measuring"):
 
 * ``pairs_off`` = this rank's non-dropped (token, k) pairs whose expert lives on another rank.
+* ``rows_off`` = this rank's distinct (token, destination rank) pairs over those: the rows dispatch
+  sends (a token's row crosses the link once per distinct destination rank; the receiver copies it
+  to that rank's other slots).
 * algorithmic bandwidth = pairs_off * H * element bytes / time, for dispatch and for combine
-  (GB/s = 1e9 bytes per second). Sending a token once per destination rank would move fewer bytes,
-  so this may exceed the link rate.
-* bytes our kernels actually move per rank: dispatch = pairs_off * (H * b + 8) (the row, its fp32
-  weight and its int32 source tag), combine = pairs_off * H * b; their rate is also reported as a
-  percentage of the NVLink4 line rate (450 GB/s per direction per GPU).
+  (GB/s = 1e9 bytes per second). Dispatch sends a token once per destination rank, so it moves
+  fewer bytes than this and its algorithmic rate may exceed the link rate.
+* bytes our kernels actually move per rank: dispatch = rows_off * H * b + 12 * pairs_off (each
+  distinct row once, and per off-rank pair its fp32 weight, int32 source tag and int32 from-slot),
+  combine = pairs_off * H * b; their rate is also reported as a percentage of the NVLink4 line rate
+  (450 GB/s per direction per GPU).
 * NCCL baseline: ``all_to_all_single`` moving exactly those rows; ratio = NCCL time / our time.
 
 A report is ``{"schema": SCHEMA, "meta": {...}, "rows": [{...}, ...]}``; ``META_KEYS`` and
@@ -52,6 +56,7 @@ __all__ = [
     "parse_int_list",
     "parse_name_list",
     "plot",
+    "rows_off",
     "split_sizes",
     "table_header",
     "utc_timestamp",
@@ -61,7 +66,9 @@ __all__ = [
 
 SCHEMA = "cute-ep-bench/1"
 NVLINK4_LINE_RATE_GBPS = 450.0  # H100/H200 NVLink4: 18 links x 25 GB/s, per direction
-TAG_BYTES = 8  # per dispatched row besides the row itself: fp32 weight + int32 source tag
+# Dispatch metadata per off-rank (token, k) pair, besides the (de-duplicated) row: fp32 weight,
+# int32 source tag and int32 from-slot (where the receiver finds the row if another k sent it).
+TAG_BYTES = 12
 META_KEYS = (
     "device",
     "world_size",
@@ -85,8 +92,8 @@ class BenchReportError(ValueError):
 # --------------------------------------------------------------------------------------------------
 
 
-def _routing(topk_idx: Any, experts_per_rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """(owner rank of every non-dropped pair, flat) from a [T, K] array of expert ids (-1 dropped)."""
+def _expert_ids(topk_idx: Any, experts_per_rank: int) -> np.ndarray:
+    """A [T, K] array of expert ids (-1 dropped), checked, as int64 (same shape)."""
     if experts_per_rank < 1:
         raise BenchReportError(f"experts_per_rank must be >= 1, got {experts_per_rank}")
     ids = np.asarray(topk_idx)
@@ -94,9 +101,16 @@ def _routing(topk_idx: Any, experts_per_rank: int) -> tuple[np.ndarray, np.ndarr
         raise BenchReportError(f"topk_idx must be 2-D [T, K], got shape {ids.shape}")
     if ids.size and not np.issubdtype(ids.dtype, np.integer):
         raise BenchReportError(f"topk_idx must hold integers, got {ids.dtype}")
-    ids = ids.astype(np.int64, copy=False).reshape(-1)
+    ids = ids.astype(np.int64, copy=False)
     if ids.size and int(ids.min()) < -1:
         raise BenchReportError(f"topk_idx values must be >= -1 (-1: dropped), got {int(ids.min())}")
+    return ids
+
+
+def _routing(topk_idx: Any, experts_per_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """(owner rank of every non-dropped pair, expert id of it), flat, from a [T, K] array of expert ids
+    (-1 dropped)."""
+    ids = _expert_ids(topk_idx, experts_per_rank).reshape(-1)
     kept = ids[ids >= 0]
     return kept // experts_per_rank, kept
 
@@ -106,6 +120,20 @@ def pairs_off(topk_idx: Any, rank: int, experts_per_rank: int) -> int:
     (expert // experts_per_rank) is not ``rank``."""
     owners, _ = _routing(topk_idx, experts_per_rank)
     return int(np.count_nonzero(owners != rank))
+
+
+def rows_off(topk_idx: Any, rank: int, experts_per_rank: int) -> int:
+    """Distinct (t, owner) pairs of ``topk_idx`` ([T, K], any integer array) over its non-dropped
+    entries with owner (expert // experts_per_rank) not ``rank``: the rows dispatch sends off-rank."""
+    ids = _expert_ids(topk_idx, experts_per_rank)
+    owners = np.where(ids >= 0, ids // experts_per_rank, -1)
+    owners[owners == rank] = -1  # to self (or dropped): no row crosses a link
+    if owners.size == 0:
+        return 0
+    owners.sort(axis=1)
+    first = np.ones(owners.shape, dtype=bool)
+    first[:, 1:] = owners[:, 1:] != owners[:, :-1]
+    return int(np.count_nonzero(first & (owners >= 0)))
 
 
 def split_sizes(topk_idx: Any, world_size: int, experts_per_rank: int) -> list[int]:
@@ -130,9 +158,10 @@ def bandwidth_gbps(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def dispatch_moved_bytes(pairs: float, row_bytes: int) -> float:
-    """Bytes our dispatch moves off-rank: each off-rank pair's row, weight and tag."""
-    return pairs * (row_bytes + TAG_BYTES)
+def dispatch_moved_bytes(rows: float, pairs: float, row_bytes: int) -> float:
+    """Bytes our dispatch moves off-rank: each distinct (token, destination rank) row once
+    (``rows``, see :func:`rows_off`), plus TAG_BYTES of metadata per off-rank pair (``pairs``)."""
+    return rows * row_bytes + pairs * TAG_BYTES
 
 
 def combine_moved_bytes(pairs: float, row_bytes: int) -> float:
@@ -161,8 +190,9 @@ class BenchRow:
     Times are microseconds. ``*_per_rank`` lists are indexed by rank: each rank's median over the
     timed iterations. ``dispatch_us`` etc. are the slowest rank's median (the collective is done
     when its slowest rank is), ``*_min`` / ``*_max`` the fastest and slowest ranks' medians.
-    ``pairs_off`` per rank is the mean over the input sets. Bandwidths (GB/s) divide the mean over
-    ranks of ``pairs_off`` bytes by the slowest rank's median; ``*_line_pct`` is the moved rate as a
+    ``pairs_off`` and ``rows_off`` per rank are means over the input sets. Bandwidths (GB/s) divide
+    the mean over ranks of the bytes (algorithmic: ``pairs_off`` rows; dispatch moved: ``rows_off``
+    rows and ``pairs_off`` metadata) by the slowest rank's median; ``*_line_pct`` is the moved rate as a
     percentage of ``line_rate_gbps``; ``*_ratio`` = NCCL time / our time (> 1: we are faster).
     ``checked``: a bit-exact dispatch + combine round passed before timing (False: not checked).
     """
@@ -175,6 +205,8 @@ class BenchRow:
     line_rate_gbps: float
     pairs_off: list[float]
     pairs_off_mean: float
+    rows_off: list[float]
+    rows_off_mean: float
     dispatch_us: float
     dispatch_us_min: float
     dispatch_us_max: float
@@ -212,6 +244,7 @@ class BenchRow:
         checked: bool,
         row_bytes: int,
         pairs_off: Sequence[float],
+        rows_off: Sequence[float],
         dispatch_us: Sequence[float],
         combine_us: Sequence[float],
         nccl_dispatch_us: Sequence[float],
@@ -221,6 +254,7 @@ class BenchRow:
         """Build a row from per-rank values (each sequence indexed by rank, all the same length)."""
         per_rank = {
             "pairs_off": [float(v) for v in pairs_off],
+            "rows_off": [float(v) for v in rows_off],
             "dispatch_us": [float(v) for v in dispatch_us],
             "combine_us": [float(v) for v in combine_us],
             "nccl_dispatch_us": [float(v) for v in nccl_dispatch_us],
@@ -232,21 +266,24 @@ class BenchRow:
                 "per-rank sequences must be non-empty and of one length, got lengths "
                 + ", ".join(f"{k}={len(v)}" for k, v in per_rank.items())
             )
+        counts = ("pairs_off", "rows_off")
         for name, vals in per_rank.items():
-            if name != "pairs_off" and any(not (v > 0 and math.isfinite(v)) for v in vals):
+            if name not in counts and any(not (v > 0 and math.isfinite(v)) for v in vals):
                 raise BenchReportError(f"{name} must be positive finite times, got {vals}")
-        if any(v < 0 for v in per_rank["pairs_off"]):
-            raise BenchReportError(f"pairs_off must be >= 0, got {per_rank['pairs_off']}")
+        for name in counts:
+            if any(not (v >= 0 and math.isfinite(v)) for v in per_rank[name]):
+                raise BenchReportError(f"{name} must be >= 0, got {per_rank[name]}")
 
         mean_pairs = sum(per_rank["pairs_off"]) / world
+        mean_rows = sum(per_rank["rows_off"]) / world
         alg_bytes = mean_pairs * row_bytes
-        times = {k: v for k, v in per_rank.items() if k != "pairs_off"}
+        times = {k: v for k, v in per_rank.items() if k not in counts}
         slowest = {k: max(v) for k, v in times.items()}
 
         def gbps(nbytes: float, key: str) -> float:
             return bandwidth_gbps(nbytes, slowest[key] * 1e-6)
 
-        d_moved = gbps(dispatch_moved_bytes(mean_pairs, row_bytes), "dispatch_us")
+        d_moved = gbps(dispatch_moved_bytes(mean_rows, mean_pairs, row_bytes), "dispatch_us")
         c_moved = gbps(combine_moved_bytes(mean_pairs, row_bytes), "combine_us")
         fields: dict[str, Any] = {
             "routing": routing,
@@ -257,6 +294,8 @@ class BenchRow:
             "line_rate_gbps": float(line_rate_gbps),
             "pairs_off": per_rank["pairs_off"],
             "pairs_off_mean": mean_pairs,
+            "rows_off": per_rank["rows_off"],
+            "rows_off_mean": mean_rows,
             "dispatch_alg_gbps": gbps(alg_bytes, "dispatch_us"),
             "combine_alg_gbps": gbps(alg_bytes, "combine_us"),
             "dispatch_moved_gbps": d_moved,
@@ -371,8 +410,9 @@ _COLUMNS: tuple[tuple[str, int, Any], ...] = (
     ("ratio c", 7, lambda r: f"{r['combine_ratio']:.2f}"),
 )
 TABLE_NOTE = (
-    "us: slowest rank's median; alg/moved: GB/s (1e9 B/s) from the mean off-rank pairs over ranks; "
-    "%: of the line rate; ratio: NCCL time / ours (> 1: faster than NCCL)"
+    "us: slowest rank's median; alg/moved: GB/s (1e9 B/s) from the mean over ranks of off-rank pairs "
+    "(disp moved: distinct rows + 12 B per pair); %: of the line rate; ratio: NCCL time / ours "
+    "(> 1: faster than NCCL)"
 )
 
 

@@ -92,10 +92,11 @@ class EpBuffer:
         self.recv_y = sym((c.capacity, c.hidden), c.dtype)
         self.recv_w = sym((c.capacity,), torch.float32)
         self.recv_src = sym((c.capacity,), torch.int32)
+        self.recv_from = sym((c.capacity,), torch.int32)  # dispatch's de-duplication (kernels/fanout.py)
         self.counts = sym((c.world_size, c.num_experts), torch.int32)
         self.signals = sym((3, c.world_size), torch.int64)  # uint64 on the device
         self.stage = sym((c.stage_rows, c.hidden), c.dtype)
-        self._symmetric = [self.recv_x, self.recv_y, self.recv_w, self.recv_src, self.counts,
+        self._symmetric = [self.recv_x, self.recv_y, self.recv_w, self.recv_src, self.recv_from, self.counts,
                            self.signals, self.stage]
         dev = self.device
         i32 = dict(dtype=torch.int32, device=dev)
@@ -236,6 +237,7 @@ class EpBuffer:
             "recv_y": self.recv_y.data_ptr(),
             "recv_w": self.recv_w.data_ptr(),
             "recv_src": self.recv_src.data_ptr(),
+            "recv_from": self.recv_from.data_ptr(),
             "counts": self.counts.data_ptr(),
             "signals": self.signals.data_ptr(),
             "stage": self.stage.data_ptr(),

@@ -4,14 +4,19 @@ Start: every rank's expert outputs (symmetric ``recv_y``) must be written before
 so CTA 0 raises ``combine_signal[rank]`` on every peer to this call's epoch and every CTA waits until
 all peers have raised theirs.
 
-A warp per local token (persistent grid-stride loop):
+A warp per (local token, part of the hidden dimension) (persistent grid-stride loop). A token's row is
+split into parts only when there are fewer tokens than warps and every peer is on this node (decode
+batches), so that all warps work; otherwise a part is the whole row.
 - for each k whose owner is on ANOTHER node (node = rank // local_world_size), ``get_warp`` the whole
   row ONCE into this warp's staging row ``stage[warp, k]``;
-- then, 128 bits per lane at a time along the hidden dimension, each k's piece is read either through
-  the owner's NVSHMEM peer pointer (same node; volatile system-scope loads) or from the staging row,
-  and accumulated in fp32 in ascending k with separately rounded multiply and add — the order of
-  ``validators.reference.reference_combine``, so the result is bit-identical — and stored in the
-  input dtype.
+- the valid k (expert id >= 0) are compacted, in ascending k, into a per-warp list of (row address,
+  weight): the owner's NVSHMEM peer pointer (same node) or the staging row;
+- then, 128 bits per lane at a time along the hidden dimension, the list is walked in groups of 8 (then
+  4, then 1): a group's loads are all issued before the first is used (one remote load in flight per
+  warp left combine latency-bound), and accumulated in fp32 in ascending k with separately rounded
+  multiply and add — the order of ``validators.reference.reference_combine``, so the result is
+  bit-identical — and stored in the input dtype. Loads bypass L1 (``.cg``): a staging row is rewritten
+  for every token, and rows written by other GPUs must not be served from a stale L1 line.
 The last CTA to finish advances epochs[2].
 """
 
@@ -26,6 +31,33 @@ from nvshmem.core.device.cute.mem import nvshmem_ptr
 
 from cute_ep.kernels.config import COMBINE_WARPS_PER_CTA, MAX_TOPK, VECTOR_BYTES, WARP
 from cute_ep.kernels.ptx import CMP_GE, SIGNAL_SET, add_rn, elem_view, fence_sys, gmem_tensor, mul_rn
+
+
+@cute.jit
+def accumulate_group(
+    dtype: cutlass.Constexpr,
+    group: cutlass.Constexpr,
+    acc: cute.Tensor,
+    row_addr: cute.Tensor,
+    weight: cute.Tensor,
+    first: Int32,
+    offset: Int64,
+):
+    """acc += weight[i] * row i's piece at ``offset``, for i in [first, first + group), ascending i;
+    all ``group`` loads are issued before the first multiply."""
+    V = VECTOR_BYTES // (dtype.width // 8)
+    layout = cute.make_layout(V)
+    load = cute.make_copy_atom(
+        cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=128, load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL
+    )
+    frags = [cute.make_rmem_tensor(layout, dtype) for _ in range(group)]
+    for j in cutlass.range_constexpr(group):
+        cute.copy(load, gmem_tensor(dtype, row_addr[first + j] + offset, layout, VECTOR_BYTES), frags[j])
+    for j in cutlass.range_constexpr(group):
+        vals = frags[j].load().to(Float32)
+        wj = weight[first + j]
+        for i in cutlass.range_constexpr(V):
+            acc[i] = add_rn(acc[i], mul_rn(wj, vals[i]))
 
 
 class CombineKernel:
@@ -93,6 +125,7 @@ class CombineKernel:
         ROW_BYTES = Int64(hidden) * (dtype.width // 8)
         WPC = COMBINE_WARPS_PER_CTA
         NCTA, _, _ = cute.arch.grid_dim()
+        NWARPS = NCTA * WPC
 
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -101,12 +134,12 @@ class CombineKernel:
         gwarp = bid * WPC + warp
         epoch = epochs[2] + Int64(1)
 
-        # Per-warp routing of the current token: where each k's row is read from, its weight, validity.
+        # Per-warp compacted routing of the current token: row address and weight of each valid k.
         smem = cutlass.memory.SmemAllocator()
         row_addr = smem.allocate_tensor(Int64, cute.make_layout(WPC * MAX_TOPK), 16)
         weight = smem.allocate_tensor(Float32, cute.make_layout(WPC * MAX_TOPK), 16)
-        valid = smem.allocate_tensor(Int32, cute.make_layout(WPC * MAX_TOPK), 16)
-        mine = warp * MAX_TOPK
+        my_addr = cute.make_tensor(row_addr.iterator + warp * MAX_TOPK, cute.make_layout(MAX_TOPK))
+        my_weight = cute.make_tensor(weight.iterator + warp * MAX_TOPK, cute.make_layout(MAX_TOPK))
 
         # Start barrier: all ranks' expert outputs are in place.
         if bid == 0:
@@ -120,27 +153,36 @@ class CombineKernel:
             nvshmem_cute.signal_wait(
                 cute.make_tensor(signals.iterator + (2 * R + tid), cute.make_layout(1)), CMP_GE, epoch
             )
+            fence_sys()
         cute.arch.sync_threads()
 
-        load = cute.make_copy_atom(
-            cute.nvgpu.CopyG2ROp(),
-            dtype,
-            num_bits_per_copy=128,
-            memory_order=cute.nvgpu.MemoryOrder.VOLATILE,
-            memory_scope=cute.nvgpu.MemoryScope.SYS,
-        )
         recv_y_base = recv_y.iterator.toint()
         stage_base = stage.iterator.toint()
         out_base = out.iterator.toint()
         my_node = rank // L
 
-        for t in range(gwarp, num_tokens, NCTA * WPC):
+        # Parts per token: split rows across idle warps only when no row needs staging (one node).
+        parts = Int32(1)
+        if R == L:
+            if num_tokens > 0:
+                parts = NWARPS // num_tokens
+            max_parts = (NV + WARP - 1) // WARP
+            if parts > max_parts:
+                parts = max_parts
+            if parts < 1:
+                parts = Int32(1)
+        span = (NV + parts - 1) // parts  # pieces per part
+
+        for u in range(gwarp, num_tokens * parts, NWARPS):
+            t = u // parts
+            v_begin = (u % parts) * span
+            v_end = v_begin + span
+            if v_end > NV:
+                v_end = NV
             # Routing of token t; rows on other nodes are fetched whole, once, into the staging rows.
+            n = Int32(0)
             for k in range(K):
                 e = topk_idx[t * K + k]
-                if lane == 0:
-                    valid[mine + k] = Int32(0)
-                    weight[mine + k] = topk_w[t * K + k]
                 if e >= 0:
                     d = e // El
                     slot = scatter[t * K + k]
@@ -152,28 +194,27 @@ class CombineKernel:
                     else:
                         addr = nvshmem_ptr(recv_y_base, d) + Int64(slot) * ROW_BYTES
                     if lane == 0:
-                        valid[mine + k] = Int32(1)
-                        row_addr[mine + k] = addr
+                        my_addr[n] = addr
+                        my_weight[n] = topk_w[t * K + k]
+                    n = n + 1
             cute.arch.sync_warp()
 
-            for v in range(lane, NV, WARP):
+            n8 = n // 8 * 8
+            n4 = n8 + (n - n8) // 4 * 4
+            for v in range(v_begin + lane, v_end, WARP):
+                offset = Int64(v * VECTOR_BYTES)
                 acc = cute.make_rmem_tensor(cute.make_layout(V), Float32)
                 acc.fill(0.0)
-                for k in range(K):
-                    if valid[mine + k] != 0:
-                        frag = cute.make_rmem_tensor(cute.make_layout(V), dtype)
-                        src = gmem_tensor(dtype, row_addr[mine + k] + Int64(v * VECTOR_BYTES),
-                                          cute.make_layout(V), VECTOR_BYTES)
-                        cute.copy(load, src, frag)
-                        vals = frag.load().to(Float32)
-                        wk = weight[mine + k]
-                        for i in cutlass.range_constexpr(V):
-                            acc[i] = add_rn(acc[i], mul_rn(wk, vals[i]))
+                for c in range(0, n8, 8):
+                    accumulate_group(dtype, 8, acc, my_addr, my_weight, c, offset)
+                for c in range(n8, n4, 4):
+                    accumulate_group(dtype, 4, acc, my_addr, my_weight, c, offset)
+                for c in range(n4, n):
+                    accumulate_group(dtype, 1, acc, my_addr, my_weight, c, offset)
                 res = cute.make_rmem_tensor(cute.make_layout(V), dtype)
                 res.store(acc.load().to(dtype))
-                dst = gmem_tensor(dtype, out_base + Int64(t) * ROW_BYTES + Int64(v * VECTOR_BYTES),
-                                  cute.make_layout(V), VECTOR_BYTES)
-                cute.autovec_copy(res, dst)
+                dst = out_base + Int64(t) * ROW_BYTES + offset
+                cute.autovec_copy(res, gmem_tensor(dtype, dst, cute.make_layout(V), VECTOR_BYTES))
             cute.arch.sync_warp()
 
         cute.arch.sync_threads()

@@ -27,8 +27,8 @@ WARP = 32
 VECTOR_BYTES = 16  # one 128-bit access per lane
 MAX_TOPK = 64  # per-warp routing of a token is staged in shared memory: [warps, MAX_TOPK]
 LAYOUT_SMEM_INTS = 12288  # 48 KB of per-warp expert histograms in the layout kernel
-MAX_EXPERTS = LAYOUT_SMEM_INTS  # the layout kernel needs at least one warp's histogram
-COMBINE_WARPS_PER_CTA = 4
+MAX_EXPERTS = LAYOUT_SMEM_INTS // 2  # the layout kernel needs one warp's histogram plus the column sums
+COMBINE_WARPS_PER_CTA = 8
 MAX_WORLD_SIZE = COMBINE_WARPS_PER_CTA * WARP  # combine signals and waits with one thread per peer
 
 
@@ -192,7 +192,7 @@ class EpConfig:
     def symmetric_bytes(self) -> int:
         """Bytes of NVSHMEM symmetric memory one rank allocates for this configuration."""
         rows = 2 * self.capacity * self.row_bytes  # recv_x and recv_y
-        meta = self.capacity * (4 + 4)  # recv_w, recv_src
+        meta = self.capacity * (4 + 4 + 4)  # recv_w, recv_src, recv_from
         counts = self.world_size * self.num_experts * 4
         signals = 3 * self.world_size * 8
         stage = self.stage_rows * self.row_bytes

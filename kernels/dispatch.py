@@ -2,12 +2,18 @@
 
 A warp per token (persistent grid-stride loop). For each k: skip -1; find the slot (precomputed
 ``scatter`` in MODE_SCATTER, or an atomic add on this rank's per-expert cursor in MODE_ATOMIC, written
-back into ``scatter`` for combine); ``put_warp`` the row into the owner's symmetric ``recv_x[slot]``;
-lane 0 ``p``-puts the fp32 weight into ``recv_w[slot]`` and the source tag
-(rank * max_tokens + t) * K + k into ``recv_src[slot]``.
+back into ``scatter`` for combine); lane 0 ``p``-puts the fp32 weight into ``recv_w[slot]``, the source
+tag (rank * max_tokens + t) * K + k into ``recv_src[slot]`` and ``recv_from[slot]``.
 
-Completion: each thread ``quiet``s its puts; the last CTA to finish (a self-resetting arrival
-counter) raises ``dispatch_signal[rank]`` on every peer to this call's epoch, then waits until every
+Rank de-duplication: the row itself crosses the link once per destination RANK, not once per k. Only
+the first k of the token bound for a rank (its "primary" pair) sends the row, into its own slot, and
+sets ``recv_from[slot] = -1``; every later k bound for the same rank sets ``recv_from[slot]`` to that
+primary slot, and the receiver's fan-out kernel (kernels/fanout.py) copies the row locally. A
+same-node destination is written with 128-bit stores through its NVSHMEM peer pointer (unrolled, see
+``copy_row_warp``); another node's with ``put_warp``.
+
+Completion: each thread ``quiet``s its puts and fences its stores; the last CTA to finish (a self-resetting
+arrival counter) raises ``dispatch_signal[rank]`` on every peer to this call's epoch, then waits until every
 peer has raised its own on this rank. So when the kernel ends, this rank's receive buffer is
 complete, and everything later on the stream may read it.
 """
@@ -17,9 +23,10 @@ from __future__ import annotations
 import cutlass.cute as cute
 import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Int32, Int64
+from nvshmem.core.device.cute.mem import nvshmem_ptr
 
-from cute_ep.kernels.config import MODE_ATOMIC, WARP
-from cute_ep.kernels.ptx import CMP_GE, SIGNAL_SET, elem_view, fence_sys
+from cute_ep.kernels.config import MODE_ATOMIC, VECTOR_BYTES, WARP
+from cute_ep.kernels.ptx import CMP_GE, SIGNAL_SET, copy_row_warp, elem_view, fence_sys
 
 
 class DispatchKernel:
@@ -41,6 +48,7 @@ class DispatchKernel:
         recv_x: cute.Tensor,
         recv_w: cute.Tensor,
         recv_src: cute.Tensor,
+        recv_from: cute.Tensor,
         signals: cute.Tensor,
         epochs: cute.Tensor,
         done: cute.Tensor,
@@ -48,6 +56,7 @@ class DispatchKernel:
         num_tokens: Int32,
         mode: Int32,
         world_size: Int32,
+        local_world_size: Int32,
         num_experts: Int32,
         topk: Int32,
         max_tokens: Int32,
@@ -55,8 +64,8 @@ class DispatchKernel:
         stream,
     ):
         self.kernel(
-            x, topk_idx, topk_w, scatter, cursor, recv_x, recv_w, recv_src, signals, epochs, done,
-            rank, num_tokens, mode, world_size, num_experts, topk, max_tokens,
+            x, topk_idx, topk_w, scatter, cursor, recv_x, recv_w, recv_src, recv_from, signals, epochs, done,
+            rank, num_tokens, mode, world_size, local_world_size, num_experts, topk, max_tokens,
         ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
@@ -70,6 +79,7 @@ class DispatchKernel:
         recv_x: cute.Tensor,
         recv_w: cute.Tensor,
         recv_src: cute.Tensor,
+        recv_from: cute.Tensor,
         signals: cute.Tensor,
         epochs: cute.Tensor,
         done: cute.Tensor,
@@ -77,22 +87,30 @@ class DispatchKernel:
         num_tokens: Int32,
         mode: Int32,
         world_size: Int32,
+        local_world_size: Int32,
         num_experts: Int32,
         topk: Int32,
         max_tokens: Int32,
     ):
         R = world_size
+        L = local_world_size
         K = topk
         El = num_experts // world_size
         M = max_tokens
         WPC = self.threads // WARP
         NCTA, _, _ = cute.arch.grid_dim()
+        dtype = x.element_type
+        ROW_BYTES = Int64(x.shape[1]) * (dtype.width // 8)
+        NV = x.shape[1] * (dtype.width // 8) // VECTOR_BYTES  # 128-bit pieces per row
 
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp = tid // WARP
         lane = tid % WARP
         epoch = epochs[1] + Int64(1)
+        my_node = rank // L
+        x_base = x.iterator.toint()
+        recv_x_base = recv_x.iterator.toint()
 
         for t in range(bid * WPC + warp, num_tokens, NCTA * WPC):
             src_row = elem_view(x[t, None])
@@ -109,8 +127,32 @@ class DispatchKernel:
                         slot = cute.arch.shuffle_sync(got, 0)
                     else:
                         slot = scatter[t * K + k]
-                    nvshmem_cute.put_warp(elem_view(recv_x[slot, None]), src_row, d)
+                    # The first k' < k bound for the same rank, if any (lanes look at k' = j0 + lane).
+                    first = k
+                    for j0 in range(0, k, WARP):
+                        j = j0 + lane
+                        same = Int32(0)
+                        if j < k:
+                            ej = topk_idx[t * K + j]
+                            if ej >= 0:
+                                if ej // El == d:
+                                    same = Int32(1)
+                        ballot = cute.arch.vote_ballot_sync(same != 0)
+                        if first == k:
+                            if ballot != 0:
+                                first = j0 + Int32(cute.arch.clz(cute.arch.brev(ballot)))
+                    if first == k:
+                        if d // L == my_node:
+                            copy_row_warp(
+                                dtype, x_base + Int64(t) * ROW_BYTES,
+                                nvshmem_ptr(recv_x_base, d) + Int64(slot) * ROW_BYTES, NV, lane,
+                            )
+                        else:
+                            nvshmem_cute.put_warp(elem_view(recv_x[slot, None]), src_row, d)
                     if lane == 0:
+                        from_slot = Int32(-1)
+                        if first != k:
+                            from_slot = scatter[t * K + first]  # atomic mode: written above by this lane
                         nvshmem_cute.p(
                             cute.make_tensor(recv_w.iterator + slot, cute.make_layout(1)),
                             topk_w[t * K + k],
@@ -121,7 +163,11 @@ class DispatchKernel:
                             (rank * M + t) * K + k,
                             d,
                         )
+                        nvshmem_cute.p(
+                            cute.make_tensor(recv_from.iterator + slot, cute.make_layout(1)), from_slot, d
+                        )
         nvshmem_cute.quiet()
+        fence_sys()  # this thread's peer-pointer stores, before the CTA's arrival below
         cute.arch.sync_threads()
 
         if tid == 0:

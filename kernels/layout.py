@@ -92,8 +92,10 @@ class LayoutKernel:
         smem = cutlass.memory.SmemAllocator()
         # hist[w * E + e]: pairs of warp w routed to expert e; later the warp's running slot base.
         hist = smem.allocate_tensor(Int32, cute.make_layout(LAYOUT_SMEM_INTS), 16)
-        # As many histogram warps as fit the shared memory (E <= LAYOUT_SMEM_INTS is checked on the host).
-        NW = LAYOUT_SMEM_INTS // E
+        # colsum[e]: rows all ranks send to expert e (after the exchange); it takes the last E ints.
+        colsum = cute.make_tensor(hist.iterator + (LAYOUT_SMEM_INTS - E), cute.make_layout(E))
+        # As many histogram warps as fit the rest (E <= LAYOUT_SMEM_INTS // 2 is checked on the host).
+        NW = (LAYOUT_SMEM_INTS - E) // E
         if NW > NT // WARP:
             NW = NT // WARP
 
@@ -140,16 +142,26 @@ class LayoutKernel:
                 )
         cute.arch.sync_threads()
 
-        # 3. offsets (counts written by peers are read with volatile loads)
+        # 3. offsets. Each column sum over sources (count[s][e], written by peers: volatile loads) is
+        # read once, in parallel, into shared memory; the serial walks below then run over shared memory.
+        # (Reading the peers' counts inside those walks cost ~100 us per call at E=256.)
+        for e in range(tid, E, NT):
+            tot = Int32(0)
+            mine_before = Int32(0)
+            for s in range(R):
+                c = ld_volatile_i32(counts_base + Int64((s * E + e) * 4))
+                if s < rank:
+                    mine_before = mine_before + c
+                tot = tot + c
+            colsum[e] = tot
+            send_offsets[e] = mine_before  # this rank's start inside the (expert, source) groups
+        cute.arch.sync_threads()
         for e in range(tid, E, NT):
             d = e // El
             le = e % El
-            off = Int32(0)
+            off = send_offsets[e]
             for l2 in range(le):
-                for s in range(R):
-                    off = off + ld_volatile_i32(counts_base + Int64((s * E + d * El + l2) * 4))
-            for s in range(rank):
-                off = off + ld_volatile_i32(counts_base + Int64((s * E + e) * 4))
+                off = off + colsum[d * El + l2]
             send_offsets[e] = off
             cursor[e] = off
             run = off
@@ -158,15 +170,11 @@ class LayoutKernel:
                 hist[w * E + e] = run
                 run = run + c
         for le in range(tid, El, NT):
-            tot = Int32(0)
-            for s in range(R):
-                tot = tot + ld_volatile_i32(counts_base + Int64((s * E + rank * El + le) * 4))
-            tokens_per_expert[le] = tot
+            tokens_per_expert[le] = colsum[rank * El + le]
         if tid == 0:
             tot_all = Int32(0)
-            for s in range(R):
-                for le in range(El):
-                    tot_all = tot_all + ld_volatile_i32(counts_base + Int64((s * E + rank * El + le) * 4))
+            for le in range(El):
+                tot_all = tot_all + colsum[rank * El + le]
             num_recv[0] = tot_all
         cute.arch.sync_threads()
 

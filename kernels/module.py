@@ -1,4 +1,4 @@
-"""One compiled module holding the layout, dispatch and combine kernels of one element type.
+"""One compiled module holding the layout, dispatch (+ fan-out) and combine kernels of one element type.
 
 Why one module: each module that calls NVSHMEM must be registered with ``nvshmem.core.library_init``,
 and on the lent 4x H200 a process faulted ("illegal memory access") once a 4th registered module was
@@ -19,6 +19,7 @@ from cutlass import Int32
 from cute_ep.kernels.combine import CombineKernel
 from cute_ep.kernels.config import OP_COMBINE, OP_DISPATCH, OP_LAYOUT, EpConfig, cute_dtype
 from cute_ep.kernels.dispatch import DispatchKernel
+from cute_ep.kernels.fanout import FanoutKernel
 from cute_ep.kernels.layout import LayoutKernel
 
 # Order of the pointer arguments of ``EpModule.__call__`` (the host side passes them in this order).
@@ -32,6 +33,7 @@ POINTER_ARGS = (
     "recv_y",  # symmetric [C, H] dtype: expert outputs read by combine
     "recv_w",  # symmetric [C] fp32
     "recv_src",  # symmetric [C] int32
+    "recv_from",  # symmetric [C] int32: slot a de-duplicated row arrived in (-1: this one)
     "counts",  # symmetric [R, E] int32
     "signals",  # symmetric [3, R] uint64: count, dispatch, combine
     "stage",  # symmetric [stage_rows, H] dtype
@@ -51,6 +53,7 @@ class EpModule:
         self.dtype = dtype
         self.layout = LayoutKernel(dtype)
         self.dispatch = DispatchKernel(dtype)
+        self.fanout = FanoutKernel(dtype)
         self.combine = CombineKernel(dtype)
 
     @cute.jit
@@ -78,6 +81,7 @@ class EpModule:
         recv_y: cute.Pointer,
         recv_w: cute.Pointer,
         recv_src: cute.Pointer,
+        recv_from: cute.Pointer,
         counts: cute.Pointer,
         signals: cute.Pointer,
         stage: cute.Pointer,
@@ -103,6 +107,7 @@ class EpModule:
         t_recv_y = rows(recv_y, C)
         t_recv_w = flat(recv_w, C)
         t_recv_src = flat(recv_src, C)
+        t_recv_from = flat(recv_from, C)
         t_counts = flat(counts, R * E)
         t_signals = flat(signals, 3 * R)
         t_stage = rows(stage, stage_rows)
@@ -120,10 +125,12 @@ class EpModule:
             )
         if op == OP_DISPATCH:
             self.dispatch(
-                t_x, t_idx, t_w, t_scatter, t_cursor, t_recv_x, t_recv_w, t_recv_src, t_signals,
-                t_epochs, t_done, rank, num_tokens, mode, world_size, num_experts, topk, max_tokens,
-                num_ctas, stream,
+                t_x, t_idx, t_w, t_scatter, t_cursor, t_recv_x, t_recv_w, t_recv_src, t_recv_from,
+                t_signals, t_epochs, t_done, rank, num_tokens, mode, world_size, local_world_size,
+                num_experts, topk, max_tokens, num_ctas, stream,
             )
+            # Same stream, right after: copy the de-duplicated rows to their other slots.
+            self.fanout(t_recv_x, t_recv_from, t_num_recv, num_ctas, stream)
         if op == OP_COMBINE:
             self.combine(
                 t_out, t_idx, t_w, t_scatter, t_recv_y, t_stage, t_signals, t_epochs, t_done, rank,
@@ -144,6 +151,7 @@ def pointer_dtypes(cfg: EpConfig) -> dict:
         "recv_y": (row, 16),
         "recv_w": (cutlass.Float32, 4),
         "recv_src": (cutlass.Int32, 4),
+        "recv_from": (cutlass.Int32, 4),
         "counts": (cutlass.Int32, 4),
         "signals": (cutlass.Uint64, 8),
         "stage": (row, 16),

@@ -91,3 +91,34 @@ def elem_view(t: cute.Tensor) -> cute.Tensor:
 def gmem_tensor(dtype: cutlass.Constexpr, addr: Int64, layout: cute.Layout, align: cutlass.Constexpr):
     """A global-memory tensor over a raw address (peer pointers, staging rows)."""
     return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align), layout)
+
+
+ROW_COPY_UNROLL = 8  # 128-bit pieces per lane in flight while a warp copies a row
+
+
+@cute.jit
+def copy_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, num_pieces: Int32, lane: Int32):
+    """A warp copies ``num_pieces`` 128-bit pieces from ``src_addr`` to ``dst_addr`` (both 16-byte
+    aligned; the destination may be a peer's memory through its NVSHMEM peer pointer).
+
+    Why unrolled: a warp that loads one piece, stores it and moves on has one load in flight and waits
+    a full memory latency per 512 bytes; ROW_COPY_UNROLL independent loads before the stores hide it.
+    """
+    V = 16 // (dtype.width // 8)
+    U = ROW_COPY_UNROLL
+    step = U * 32
+    full = num_pieces // step * step
+    layout = cute.make_layout(V)
+    for base in range(0, full, step):
+        frags = [cute.make_rmem_tensor(layout, dtype) for _ in range(U)]
+        for j in cutlass.range_constexpr(U):
+            off = Int64((base + j * 32 + lane) * 16)
+            cute.autovec_copy(gmem_tensor(dtype, src_addr + off, layout, 16), frags[j])
+        for j in cutlass.range_constexpr(U):
+            off = Int64((base + j * 32 + lane) * 16)
+            cute.autovec_copy(frags[j], gmem_tensor(dtype, dst_addr + off, layout, 16))
+    for v in range(full + lane, num_pieces, 32):
+        frag = cute.make_rmem_tensor(layout, dtype)
+        off = Int64(v * 16)
+        cute.autovec_copy(gmem_tensor(dtype, src_addr + off, layout, 16), frag)
+        cute.autovec_copy(frag, gmem_tensor(dtype, dst_addr + off, layout, 16))

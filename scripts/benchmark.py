@@ -34,10 +34,12 @@ What is measured, for every routing (--routing), tokens per rank T (--tokens) an
       time including waiting for the slowest peer. Per rank: the median; the report gives the
       slowest rank's median (min / max / every rank in the JSON).
     * Bandwidth (design.md, "Measuring"): pairs_off = this rank's non-dropped (t, k) pairs whose expert
-      lives on another rank (mean over the input sets). Algorithmic = pairs_off * H * b / time (GB/s =
-      1e9 B/s), from the mean pairs_off over ranks and the slowest rank's median; moved = bytes our
-      kernels move (dispatch pairs_off * (H*b + 8): row, weight, tag; combine pairs_off * H*b) and
-      their percentage of the 450 GB/s NVLink4 line rate; NCCL GB/s with the same formula; ratio =
+      lives on another rank, rows_off = its distinct (t, destination rank) pairs among those (both
+      means over the input sets). Algorithmic = pairs_off * H * b / time (GB/s = 1e9 B/s), from the
+      mean pairs_off over ranks and the slowest rank's median; moved = bytes our kernels move
+      (dispatch rows_off * H*b + 12 * pairs_off: each row once per destination rank, and per pair
+      its weight, source tag and from-slot; combine pairs_off * H*b), means over ranks, and their
+      percentage of the 450 GB/s NVLink4 line rate; NCCL GB/s with the algorithmic formula; ratio =
       NCCL time / our time (> 1: faster than NCCL).
 
 Output on rank 0: a table, one line per (routing, T, mode) as it completes; with --out-json the report
@@ -279,6 +281,7 @@ class InputSet:
         idx_cpu = self.idx.cpu().numpy()
         el = cfg.experts_per_rank
         self.pairs_off = br.pairs_off(idx_cpu, rank, el)
+        self.rows_off = br.rows_off(idx_cpu, rank, el)  # rows dispatch sends: once per (t, dest rank)
         self.send_splits = br.split_sizes(idx_cpu, cfg.world_size, el)
         self.recv_splits: list[int] = []
         # This rank's rows grouped by destination rank, (t, k) row-major inside a destination.
@@ -384,6 +387,7 @@ def measure(
     nccl_d = br.median(timer.run(nccl_dispatch, args.warmup, args.iters))
     nccl_c = br.median(timer.run(nccl_combine, args.warmup, args.iters))
     pairs = sum(s.pairs_off for s in sets) / n
+    rows_sent = sum(s.rows_off for s in sets) / n
 
     rows = []
     for mode in args.mode_list:
@@ -411,13 +415,13 @@ def measure(
         ours_c = br.median(timer.run(our_combine, args.warmup, args.iters))
         buf.combine(buf.expert_output(sets[0].num_recv), sets[0].handle)  # raises if a launch did not run
 
-        per_rank = all_gather((pairs, ours_d, ours_c, nccl_d, nccl_c), runtime.cpu_group)
+        per_rank = all_gather((pairs, rows_sent, ours_d, ours_c, nccl_d, nccl_c), runtime.cpu_group)
         if env.rank == 0:
             row = br.BenchRow.from_measurements(
                 routing=routing, tokens=tokens, mode=mode, checked=checked, row_bytes=cfg.row_bytes,
-                pairs_off=[p[0] for p in per_rank], dispatch_us=[p[1] for p in per_rank],
-                combine_us=[p[2] for p in per_rank], nccl_dispatch_us=[p[3] for p in per_rank],
-                nccl_combine_us=[p[4] for p in per_rank],
+                pairs_off=[p[0] for p in per_rank], rows_off=[p[1] for p in per_rank],
+                dispatch_us=[p[2] for p in per_rank], combine_us=[p[3] for p in per_rank],
+                nccl_dispatch_us=[p[4] for p in per_rank], nccl_combine_us=[p[5] for p in per_rank],
             )  # fmt: skip
             rows.append(row.to_dict())
             say(br.format_row(row))

@@ -34,6 +34,18 @@ def _naive_pairs_off(idx: np.ndarray, rank: int, el: int) -> int:
     return n
 
 
+def _naive_rows_off(idx: np.ndarray, rank: int, el: int) -> int:
+    n = 0
+    for t in range(idx.shape[0]):
+        dests = set()
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            if e >= 0 and e // el != rank:
+                dests.add(e // el)
+        n += len(dests)
+    return n
+
+
 def _naive_splits(idx: np.ndarray, world: int, el: int) -> list[int]:
     out = [0] * world
     for t in range(idx.shape[0]):
@@ -73,6 +85,61 @@ def test_pairs_off_and_split_sizes_match_naive_loops(world, experts, topk, token
             assert got == _naive_pairs_off(idx, rank, el)
             # off-rank pairs = all kept pairs minus those to self
             assert got == sum(splits) - splits[rank]
+
+
+def _random_idx_repeats(rng: np.random.Generator, tokens: int, topk: int, experts: int, drop: float):
+    """Like _random_idx but experts drawn with replacement: several k of a token may share a
+    destination rank, or even an expert."""
+    idx = rng.integers(0, experts, size=(tokens, topk)).astype(np.int64)
+    idx[rng.random(idx.shape) < drop] = -1
+    return idx
+
+
+@pytest.mark.parametrize("world,experts,topk,tokens,drop", [
+    (4, 32, 2, 64, 0.0), (4, 32, 8, 37, 0.25), (2, 8, 3, 1, 0.5), (8, 256, 8, 100, 0.1), (1, 4, 4, 9, 0.3),
+    (4, 16, 2, 0, 0.0), (8, 64, 8, 50, 0.0), (16, 32, 6, 40, 0.4), (4, 8, 1, 20, 0.2), (2, 4, 4, 30, 1.0),
+])  # fmt: skip
+def test_rows_off_matches_naive_loop(world, experts, topk, tokens, drop):
+    rng = np.random.default_rng(world * 7919 + topk * 31 + tokens)
+    el = experts // world
+    for idx in (
+        _random_idx(rng, tokens, topk, experts, drop),
+        _random_idx_repeats(rng, tokens, topk, experts, drop),
+    ):
+        for dtype in (np.int64, np.int32):
+            for rank in range(world):
+                got = br.rows_off(idx.astype(dtype), rank, el)
+                assert isinstance(got, int)
+                assert got == _naive_rows_off(idx, rank, el)
+                # at most one row per off-rank pair, and at most one per (token, other rank)
+                assert got <= br.pairs_off(idx, rank, el)
+                assert got <= tokens * min(topk, world - 1)
+        if drop == 1.0:
+            assert all(br.rows_off(idx, r, el) == 0 for r in range(world))
+
+
+def test_rows_off_edge_cases():
+    # 2 ranks, 4 experts per rank: every kept pair goes to rank 0's experts.
+    idx = np.array([[0, -1], [3, 1], [-1, -1], [2, 0]])
+    assert br.rows_off(idx, 0, 4) == 0  # all to self
+    assert br.rows_off(idx, 1, 4) == 3  # tokens 0, 1, 3 each send one row to rank 0
+    assert br.rows_off(np.full((3, 2), -1), 1, 4) == 0  # all dropped
+    assert br.rows_off(np.zeros((0, 4), dtype=np.int32), 0, 4) == 0  # no tokens
+    assert br.rows_off(np.zeros((5, 0), dtype=np.int32), 0, 4) == 0  # top-k 0
+    # One token, 8 experts on 3 other ranks (one repeated), one to self, one dropped.
+    one = np.array([[4, 5, 8, 12, 13, 0, -1, 4]])
+    assert br.rows_off(one, 0, 4) == 3 and br.pairs_off(one, 0, 4) == 6
+    assert br.rows_off(one, 1, 4) == 3  # ranks 0, 2, 3
+    torch = pytest.importorskip("torch")
+    assert br.rows_off(torch.tensor([[0, 5], [7, 6]], dtype=torch.int32), 0, 4) == 2
+    with pytest.raises(br.BenchReportError, match="2-D"):
+        br.rows_off(np.zeros(4, dtype=np.int64), 0, 2)
+    with pytest.raises(br.BenchReportError, match=">= -1"):
+        br.rows_off(np.array([[-2, 0]]), 0, 2)
+    with pytest.raises(br.BenchReportError, match="integers"):
+        br.rows_off(np.array([[0.5]]), 0, 2)
+    with pytest.raises(br.BenchReportError, match="experts_per_rank"):
+        br.rows_off(np.array([[0]]), 0, 0)
 
 
 def test_dropped_ids_and_a_rank_with_no_pairs():
@@ -118,7 +185,10 @@ def test_bandwidth_formula():
         br.bandwidth_gbps(1, 0.0)
     with pytest.raises(br.BenchReportError):
         br.bandwidth_gbps(-1, 1.0)
-    assert br.dispatch_moved_bytes(10, 14336) == 10 * (14336 + 8)
+    assert br.TAG_BYTES == 12  # fp32 weight, int32 source tag, int32 from-slot
+    assert br.dispatch_moved_bytes(10, 10, 14336) == 10 * (14336 + 12)  # no token shares a rank
+    assert br.dispatch_moved_bytes(4, 10, 14336) == 4 * 14336 + 10 * 12
+    assert br.dispatch_moved_bytes(0, 0, 14336) == 0
     assert br.combine_moved_bytes(10, 14336) == 10 * 14336
 
 
@@ -134,6 +204,7 @@ def _row(routing="uniform", tokens=4096, mode="scatter", checked=False, scale=1.
     return br.BenchRow.from_measurements(
         routing=routing, tokens=tokens, mode=mode, checked=checked, row_bytes=7168 * 2,
         pairs_off=[tokens * 6.0 + r for r in range(world)],
+        rows_off=[tokens * 2.5 + 2 * r for r in range(world)],
         dispatch_us=[scale * (100.0 + r) for r in range(world)],
         combine_us=[scale * (150.0 + 2 * r) for r in range(world)],
         nccl_dispatch_us=[scale * (300.0 - r) for r in range(world)],
@@ -145,13 +216,19 @@ def test_row_derived_fields():
     row = _row()
     rb = 7168 * 2
     mean_pairs = 4096 * 6.0 + 1.5
+    mean_rows = 4096 * 2.5 + 3.0
     assert row.pairs_off_mean == pytest.approx(mean_pairs)
+    assert row.rows_off == [10240.0, 10242.0, 10244.0, 10246.0]
+    assert row.rows_off_mean == pytest.approx(mean_rows)
     assert (row.dispatch_us, row.dispatch_us_min, row.dispatch_us_max) == (103.0, 100.0, 103.0)
     assert row.dispatch_us_per_rank == [100.0, 101.0, 102.0, 103.0]
     assert (row.combine_us, row.nccl_dispatch_us, row.nccl_dispatch_us_min) == (156.0, 300.0, 297.0)
     assert row.dispatch_alg_gbps == pytest.approx(mean_pairs * rb / 103e-6 / 1e9)
     assert row.combine_alg_gbps == pytest.approx(mean_pairs * rb / 156e-6 / 1e9)
-    assert row.dispatch_moved_gbps == pytest.approx(mean_pairs * (rb + 8) / 103e-6 / 1e9)
+    # moved: each distinct (token, rank) row once, 12 B of metadata per pair; slowest rank 103 us
+    assert row.dispatch_moved_gbps == pytest.approx((mean_rows * rb + 12 * mean_pairs) / 103e-6 / 1e9)
+    assert row.dispatch_moved_gbps == pytest.approx((10243.0 * 14336 + 12 * 24577.5) / 103e3)
+    assert row.dispatch_moved_gbps < row.dispatch_alg_gbps  # de-duplication moves fewer bytes here
     assert row.combine_moved_gbps == pytest.approx(row.combine_alg_gbps)
     assert row.dispatch_line_pct == pytest.approx(100 * row.dispatch_moved_gbps / 450.0)
     assert row.nccl_dispatch_gbps == pytest.approx(mean_pairs * rb / 300e-6 / 1e9)
@@ -168,15 +245,28 @@ def test_row_rejects_inconsistent_measurements():
         br.BenchRow.from_measurements(
             **kw,
             pairs_off=[1, 2],
+            rows_off=[1, 2],
             dispatch_us=[1.0],
             combine_us=[1, 1],
             nccl_dispatch_us=[1, 1],
             nccl_combine_us=[1, 1],
         )
+    one = dict(dispatch_us=[1], combine_us=[1], nccl_dispatch_us=[1], nccl_combine_us=[1])
+    with pytest.raises(br.BenchReportError, match="rows_off=1"):
+        br.BenchRow.from_measurements(**kw, **one | {"combine_us": [1, 1]}, pairs_off=[1], rows_off=[1])
+    with pytest.raises(br.BenchReportError, match="one length"):
+        br.BenchRow.from_measurements(**kw, **one, pairs_off=[1], rows_off=[1, 1])
     with pytest.raises(br.BenchReportError, match="positive"):
-        br.BenchRow.from_measurements(
-            **kw, pairs_off=[1], dispatch_us=[0.0], combine_us=[1], nccl_dispatch_us=[1], nccl_combine_us=[1]
-        )
+        br.BenchRow.from_measurements(**kw, **one | {"dispatch_us": [0.0]}, pairs_off=[1], rows_off=[1])
+    with pytest.raises(br.BenchReportError, match="pairs_off must be >= 0"):
+        br.BenchRow.from_measurements(**kw, **one, pairs_off=[-1], rows_off=[0])
+    with pytest.raises(br.BenchReportError, match="rows_off must be >= 0"):
+        br.BenchRow.from_measurements(**kw, **one, pairs_off=[1], rows_off=[-0.5])
+    with pytest.raises(TypeError, match="rows_off"):  # required
+        br.BenchRow.from_measurements(**kw, **one, pairs_off=[1])
+    # Nothing off-rank: zero bandwidths, not an error.
+    row = br.BenchRow.from_measurements(**kw, **one, pairs_off=[0], rows_off=[0])
+    assert (row.rows_off_mean, row.dispatch_moved_gbps, row.dispatch_alg_gbps) == (0.0, 0.0, 0.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -585,6 +675,10 @@ def test_sweep_runs_over_gloo_and_writes_report_and_plot(tmp_path):
     assert [r["checked"] for r in rows] == [r["tokens"] <= 8 for r in rows]
     for r in rows:
         assert len(r["pairs_off"]) == 4 and r["pairs_off_mean"] > 0
+        assert len(r["rows_off"]) == 4 and 0 < r["rows_off_mean"] <= r["pairs_off_mean"]
+        assert all(0 <= ro <= po for ro, po in zip(r["rows_off"], r["pairs_off"], strict=True))
+        moved = (r["rows_off_mean"] * r["row_bytes"] + 12 * r["pairs_off_mean"]) / 41e-6 / 1e9
+        assert r["dispatch_moved_gbps"] == pytest.approx(moved)
         # StepTimer: rank r's iterations take 10 (r + 1) + i us; the median is 10 (r + 1) + 1
         assert r["dispatch_us_per_rank"] == [11.0, 21.0, 31.0, 41.0]
         assert (r["dispatch_us"], r["dispatch_us_min"], r["nccl_combine_us_max"]) == (41.0, 11.0, 41.0)

@@ -23,11 +23,11 @@ BASE = dict(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256
         (dict(local_world_size=3), "local_world_size must divide world_size=4, got 3"),
         (dict(dtype=torch.float64), "dtype must be one of"),
         (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
-        (dict(num_experts=4 * 4096), "num_experts must be <= 12288"),
+        (dict(num_experts=4 * 4096), "num_experts must be <= 6144"),
         (dict(max_tokens=2**28, topk=8), r"world_size \* max_tokens \* topk must be < 2\*\*31"),
         (dict(capacity=100),
          r"capacity must be >= world_size \* max_tokens \* min\(topk, experts per rank\) = 512"),
-        (dict(world_size=256, local_world_size=8, num_experts=256), r"world_size must be in \[1, 128\]"),
+        (dict(world_size=512, local_world_size=8, num_experts=512), r"world_size must be in \[1, 256\]"),
     ],
 )
 def test_config_constraints(change, message):

@@ -2,8 +2,10 @@
 
 The kernels are specialized on the element type only (sizes and the dispatch mode are run-time
 arguments), so one compile per dtype covers every mode and shape. Beyond "it compiled", the PTX is
-read for what correctness depends on: the NVSHMEM calls each kernel makes, 128-bit volatile
-(system-scope) loads in combine, and separately rounded multiply/add (no FMA) in its accumulation.
+read for what correctness and speed depend on: the NVSHMEM calls each kernel makes, 128-bit loads in
+combine that bypass L1 (``.cg``: rows written by other GPUs or rewritten staging rows must not come from
+a stale L1 line), separately rounded multiply/add (no FMA) in its accumulation, 128-bit stores in
+dispatch's peer-pointer row copies and in the fan-out.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "half", torch.float32: "flo
 
 
 def _kernels(ptx: str) -> dict[str, str]:
-    """PTX text of each entry point, keyed Layout / Dispatch / Combine."""
+    """PTX text of each entry point, keyed Layout / Dispatch / Fanout / Combine."""
     out = {}
     for part in re.split(r"(?m)^(?=\.visible \.entry|\.func|\.visible \.func|\.weak \.func)", ptx):
         m = re.match(r"\.visible \.entry (\w+)", part)
         if m:
-            out[re.search(r"(Layout|Dispatch|Combine)Kernel", m.group(1)).group(1)] = part
+            out[re.search(r"(Layout|Dispatch|Fanout|Combine)Kernel", m.group(1)).group(1)] = part
     return out
 
 
@@ -46,10 +48,10 @@ def compiled_ptx(request, tmp_path_factory):
     return request.param, compiled.artifacts.PTX
 
 
-def test_targets_sm90_with_three_kernels(compiled_ptx):
+def test_targets_sm90_with_four_kernels(compiled_ptx):
     _, ptx = compiled_ptx
     assert re.search(r"(?m)^\.target sm_90$", ptx)
-    assert sorted(_kernels(ptx)) == ["Combine", "Dispatch", "Layout"]
+    assert sorted(_kernels(ptx)) == ["Combine", "Dispatch", "Fanout", "Layout"]
 
 
 def test_links_the_nvshmem_calls_each_step_needs(compiled_ptx):
@@ -68,13 +70,24 @@ def test_links_the_nvshmem_calls_each_step_needs(compiled_ptx):
         assert re.search(rf"\b{fn}\b", ptx), f"{fn} not in the PTX"
 
 
-def test_combine_accumulates_without_fma_and_loads_128_bit_volatile(compiled_ptx):
+def test_combine_accumulates_without_fma_and_loads_128_bit_past_l1(compiled_ptx):
     _, ptx = compiled_ptx
     ops = _ops(_kernels(ptx)["Combine"])
     assert ops["mul.rn.f32"] > 0 and ops["mul.rn.f32"] == ops["add.rn.f32"]
     assert ops["fma.rn.f32"] == 0
-    assert ops["ld.volatile.global.v4.b32"] > 0
+    loads = {op: n for op, n in ops.items() if op.startswith("ld.global") and ".v4." in op}
+    assert loads and all(".cg" in op for op in loads), loads  # 8-, 4- and 1-row groups, all .cg
+    assert not any(op.startswith("ld.global") and ".cg" not in op and ".v4" in op for op in ops)
     assert ops["st.global.v4.b32"] > 0
+
+
+def test_row_copies_are_128_bit(compiled_ptx):
+    _, ptx = compiled_ptx
+    kernels = _kernels(ptx)
+    for name in ("Dispatch", "Fanout"):
+        ops = _ops(kernels[name])
+        assert ops["st.global.v4.b32"] >= 9, (name, ops)  # 8 unrolled pieces + the remainder loop
+        assert ops["ld.global.v4.b32"] >= 9, (name, ops)
 
 
 def test_dispatch_has_the_atomic_slot_path(compiled_ptx):

@@ -1,0 +1,36 @@
+"""The committed benchmark reports (baselines/perf/*.json) parse and hold every configuration of
+their sweep, with a plot beside each."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from cute_ep import bench_report as br
+
+PERF = Path(__file__).resolve().parents[1] / "baselines" / "perf"
+REPORTS = sorted(PERF.glob("*.json"))
+
+
+def test_there_are_committed_reports():
+    assert REPORTS, f"no benchmark report in {PERF}"
+
+
+@pytest.mark.parametrize("path", REPORTS, ids=[p.stem for p in REPORTS])
+def test_report_holds_every_configuration_of_its_sweep(path):
+    report = br.load_json(path)  # schema and required keys
+    cfg = report["meta"]["config"]
+    want = set(itertools.product(cfg["routings"], cfg["tokens"], cfg["modes"]))
+    got = [(r["routing"], r["tokens"], r["mode"]) for r in report["rows"]]
+    assert len(got) == len(set(got)), f"{path.name}: a configuration appears twice"
+    assert set(got) == want, f"{path.name}: missing {sorted(want - set(got))}, extra {sorted(set(got) - want)}"
+    world = report["meta"]["world_size"]
+    for row in report["rows"]:
+        assert len(row["dispatch_us_per_rank"]) == world and len(row["pairs_off"]) == world
+        assert 0 < row["dispatch_us"] and 0 < row["combine_us"]
+        assert 0 <= row["rows_off_mean"] <= row["pairs_off_mean"]
+        # The ratio column is NCCL time over ours, as the table says.
+        assert row["dispatch_ratio"] == pytest.approx(row["nccl_dispatch_us"] / row["dispatch_us"])
+    assert path.with_suffix(".png").is_file(), f"{path.name} has no plot beside it"
