@@ -13,6 +13,11 @@ Ordering: alternate dispatch and combine. A rank's next dispatch writes into its
 it is ordered after their experts finished only through the combine in between (combine starts when
 every rank's expert outputs are written). Two dispatches with no combine between them may overwrite
 rows a peer's expert is still reading.
+
+Faults: every wait for a peer is bounded by ``cfg.timeout_s``. A rank whose peer never arrives (it
+skipped a call, died, or runs a different sequence of calls) gets ``PeerTimeout`` naming the peer and
+the operation instead of a hang; from then on the buffer's kernels move no data, and it must be
+closed and rebuilt.
 """
 
 from __future__ import annotations
@@ -22,11 +27,32 @@ from typing import Any
 
 import torch
 
-from cute_ep.kernels.config import MODES, OP_COMBINE, OP_DISPATCH, OP_LAYOUT, ConfigError, EpConfig
+from cute_ep.kernels.config import (
+    FAULT_WORDS,
+    MODES,
+    OP_COMBINE,
+    OP_DISPATCH,
+    OP_LAYOUT,
+    ConfigError,
+    EpConfig,
+)
 
 
 class KernelDidNotRun(RuntimeError):
     """A launch returned without its kernel running (its epoch did not advance)."""
+
+
+class PeerTimeout(RuntimeError):
+    """A kernel waited longer than ``cfg.timeout_s`` for a peer's signal (see the module docstring)."""
+
+    def __init__(self, message: str, *, op: str, peer: int, call: int) -> None:
+        super().__init__(message)
+        self.op = op
+        self.peer = peer
+        self.call = call
+
+
+OP_NAMES = {OP_LAYOUT: "layout", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
 
 
 @dataclass(frozen=True)
@@ -107,6 +133,7 @@ class EpBuffer:
         self.num_recv = torch.zeros(1, **i32)
         self.epochs = torch.zeros(3, dtype=torch.int64, device=dev)
         self.done = torch.zeros(2, **i32)
+        self.fault = torch.zeros(FAULT_WORDS, **i32)  # first timed-out wait, see kernels.ptx.record_fault
         self._calls = [0, 0, 0]  # expected epochs: layout, dispatch, combine
         # Signals and counts start at zero on every rank before anyone may signal.
         self.counts.zero_()
@@ -151,23 +178,29 @@ class EpBuffer:
                               tpe, num_recv, handle)
 
     def launch_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                        mode: str = "scatter") -> None:
-        """Enqueue the layout and dispatch kernels on the current stream: no checks, no host sync.
+                        mode: str = "scatter") -> DispatchHandle:
+        """Enqueue the layout, dispatch and fan-out kernels on the current stream: no checks, no host
+        sync, so the call can be captured in a CUDA graph.
 
-        For timing loops: arguments must already satisfy ``check_dispatch_inputs`` (topk_idx int32).
-        The results stay in the buffer (``recv_x``, ``num_recv``, ``tokens_per_expert``, ``scatter``).
+        Arguments must already satisfy ``check_dispatch_inputs`` (topk_idx int32). The results stay in
+        the buffer on the device: ``recv_x`` / ``recv_w`` / ``recv_src`` (first ``num_recv[0]`` rows),
+        ``tokens_per_expert``, ``scatter``. Returns a handle that refers to (does not copy) the given
+        routing tensors and the buffer's ``scatter``: valid for ``launch_combine`` until the next dispatch.
         """
         t = x.shape[0]
         self._launch(OP_LAYOUT, 0, t, x=x, idx=topk_idx, w=topk_weights)
         self._launch(OP_DISPATCH, MODES[mode], t, x=x, idx=topk_idx, w=topk_weights)
+        scatter = self.scatter[: t * self.cfg.topk].view(t, self.cfg.topk)
+        return DispatchHandle(topk_idx, topk_weights, scatter, t, mode)
 
     def launch_combine(self, handle: DispatchHandle, out: torch.Tensor) -> None:
-        """Enqueue the combine kernel on the current stream: no checks, no host sync.
+        """Enqueue the combine kernel on the current stream: no checks, no host sync (capturable).
 
         Reads the symmetric ``recv_y`` (see ``expert_output``); out [handle.num_tokens, H] cfg.dtype.
         """
         t = handle.num_tokens
-        self.scatter[: t * self.cfg.topk].copy_(handle.scatter.view(-1))
+        if handle.scatter.data_ptr() != self.scatter.data_ptr():  # a handle from dispatch() owns a copy
+            self.scatter[: t * self.cfg.topk].copy_(handle.scatter.view(-1))
         self._launch(OP_COMBINE, 0, t, idx=handle.topk_idx, w=handle.topk_weights, out=out)
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
@@ -247,20 +280,38 @@ class EpBuffer:
             "num_recv": self.num_recv.data_ptr(),
             "epochs": self.epochs.data_ptr(),
             "done": self.done.data_ptr(),
+            "fault": self.fault.data_ptr(),
         }
         stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         ptrs = make_pointers(self.cfg, addrs)
         self.module(op, mode, self.rank, num_tokens, *self.cfg.shape_args(), *ptrs, stream)
         self._calls[op] += 1
 
+    def check_faults(self) -> None:
+        """Raise ``PeerTimeout`` if a kernel of this buffer timed out waiting for a peer (host sync).
+
+        ``dispatch`` and ``combine`` call it; after ``launch_*`` calls (e.g. CUDA graph replays) call it
+        before trusting the results."""
+        f = self.fault.tolist()
+        if f[0]:
+            op, peer, call = OP_NAMES.get(f[1], f"op {f[1]}"), f[2], f[3]
+            raise PeerTimeout(
+                f"{op} on rank {self.rank}: rank {peer} did not signal within {self.cfg.timeout_s:g} s "
+                f"({op} call {call}; {f[0]} wait(s) timed out). Every rank must make the same sequence of "
+                f"dispatch and combine calls. This buffer moves no more data: close it and build a new one.",
+                op=op, peer=peer, call=call,
+            )
+
     def _check_ran(self, *ops: int) -> None:
-        """Raise if a kernel did not run: its epoch must equal the number of launches so far."""
+        """Raise if a kernel timed out (``PeerTimeout``) or did not run: its epoch must equal the number
+        of launches so far."""
+        self.check_faults()
         got = self.epochs.tolist()
         for op in ops:
             if got[op] != self._calls[op]:
                 torch.cuda.synchronize(self.device)  # a sticky CUDA error, if any, raises here first
                 raise KernelDidNotRun(
-                    f"{['layout', 'dispatch', 'combine'][op]} kernel did not complete: epoch {got[op]}, "
+                    f"{OP_NAMES[op]} kernel did not complete: epoch {got[op]}, "
                     f"expected {self._calls[op]} launches"
                 )
 

@@ -29,8 +29,18 @@ import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Float32, Int32, Int64
 from nvshmem.core.device.cute.mem import nvshmem_ptr
 
-from cute_ep.kernels.config import COMBINE_WARPS_PER_CTA, MAX_TOPK, VECTOR_BYTES, WARP
-from cute_ep.kernels.ptx import CMP_GE, SIGNAL_SET, add_rn, elem_view, fence_sys, gmem_tensor, mul_rn
+from cute_ep.kernels.config import COMBINE_WARPS_PER_CTA, MAX_TOPK, OP_COMBINE, VECTOR_BYTES, WARP
+from cute_ep.kernels.ptx import (
+    SIGNAL_SET,
+    add_rn,
+    elem_view,
+    fence_sys,
+    gmem_tensor,
+    ld_volatile_i32,
+    mul_rn,
+    record_fault,
+    wait_signal_ge,
+)
 
 
 @cute.jit
@@ -80,6 +90,7 @@ class CombineKernel:
         signals: cute.Tensor,
         epochs: cute.Tensor,
         done: cute.Tensor,
+        fault: cute.Tensor,
         rank: Int32,
         num_tokens: Int32,
         world_size: Int32,
@@ -88,11 +99,12 @@ class CombineKernel:
         topk: Int32,
         hidden: Int32,
         num_ctas: Int32,
+        timeout_ms: Int32,
         stream,
     ):
         self.kernel(
-            out, topk_idx, topk_w, scatter, recv_y, stage, signals, epochs, done, rank, num_tokens,
-            world_size, local_world_size, num_experts, topk, hidden,
+            out, topk_idx, topk_w, scatter, recv_y, stage, signals, epochs, done, fault, rank, num_tokens,
+            world_size, local_world_size, num_experts, topk, hidden, timeout_ms,
         ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
@@ -107,6 +119,7 @@ class CombineKernel:
         signals: cute.Tensor,
         epochs: cute.Tensor,
         done: cute.Tensor,
+        fault: cute.Tensor,
         rank: Int32,
         num_tokens: Int32,
         world_size: Int32,
@@ -114,6 +127,7 @@ class CombineKernel:
         num_experts: Int32,
         topk: Int32,
         hidden: Int32,
+        timeout_ms: Int32,
     ):
         R = world_size
         L = local_world_size
@@ -141,20 +155,26 @@ class CombineKernel:
         my_addr = cute.make_tensor(row_addr.iterator + warp * MAX_TOPK, cute.make_layout(MAX_TOPK))
         my_weight = cute.make_tensor(weight.iterator + warp * MAX_TOPK, cute.make_layout(MAX_TOPK))
 
-        # Start barrier: all ranks' expert outputs are in place.
-        if bid == 0:
+        # Start barrier: all ranks' expert outputs are in place (each peer waited for at most
+        # timeout_ms; one that never arrives is recorded in ``fault`` and nothing is read).
+        fault_addr = fault.iterator.toint()
+        if ld_volatile_i32(fault_addr) == Int32(0):
+            if bid == 0:
+                if tid < R:
+                    fence_sys()
+                    nvshmem_cute.signal_op(
+                        cute.make_tensor(signals.iterator + (2 * R + rank), cute.make_layout(1)),
+                        epoch, SIGNAL_SET, tid,
+                    )
             if tid < R:
-                fence_sys()
-                nvshmem_cute.signal_op(
-                    cute.make_tensor(signals.iterator + (2 * R + rank), cute.make_layout(1)),
-                    epoch, SIGNAL_SET, tid,
-                )
-        if tid < R:
-            nvshmem_cute.signal_wait(
-                cute.make_tensor(signals.iterator + (2 * R + tid), cute.make_layout(1)), CMP_GE, epoch
-            )
-            fence_sys()
+                addr = signals.iterator.toint() + Int64((2 * R + tid) * 8)
+                if wait_signal_ge(addr, epoch, Int64(timeout_ms) * 1000000) == 0:
+                    record_fault(fault, Int32(OP_COMBINE), tid, epoch)
         cute.arch.sync_threads()
+        live = ld_volatile_i32(fault_addr) == Int32(0)
+        work = Int32(0)
+        if live:
+            work = num_tokens
 
         recv_y_base = recv_y.iterator.toint()
         stage_base = stage.iterator.toint()
@@ -173,7 +193,7 @@ class CombineKernel:
                 parts = Int32(1)
         span = (NV + parts - 1) // parts  # pieces per part
 
-        for u in range(gwarp, num_tokens * parts, NWARPS):
+        for u in range(gwarp, work * parts, NWARPS):
             t = u // parts
             v_begin = (u % parts) * span
             v_end = v_begin + span
@@ -222,4 +242,5 @@ class CombineKernel:
             arrived = cute.arch.atomic_add(done.iterator + 1, Int32(1))
             if arrived == NCTA - 1:
                 done[1] = Int32(0)
-                epochs[2] = epoch
+                if ld_volatile_i32(fault_addr) == Int32(0):  # a timed-out call does not count as run
+                    epochs[2] = epoch

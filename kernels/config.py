@@ -23,6 +23,9 @@ OP_LAYOUT = 0
 OP_DISPATCH = 1
 OP_COMBINE = 2
 
+# fault[FAULT_WORDS] int32 on each rank: [timed-out waits, operation, peer, epoch] (kernels.ptx.record_fault).
+FAULT_WORDS = 4
+
 WARP = 32
 VECTOR_BYTES = 16  # one 128-bit access per lane
 MAX_TOPK = 64  # per-warp routing of a token is staged in shared memory: [warps, MAX_TOPK]
@@ -34,7 +37,8 @@ MAX_WORLD_SIZE = COMBINE_WARPS_PER_CTA * WARP  # combine signals and waits with 
 
 # Run-time sizes every kernel receives (see EpConfig.shape_args).
 SHAPE_ARGS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
-              "stage_rows", "num_ctas")
+              "stage_rows", "num_ctas", "timeout_ms")
+MAX_TIMEOUT_S = 2**31 // 1000  # the timeout travels as int32 milliseconds
 
 
 def cute_dtype(dtype: torch.dtype):
@@ -67,6 +71,8 @@ class EpConfig:
                        experts per token fits (the default; a smaller one is refused until dispatch
                        can drop rows beyond capacity instead of writing past the buffer).
     num_sms:           CTAs launched by dispatch/combine (persistent grid-stride loops).
+    timeout_s:         longest a kernel waits for a peer's signal; past it the kernel records which
+                       peer and operation, moves no more data, and the host raises ``PeerTimeout``.
     """
 
     world_size: int
@@ -78,6 +84,7 @@ class EpConfig:
     max_tokens: int
     capacity: int = 0
     num_sms: int = 132
+    timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -132,6 +139,10 @@ class EpConfig:
         )
         need(self.capacity < 2**31, f"capacity must be < 2**31 (int32 slots), got {self.capacity}")
         need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
+        need(
+            0.001 <= self.timeout_s <= MAX_TIMEOUT_S,
+            f"timeout_s must be in [0.001, {MAX_TIMEOUT_S}] seconds, got {self.timeout_s}",
+        )
 
     @property
     def element_size(self) -> int:
@@ -144,6 +155,10 @@ class EpConfig:
     @property
     def worst_case_capacity(self) -> int:
         return self.world_size * self.max_tokens * min(self.topk, self.experts_per_rank)
+
+    @property
+    def timeout_ms(self) -> int:
+        return max(1, round(self.timeout_s * 1000))
 
     @property
     def vec(self) -> int:
@@ -187,6 +202,7 @@ class EpConfig:
             self.capacity,
             self.stage_rows,
             self.num_sms,
+            self.timeout_ms,
         )
 
     def symmetric_bytes(self) -> int:

@@ -8,14 +8,18 @@ tag (rank * max_tokens + t) * K + k into ``recv_src[slot]`` and ``recv_from[slot
 Rank de-duplication: the row itself crosses the link once per destination RANK, not once per k. Only
 the first k of the token bound for a rank (its "primary" pair) sends the row, into its own slot, and
 sets ``recv_from[slot] = -1``; every later k bound for the same rank sets ``recv_from[slot]`` to that
-primary slot, and the receiver's fan-out kernel (kernels/fanout.py) copies the row locally. A
-same-node destination is written with 128-bit stores through its NVSHMEM peer pointer (unrolled, see
-``copy_row_warp``); another node's with ``put_warp``.
+primary slot, and the receiver's fan-out kernel (kernels/fanout.py) copies the row locally. Pairs
+bound for this rank itself are all written directly: there is no link to save, and the local writes
+overlap the peers' transfers instead of adding fan-out reads after them. A same-node destination is
+written with 128-bit stores through its NVSHMEM peer pointer (unrolled, see ``copy_row_warp``);
+another node's with ``put_warp``.
 
-Completion: each thread ``quiet``s its puts and fences its stores; the last CTA to finish (a self-resetting
-arrival counter) raises ``dispatch_signal[rank]`` on every peer to this call's epoch, then waits until every
-peer has raised its own on this rank. So when the kernel ends, this rank's receive buffer is
-complete, and everything later on the stream may read it.
+Completion: each thread ``quiet``s its puts and fences its stores; the last CTA to finish (a
+self-resetting arrival counter) raises ``dispatch_signal[rank]`` on every peer to this call's epoch,
+then waits until every peer has raised its own on this rank (at most ``timeout_ms`` per peer; a peer
+that never arrives is recorded in ``fault`` and the epoch is not advanced). So when the kernel ends
+with its epoch advanced, this rank's receive buffer is complete, and everything later on the stream
+may read it.
 """
 
 from __future__ import annotations
@@ -25,8 +29,16 @@ import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Int32, Int64
 from nvshmem.core.device.cute.mem import nvshmem_ptr
 
-from cute_ep.kernels.config import MODE_ATOMIC, VECTOR_BYTES, WARP
-from cute_ep.kernels.ptx import CMP_GE, SIGNAL_SET, copy_row_warp, elem_view, fence_sys
+from cute_ep.kernels.config import MODE_ATOMIC, OP_DISPATCH, VECTOR_BYTES, WARP
+from cute_ep.kernels.ptx import (
+    SIGNAL_SET,
+    copy_row_warp,
+    elem_view,
+    fence_sys,
+    ld_volatile_i32,
+    record_fault,
+    wait_signal_ge,
+)
 
 
 class DispatchKernel:
@@ -52,6 +64,7 @@ class DispatchKernel:
         signals: cute.Tensor,
         epochs: cute.Tensor,
         done: cute.Tensor,
+        fault: cute.Tensor,
         rank: Int32,
         num_tokens: Int32,
         mode: Int32,
@@ -61,11 +74,13 @@ class DispatchKernel:
         topk: Int32,
         max_tokens: Int32,
         num_ctas: Int32,
+        timeout_ms: Int32,
         stream,
     ):
         self.kernel(
             x, topk_idx, topk_w, scatter, cursor, recv_x, recv_w, recv_src, recv_from, signals, epochs, done,
-            rank, num_tokens, mode, world_size, local_world_size, num_experts, topk, max_tokens,
+            fault, rank, num_tokens, mode, world_size, local_world_size, num_experts, topk, max_tokens,
+            timeout_ms,
         ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
@@ -83,6 +98,7 @@ class DispatchKernel:
         signals: cute.Tensor,
         epochs: cute.Tensor,
         done: cute.Tensor,
+        fault: cute.Tensor,
         rank: Int32,
         num_tokens: Int32,
         mode: Int32,
@@ -91,6 +107,7 @@ class DispatchKernel:
         num_experts: Int32,
         topk: Int32,
         max_tokens: Int32,
+        timeout_ms: Int32,
     ):
         R = world_size
         L = local_world_size
@@ -111,8 +128,14 @@ class DispatchKernel:
         my_node = rank // L
         x_base = x.iterator.toint()
         recv_x_base = recv_x.iterator.toint()
+        fault_addr = fault.iterator.toint()
+        # After a fault (a timed-out wait here or in the layout) this buffer moves no more data.
+        live = ld_volatile_i32(fault_addr) == Int32(0)
+        work = Int32(0)
+        if live:
+            work = num_tokens
 
-        for t in range(bid * WPC + warp, num_tokens, NCTA * WPC):
+        for t in range(bid * WPC + warp, work, NCTA * WPC):
             src_row = elem_view(x[t, None])
             for k in range(K):
                 e = topk_idx[t * K + k]
@@ -141,6 +164,8 @@ class DispatchKernel:
                         if first == k:
                             if ballot != 0:
                                 first = j0 + Int32(cute.arch.clz(cute.arch.brev(ballot)))
+                    if d == rank:
+                        first = k  # rows for this rank are local writes: no fan-out needed
                     if first == k:
                         if d // L == my_node:
                             copy_row_warp(
@@ -176,12 +201,18 @@ class DispatchKernel:
             if arrived == NCTA - 1:
                 # Last CTA: every CTA's puts are complete; announce them, then wait for the peers'.
                 done[0] = Int32(0)
-                fence_sys()
-                my_signal = cute.make_tensor(signals.iterator + (R + rank), cute.make_layout(1))
-                for p in range(R):
-                    nvshmem_cute.signal_op(my_signal, epoch, SIGNAL_SET, p)
-                for p in range(R):
-                    nvshmem_cute.signal_wait(
-                        cute.make_tensor(signals.iterator + (R + p), cute.make_layout(1)), CMP_GE, epoch
-                    )
-                epochs[1] = epoch
+                if live:
+                    fence_sys()
+                    my_signal = cute.make_tensor(signals.iterator + (R + rank), cute.make_layout(1))
+                    for p in range(R):
+                        nvshmem_cute.signal_op(my_signal, epoch, SIGNAL_SET, p)
+                    signals_base = signals.iterator.toint()
+                    arrived_all = Int32(1)
+                    for p in range(R):
+                        if arrived_all == Int32(1):
+                            addr = signals_base + Int64((R + p) * 8)
+                            if wait_signal_ge(addr, epoch, Int64(timeout_ms) * 1000000) == 0:
+                                record_fault(fault, Int32(OP_DISPATCH), p, epoch)
+                                arrived_all = Int32(0)
+                    if arrived_all == Int32(1):
+                        epochs[1] = epoch

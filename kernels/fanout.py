@@ -13,7 +13,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from cute_ep.kernels.config import VECTOR_BYTES, WARP
-from cute_ep.kernels.ptx import copy_row_warp
+from cute_ep.kernels.ptx import copy_row_warp, ld_volatile_i32
 
 
 class FanoutKernel:
@@ -25,14 +25,14 @@ class FanoutKernel:
         self.dtype = dtype
 
     @cute.jit
-    def __call__(self, recv_x: cute.Tensor, recv_from: cute.Tensor, num_recv: cute.Tensor, num_ctas: Int32,
-                 stream):
-        self.kernel(recv_x, recv_from, num_recv).launch(
+    def __call__(self, recv_x: cute.Tensor, recv_from: cute.Tensor, num_recv: cute.Tensor, fault: cute.Tensor,
+                 num_ctas: Int32, stream):
+        self.kernel(recv_x, recv_from, num_recv, fault).launch(
             grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream
         )
 
     @cute.kernel
-    def kernel(self, recv_x: cute.Tensor, recv_from: cute.Tensor, num_recv: cute.Tensor):
+    def kernel(self, recv_x: cute.Tensor, recv_from: cute.Tensor, num_recv: cute.Tensor, fault: cute.Tensor):
         dtype = recv_x.element_type
         ROW_BYTES = Int64(recv_x.shape[1]) * (dtype.width // 8)
         NV = recv_x.shape[1] * (dtype.width // 8) // VECTOR_BYTES
@@ -42,8 +42,16 @@ class FanoutKernel:
         bid, _, _ = cute.arch.block_idx()
         lane = tid % WARP
         base = recv_x.iterator.toint()
-        n = num_recv[0]
+        C = recv_x.shape[0]
+        # After a fault num_recv and recv_from may be stale or partial: copy nothing. The bounds are
+        # checked anyway, so no value read here can send a copy outside the buffer.
+        n = Int32(0)
+        if ld_volatile_i32(fault.iterator.toint()) == Int32(0):
+            n = num_recv[0]
+            if n > C:
+                n = C
         for s in range(bid * WPC + tid // WARP, n, NCTA * WPC):
             f = recv_from[s]
             if f >= Int32(0):
-                copy_row_warp(dtype, base + Int64(f) * ROW_BYTES, base + Int64(s) * ROW_BYTES, NV, lane)
+                if f < C:
+                    copy_row_warp(dtype, base + Int64(f) * ROW_BYTES, base + Int64(s) * ROW_BYTES, NV, lane)

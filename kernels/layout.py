@@ -3,7 +3,9 @@
 One CTA per rank (the work is a few histogram passes over T*K expert ids):
 1. per-warp histograms of this rank's (t, k) pairs per expert (shared-memory atomics);
 2. the rank's count row goes into every peer's symmetric ``counts[R, E]`` with ``put_signal_warp``,
-   and the kernel waits until every peer's row has arrived (signal >= this call's epoch);
+   and the kernel waits until every peer's row has arrived (signal >= this call's epoch), at most
+   ``timeout_ms`` per peer: a peer that never arrives is recorded in ``fault`` (kernels.ptx) and the
+   call does not advance its epoch, so the host raises instead of hanging;
 3. expert-major offsets: the slot range of (dst rank d, local expert l, source s) starts at the sum of
    count[s'][d*El + l'] over (l', s') before (l, s) in l-major order — identical to
    ``validators.reference.reference_layout``;
@@ -25,8 +27,8 @@ import cutlass.memory
 import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Int32, Int64
 
-from cute_ep.kernels.config import LAYOUT_SMEM_INTS, WARP
-from cute_ep.kernels.ptx import CMP_GE, SIGNAL_SET, ld_volatile_i32
+from cute_ep.kernels.config import LAYOUT_SMEM_INTS, OP_LAYOUT, WARP
+from cute_ep.kernels.ptx import SIGNAL_SET, ld_volatile_i32, record_fault, wait_signal_ge
 
 
 class LayoutKernel:
@@ -49,16 +51,18 @@ class LayoutKernel:
         tokens_per_expert: cute.Tensor,
         num_recv: cute.Tensor,
         epochs: cute.Tensor,
+        fault: cute.Tensor,
         rank: Int32,
         num_tokens: Int32,
         world_size: Int32,
         num_experts: Int32,
         topk: Int32,
+        timeout_ms: Int32,
         stream,
     ):
         self.kernel(
             topk_idx, scatter, counts, signals, send_offsets, cursor, tokens_per_expert, num_recv, epochs,
-            rank, num_tokens, world_size, num_experts, topk,
+            fault, rank, num_tokens, world_size, num_experts, topk, timeout_ms,
         ).launch(grid=(1, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
@@ -73,11 +77,13 @@ class LayoutKernel:
         tokens_per_expert: cute.Tensor,
         num_recv: cute.Tensor,
         epochs: cute.Tensor,
+        fault: cute.Tensor,
         rank: Int32,
         num_tokens: Int32,
         world_size: Int32,
         num_experts: Int32,
         topk: Int32,
+        timeout_ms: Int32,
     ):
         R = world_size
         E = num_experts
@@ -132,14 +138,17 @@ class LayoutKernel:
         my_row = cute.make_tensor(counts.iterator + rank * E, cute.make_layout(E))
         NWT = NT // WARP
         my_signal = cute.make_tensor(signals.iterator + rank, cute.make_layout(1))
-        for p in range(warp, R, NWT):
-            if p != rank:
-                nvshmem_cute.put_signal_warp(my_row, my_row, my_signal, epoch, SIGNAL_SET, p)
-        for p in range(tid, R, NT):
-            if p != rank:
-                nvshmem_cute.signal_wait(
-                    cute.make_tensor(signals.iterator + p, cute.make_layout(1)), CMP_GE, epoch
-                )
+        signals_base = signals.iterator.toint()
+        fault_addr = fault.iterator.toint()
+        # After a fault (an earlier timed-out wait) this buffer exchanges nothing more.
+        if ld_volatile_i32(fault_addr) == Int32(0):
+            for p in range(warp, R, NWT):
+                if p != rank:
+                    nvshmem_cute.put_signal_warp(my_row, my_row, my_signal, epoch, SIGNAL_SET, p)
+            for p in range(tid, R, NT):
+                if p != rank:
+                    if wait_signal_ge(signals_base + Int64(p * 8), epoch, Int64(timeout_ms) * 1000000) == 0:
+                        record_fault(fault, Int32(OP_LAYOUT), p, epoch)
         cute.arch.sync_threads()
 
         # 3. offsets. Each column sum over sources (count[s][e], written by peers: volatile loads) is
@@ -205,4 +214,5 @@ class LayoutKernel:
             cute.arch.sync_warp()
 
         if tid == 0:
-            epochs[0] = epoch
+            if ld_volatile_i32(fault_addr) == Int32(0):  # a timed-out call does not count as run
+                epochs[0] = epoch

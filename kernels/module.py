@@ -17,7 +17,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from cute_ep.kernels.combine import CombineKernel
-from cute_ep.kernels.config import OP_COMBINE, OP_DISPATCH, OP_LAYOUT, EpConfig, cute_dtype
+from cute_ep.kernels.config import FAULT_WORDS, OP_COMBINE, OP_DISPATCH, OP_LAYOUT, EpConfig, cute_dtype
 from cute_ep.kernels.dispatch import DispatchKernel
 from cute_ep.kernels.fanout import FanoutKernel
 from cute_ep.kernels.layout import LayoutKernel
@@ -43,6 +43,7 @@ POINTER_ARGS = (
     "num_recv",  # [1] int32
     "epochs",  # [3] int64
     "done",  # [2] int32
+    "fault",  # [4] int32: first timed-out wait (kernels.ptx.record_fault)
 )
 
 
@@ -72,6 +73,7 @@ class EpModule:
         capacity: Int32,
         stage_rows: Int32,
         num_ctas: Int32,
+        timeout_ms: Int32,
         x: cute.Pointer,
         topk_idx: cute.Pointer,
         topk_w: cute.Pointer,
@@ -91,6 +93,7 @@ class EpModule:
         num_recv: cute.Pointer,
         epochs: cute.Pointer,
         done: cute.Pointer,
+        fault: cute.Pointer,
         stream,
     ):
         H, K, E, R, C = hidden, topk, num_experts, world_size, capacity
@@ -117,24 +120,26 @@ class EpModule:
         t_num_recv = flat(num_recv, 1)
         t_epochs = flat(epochs, 3)
         t_done = flat(done, 2)
+        t_fault = flat(fault, FAULT_WORDS)
 
         if op == OP_LAYOUT:
             self.layout(
                 t_idx, t_scatter, t_counts, t_signals, t_send_offsets, t_cursor, t_tpe, t_num_recv,
-                t_epochs, rank, num_tokens, world_size, num_experts, topk, stream,
+                t_epochs, t_fault, rank, num_tokens, world_size, num_experts, topk, timeout_ms, stream,
             )
         if op == OP_DISPATCH:
             self.dispatch(
                 t_x, t_idx, t_w, t_scatter, t_cursor, t_recv_x, t_recv_w, t_recv_src, t_recv_from,
-                t_signals, t_epochs, t_done, rank, num_tokens, mode, world_size, local_world_size,
-                num_experts, topk, max_tokens, num_ctas, stream,
+                t_signals, t_epochs, t_done, t_fault, rank, num_tokens, mode, world_size, local_world_size,
+                num_experts, topk, max_tokens, num_ctas, timeout_ms, stream,
             )
             # Same stream, right after: copy the de-duplicated rows to their other slots.
-            self.fanout(t_recv_x, t_recv_from, t_num_recv, num_ctas, stream)
+            self.fanout(t_recv_x, t_recv_from, t_num_recv, t_fault, num_ctas, stream)
         if op == OP_COMBINE:
             self.combine(
-                t_out, t_idx, t_w, t_scatter, t_recv_y, t_stage, t_signals, t_epochs, t_done, rank,
-                num_tokens, world_size, local_world_size, num_experts, topk, hidden, num_ctas, stream,
+                t_out, t_idx, t_w, t_scatter, t_recv_y, t_stage, t_signals, t_epochs, t_done, t_fault, rank,
+                num_tokens, world_size, local_world_size, num_experts, topk, hidden, num_ctas, timeout_ms,
+                stream,
             )
 
 
@@ -161,4 +166,5 @@ def pointer_dtypes(cfg: EpConfig) -> dict:
         "num_recv": (cutlass.Int32, 4),
         "epochs": (cutlass.Int64, 8),
         "done": (cutlass.Int32, 4),
+        "fault": (cutlass.Int32, 4),
     }

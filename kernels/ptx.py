@@ -122,3 +122,57 @@ def copy_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, nu
         off = Int64(v * 16)
         cute.autovec_copy(gmem_tensor(dtype, src_addr + off, layout, 16), frag)
         cute.autovec_copy(frag, gmem_tensor(dtype, dst_addr + off, layout, 16))
+
+
+# -- bounded waits -----------------------------------------------------------------------------------
+
+
+
+@dsl_user_op
+def global_timer_ns(*, loc=None, ip=None) -> Int64:
+    """%globaltimer (nanoseconds), read afresh on every call (a side-effecting asm is never hoisted)."""
+    return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", side_effects=True))
+
+
+@dsl_user_op
+def ld_acquire_u64(addr: Int64, *, loc=None, ip=None) -> Int64:
+    """64-bit acquire load at system scope: what a peer wrote before its release is visible after."""
+    return Int64(
+        _asm(T.i64(), [Int64(addr).ir_value(loc=loc, ip=ip)],
+             "ld.acquire.sys.global.u64 $0, [$1];", "=l,l", side_effects=True)
+    )
+
+
+@cute.jit
+def wait_signal_ge(addr: Int64, target: Int64, timeout_ns: Int64) -> Int32:
+    """Spin until the 64-bit signal at ``addr`` (this rank's symmetric memory) is >= ``target``.
+
+    Returns 1 when it arrived, 0 when ``timeout_ns`` passed first. Why not ``nvshmem signal_wait``:
+    that waits forever, so one rank that skips a call hangs every other rank with no error.
+    """
+    state = Int32(0)  # 0: waiting, 1: arrived, 2: timed out
+    start = global_timer_ns()
+    while state == Int32(0):
+        if ld_acquire_u64(addr) >= target:
+            state = Int32(1)
+        else:
+            if global_timer_ns() - start > timeout_ns:
+                state = Int32(2)
+    result = Int32(0)
+    if state == Int32(1):
+        result = Int32(1)
+    return result
+
+
+@cute.jit
+def record_fault(fault: cute.Tensor, op: Int32, peer: Int32, epoch: Int64):
+    """Record (op, peer, epoch) in ``fault`` ([FAULT_WORDS] int32: faults recorded, operation, peer,
+    epoch's low 32 bits) unless an earlier fault is recorded (the first one wins).
+
+    Every kernel checks ``fault[0]`` when it starts and does nothing if it is set, so after a timeout
+    no kernel of this buffer moves data until the host has read the record and raised."""
+    old = cute.arch.atomic_add(fault.iterator, Int32(1))
+    if old == Int32(0):
+        fault[1] = op
+        fault[2] = peer
+        fault[3] = Int32(epoch)

@@ -28,11 +28,18 @@ BASE = dict(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256
         (dict(capacity=100),
          r"capacity must be >= world_size \* max_tokens \* min\(topk, experts per rank\) = 512"),
         (dict(world_size=512, local_world_size=8, num_experts=512), r"world_size must be in \[1, 256\]"),
+        (dict(timeout_s=0), r"timeout_s must be in \[0.001, 2147483\] seconds, got 0"),
+        (dict(timeout_s=1e7), r"timeout_s must be in \[0.001, 2147483\] seconds, got 10000000.0"),
     ],
 )
 def test_config_constraints(change, message):
     with pytest.raises(ConfigError, match=message):
         EpConfig(**{**BASE, **change})
+
+
+def test_timeout_travels_as_milliseconds():
+    assert EpConfig(**BASE).timeout_ms == 60_000
+    assert EpConfig(**{**BASE, "timeout_s": 2.5}).shape_args()[-1] == 2500
 
 
 def test_config_defaults_to_worst_case_capacity():

@@ -61,7 +61,6 @@ def test_links_the_nvshmem_calls_each_step_needs(compiled_ptx):
         f"nvshmemx_{name}_put_warp",  # dispatch rows
         f"nvshmemx_{name}_get_warp",  # combine, other-node rows
         "nvshmemx_int32_put_signal_warp",  # layout count exchange
-        "nvshmem_signal_wait_until",
         "nvshmemx_signal_op",
         "nvshmem_float_p",  # weights
         "nvshmem_int32_p",  # source tags
@@ -88,6 +87,18 @@ def test_row_copies_are_128_bit(compiled_ptx):
         ops = _ops(kernels[name])
         assert ops["st.global.v4.b32"] >= 9, (name, ops)  # 8 unrolled pieces + the remainder loop
         assert ops["ld.global.v4.b32"] >= 9, (name, ops)
+
+
+def test_every_wait_for_a_peer_is_bounded(compiled_ptx):
+    _, ptx = compiled_ptx
+    assert "signal_wait_until" not in ptx  # NVSHMEM's wait has no timeout: one missing peer hangs all
+    kernels = _kernels(ptx)
+    for name in ("Layout", "Dispatch", "Combine"):
+        text = kernels[name]
+        assert "ld.acquire.sys.global.u64" in text, name  # polls the signal with acquire semantics
+        assert text.count("%globaltimer") >= 2, name  # start time + a fresh read inside the loop
+    for name in ("Layout", "Dispatch", "Fanout", "Combine"):  # each checks the fault record first
+        assert "ld.volatile.global.b32" in kernels[name], name
 
 
 def test_dispatch_has_the_atomic_slot_path(compiled_ptx):
