@@ -1,11 +1,39 @@
 """cute-ep: expert-parallel dispatch and combine in CuTe DSL on NVSHMEM.
 
+The front door (imported on first use, so ``import cute_ep`` stays light):
+  cute_ep.EpConfig, cute_ep.EpBuffer, cute_ep.DispatchResult, cute_ep.DispatchHandle,
+  cute_ep.PeerTimeout, cute_ep.KernelDidNotRun, cute_ep.ReferenceEpBuffer (same API on the CPU),
+  cute_ep.autograd (differentiable dispatch / combine).
+
 Subpackages (installed from the top-level folders of the repository):
   cute_ep.bootstrap   -- launcher environment, torch.distributed + NVSHMEM init, kernel compile cache
-  cute_ep.kernels     -- the CuTe DSL kernels (layout, dispatch, combine)
+  cute_ep.kernels     -- the CuTe DSL kernels (layout, dispatch, fan-out, combine)
   cute_ep.validators  -- torch references, distributed checks, .npz baselines
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from cute_ep._version import __version__
 
-__all__ = ["__version__"]
+_EXPORTS = {
+    "EpConfig": "cute_ep.kernels.config",
+    "EpBuffer": "cute_ep.buffer",
+    "DispatchResult": "cute_ep.buffer",
+    "DispatchHandle": "cute_ep.buffer",
+    "PeerTimeout": "cute_ep.buffer",
+    "KernelDidNotRun": "cute_ep.buffer",
+    "ReferenceEpBuffer": "cute_ep.reference_backend",
+}
+
+__all__ = ["__version__", "autograd", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name == "autograd":
+        return importlib.import_module("cute_ep.autograd")
+    raise AttributeError(f"module 'cute_ep' has no attribute {name!r}")

@@ -1,0 +1,130 @@
+"""Differentiable dispatch and combine: ``combine(expert(dispatch(x)))`` trains.
+
+    res = cute_ep.autograd.dispatch(buf, x, topk_idx, topk_weights)   # res.recv_x carries x's graph
+    y = expert(res.recv_x, res.tokens_per_expert)                     # any differentiable torch ops
+    out = cute_ep.autograd.combine(buf, y, topk_weights, res.handle)  # grads flow to y and the weights
+    loss(out).backward()                                              # collective: every rank
+
+``buf`` is an ``EpBuffer`` (GPU) or a ``ReferenceEpBuffer`` (CPU); both expose the same calls, and the
+backward passes are built from those calls only:
+
+* dispatch copies x[t] to the slot of every valid (t, k), so grad_x[t] = sum over k of
+  grad_recv[slot(t, k)]: a combine of the gradients with all weights 1 (exact: x * 1.0 in fp32).
+* combine computes out[t] = sum_k w[t, k] * y[slot(t, k)], so
+  - grad_y[slot(t, k)] = w[t, k] * grad_out[t]: a dispatch of grad_out with the same routing (slots
+    are a deterministic function of the routing in "scatter" mode, so the rows land where y's rows
+    were), scaled on the expert side by the weight that arrived with each row;
+  - grad_w[t, k] = <grad_out[t], y[slot(t, k)]>: the K rows y[slot(t, k)] come back with K combines,
+    each keeping only column k with weight 1 (exact copies), and the dot products run in fp32.
+
+Constraints: mode "scatter" only (atomic slots differ from call to call, so a backward dispatch
+would not land where the forward's rows were); every rank runs forward and backward in the same
+order (every step is a collective); the handle must come from the dispatch whose rows ``y`` holds,
+and that dispatch must be the buffer's most recent one when combine runs forward. Gradients are
+rounded to ``cfg.dtype`` where they cross ranks (they travel as rows of that type).
+
+Cost of a backward: combine's is one dispatch plus K + 1 combines, dispatch's one combine. A fused
+backward kernel (one pass for grad_y and grad_w) is the obvious next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cute_ep.buffer import DispatchHandle, DispatchResult
+
+__all__ = ["combine", "dispatch"]
+
+
+def _check_mode(mode: str) -> None:
+    if mode != "scatter":
+        raise ValueError(
+            f"differentiable dispatch/combine need mode 'scatter' (atomic slots change between the "
+            f"forward and the backward dispatch), got {mode!r}"
+        )
+
+
+def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t.detach().to(dtype).contiguous()
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, buf: Any, topk_idx: Tensor, topk_weights: Tensor, mode: str,
+                box: dict) -> Tensor:
+        res = buf.dispatch(x.detach(), topk_idx, topk_weights, mode=mode)
+        box["result"] = res
+        ctx.buf, ctx.handle, ctx.x_dtype = buf, res.handle, x.dtype
+        # The buffer's rows are overwritten by the next dispatch: the graph keeps its own copy.
+        return res.recv_x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_recv: Tensor) -> tuple:
+        buf, h = ctx.buf, ctx.handle
+        ones = torch.ones_like(h.topk_weights)
+        grad_x = buf.combine(_rows(grad_recv, buf.cfg.dtype), replace(h, topk_weights=ones))
+        return grad_x.to(ctx.x_dtype), None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, topk_weights: Tensor, buf: Any, handle: DispatchHandle) -> Tensor:
+        w = topk_weights.detach().to(torch.float32).contiguous()
+        out = buf.combine(_rows(y, buf.cfg.dtype), replace(handle, topk_weights=w))
+        ctx.save_for_backward(y.detach(), w)
+        ctx.buf, ctx.handle, ctx.y_dtype, ctx.w_dtype = buf, handle, y.dtype, topk_weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple:
+        y, w = ctx.saved_tensors
+        buf, h = ctx.buf, ctx.handle
+        dtype = buf.cfg.dtype
+        grad_out = _rows(grad_out, dtype)
+        y_rows = _rows(y, dtype)
+        # grad_w[t, k] = <grad_out[t], y[slot(t, k)]>: fetch each k's row with a one-column combine.
+        grad_w = torch.zeros_like(w)
+        ones = torch.ones_like(w)
+        for k in range(w.shape[1]):
+            only_k = torch.full_like(h.topk_idx, -1)
+            only_k[:, k] = h.topk_idx[:, k]
+            y_k = buf.combine(y_rows, replace(h, topk_idx=only_k, topk_weights=ones))
+            grad_w[:, k] = (grad_out.float() * y_k.float()).sum(dim=1)
+        # grad_y[slot(t, k)] = w[t, k] * grad_out[t]: the rows land where y's rows were.
+        res = buf.dispatch(grad_out, h.topk_idx, w, mode="scatter")
+        if res.num_recv != y.shape[0]:
+            raise RuntimeError(
+                f"combine backward: the gradient dispatch received {res.num_recv} rows but y has "
+                f"{y.shape[0]}: the handle does not match the routing of y"
+            )
+        grad_y = (res.recv_x.float() * res.recv_weights[:, None]).to(ctx.y_dtype)
+        return grad_y, grad_w.to(ctx.w_dtype), None, None
+
+
+def dispatch(buf: Any, x: Tensor, topk_idx: Tensor, topk_weights: Tensor,
+             mode: str = "scatter") -> DispatchResult:
+    """``buf.dispatch`` whose ``recv_x`` [num_recv, H] is differentiable with respect to ``x`` [T, H].
+
+    topk_idx [T, K] int in [-1, E), topk_weights [T, K] fp32 (not differentiated here: pass them to
+    ``combine``). The other fields are those of ``buf.dispatch`` (recv_weights / recv_src copied out
+    of the buffer). Collective.
+    """
+    _check_mode(mode)
+    box: dict = {}
+    recv_x = _Dispatch.apply(x, buf, topk_idx, topk_weights, mode, box)
+    res = box["result"]
+    return DispatchResult(recv_x, res.recv_weights.clone(), res.recv_src.clone(), res.tokens_per_expert,
+                          res.num_recv, res.handle)
+
+
+def combine(buf: Any, y: Tensor, topk_weights: Tensor, handle: DispatchHandle) -> Tensor:
+    """out [T, H] = sum over k of topk_weights[t, k] * y[slot(t, k)] on the owner, differentiable with
+    respect to ``y`` [num_recv, H] (this rank's expert outputs, rows in recv_x's order) and
+    ``topk_weights`` [T, K] (e.g. a router's softmax). ``handle`` comes from ``dispatch``. Collective.
+    """
+    _check_mode(handle.mode)
+    return _Combine.apply(y, topk_weights, buf, handle)

@@ -1,0 +1,75 @@
+"""Differentiable dispatch/combine (cute_ep.autograd) under a real gloo world, reference backend.
+
+The worker (tests/_torchrun_autograd_worker.py) compares every gradient with plain torch autograd of
+the same global loss and trains a two-layer MoE; the assertions live here. The GPU buffer exposes
+the same calls, so the same functions run on it (tests/gpu/test_autograd.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+WORKER = Path(__file__).with_name("_torchrun_autograd_worker.py")
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
+def ranks(request, tmp_path_factory) -> list[dict]:
+    world = request.param
+    out = tmp_path_factory.mktemp(f"autograd{world}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc-per-node", str(world),
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        str(WORKER), str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    tail = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{tail}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_forward_matches_the_dense_moe(ranks):
+    for r, res in enumerate(ranks):
+        assert res["gradients"]["out_err"] < 1e-5, (r, res["gradients"])
+
+
+@pytest.mark.parametrize("name", ["x_grad_err", "w_grad_err", "expert_grad_err"])
+def test_gradients_match_plain_autograd(ranks, name):
+    for r, res in enumerate(ranks):
+        g = res["gradients"]
+        assert g["grad_scale"] > 0.1, "the reference gradient must not be trivially zero"
+        assert g[name] < 1e-4, (r, name, g)
+
+
+def test_a_dropped_pair_gets_no_weight_gradient(ranks):
+    for res in ranks:
+        assert res["gradients"]["w_grad_dropped"] == 0.0
+
+
+def test_a_two_layer_moe_trains(ranks):
+    losses = ranks[0]["training"]["losses"]
+    assert all(r["training"]["losses"] == losses for r in ranks), "ranks disagree on the mean loss"
+    assert losses[-1] < 0.6 * losses[0], f"loss did not fall enough: {losses[0]:.4f} -> {losses[-1]:.4f}"
+    assert all(b <= a * 1.05 for a, b in zip(losses, losses[1:], strict=False)), losses
+
+
+def test_atomic_mode_is_refused_with_the_reason(ranks):
+    for res in ranks:
+        assert "need mode 'scatter'" in res["atomic_error"]
