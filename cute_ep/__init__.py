@@ -3,7 +3,7 @@
 The front door (imported on first use, so ``import cute_ep`` stays light):
   cute_ep.EpConfig, cute_ep.EpBuffer, cute_ep.DispatchResult, cute_ep.DispatchHandle,
   cute_ep.PeerTimeout, cute_ep.KernelDidNotRun, cute_ep.ReferenceEpBuffer (same API on the CPU),
-  cute_ep.autograd (differentiable dispatch / combine).
+  cute_ep.ReplicaMap (hot-expert replication), cute_ep.autograd (differentiable dispatch / combine).
 
 Subpackages (installed from the top-level folders of the repository):
   cute_ep.bootstrap   -- launcher environment, torch.distributed + NVSHMEM init, kernel compile cache
@@ -26,6 +26,7 @@ _EXPORTS = {
     "PeerTimeout": "cute_ep.buffer",
     "KernelDidNotRun": "cute_ep.buffer",
     "ReferenceEpBuffer": "cute_ep.reference_backend",
+    "ReplicaMap": "cute_ep.replication",
 }
 
 __all__ = ["__version__", "autograd", *_EXPORTS]

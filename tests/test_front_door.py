@@ -21,11 +21,12 @@ def test_public_names_resolve():
     from cute_ep.buffer import DispatchHandle, DispatchResult, EpBuffer, KernelDidNotRun, PeerTimeout
     from cute_ep.kernels.config import EpConfig
     from cute_ep.reference_backend import ReferenceEpBuffer
+    from cute_ep.replication import ReplicaMap
 
     assert cute_ep.EpBuffer is EpBuffer and cute_ep.EpConfig is EpConfig
     assert cute_ep.DispatchResult is DispatchResult and cute_ep.DispatchHandle is DispatchHandle
     assert cute_ep.PeerTimeout is PeerTimeout and cute_ep.KernelDidNotRun is KernelDidNotRun
-    assert cute_ep.ReferenceEpBuffer is ReferenceEpBuffer
+    assert cute_ep.ReferenceEpBuffer is ReferenceEpBuffer and cute_ep.ReplicaMap is ReplicaMap
     assert callable(cute_ep.autograd.dispatch) and callable(cute_ep.autograd.combine)
     assert set(cute_ep.__all__) >= {"EpBuffer", "EpConfig", "autograd", "__version__"}
 
