@@ -9,10 +9,12 @@
 
 Shapes: T tokens on this rank (T <= cfg.max_tokens, may be 0), H = cfg.hidden, K = cfg.topk.
 
-Ordering: alternate dispatch and combine. A rank's next dispatch writes into its peers' ``recv_x``;
-it is ordered after their experts finished only through the combine in between (combine starts when
-every rank's expert outputs are written). Two dispatches with no combine between them may overwrite
-rows a peer's expert is still reading.
+Ordering: every call is collective and every rank makes the same sequence of calls. Each dispatch
+starts with the layout kernel's count exchange, and no rank moves rows before every peer's layout
+kernel has started, i.e. before everything a peer enqueued earlier on its stream (its experts
+reading ``recv_x``, its combine reading peers' ``recv_y``) has finished. So calls on one stream per
+rank never overwrite rows still in use. Work on another stream must be ordered before the next
+dispatch by the caller, and the views a dispatch returns are valid until the next dispatch.
 
 Faults: every wait for a peer is bounded by ``cfg.timeout_s``. A rank whose peer never arrives (it
 skipped a call, died, or runs a different sequence of calls) gets ``PeerTimeout`` naming the peer and
