@@ -1,16 +1,19 @@
-"""Helpers shared by the scripts in scripts/ (dispatch_and_combine.py, benchmark.py).
+"""Helpers shared by the scripts in scripts/ (dispatch_and_combine.py, soak.py, benchmark.py).
 
 Small collectives on the Runtime's CPU (gloo) group, rank-0 printing, the report of a failed check,
-the expert of each received row, and the collective way out of a run after an error every rank got
-alike. Importing this module imports torch: scripts that must answer ``--help`` without torch import
-it after parsing.
+the expert of each received row, the buffer of a backend, the run's banner line, the exit statuses
+and the ``main`` every launched script shares, and the collective way out of a run after an error
+every rank got alike. Importing this module imports torch: scripts that must answer ``--help``
+without torch import it after parsing.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,19 +24,41 @@ from cute_ep.validators.checks import broadcast_from_root as broadcast_from_rank
 from cute_ep.validators.reference import global_expert_of_rows
 
 if TYPE_CHECKING:
+    from cute_ep.bootstrap.dist_env import DistEnv
     from cute_ep.bootstrap.runtime import Runtime
+    from cute_ep.kernels.config import EpConfig
 
 __all__ = [
+    "BACKENDS",
     "DTYPES",
+    "EXIT_FAIL",
+    "EXIT_PASS",
+    "EXIT_USAGE",
+    "UsageError",
     "Printer",
     "all_gather",
     "broadcast_from_rank0",
+    "config_from_args",
     "expert_ids",
     "launch_rank",
     "leave",
+    "make_buffer",
     "print_run_error",
     "report",
+    "runtime_backend",
+    "script_main",
+    "world_banner",
 ]
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+"""Exit statuses of the scripts: every check passed / a check failed or a run-time error / bad usage."""
+
+BACKENDS = ("cute", "reference")
+"""--backend choices: the CuTe kernels on GPUs, or the torch reference on CPUs (gloo)."""
+
+
+class UsageError(ValueError):
+    """An argument combination a script cannot run; exit status 2."""
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 """The --dtype choices of the scripts and their torch dtypes."""
@@ -88,8 +113,98 @@ def expert_ids(res: Any, rank: int) -> torch.Tensor | None:
 
 
 # --------------------------------------------------------------------------------------------------
+# the buffer of a backend, and the run's banner
+# --------------------------------------------------------------------------------------------------
+
+
+def runtime_backend(backend: str) -> str:
+    """The Runtime backend a --backend needs: "gloo" for the reference, "nvshmem" for the kernels."""
+    return "gloo" if backend == "reference" else "nvshmem"
+
+
+def make_buffer(backend: str, runtime: Runtime, cfg: EpConfig) -> Any:
+    """The GPU ``EpBuffer`` ("cute") or the CPU ``ReferenceEpBuffer`` ("reference") for ``cfg``
+    (collective; imported here so a reference run never imports the GPU stack)."""
+    if backend == "cute":
+        from cute_ep.buffer import EpBuffer
+
+        return EpBuffer(runtime, cfg)
+    from cute_ep.reference_backend import ReferenceEpBuffer
+
+    return ReferenceEpBuffer(runtime, cfg)
+
+
+def config_from_args(args: argparse.Namespace, env: DistEnv, max_tokens: int) -> EpConfig:
+    """The ``EpConfig`` of a script's common arguments (--num-experts, --topk, --hidden, --dtype, and
+    --num-sms / --timeout-s where the script has them and they are given) for the launch ``env``."""
+    from cute_ep.kernels.config import EpConfig
+
+    extra: dict[str, Any] = {}
+    for name in ("num_sms", "timeout_s"):
+        if getattr(args, name, None) is not None:
+            extra[name] = getattr(args, name)
+    return EpConfig(
+        world_size=env.world_size,
+        local_world_size=env.local_world_size,
+        num_experts=args.num_experts,
+        topk=args.topk,
+        hidden=args.hidden,
+        dtype=DTYPES[args.dtype],
+        max_tokens=max_tokens,
+        **extra,
+    )
+
+
+def world_banner(script: str, backend: str, env: DistEnv, cfg: EpConfig) -> str:
+    """First line a script prints: script, backend, world = nodes x ranks per node."""
+    virtual = " (virtual nodes)" if env.is_virtual else ""
+    return (
+        f"cute-ep {script}: backend {backend} ({runtime_backend(backend)}), world {env.world_size} = "
+        f"{cfg.nnodes} node(s) x {cfg.local_world_size}{virtual}"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
 # errors and the way out
 # --------------------------------------------------------------------------------------------------
+
+
+def script_main(
+    argv: list[str] | None,
+    build_parser: Callable[[], argparse.ArgumentParser],
+    validate_args: Callable[[argparse.Namespace], None],
+    make_config: Callable[[argparse.Namespace, DistEnv], EpConfig],
+    run: Callable[[argparse.Namespace, DistEnv, EpConfig], int],
+) -> int:
+    """The ``main`` of a launched script: parse (argparse exits 2 on bad syntax), ``validate_args``, read
+    the launch environment (``--local-world-size`` as the virtual-node override) and ``make_config``
+    (``UsageError`` / ``ConfigError`` / ``DistEnvError``: exit 2, printed once, or by every rank for a
+    launch error that may differ per rank), then ``run`` and return its status. A bad heap size
+    (checked when the Runtime starts, on every rank alike) exits 2 with one message; any other
+    exception is printed by the rank that got it and exits 1."""
+    from cute_ep.bootstrap.dist_env import DistEnv, DistEnvError
+    from cute_ep.bootstrap.runtime import HeapConfigError
+    from cute_ep.kernels.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    rank_hint = launch_rank()
+    try:
+        validate_args(args)
+        env = DistEnv.from_environ(local_world_size=args.local_world_size)
+        cfg = make_config(args, env)
+    except (UsageError, ConfigError, DistEnvError) as exc:
+        if rank_hint == "0" or isinstance(exc, DistEnvError):
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    try:
+        return run(args, env, cfg)
+    except HeapConfigError as exc:
+        if env.rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except Exception as exc:
+        print_run_error(env.rank, exc, args.traceback)
+        return EXIT_FAIL
 
 
 def launch_rank() -> str:

@@ -61,20 +61,28 @@ from typing import Any
 import torch
 
 from cute_ep.bench_report import pairs_off as count_pairs_off
-from cute_ep.bootstrap.dist_env import LOCAL_WORLD_SIZE_OVERRIDE_VAR, DistEnv, DistEnvError
-from cute_ep.bootstrap.runtime import HeapConfigError, Runtime
+from cute_ep.bootstrap.dist_env import LOCAL_WORLD_SIZE_OVERRIDE_VAR, DistEnv
+from cute_ep.bootstrap.runtime import Runtime
 from cute_ep.cli import (
+    BACKENDS,
     DTYPES,
+    EXIT_FAIL,
+    EXIT_PASS,
+    EXIT_USAGE,
     Printer,
+    UsageError,
     all_gather,
     broadcast_from_rank0,
+    config_from_args,
     expert_ids,
-    launch_rank,
     leave,
-    print_run_error,
+    make_buffer,
     report,
+    runtime_backend,
+    script_main,
+    world_banner,
 )
-from cute_ep.kernels.config import MODES, ConfigError, EpConfig
+from cute_ep.kernels.config import MODES, EpConfig
 from cute_ep.validators.baseline import (
     BaselineConfigError,
     BaselineFormatError,
@@ -88,17 +96,8 @@ from cute_ep.validators.checks import check_combine, check_dispatch, check_layou
 from cute_ep.validators.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
 from cute_ep.validators.reference import apply_test_expert
 
-EXIT_PASS = 0
-EXIT_FAIL = 1
-EXIT_USAGE = 2
-
-BACKENDS = ("cute", "reference")
 MAX_TOKENS_PER_RANK = 256 * 256  # make_inputs writes the token id into two bf16-exact columns
 BASELINE_MODE = "scatter"  # the only mode with a deterministic receive order
-
-
-class UsageError(ValueError):
-    """An argument combination the script cannot run; exit status 2."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -172,17 +171,7 @@ def validate_args(args: argparse.Namespace) -> None:
 
 
 def make_config(args: argparse.Namespace, env: DistEnv) -> EpConfig:
-    extra = {} if args.num_sms is None else {"num_sms": args.num_sms}
-    return EpConfig(
-        world_size=env.world_size,
-        local_world_size=env.local_world_size,
-        num_experts=args.num_experts,
-        topk=args.topk,
-        hidden=args.hidden,
-        dtype=DTYPES[args.dtype],
-        max_tokens=args.num_tokens,
-        **extra,
-    )
+    return config_from_args(args, env, max_tokens=args.num_tokens)
 
 
 def baseline_meta(args: argparse.Namespace) -> dict[str, Any]:
@@ -381,13 +370,12 @@ def validate(buffer: Any, args: argparse.Namespace, cfg: EpConfig, runtime: Runt
 
 def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
     say = Printer(env.rank)
-    backend = "gloo" if args.backend == "reference" else "nvshmem"
+    backend = runtime_backend(args.backend)
     sym = cfg.symmetric_bytes()
     with Runtime(env, symmetric_bytes=sym, backend=backend) as runtime:
         topology = all_gather(env.describe(), runtime.cpu_group)
         say(
-            f"cute-ep dispatch_and_combine: backend {args.backend} ({backend}), world {env.world_size} = "
-            f"{cfg.nnodes} node(s) x {cfg.local_world_size}{' (virtual nodes)' if env.is_virtual else ''}",
+            world_banner("dispatch_and_combine", args.backend, env, cfg),
             f"config: tokens/rank {cfg.max_tokens}, hidden {cfg.hidden}, experts {cfg.num_experts} "
             f"({cfg.experts_per_rank}/rank), topk {cfg.topk}, {args.dtype}, routing {args.routing}, "
             f"seed {args.seed}, modes {','.join(args.mode_list)}, iters {args.iters}, "
@@ -402,42 +390,14 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
             if problem is not None:
                 return leave(runtime, problem, EXIT_USAGE)
 
-        if args.backend == "cute":
-            from cute_ep.buffer import EpBuffer
-
-            buffer = EpBuffer(runtime, cfg)
-        else:
-            from cute_ep.reference_backend import ReferenceEpBuffer
-
-            buffer = ReferenceEpBuffer(runtime, cfg)
+        buffer = make_buffer(args.backend, runtime, cfg)
         code = validate(buffer, args, cfg, runtime, say)
         buffer.close()  # collective: every rank gets here unless an exception left the run
     return code
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)  # exits 2 with argparse's message on bad syntax
-    rank_hint = launch_rank()
-    try:
-        validate_args(args)
-        env = DistEnv.from_environ(local_world_size=args.local_world_size)
-        cfg = make_config(args, env)
-    except (UsageError, ConfigError, DistEnvError) as exc:
-        # Every rank reaches the same verdict; one message is enough (a launch error may be per rank).
-        if rank_hint == "0" or isinstance(exc, DistEnvError):
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    try:
-        return run(args, env, cfg)
-    # run() returns (never raises) the script's UsageError and the baseline errors; the heap size
-    # setting is checked when the Runtime starts, on every rank alike.
-    except HeapConfigError as exc:
-        if env.rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    except Exception as exc:
-        print_run_error(env.rank, exc, args.traceback)
-        return EXIT_FAIL
+    return script_main(argv, build_parser, validate_args, make_config, run)
 
 
 if __name__ == "__main__":

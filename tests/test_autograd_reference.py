@@ -8,38 +8,22 @@ the same calls, so the same functions run on it (tests/gpu/test_autograd.py).
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from _launch import torchrun
 
 WORKER = Path(__file__).with_name("_torchrun_autograd_worker.py")
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
 def ranks(request, tmp_path_factory) -> list[dict]:
     world = request.param
     out = tmp_path_factory.mktemp(f"autograd{world}")
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(world),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        str(WORKER), str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    proc = torchrun(WORKER, world, out, timeout=240)
     tail = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{tail}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _launch import REPO, launch_ranks
 
 from cute_ep import bench_report as br
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "benchmark.py"
 
 
@@ -600,55 +600,10 @@ sys.exit(code)
 '''
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_sweep(tmp_path: Path, kind: str, *args: str, world: int = 4) -> tuple[list[int], str]:
     worker = tmp_path / "worker.py"
     worker.write_text(f"SCRIPTS = {str(SCRIPT.parent)!r}\n" + _WORKER)
-    port = str(_free_port())
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "TORCHELASTIC")) and k not in ("CUTE_EP_LOCAL_WORLD_SIZE",)
-    }
-    procs = []
-    for r in range(world):
-        env = base | dict(
-            RANK=str(r),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(r),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            OMP_NUM_THREADS="1",
-            GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(worker), kind, *args],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    out = []
-    try:
-        for p in procs:
-            out.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [p.returncode for p in procs], "\n".join(out)
+    return launch_ranks(worker, kind, *args, world=world, timeout=240)
 
 
 SWEEP_ARGS = ("--hidden", "64", "--topk", "2", "--num-experts", "16", "--tokens", "8,24", "--routing",

@@ -9,51 +9,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+from _launch import clean_env, free_port, torchrun_cmd
 
 from cute_ep.bootstrap.dist_env import OTHER_NODE_OTHER_LOCAL, OTHER_NODE_SAME_LOCAL, SAME_NODE, SELF
 
 WORKER = Path(__file__).with_name("_torchrun_bootstrap_worker.py")
 TIMEOUT_S = 60
 
-# Variables from an enclosing launch (e.g. pytest itself run under torchrun or inside a SLURM job)
-# that would change what the children detect.
-_LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "CUTE_EP_")
-_LAUNCH_NAMES = {
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "NVSHMEM_SYMMETRIC_SIZE",
-}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in _LAUNCH_NAMES and not k.startswith(_LAUNCH_PREFIXES)
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if sys.platform.startswith("linux"):
-        # gloo otherwise picks an interface from the hostname, which may not resolve in containers.
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    env.update(extra)
-    return env
+def _clean_env(**extra: str) -> dict[str, str]:
+    """A clean launch environment with unbuffered Python output (what a hung rank printed shows)."""
+    return clean_env(PYTHONUNBUFFERED="1", **extra)
 
 
 def run_group(commands: list[list[str]], envs: list[Mapping[str, str]]) -> list[tuple[int, str]]:
@@ -106,24 +77,8 @@ def check_common(results: list[dict], world: int, launcher: str) -> None:
 
 def test_torchrun_four_ranks(tmp_path: Path) -> None:
     world = 4
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(world),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(WORKER),
-        str(tmp_path),
-        "torchrun",
-        "2",
-    ]
-    [(code, out)] = run_group([cmd], [clean_env()])
+    cmd = torchrun_cmd(WORKER, world, tmp_path, "torchrun", "2")
+    [(code, out)] = run_group([cmd], [_clean_env()])
     assert code == 0, out
     results = load_results(tmp_path, world)
     check_common(results, world, "torchrun")
@@ -155,7 +110,7 @@ def test_srun_style_two_tasks(tmp_path: Path) -> None:
     world = 2
     port = str(free_port())
     envs = [
-        clean_env(
+        _clean_env(
             SLURM_PROCID=str(rank),
             SLURM_LOCALID="0",
             SLURM_NTASKS=str(world),
@@ -188,7 +143,7 @@ def test_srun_style_two_tasks(tmp_path: Path) -> None:
 
 def test_srun_style_bad_environment_fails_fast(tmp_path: Path) -> None:
     # Non-uniform tasks per node must stop the process before any rendezvous (no hang, clear text).
-    env = clean_env(
+    env = _clean_env(
         SLURM_PROCID="0",
         SLURM_LOCALID="0",
         SLURM_NTASKS="3",

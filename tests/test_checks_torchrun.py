@@ -7,15 +7,12 @@ per rank; the assertions live here.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from _launch import torchrun
 
 from cute_ep.validators.checks import check_combine, check_dispatch, format_summary
 from cute_ep.validators.inputs import make_inputs
@@ -33,23 +30,10 @@ ALL_CLASSES = ("self", "same_node", "other_node_same_local_rank", "other_node_ot
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("checks")
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(WORLD),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        str(WORKER), str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    proc = torchrun(WORKER, WORLD, out, timeout=120)
     assert proc.returncode == 0, (
         f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     )

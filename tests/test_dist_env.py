@@ -650,17 +650,13 @@ def test_runtime_nvshmem_without_cuda_fails_cleanly(monkeypatch: pytest.MonkeyPa
 
 
 def test_runtime_gloo_single_process_in_process() -> None:
-    import socket
-
     import numpy as np
     import torch.distributed as dist
+    from _launch import free_port
 
     from cute_ep.bootstrap.runtime import share_unique_id, start
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = DistEnv.from_environ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    env = DistEnv.from_environ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     with start(env, backend="gloo") as rt:
         assert dist.is_initialized() and rt.cpu_group is not None
         uid = share_unique_id(rt.cpu_group, lambda: np.arange(128, dtype=np.int8), 0)

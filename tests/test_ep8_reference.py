@@ -7,31 +7,17 @@ of 8 and as 2 virtual nodes of 4.
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _launch import REPO, torchrun
 
 
 @pytest.mark.parametrize("local_world_size", [8, 4])
 def test_ep8_reference_flow_passes(local_world_size):
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--master-port",
-        str(_free_port()), str(ROOT / "scripts" / "dispatch_and_combine.py"), "--backend", "reference",
+    proc = torchrun(
+        REPO / "scripts" / "dispatch_and_combine.py", 8, "--backend", "reference",
         "--num-tokens", "32", "--hidden", "128", "--num-experts", "64", "--topk", "8",
-        "--local-world-size", str(local_world_size),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+        "--local-world-size", str(local_world_size), timeout=180,
+    )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "\nPASS" in out

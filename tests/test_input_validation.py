@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _launch import torchrun
 
 from cute_ep.buffer import check_dispatch_inputs
 from cute_ep.kernels.config import ConfigError, EpConfig
@@ -138,19 +139,9 @@ with Runtime(env, backend="gloo") as rt:
 
 
 def test_different_configs_on_different_ranks_fail_at_construction(tmp_path):
-    import socket
-    import subprocess
-    import sys
-
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-         str(script)], capture_output=True, text=True, timeout=120,
-    )
+    proc = torchrun(script, 2, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     for rank in (0, 1):

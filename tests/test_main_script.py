@@ -9,11 +9,8 @@ tested in-process in a world of one.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import socket
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from _launch import REPO, launch_ranks, run_single, torchrun
 
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.kernels.config import ConfigError, EpConfig
@@ -28,47 +26,22 @@ from cute_ep.reference_backend import ReferenceEpBuffer
 from cute_ep.validators.inputs import make_inputs
 from cute_ep.validators.reference import reference_layout
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "dispatch_and_combine.py"
 TIMEOUT = 120
 WORLD = 4
 ROUTE_CLASSES = ("self", "same_node", "other_node_same_local_rank", "other_node_other_local_rank")
 SIZES = ["--num-tokens", "64", "--hidden", "256", "--num-experts", "32", "--topk", "2"]
 BASE = ["--backend", "reference", *SIZES, "--local-world-size", "2"]
-_LAUNCH_VARS = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "CUTE_EP_LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK",
-)  # fmt: skip
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """A clean launch environment: no inherited torchrun / SLURM variables."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("SLURM_")}
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
-    env.update(extra)
-    return env
-
-
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(WORLD),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(SCRIPT), *args,
-    ]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=REPO)
+    return torchrun(SCRIPT, WORLD, *args, timeout=TIMEOUT)
 
 
 def _single(*args: str, **env: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(SCRIPT), *args]
-    run_env = _env(MASTER_PORT=str(_free_port()), **env)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=run_env, cwd=REPO)
+    return run_single(SCRIPT, *args, timeout=TIMEOUT, **env)
 
 
 def _launch_ranks(*args: str, patches: str | None = None) -> tuple[list[int], str]:
@@ -76,30 +49,8 @@ def _launch_ranks(*args: str, patches: str | None = None) -> tuple[list[int], st
 
     ``patches``: run the script through _PATCHED with these patches (comma-separated).
     """
-    port = str(_free_port())
-    procs = []
-    for r in range(WORLD):
-        env = _env(
-            RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(WORLD),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-        )  # fmt: skip
-        cmd = [sys.executable, str(SCRIPT), *args]
-        if patches is not None:
-            cmd = [sys.executable, "-c", _PATCHED, str(SCRIPT), patches, *args]
-        procs.append(
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        )
-    codes, out = [], []
-    try:
-        for p in procs:
-            out.append(p.communicate(timeout=TIMEOUT)[0])
-            codes.append(p.returncode)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return codes, "\n".join(out)
+    argv = [SCRIPT, *args] if patches is None else ["-c", _PATCHED, SCRIPT, patches, *args]
+    return launch_ranks(*argv, world=WORLD, timeout=TIMEOUT)
 
 
 def _text(proc: subprocess.CompletedProcess) -> str:
@@ -225,10 +176,7 @@ SMALL = ["--backend", "reference", "--num-tokens", "16", "--hidden", "64", "--nu
 
 def _patched(patches: str, *args: str) -> subprocess.CompletedProcess:
     """The script in a single process (a world of one) with _PATCHED's ``patches``."""
-    cmd = [sys.executable, "-c", _PATCHED, str(SCRIPT), patches, *args]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(MASTER_PORT=str(_free_port()))
-    )
+    return run_single("-c", _PATCHED, SCRIPT, patches, *args, timeout=TIMEOUT)
 
 
 def test_wrong_results_fail_with_readable_messages():
@@ -368,9 +316,7 @@ def test_reference_backend_imports_no_gpu_stack():
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('cutlass', 'nvshmem'))\n"
         "assert not bad, bad\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT, env=_env()
-    )
+    proc = run_single("-c", code, timeout=TIMEOUT)
     assert proc.returncode == 0, _text(proc)
 
 

@@ -1,0 +1,113 @@
+"""Process launches for the CPU tests: torchrun, ranks started by hand, and a single process.
+
+Not a test module (the leading underscore keeps pytest from collecting it). Test files import it as
+``from _launch import ...``: pytest's default import mode ("prepend") puts the folder of a test file
+that is not in a package (tests/ has no __init__.py) on sys.path.
+
+Every launch gets a clean environment (``clean_env``), runs from the repository root and captures its
+output as text; the caller chooses the timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Variables from an enclosing launch (e.g. pytest itself run under torchrun or inside a SLURM job)
+# that would change what the children detect.
+LAUNCH_NAMES = frozenset(
+    {
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+        "MASTER_ADDR", "MASTER_PORT", "NVSHMEM_SYMMETRIC_SIZE",
+    }
+)  # fmt: skip
+LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "CUTE_EP_")
+
+Arg = str | os.PathLike[str]  # a command-line argument: text or a path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without launch variables, plus ``extra``.
+
+    Drops ``LAUNCH_NAMES`` and every variable starting with one of ``LAUNCH_PREFIXES``, sets
+    OMP_NUM_THREADS=1 (many ranks share the CPU) and GLOO_SOCKET_IFNAME (kept if set, else "lo": gloo
+    otherwise picks an interface from the hostname, which may not resolve in containers).
+    """
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_NAMES and not k.startswith(LAUNCH_PREFIXES)}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    env.update(extra)
+    return env
+
+
+def torchrun_cmd(script: Arg, nproc: int, *args: Arg) -> list[str]:
+    """The command that runs ``script args`` as ``nproc`` ranks on one node under torchrun."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), os.fspath(script),
+        *map(os.fspath, args),
+    ]  # fmt: skip
+
+
+def torchrun(script: Arg, nproc: int, *args: Arg, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """Run ``script args`` as ``nproc`` ranks under torchrun and wait; ``env``: extra variables.
+
+    torchrun's own exit status is 1 whatever status a failing worker returned (see ``launch_ranks``).
+    """
+    return subprocess.run(
+        torchrun_cmd(script, nproc, *args),
+        capture_output=True, text=True, timeout=timeout, env=clean_env(**env), cwd=REPO,
+    )  # fmt: skip
+
+
+def run_single(*argv: Arg, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """Run ``python argv...`` as one process (a world of one, with a free MASTER_PORT) and wait.
+
+    ``argv``: a script and its arguments, or ``"-c", code, ...``; ``env``: extra variables.
+    """
+    cmd = [sys.executable, *map(os.fspath, argv)]
+    run_env = clean_env(MASTER_PORT=str(free_port()), **env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env, cwd=REPO)
+
+
+def launch_ranks(*argv: Arg, world: int, timeout: float, **env: str) -> tuple[list[int], str]:
+    """Start ``python argv...`` as ``world`` ranks with torchrun's variables set by hand.
+
+    Unlike ``torchrun``, every rank's own exit status comes back. Returns the exit statuses in rank
+    order and the ranks' output (stdout and stderr together), rank by rank. Ranks still running when
+    a wait times out are killed (and ``subprocess.TimeoutExpired`` propagates).
+    """
+    cmd = [sys.executable, *map(os.fspath, argv)]
+    port = str(free_port())
+    procs = []
+    for r in range(world):
+        rank_env = clean_env(
+            RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env,
+        )  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=rank_env, cwd=REPO
+            )
+        )
+    out = []
+    try:
+        for p in procs:
+            out.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs], "\n".join(out)

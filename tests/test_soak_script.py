@@ -1,0 +1,382 @@
+"""scripts/soak.py on the CPU (backend "reference": torch references over gloo).
+
+The script is launched for real: under torchrun with 2 ranks (the same seed twice: identical digests;
+another seed: another digest) and with 4 ranks (2 virtual nodes of 2, so every route class occurs,
+and the flat host without stragglers: the same digest, since it covers data only), and as a single
+process (a world of one) for the argument errors, for results corrupted on purpose (counted, the soak
+goes on, exit 1) and for a ``PeerTimeout`` (the soak stops at once, exit 1). The plan (token counts,
+modes, routings) and the wrong-row counts are also tested in-process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from argparse import Namespace
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from _launch import REPO, run_single, torchrun
+
+from cute_ep.bootstrap.dist_env import DistEnv
+from cute_ep.kernels.config import EpConfig
+from cute_ep.reference_backend import ReferenceEpBuffer
+from cute_ep.validators.inputs import make_inputs
+from cute_ep.validators.reference import apply_test_expert, global_expert_of_rows
+
+SCRIPT = REPO / "scripts" / "soak.py"
+TIMEOUT = 120
+ROUTE_CLASSES = ("self", "same_node", "other_node_same_local_rank", "other_node_other_local_rank")
+SIZES = ["--backend", "reference", "--max-tokens", "16", "--hidden", "64", "--num-experts", "8"]
+SIZES += ["--topk", "2"]
+SOAK = [*SIZES, "--iters", "24", "--straggler-prob", "0.5", "--max-straggle-us", "300"]
+SOAK += ["--report-every", "10"]
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+
+def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    return torchrun(SCRIPT, nproc, *args, timeout=TIMEOUT)
+
+
+def _single(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return run_single(SCRIPT, *args, timeout=TIMEOUT, **env)
+
+
+def _text(proc: subprocess.CompletedProcess) -> str:
+    return (proc.stdout + proc.stderr)[-6000:]
+
+
+def _summary(proc: subprocess.CompletedProcess) -> dict[str, int]:
+    """The summary's counts (rank 0's stdout)."""
+    out = proc.stdout
+    counts = {}
+    for key in ("failed iterations", "layout failures", "wrong dispatch rows", "wrong combine rows",
+                "straggles injected"):  # fmt: skip
+        m = re.search(rf"{key}: (\d+)", out)
+        assert m, f"no {key!r} in:\n{_text(proc)}"
+        counts[key] = int(m.group(1))
+    m = re.search(r"iterations run: (\d+) of (\d+)", out)
+    assert m, _text(proc)
+    counts["iterations run"], counts["iterations"] = int(m.group(1)), int(m.group(2))
+    return counts
+
+
+def _digest(proc: subprocess.CompletedProcess) -> str:
+    m = re.search(r"^  digest: ([0-9a-f]{64}) \(sha256 over (\d+) scatter iterations", proc.stdout, re.M)
+    assert m, _text(proc)
+    return m.group(1)
+
+
+def _pairs(proc: subprocess.CompletedProcess) -> dict[str, int]:
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("  pairs: "))
+    return {k: int(v) for k, v in (item.split("=") for item in line.split("[")[0].split()[1:])}
+
+
+def _assert_passed(proc: subprocess.CompletedProcess) -> dict[str, int]:
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{_text(proc)}"
+    lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
+    assert "PASS" in lines[-2:], _text(proc)
+    assert "FAIL" not in proc.stdout and "Traceback" not in proc.stderr, _text(proc)
+    counts = _summary(proc)
+    assert counts["iterations run"] == counts["iterations"], _text(proc)
+    for key in ("failed iterations", "layout failures", "wrong dispatch rows", "wrong combine rows"):
+        assert counts[key] == 0, (key, _text(proc))
+    return counts
+
+
+# --------------------------------------------------------------------------------------------------
+# under torchrun
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, object]:
+    """Seed 11 twice (the first with --out-json), seed 12 once; 2 ranks."""
+    path = tmp_path_factory.mktemp("soak") / "out" / "soak.json"
+    return {
+        "json": path,
+        "a": _torchrun(2, *SOAK, "--seed", "11", "--out-json", str(path)),
+        "a_again": _torchrun(2, *SOAK, "--seed", "11"),
+        "b": _torchrun(2, *SOAK, "--seed", "12"),
+    }
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> dict[str, subprocess.CompletedProcess]:
+    """Seed 5 on 2 virtual nodes of 2 with stragglers, and on one flat node without."""
+    return {
+        "virtual": _torchrun(4, *SOAK, "--seed", "5", "--num-experts", "16", "--local-world-size", "2"),
+        "flat": _torchrun(4, *SOAK, "--seed", "5", "--num-experts", "16", "--straggler-prob", "0"),
+    }
+
+
+def test_two_ranks_pass_with_stragglers_and_ragged_tokens(two_ranks):
+    proc = two_ranks["a"]
+    counts = _assert_passed(proc)
+    assert counts["iterations run"] == 24 and counts["straggles injected"] > 0
+    out = proc.stdout
+    assert "world 2 = 1 node(s) x 2" in out
+    assert "never re-zeroed or re-poisoned" in out
+    assert "[10/24] failed iterations 0, wrong rows: dispatch 0, combine 0" in out
+    assert "[20/24]" in out and "[24/24]" not in out  # progress lines only between iterations
+
+    report = json.loads(two_ranks["json"].read_text())
+    assert f"summary written to {two_ranks['json']}" in out
+    assert report["passed"] is True and report["error"] is None
+    assert report["iterations_run"] == 24 and report["failed_iterations"] == 0
+    assert report["wrong_dispatch_rows"] == 0 and report["wrong_combine_rows"] == 0
+    assert report["digest"] == _digest(proc) and report["digest_iterations"] == 12  # scatter: every other
+    assert len(report["rank_digests"]) == 2 and report["straggles"] == counts["straggles injected"]
+    assert report["rows_received"] > 0 and report["config"]["modes"] == ["scatter", "atomic"]
+    assert "git_sha" in report and "torch" in report["versions"]
+
+
+def test_same_seed_gives_the_same_digest_and_another_seed_another(two_ranks):
+    a, again, b = (two_ranks[k] for k in ("a", "a_again", "b"))
+    for proc in (again, b):
+        _assert_passed(proc)
+    assert _digest(a) == _digest(again)
+    assert _digest(a) != _digest(b)
+
+
+def test_four_ranks_as_two_virtual_nodes_exercise_every_route_class(four_ranks):
+    proc = four_ranks["virtual"]
+    counts = _assert_passed(proc)
+    assert counts["straggles injected"] > 0
+    assert "world 4 = 2 node(s) x 2 (virtual nodes)" in proc.stdout
+    pairs = _pairs(proc)
+    assert set(pairs) == set(ROUTE_CLASSES) and all(v > 0 for v in pairs.values()), pairs
+    assert "never exercised" not in proc.stdout
+
+
+def test_digest_depends_on_the_data_only(four_ranks):
+    # Same seed and sizes: neither the (virtual) topology nor the stragglers change a byte.
+    flat = four_ranks["flat"]
+    counts = _assert_passed(flat)
+    assert counts["straggles injected"] == 0 and "world 4 = 1 node(s) x 4" in flat.stdout
+    assert _digest(flat) == _digest(four_ranks["virtual"])
+
+
+# --------------------------------------------------------------------------------------------------
+# single process: argument errors, wrong results, a peer timeout
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--iters", "0"], "--iters must be >= 1, got 0"),
+        (["--topk", "9"], "topk must be in [1, min(num_experts=8, 64)], got 9"),
+        (["--routings", "uniform,hot"], "--routings must be a comma-separated list of"),
+        (["--straggler-prob", "1.5"], "--straggler-prob must be in [0, 1], got 1.5"),
+    ],
+)
+def test_argument_errors_exit_2_with_the_constraint_and_no_traceback(args, message):
+    # The launch variables of a 4-rank world, but the error comes before any rendezvous.
+    env = dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1")
+    proc = _single(*SIZES, *args, **env)
+    assert proc.returncode == 2, _text(proc)
+    assert f"error: {message}" in proc.stderr, _text(proc)
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+# python -c _PATCHED SCRIPT PATCH ARGS...: the script's main(ARGS) with ReferenceEpBuffer patched.
+# "corrupt": one bit of the last received row flipped in every third dispatch (if any row arrived),
+# one bit of token 0's combine output in every fourth combine from the first (if any token); at exit
+# the counts are printed. "timeout": the fourth dispatch raises PeerTimeout.
+_PATCHED = textwrap.dedent(
+    """
+    import atexit, importlib.util, sys
+    import torch
+    from cute_ep.buffer import PeerTimeout
+    from cute_ep.reference_backend import ReferenceEpBuffer
+
+    patch = sys.argv[2]
+    dispatch, combine = ReferenceEpBuffer.dispatch, ReferenceEpBuffer.combine
+    calls = {"dispatch": 0, "combine": 0}
+    bad = {"dispatch": 0, "combine": 0}
+    failed = set()
+
+    def bad_dispatch(self, x, topk_idx, topk_weights, mode="scatter"):
+        calls["dispatch"] += 1
+        if patch == "timeout" and calls["dispatch"] == 4:
+            raise PeerTimeout("dispatch on rank 0: rank 1 did not signal within 1 s (a test)",
+                              op="dispatch", peer=1, call=4)
+        res = dispatch(self, x, topk_idx, topk_weights, mode=mode)
+        if patch == "corrupt" and calls["dispatch"] % 3 == 0 and res.num_recv:
+            res.recv_x.view(torch.int16)[res.num_recv - 1, 5] ^= 1
+            bad["dispatch"] += 1
+            failed.add(calls["dispatch"])
+        return res
+
+    def bad_combine(self, y, handle):
+        calls["combine"] += 1
+        out = combine(self, y, handle)
+        if patch == "corrupt" and calls["combine"] % 4 == 1 and out.shape[0]:
+            out.view(torch.int16)[0, 7] ^= 1
+            bad["combine"] += 1
+            failed.add(calls["combine"])
+        return out
+
+    ReferenceEpBuffer.dispatch, ReferenceEpBuffer.combine = bad_dispatch, bad_combine
+    atexit.register(lambda: print(f"corrupted: dispatch {bad['dispatch']} combine {bad['combine']} "
+                                  f"iterations {len(failed)}", flush=True))
+    spec = importlib.util.spec_from_file_location("soak_script", sys.argv[1])
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script
+    spec.loader.exec_module(script)
+    sys.exit(script.main(sys.argv[3:]))
+    """
+)
+
+
+def _patched(patch: str, *args: str) -> subprocess.CompletedProcess:
+    """The script in a single process (a world of one) with _PATCHED's ``patch``."""
+    return run_single("-c", _PATCHED, SCRIPT, patch, *args, timeout=TIMEOUT)
+
+
+def test_wrong_results_are_counted_and_the_soak_goes_on():
+    proc = _patched("corrupt", *SIZES, "--iters", "30", "--show-failures", "2", "--report-every", "0")
+    assert proc.returncode == 1, _text(proc)
+    m = re.search(r"corrupted: dispatch (\d+) combine (\d+) iterations (\d+)", proc.stdout)
+    assert m, _text(proc)
+    bad_d, bad_c, bad_iters = (int(v) for v in m.groups())
+    assert bad_d > 0 and bad_c > 0
+    counts = _summary(proc)
+    assert counts["iterations run"] == 30  # it went on after the failures
+    assert counts["wrong dispatch rows"] == bad_d and counts["wrong combine rows"] == bad_c, _text(proc)
+    assert counts["failed iterations"] == bad_iters and counts["layout failures"] == 0
+    out = proc.stdout
+    assert [ln for ln in out.splitlines() if ln.strip()][-2] == "FAIL"
+    assert out.count(" FAILED (") == 2 and "later failures are counted, not printed" in out
+    assert re.search(r"\[(scatter|atomic) #\d+\] dispatch: FAIL .*field recv_x differs", out), _text(proc)
+    assert re.search(r"\[(scatter|atomic) #\d+\] combine: FAIL .*expected", out), _text(proc)
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_peer_timeout_stops_the_soak_with_a_partial_summary(tmp_path):
+    path = tmp_path / "soak.json"
+    proc = _patched("timeout", *SIZES, "--iters", "30", "--out-json", str(path))
+    assert proc.returncode == 1, _text(proc)
+    out = proc.stdout
+    stopped = r"soak stopped in iteration 3 \(atomic, skewed\) by PeerTimeout"
+    assert re.search(stopped, out), _text(proc)
+    assert "soak summary (PARTIAL: stopped by an error)" in out and "iterations run: 3 of 30" in out
+    assert "rank 0: error: PeerTimeout: dispatch on rank 0: rank 1 did not signal" in proc.stderr
+    assert "--traceback" in proc.stderr and "Traceback" not in proc.stderr
+    report = json.loads(path.read_text())
+    assert report["passed"] is False and report["error"].startswith("PeerTimeout: ")
+    assert report["stopped_in"]["iteration"] == 3 and report["iterations_run"] == 3
+
+
+# --------------------------------------------------------------------------------------------------
+# in-process: the plan and the wrong-row counts (a world of one, no process group)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def soak():
+    spec = importlib.util.spec_from_file_location("soak_script_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_the_plan_is_ragged_deterministic_and_covers_modes_and_routings(soak):
+    counts = [soak.tokens_of(3, it, 1, 16) for it in range(400)]
+    assert counts == [soak.tokens_of(3, it, 1, 16) for it in range(400)]
+    assert min(counts) == 0 and max(counts) == 16 and counts.count(0) > 5 and counts.count(16) > 5
+    assert counts != [soak.tokens_of(3, it, 0, 16) for it in range(400)]  # per rank
+    assert len({soak.input_seed(3, it) for it in range(100)}) == 100
+    args = Namespace(mode_list=["scatter", "atomic"], routing_list=["uniform", "skewed", "dropped"],
+                     routing_order="cycle", seed=0)  # fmt: skip
+    plan = {(soak.mode_of(args, it), soak.routing_of(args, it)) for it in range(6)}
+    assert len(plan) == 6
+    args.routing_order = "random"
+    assert {soak.routing_of(args, it) for it in range(50)} == set(args.routing_list)
+
+
+def _buffer(max_tokens: int = 32) -> ReferenceEpBuffer:
+    env = DistEnv(rank=0, world_size=1, local_rank=0, physical_local_world_size=1, local_world_size=1)
+    runtime = SimpleNamespace(env=env, device=torch.device("cpu"), cpu_group=None)
+    cfg = EpConfig(world_size=1, local_world_size=1, num_experts=4, topk=2, hidden=64, dtype=torch.bfloat16,
+                   max_tokens=max_tokens)  # fmt: skip
+    return ReferenceEpBuffer(runtime, cfg)
+
+
+def _clone(res, **changes):
+    fields = {k: getattr(res, k).clone() for k in ("recv_x", "recv_weights", "recv_src")}
+    fields.update(changes)
+    return dataclasses.replace(res, **fields)
+
+
+def test_wrong_dispatch_rows_counts_rows_not_elements(soak):
+    buf = _buffer()
+    cfg = buf.cfg
+    x, idx, w = make_inputs(0, 32, 64, 4, 2, torch.bfloat16, seed=4)
+
+    def wrong(res, ordered):
+        return soak.wrong_dispatch_rows(x, idx, w, res, cfg, 0, ordered, None)
+
+    res = buf.dispatch(x, idx, w, mode="scatter")
+    n = res.num_recv
+    tpe = res.tokens_per_expert.tolist()
+    assert n == 64 and wrong(res, True) == 0 and wrong(res, False) == 0
+
+    r = _clone(res)
+    r.recv_x[3].fill_(float("nan"))  # one row, every element
+    assert wrong(r, True) == 1
+
+    inside = _clone(res)  # two rows of expert 0 swapped: wrong in order, right inside their group
+    for t in (inside.recv_x, inside.recv_weights, inside.recv_src):
+        t[[0, 1]] = t[[1, 0]]
+    assert wrong(inside, True) == 2 and wrong(inside, False) == 0
+
+    across = _clone(res)  # the first rows of experts 0 and 1 swapped: wrong in both modes
+    for t in (across.recv_x, across.recv_weights, across.recv_src):
+        t[[0, tpe[0]]] = t[[tpe[0], 0]]
+    assert wrong(across, True) == 2 and wrong(across, False) == 2
+
+    dup = _clone(res)  # row 1 received twice, row 2 never
+    for t in (dup.recv_x, dup.recv_weights, dup.recv_src):
+        t[2] = t[1]
+    assert wrong(dup, True) == 1 and wrong(dup, False) == 1
+
+    short = dataclasses.replace(
+        res, recv_x=res.recv_x[: n - 3], recv_weights=res.recv_weights[: n - 3],
+        recv_src=res.recv_src[: n - 3], num_recv=n - 3,
+    )  # fmt: skip
+    assert wrong(short, True) == 3
+
+    atomic = buf.dispatch(x, idx, w, mode="atomic")
+    assert wrong(atomic, False) == 0 and wrong(atomic, True) > 0  # shuffled inside the groups
+
+
+def test_wrong_combine_rows_counts_tokens(soak):
+    buf = _buffer()
+    cfg = buf.cfg
+    x, idx, w = make_inputs(0, 32, 64, 4, 2, torch.bfloat16, seed=5, routing="dropped")
+    res = buf.dispatch(x, idx, w)
+    y = buf.expert_output(res.num_recv)
+    y.copy_(apply_test_expert(res.recv_x, global_expert_of_rows(res.tokens_per_expert, 0)))
+    out = buf.combine(y, res.handle)
+
+    def wrong(o):
+        return soak.wrong_combine_rows(o, idx, w, y, res.handle.scatter, cfg, 0, None)
+
+    assert wrong(out) == 0
+    bad = out.clone()
+    bad[[2, 9], 0] = float("nan")
+    bad.view(torch.int16)[9, 1] ^= 1
+    assert wrong(bad) == 2
+    assert wrong(out[:5]) == 32  # an output of the wrong shape: every token
