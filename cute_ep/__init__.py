@@ -3,6 +3,7 @@
 The front door (imported on first use, so ``import cute_ep`` stays light):
   cute_ep.EpConfig, cute_ep.EpBuffer, cute_ep.DispatchResult, cute_ep.DispatchHandle,
   cute_ep.PeerTimeout, cute_ep.KernelDidNotRun, cute_ep.ReferenceEpBuffer (same API on the CPU),
+  cute_ep.A2aEpBuffer (same API on all_to_all_single: NCCL or gloo),
   cute_ep.ReplicaMap (hot-expert replication), cute_ep.autograd (differentiable dispatch / combine).
 
 Subpackages (installed from the top-level folders of the repository):
@@ -26,6 +27,7 @@ _EXPORTS = {
     "PeerTimeout": "cute_ep.buffer",
     "KernelDidNotRun": "cute_ep.buffer",
     "ReferenceEpBuffer": "cute_ep.reference_backend",
+    "A2aEpBuffer": "cute_ep.a2a_backend",
     "ReplicaMap": "cute_ep.replication",
 }
 

@@ -53,8 +53,9 @@ __all__ = [
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 """Exit statuses of the scripts: every check passed / a check failed or a run-time error / bad usage."""
 
-BACKENDS = ("cute", "reference")
-"""--backend choices: the CuTe kernels on GPUs, or the torch reference on CPUs (gloo)."""
+BACKENDS = ("cute", "reference", "a2a")
+"""--backend choices: the CuTe kernels on GPUs, the torch reference (CPU, gloo), or the
+``all_to_all_single`` fallback (NCCL on GPUs, gloo on CPUs)."""
 
 
 class UsageError(ValueError):
@@ -118,17 +119,24 @@ def expert_ids(res: Any, rank: int) -> torch.Tensor | None:
 
 
 def runtime_backend(backend: str) -> str:
-    """The Runtime backend a --backend needs: "gloo" for the reference, "nvshmem" for the kernels."""
+    """The Runtime backend a --backend needs: "gloo" for the reference, "nvshmem" for the kernels (its
+    process group also carries NCCL), and for the all-to-all fallback whichever the machine has."""
+    if backend == "a2a":
+        return "nvshmem" if torch.cuda.is_available() else "gloo"
     return "gloo" if backend == "reference" else "nvshmem"
 
 
 def make_buffer(backend: str, runtime: Runtime, cfg: EpConfig) -> Any:
-    """The GPU ``EpBuffer`` ("cute") or the CPU ``ReferenceEpBuffer`` ("reference") for ``cfg``
-    (collective; imported here so a reference run never imports the GPU stack)."""
+    """The GPU ``EpBuffer`` ("cute"), the ``A2aEpBuffer`` ("a2a") or the CPU ``ReferenceEpBuffer``
+    ("reference") for ``cfg`` (collective; imported here so a reference run never imports the GPU stack)."""
     if backend == "cute":
         from cute_ep.buffer import EpBuffer
 
         return EpBuffer(runtime, cfg)
+    if backend == "a2a":
+        from cute_ep.a2a_backend import A2aEpBuffer
+
+        return A2aEpBuffer(runtime, cfg)
     from cute_ep.reference_backend import ReferenceEpBuffer
 
     return ReferenceEpBuffer(runtime, cfg)

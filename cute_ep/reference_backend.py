@@ -35,10 +35,10 @@ from torch import Tensor
 from cute_ep.buffer import (
     DispatchHandle,
     DispatchResult,
-    check_buffer_config,
     check_combine_input,
     check_dispatch_inputs,
 )
+from cute_ep.host_buffer import HostEpBuffer
 from cute_ep.kernels.config import MODES, EpConfig
 from cute_ep.validators.checks import all_gather_objects
 from cute_ep.validators.reference import (
@@ -54,7 +54,7 @@ _ATOMIC_SEED_SALT = 0x5EED_A70
 
 
 
-class ReferenceEpBuffer:
+class ReferenceEpBuffer(HostEpBuffer):
     """Same public API as ``cute_ep.buffer.EpBuffer``, computed with the torch references over gloo.
 
     runtime: a started ``cute_ep.bootstrap.runtime.Runtime`` (backend "gloo"; anything with ``env``,
@@ -66,31 +66,12 @@ class ReferenceEpBuffer:
     """
 
     def __init__(self, runtime: Any, cfg: EpConfig) -> None:
-        env = runtime.env
-        check_buffer_config(runtime, cfg)
-        self.runtime = runtime
-        self.cfg = cfg
-        self.rank = env.rank
-        device = getattr(runtime, "device", None)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.group = getattr(runtime, "cpu_group", None)
-        self._closed = False
+        super().__init__(runtime, cfg)
+        self.group = self.cpu_group
         self._calls = 0  # dispatch calls so far: seeds the atomic-mode shuffle
         self._num_recv = 0
-        c = cfg
-        self.recv_x = torch.empty((0, c.hidden), dtype=c.dtype, device=self.device)
-        self.recv_y = torch.empty((0, c.hidden), dtype=c.dtype, device=self.device)
-        self.recv_w = torch.empty((0,), dtype=torch.float32, device=self.device)
-        self.recv_src = torch.empty((0,), dtype=torch.int32, device=self.device)
 
     # -- public API ------------------------------------------------------------------------------
-
-    def poison(self) -> None:
-        """Fill the receive buffers with NaN / -1 so that a row nobody wrote cannot pass a check."""
-        self.recv_x.fill_(float("nan"))
-        self.recv_y.fill_(float("nan"))
-        self.recv_w.fill_(float("nan"))
-        self.recv_src.fill_(-1)
 
     def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter") -> Any:
         """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (see EpBuffer.dispatch).
@@ -151,14 +132,6 @@ class ReferenceEpBuffer:
         )
         return DispatchResult(self.recv_x[:n], self.recv_w[:n], self.recv_src[:n], tpe, n, handle)
 
-    def expert_output(self, num_recv: int) -> Tensor:
-        """The [num_recv, H] buffer combine reads; experts writing here save a copy."""
-        self._check_open()
-        if not 0 <= num_recv <= self.cfg.capacity:
-            raise ValueError(f"num_recv must be in [0, capacity={self.cfg.capacity}], got {num_recv}")
-        self._ensure_rows(num_recv)
-        return self.recv_y[:num_recv]
-
     def combine(self, y: Tensor, handle: Any) -> Tensor:
         """out[t] = sum over k ascending of topk_weights[t, k] * y_owner[scatter[t, k]] (fp32, then
         cfg.dtype), as EpBuffer.combine. Collective. Returns a new [T, H] tensor."""
@@ -200,33 +173,7 @@ class ReferenceEpBuffer:
             raise ValueError("combine failed on another rank: " + "; ".join(bad))
         return out.to(self.device)
 
-    def close(self) -> None:
-        """Release the buffers (collective, like EpBuffer.close). Safe to call twice."""
-        self._close(collective=True)
-
-    def __enter__(self) -> ReferenceEpBuffer:
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        # After an error the peers may never arrive: no barrier then.
-        self._close(collective=exc_type is None)
-
     # -- internals -------------------------------------------------------------------------------
-
-    def _close(self, *, collective: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if collective and dist.is_available() and dist.is_initialized():
-            dist.barrier(group=self.group)
-        empty_rows = torch.empty((0, self.cfg.hidden), dtype=self.cfg.dtype, device=self.device)
-        self.recv_x = self.recv_y = empty_rows
-        self.recv_w = torch.empty((0,), dtype=torch.float32, device=self.device)
-        self.recv_src = torch.empty((0,), dtype=torch.int32, device=self.device)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this ReferenceEpBuffer is closed")
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if not (dist.is_available() and dist.is_initialized()):
@@ -235,24 +182,6 @@ class ReferenceEpBuffer:
                     f"world_size={self.cfg.world_size} needs an initialised torch.distributed process group"
                 )
         return all_gather_objects(obj, self.group)
-
-    def _ensure_rows(self, n: int) -> None:
-        """Grow the receive buffers to at least n rows (new rows poisoned, old rows kept)."""
-        have = self.recv_x.shape[0]
-        if n <= have:
-            return
-        dev = self.device
-
-        def grow(buf: Tensor, fill: float) -> Tensor:
-            new = torch.full((n, *buf.shape[1:]), fill, dtype=buf.dtype, device=dev)
-            new[:have].copy_(buf)
-            return new
-
-        self.recv_x = grow(self.recv_x, float("nan"))
-        self.recv_y = grow(self.recv_y, float("nan"))
-        self.recv_w = grow(self.recv_w, float("nan"))
-        self.recv_src = grow(self.recv_src, -1)
-
 
 
 # --------------------------------------------------------------------------------------------------

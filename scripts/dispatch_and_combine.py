@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"ranks per (virtual) node; default ${LOCAL_WORLD_SIZE_OVERRIDE_VAR}, else the ranks per host",
     )
-    p.add_argument("--backend", choices=BACKENDS, default="cute", help="cute: GPU kernels; reference: CPU")
+    p.add_argument("--backend", choices=BACKENDS, default="cute",
+                   help="cute: GPU kernels; reference: torch on CPU; a2a: all_to_all_single fallback")
     p.add_argument("--iters", type=int, default=1, help="validation iterations per mode")
     p.add_argument("--save-baseline-to", metavar="PATH", help="write every rank's arrays to this .npz")
     p.add_argument("--compare-baseline", metavar="PATH", help="compare every rank's arrays with this .npz")

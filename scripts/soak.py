@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--local-world-size", type=int, default=None,
         help=f"ranks per (virtual) node; default ${LOCAL_WORLD_SIZE_OVERRIDE_VAR}, else the ranks per host",
     )  # fmt: skip
-    p.add_argument("--backend", choices=BACKENDS, default="cute", help="cute: GPU kernels; reference: CPU")
+    p.add_argument("--backend", choices=BACKENDS, default="cute",
+                   help="cute: GPU kernels; reference: torch on CPU; a2a: all_to_all_single fallback")
     p.add_argument("--num-sms", type=int, default=None, help="CTAs of dispatch/combine (EpConfig default)")
     p.add_argument(
         "--report-every", type=int, default=100, help="a progress line every K iterations (0: none)"

@@ -102,6 +102,13 @@ def test_same_config_is_identical_to_its_baseline(baseline):
     assert "arrays, all identical" in out
 
 
+def test_all_to_all_backend_reproduces_the_reference_baseline(baseline):
+    path, _ = baseline
+    args = [a if a != "reference" else "a2a" for a in BASE]
+    out = _assert_passed(_torchrun(*args, "--compare-baseline", str(path)))
+    assert "backend a2a (gloo)" in out and "arrays, all identical" in out
+
+
 def test_other_seed_is_a_config_mismatch_on_every_rank(baseline):
     path, _ = baseline
     codes, out = _launch_ranks(*BASE, "--seed", "7", "--compare-baseline", str(path))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cute_ep import profiler
+from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.kernels.config import EpConfig
 from cute_ep.reference_backend import ReferenceEpBuffer
@@ -44,7 +45,8 @@ class _Crashing(ReferenceEpBuffer):
 
 
 def _candidates(rt, *names):
-    table = {"reference": ReferenceEpBuffer, "slow": _Slow, "wrong": _Wrong, "crashing": _Crashing}
+    table = {"reference": ReferenceEpBuffer, "slow": _Slow, "wrong": _Wrong, "crashing": _Crashing,
+             "a2a": A2aEpBuffer}
     return {n: (lambda cls: lambda cfg: cls(rt, cfg))(table[n]) for n in names}
 
 
@@ -59,6 +61,11 @@ def test_the_fastest_correct_candidate_wins(runtime):
     table = profiler.format_table(result)
     assert "reference" in table and "<- chosen" in table and "excluded" in table
     assert isinstance(result.build(CFG), ReferenceEpBuffer)
+
+
+def test_the_all_to_all_fallback_agrees_with_the_reference(runtime):
+    result = profiler.profile(runtime, CFG, _candidates(runtime, "reference", "a2a"), tokens=16, iters=2)
+    assert all(c.ok for c in result.candidates), profiler.format_table(result)
 
 
 def test_no_passing_candidate_cannot_build(runtime):

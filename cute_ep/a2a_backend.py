@@ -1,0 +1,358 @@
+"""``A2aEpBuffer``: the public API of ``cute_ep.buffer.EpBuffer`` on ``torch.distributed.all_to_all_single``.
+
+    buf = A2aEpBuffer(runtime, cfg)                 # collective: every rank, same cfg
+    res = buf.dispatch(x, topk_idx, topk_weights)   # same DispatchResult as the other backends
+    y = buf.expert_output(res.num_recv)             # write the experts' outputs here (or pass any y)
+    out = buf.combine(y, res.handle)                # [T, H]
+    buf.close()
+
+The fallback / baseline primitive: plain collectives on the runtime's process group (NCCL for CUDA
+tensors under the "nvshmem" runtime, gloo on the CPU), no symmetric memory, no custom kernels. Its
+results are bit-identical to :mod:`cute_ep.validators.reference` (and so to ``ReferenceEpBuffer`` and
+a correct ``EpBuffer``): the same expert-major receive layout, weights, source tags, counts and slots,
+and the same fp32 combine order.
+
+Dispatch (one rank's view; every step is collective):
+
+1. count this rank's (t, k) pairs per expert and all-gather the [E] count rows (plus an error flag
+   and the mode) as one small int64 tensor: every rank then knows ``counts[src][e]`` and so the
+   whole layout (offsets, split sizes, the slot of every pair). One host sync reads them.
+2. sort the valid pairs by expert (stable, so (t, k) row-major inside an expert): since the experts
+   of a rank are contiguous, this groups them by destination rank too;
+3. ``all_to_all_single`` the token rows, then an int32 [P, 2] metadata tensor (the weight's fp32
+   bits and the source tag), with split sizes from the counts;
+4. the receiver holds source-major blocks (source s: its rows for local expert 0, 1, ...) and puts
+   each row at its expert-major slot (local expert l: source 0's rows, then source 1's ...). With one
+   expert per rank, or one rank, the two orders coincide and the rows are received in place.
+
+Combine sends every y row back to its source (the inverse permutation, then ``all_to_all_single``
+with the split sizes swapped), and the source reduces in k order exactly as
+``reference_combine``: ``acc = acc + (w * y.float())`` with the product its own fp32 op (no FMA),
+dropped pairs skipped, the cast to ``cfg.dtype`` at the end.
+
+The handle (``A2aDispatchHandle``, a ``DispatchHandle`` with the same public fields) carries the
+routing of the dispatch that made it: split sizes, the receive permutation and where each (t, k)'s
+row comes back. ``handle.scatter`` holds the real slots, comparable to the other backends' handles.
+Combine honours the handle's ``topk_idx`` / ``topk_weights`` (``dataclasses.replace`` may drop pairs,
+set -1, or change weights, as ``cute_ep.autograd`` does), but the pairs it keeps must be routed as in
+the dispatch; it does not read ``handle.scatter``.
+
+Mode "atomic" is accepted and behaves like "scatter": slots are assigned deterministically here (the
+layout is computed from the gathered counts), so both modes give the reference layout; the handle
+keeps the mode it was given.
+
+Errors: an invalid input on any rank raises on every rank (the rank at fault gets the shared
+checks' message, the others a message naming it) before any rows move, and the buffer stays usable.
+Every rank must make the same sequence of calls; combine refuses handles of different dispatch calls
+on different ranks. Host syncs, besides those of the shared input checks: one per dispatch (the
+counts), one per combine (the error flags). A failure after the counts exchange (e.g. out of memory
+on one rank) is not caught: the peers then wait in the all-to-all until the process group's timeout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cute_ep.buffer import (
+    DispatchHandle,
+    DispatchResult,
+    check_combine_input,
+    check_dispatch_inputs,
+)
+from cute_ep.host_buffer import HostEpBuffer
+from cute_ep.kernels.config import MODES, EpConfig
+from cute_ep.validators.checks import all_gather_objects
+
+__all__ = ["A2aDispatchHandle", "A2aEpBuffer"]
+
+_MODE_NAMES = {code: name for name, code in MODES.items()}
+_NO_MODE = -1
+
+
+@dataclass(frozen=True)
+class _Route:
+    """What combine needs besides the public handle fields (one rank's view of one dispatch)."""
+
+    owner: object  # the buffer's token: a handle works only with the buffer that made it
+    call: int  # dispatch calls before this one on the buffer (the same on every rank)
+    topk_idx: Tensor  # [T, K] int32, the dispatch's own routing (the handle's may be replaced)
+    send_splits: list[int]  # rows sent to each destination rank
+    recv_splits: list[int]  # rows received from each source rank
+    slot_of: Tensor | None  # [num_recv] int64: slot of the i-th received row; None: identity
+    back_pos: Tensor  # [T, K] int64: row of (t, k) in what combine receives back; num_send if dropped
+
+    @property
+    def num_send(self) -> int:
+        return sum(self.send_splits)
+
+    @property
+    def num_recv(self) -> int:
+        return sum(self.recv_splits)
+
+
+@dataclass(frozen=True)
+class A2aDispatchHandle(DispatchHandle):
+    """A ``DispatchHandle`` (topk_idx, topk_weights, scatter, num_tokens, mode) plus the routing of the
+    all-to-all dispatch that made it (private: only ``A2aEpBuffer.combine`` reads it)."""
+
+    _route: _Route | None = field(default=None, repr=False, compare=False)
+
+
+class A2aEpBuffer(HostEpBuffer):
+    """Same public API as ``cute_ep.buffer.EpBuffer``, built on ``all_to_all_single`` (module docstring).
+
+    runtime:     a started ``cute_ep.bootstrap.runtime.Runtime`` ("nvshmem": rows move over the NCCL
+                 part of its process group; "gloo": over gloo on the CPU). Anything with ``env``,
+                 ``device`` and ``group`` / ``cpu_group`` attributes works, e.g. in a world of one.
+    cfg:         the ``EpConfig``; world_size must match the runtime's.
+    preallocate: allocate the receive buffers at ``cfg.capacity`` rows now (as EpBuffer does), instead
+                 of growing them on demand (a timing loop then never reallocates).
+    """
+
+    def __init__(self, runtime: Any, cfg: EpConfig, *, preallocate: bool = False) -> None:
+        super().__init__(runtime, cfg, rows=cfg.capacity if preallocate else 0)
+        group = getattr(runtime, "group", None)
+        self.group = group if group is not None else self.cpu_group
+        initialised = dist.is_available() and dist.is_initialized()
+        if cfg.world_size > 1:
+            if not initialised:
+                raise RuntimeError(
+                    f"world_size={cfg.world_size} needs an initialised torch.distributed process group"
+                )
+            if dist.get_world_size(self.group) != cfg.world_size:
+                raise RuntimeError(
+                    f"the process group has {dist.get_world_size(self.group)} ranks, "
+                    f"cfg.world_size is {cfg.world_size}"
+                )
+        self._distributed = initialised and cfg.world_size > 1
+        self._calls = 0
+        self._token = object()
+
+    # -- public API ------------------------------------------------------------------------------
+
+    def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor,
+                 mode: str = "scatter") -> DispatchResult:
+        """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (see EpBuffer.dispatch).
+
+        x [T, H] cfg.dtype, topk_idx [T, K] int32/int64 in [-1, E), topk_weights [T, K] fp32, on this
+        rank's device. Returns a ``cute_ep.buffer.DispatchResult`` whose handle is an
+        ``A2aDispatchHandle``; recv_x / recv_weights / recv_src are views valid until the next
+        dispatch. Collective: every rank calls it; invalid inputs on any rank raise on every rank.
+        """
+        self._check_open()
+        c = self.cfg
+        world, rank, num_e, el, k_top = c.world_size, self.rank, c.num_experts, c.experts_per_rank, c.topk
+        dev = self.device
+        error: BaseException | None = None
+        try:
+            if mode not in MODES:
+                raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+            x, idx, w = check_dispatch_inputs(c, dev, x, topk_idx, topk_weights)
+            idx = idx.clone()  # the handle owns its routing: later edits by the caller change nothing
+            w = w.clone()
+            # Dropped pairs go to a virtual expert E: they sort last and are not counted.
+            flat = idx.reshape(-1).to(torch.int64)
+            key = torch.where(flat < 0, torch.full_like(flat, num_e), flat)
+            hist = torch.zeros(num_e + 1, dtype=torch.int64, device=dev)
+            hist.scatter_add_(0, key, torch.ones_like(key))  # exact and sync-free (bincount may sync)
+            row = torch.cat([hist[:num_e], torch.tensor([0, MODES[mode]], dtype=torch.int64, device=dev)])
+        except Exception as exc:  # the peers must still learn of it in the same collective
+            error = exc
+            row = torch.zeros(num_e + 2, dtype=torch.int64, device=dev)
+            row[num_e] = 1
+            row[num_e + 1] = _NO_MODE
+        table = self._gather_rows(row)  # [R, E + 2] int64 on the CPU
+        self._raise_gathered(table[:, num_e].tolist(), error, "dispatch: invalid inputs on another rank")
+        modes = table[:, num_e + 1].tolist()
+        if any(m != modes[0] for m in modes):
+            names = [_MODE_NAMES.get(m, m) for m in modes]
+            raise ValueError(f"dispatch: every rank must use the same mode, got {names}")
+
+        counts = table[:, :num_e]  # [R_src, E]
+        c3 = counts.view(world, world, el)  # [src, dst, local expert]
+        per_dst = c3.sum(dim=(0, 2))
+        over = [(d, int(n)) for d, n in enumerate(per_dst.tolist()) if n > c.capacity]
+        if over:
+            raise ValueError(
+                f"dispatch: rank(s) {[d for d, _ in over]} would receive {[n for _, n in over]} rows, "
+                f"more than the capacity {c.capacity}"
+            )
+        send_splits = c3[rank].sum(dim=1).tolist()
+        recv_splits = c3[:, rank, :].sum(dim=1).tolist()
+        n_send, n_recv = sum(send_splits), sum(recv_splits)
+        # Slot order on destination d: local expert major, source minor (reference_layout's offsets).
+        groups = c3.permute(1, 2, 0).reshape(world, el * world)
+        offsets = (torch.cumsum(groups, dim=1) - groups).view(world, el, world)  # [dst, l, src]
+
+        # -- send side: valid pairs sorted by expert, (t, k) row-major inside an expert -------------
+        t = x.shape[0]
+        order = torch.sort(key, stable=True).indices
+        send_order = order[:n_send]  # flat t * K + k of every pair sent, in send order
+        e_sorted = key[send_order]
+        mine = counts[rank]
+        first_of_e = (torch.cumsum(mine, 0) - mine).to(dev)
+        first_slot_e = offsets[:, :, rank].reshape(num_e).to(dev)  # slot of expert e's first row from me
+        slot_sorted = first_slot_e[e_sorted] + torch.arange(n_send, device=dev) - first_of_e[e_sorted]
+        scatter = torch.full((t * k_top,), -1, dtype=torch.int64, device=dev)
+        scatter[send_order] = slot_sorted
+        back_pos = torch.full((t * k_top,), n_send, dtype=torch.int64, device=dev)
+        back_pos[send_order] = torch.arange(n_send, device=dev)
+
+        x_send = x.index_select(0, torch.div(send_order, k_top, rounding_mode="floor"))
+        tags = send_order + rank * c.max_tokens * k_top  # (rank * M + t) * K + k, < 2**31 (EpConfig)
+        meta_send = torch.stack([w.reshape(-1)[send_order].view(torch.int32), tags.to(torch.int32)], dim=1)
+
+        # -- receive side --------------------------------------------------------------------------
+        self._ensure_rows(n_recv)
+        identity = el == 1 or world == 1  # source-major order is already expert-major
+        if identity:
+            slot_of = None
+            x_recv = self.recv_x[:n_recv]
+        else:
+            sizes = c3[:, rank, :].reshape(-1)  # blocks in receive order: (source, local expert)
+            slot_start = offsets[rank].t().reshape(-1)  # [src, l]: first slot of each block
+            pos_start = torch.cumsum(sizes, 0) - sizes
+            shift = torch.repeat_interleave((slot_start - pos_start).to(dev), sizes.to(dev),
+                                            output_size=n_recv)
+            slot_of = shift + torch.arange(n_recv, device=dev)
+            x_recv = torch.empty((n_recv, c.hidden), dtype=c.dtype, device=dev)
+        meta_recv = torch.empty((n_recv, 2), dtype=torch.int32, device=dev)
+        self._all_to_all(x_recv, x_send, recv_splits, send_splits)
+        self._all_to_all(meta_recv, meta_send, recv_splits, send_splits)
+        w_bits, src_tags = self.recv_w[:n_recv].view(torch.int32), self.recv_src[:n_recv]
+        if identity:
+            w_bits.copy_(meta_recv[:, 0])
+            src_tags.copy_(meta_recv[:, 1])
+        else:
+            self.recv_x[:n_recv].index_copy_(0, slot_of, x_recv)
+            w_bits.index_copy_(0, slot_of, meta_recv[:, 0])
+            src_tags.index_copy_(0, slot_of, meta_recv[:, 1])
+
+        tpe = c3[:, rank, :].sum(dim=0).to(device=dev, dtype=torch.int32)
+        route = _Route(self._token, self._calls, idx, send_splits, recv_splits, slot_of,
+                       back_pos.view(t, k_top))
+        self._calls += 1
+        handle = A2aDispatchHandle(idx, w, scatter.view(t, k_top).to(torch.int32), t, mode, _route=route)
+        return DispatchResult(self.recv_x[:n_recv], self.recv_w[:n_recv], self.recv_src[:n_recv], tpe,
+                              n_recv, handle)
+
+    def combine(self, y: Tensor, handle: DispatchHandle) -> Tensor:
+        """out[t] = sum over k ascending of topk_weights[t, k] * y_owner[slot(t, k)] (fp32, then
+        cfg.dtype), as EpBuffer.combine. y [num_recv, H] cfg.dtype in recv_x's row order (rows past y's
+        end, if y is shorter, are read from ``expert_output``'s buffer, as the other backends do).
+        ``handle`` comes from this buffer's dispatch. Collective. Returns a new [T, H] tensor."""
+        self._check_open()
+        c = self.cfg
+        dev = self.device
+        error: BaseException | None = None
+        route: _Route | None = None
+        try:
+            check_combine_input(c, dev, y)
+            route = self._route_of(handle)
+        except Exception as exc:  # the peers must still learn of it in the same collective
+            error = exc
+        head = torch.tensor([int(error is not None), route.call if route is not None else -1],
+                            dtype=torch.int64, device=dev)
+        table = self._gather_rows(head)
+        self._raise_gathered(table[:, 0].tolist(), error, "combine: invalid input on another rank")
+        calls = table[:, 1].tolist()
+        if any(v != calls[0] for v in calls):
+            raise ValueError(
+                f"combine: every rank must pass the handle of the same dispatch; the handles come from "
+                f"dispatch calls {calls} (by rank)"
+            )
+        assert route is not None
+
+        n_recv, n_send = route.num_recv, route.num_send
+        if y.shape[0] >= n_recv:
+            rows = y[:n_recv]
+        else:  # the tail comes from the expert-output buffer (EpBuffer's recv_y semantics)
+            self._ensure_rows(n_recv)
+            if y.numel() and y.data_ptr() != self.recv_y.data_ptr():
+                self.recv_y[: y.shape[0]].copy_(y)
+            rows = self.recv_y[:n_recv]
+        back = rows if route.slot_of is None else rows.index_select(0, route.slot_of)
+        got = torch.empty((n_send + 1, c.hidden), dtype=c.dtype, device=dev)
+        got[n_send].zero_()  # the row every dropped pair reads (discarded below, like the reference)
+        self._all_to_all(got[:n_send], back.contiguous(), route.send_splits, route.recv_splits)
+
+        idx = handle.topk_idx
+        w = handle.topk_weights
+        t = handle.num_tokens
+        acc = torch.zeros((t, c.hidden), dtype=torch.float32, device=dev)
+        for k in range(c.topk):
+            valid = idx[:, k] >= 0
+            yk = got.index_select(0, route.back_pos[:, k])
+            # Two separate fp32 ops: the product is rounded before the add (reference_combine).
+            prod = w[:, k][:, None] * yk.float()
+            summed = acc + prod
+            acc = torch.where(valid[:, None], summed, acc)
+        return acc.to(c.dtype)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _gather_rows(self, row: Tensor) -> Tensor:
+        """Every rank's 1-D int64 ``row`` (same length everywhere), stacked [R, len] on the CPU."""
+        if not self._distributed:
+            return row[None].cpu()
+        parts = [torch.empty_like(row) for _ in range(self.cfg.world_size)]
+        dist.all_gather(parts, row, group=self.group)
+        return torch.stack(parts).cpu()
+
+    def _raise_gathered(self, flags: list[int], error: BaseException | None, what: str) -> None:
+        """After a gathered error flag: every rank raises (the messages travel only when one is set)."""
+        if not any(flags):
+            return
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        messages = all_gather_objects(mine, self.cpu_group) if self._distributed else [mine]
+        if error is not None:
+            raise error
+        bad = [f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None]
+        raise ValueError(f"{what}: " + "; ".join(bad))
+
+    def _all_to_all(self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        if not self._distributed:
+            out.copy_(inp)
+            return
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+
+    def _route_of(self, handle: Any) -> _Route:
+        """The routing of ``handle`` if this buffer made it and its public fields still fit it."""
+        route = getattr(handle, "_route", None)
+        if not isinstance(route, _Route) or route.owner is not self._token:
+            raise ValueError(
+                f"combine: the handle must come from this A2aEpBuffer's dispatch, got {type(handle).__name__}"
+            )
+        t, k_top = route.topk_idx.shape
+        idx, w = handle.topk_idx, handle.topk_weights
+        if handle.num_tokens != t:
+            raise ValueError(
+                f"combine: handle.num_tokens is {handle.num_tokens}, its dispatch had {t} tokens"
+            )
+        int_idx = idx.dtype in (torch.int32, torch.int64)
+        if tuple(idx.shape) != (t, k_top) or not int_idx or idx.device != self.device:
+            raise ValueError(
+                f"combine: handle.topk_idx must be [{t}, {k_top}] int32/int64 on {self.device}, got "
+                f"{list(idx.shape)} {idx.dtype} on {idx.device}"
+            )
+        if tuple(w.shape) != (t, k_top) or w.dtype != torch.float32 or w.device != self.device:
+            raise ValueError(
+                f"combine: handle.topk_weights must be [{t}, {k_top}] float32 on {self.device}, got "
+                f"{list(w.shape)} {w.dtype} on {w.device}"
+            )
+        if idx is not route.topk_idx:  # a replaced routing may only drop pairs of the dispatch
+            ids = idx.to(torch.int64)
+            moved = (ids < -1) | ((ids >= 0) & (ids != route.topk_idx.to(torch.int64)))
+            if bool(moved.any()):
+                tt, kk = (int(v) for v in torch.nonzero(moved)[0])
+                raise ValueError(
+                    f"combine: handle.topk_idx[{tt}, {kk}] is {int(idx[tt, kk])} but the dispatch routed "
+                    f"that pair to {int(route.topk_idx[tt, kk])} (a replaced topk_idx may only set pairs "
+                    f"to -1)"
+                )
+        return route

@@ -1,0 +1,106 @@
+"""``HostEpBuffer``: what the torch-computed backends (reference, all-to-all) share.
+
+Receive buffers that live in ordinary torch memory and grow on demand up to ``cfg.capacity`` rows
+(poisoned when they grow), ``poison``, ``expert_output``, and a close that is collective unless an
+error is propagating (the peers may never arrive then). Subclasses implement dispatch and combine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cute_ep.buffer import check_buffer_config
+from cute_ep.kernels.config import EpConfig
+
+__all__ = ["HostEpBuffer"]
+
+
+class HostEpBuffer:
+    """Base of ``ReferenceEpBuffer`` and ``A2aEpBuffer`` (see the module docstring).
+
+    runtime: anything with ``env``, ``device`` and ``cpu_group`` attributes (a started Runtime, or a
+             stand-in in a world of one). cfg: the ``EpConfig``; world_size must match the runtime's.
+    rows:    receive rows allocated now (0: grow on demand).
+    """
+
+    def __init__(self, runtime: Any, cfg: EpConfig, rows: int = 0) -> None:
+        check_buffer_config(runtime, cfg)
+        self.runtime = runtime
+        self.cfg = cfg
+        self.rank = runtime.env.rank
+        device = getattr(runtime, "device", None)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.cpu_group = getattr(runtime, "cpu_group", None)
+        self._closed = False
+        self._allocate(rows)
+
+    # -- public API (shared) ---------------------------------------------------------------------
+
+    def poison(self) -> None:
+        """Fill the receive buffers with NaN / -1 so that a row nobody wrote cannot pass a check."""
+        self.recv_x.fill_(float("nan"))
+        self.recv_y.fill_(float("nan"))
+        self.recv_w.fill_(float("nan"))
+        self.recv_src.fill_(-1)
+
+    def expert_output(self, num_recv: int) -> Tensor:
+        """The [num_recv, H] buffer combine reads; experts writing here save a copy."""
+        self._check_open()
+        if not 0 <= num_recv <= self.cfg.capacity:
+            raise ValueError(f"num_recv must be in [0, capacity={self.cfg.capacity}], got {num_recv}")
+        self._ensure_rows(num_recv)
+        return self.recv_y[:num_recv]
+
+    def close(self) -> None:
+        """Release the buffers (collective, like EpBuffer.close). Safe to call twice."""
+        self._close(collective=True)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # After an error the peers may never arrive: no barrier then.
+        self._close(collective=exc_type is None)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _allocate(self, rows: int) -> None:
+        c, dev = self.cfg, self.device
+        self.recv_x = torch.full((rows, c.hidden), float("nan"), dtype=c.dtype, device=dev)
+        self.recv_y = torch.full((rows, c.hidden), float("nan"), dtype=c.dtype, device=dev)
+        self.recv_w = torch.full((rows,), float("nan"), dtype=torch.float32, device=dev)
+        self.recv_src = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+
+    def _close(self, *, collective: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if collective and dist.is_available() and dist.is_initialized() and self.cfg.world_size > 1:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.cpu_group)
+        self._allocate(0)
+
+    def _ensure_rows(self, n: int) -> None:
+        """Grow the receive buffers to at least n rows (new rows poisoned, old rows kept)."""
+        have = self.recv_x.shape[0]
+        if n <= have:
+            return
+
+        def grow(buf: Tensor, fill: float) -> Tensor:
+            new = torch.full((n, *buf.shape[1:]), fill, dtype=buf.dtype, device=self.device)
+            new[:have].copy_(buf)
+            return new
+
+        self.recv_x = grow(self.recv_x, float("nan"))
+        self.recv_y = grow(self.recv_y, float("nan"))
+        self.recv_w = grow(self.recv_w, float("nan"))
+        self.recv_src = grow(self.recv_src, -1)
