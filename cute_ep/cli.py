@@ -163,11 +163,13 @@ def config_from_args(args: argparse.Namespace, env: DistEnv, max_tokens: int) ->
     )
 
 
-def world_banner(script: str, backend: str, env: DistEnv, cfg: EpConfig) -> str:
-    """First line a script prints: script, backend, world = nodes x ranks per node."""
+def world_banner(script: str, backend: str, env: DistEnv, cfg: EpConfig, runtime: str | None = None) -> str:
+    """First line a script prints: script, backend (and the Runtime's backend: ``runtime``, or the one
+    ``backend`` needs), world = nodes x ranks per node."""
     virtual = " (virtual nodes)" if env.is_virtual else ""
+    via = runtime or runtime_backend(backend)
     return (
-        f"cute-ep {script}: backend {backend} ({runtime_backend(backend)}), world {env.world_size} = "
+        f"cute-ep {script}: backend {backend} ({via}), world {env.world_size} = "
         f"{cfg.nnodes} node(s) x {cfg.local_world_size}{virtual}"
     )
 

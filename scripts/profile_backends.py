@@ -1,0 +1,149 @@
+"""Profile the dispatch/combine backends for the shapes you run, and pick the fastest correct one.
+
+To run (one process per GPU; every rank prints nothing but rank 0's tables):
+
+    torchrun --nproc-per-node 4 scripts/profile_backends.py --tokens 128,4096 --cache ep_choices.json
+    # anywhere, on CPUs (gloo): the torch reference against the all-to-all fallback
+    torchrun --nproc-per-node 2 scripts/profile_backends.py --backends reference,a2a --tokens 8,16 \
+        --hidden 128 --num-experts 16 --topk 2
+
+For each tokens-per-rank value, every backend runs the same inputs once to be checked bit for bit
+against the first backend listed, then ``--warmup`` + ``--iters`` timed dispatch and combine calls
+(the public calls, host work and syncs included); the slowest rank's median counts. A table per shape
+shows each backend's times (or why it was excluded) and the choice: the least dispatch + combine
+time. ``--cache`` keeps the choices per (device, world, local world, tokens, hidden, top-k, experts,
+dtype) so a later run reuses them; ``--out-json`` writes every table's numbers.
+
+Constraints: those of ``EpConfig`` (see README); ``cute`` needs GPUs with NVSHMEM; tokens per rank
+<= 65536. Exit 0 when every shape has a backend that passed, 1 otherwise, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cute_ep.bench_report import parse_int_list, parse_name_list
+from cute_ep.bootstrap.dist_env import DistEnv
+from cute_ep.bootstrap.runtime import Runtime
+from cute_ep.cli import (
+    BACKENDS,
+    DTYPES,
+    EXIT_FAIL,
+    EXIT_PASS,
+    Printer,
+    UsageError,
+    config_from_args,
+    make_buffer,
+    script_main,
+    world_banner,
+)
+from cute_ep.kernels.config import EpConfig
+from cute_ep.profiler import ProfileCache, choose, format_table, profile
+
+MAX_TOKENS_PER_RANK = 256 * 256  # make_inputs writes the token id into two bf16-exact columns
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="See the module docstring (To run / Constraints).",
+    )
+    p.add_argument("--backends", default="cute,a2a", help=f"comma list from {list(BACKENDS)}; the first "
+                   "is the correctness reference for the others")
+    p.add_argument("--tokens", default="128,4096", help="comma list of tokens per rank")
+    p.add_argument("--hidden", type=int, default=7168, help="elements per row (H)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token (K)")
+    p.add_argument("--num-experts", type=int, default=256, help="experts in total (E)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="row element type")
+    p.add_argument("--iters", type=int, default=10, help="timed calls per backend and shape")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls before them")
+    p.add_argument("--seed", type=int, default=0, help="input seed")
+    p.add_argument("--cache", metavar="PATH", help="JSON file of choices per shape (read, then updated)")
+    p.add_argument("--out-json", metavar="PATH", help="write every shape's table here (rank 0)")
+    p.add_argument("--local-world-size", type=int, default=None, help="ranks per (virtual) node")
+    p.add_argument("--num-sms", type=int, default=None, help="CTAs of the cute kernels")
+    p.add_argument("--timeout-s", type=float, default=None, help="longest wait for a peer (cute)")
+    p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
+    return p
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    try:
+        args.backend_list = parse_name_list(args.backends, "--backends", BACKENDS)
+        args.token_list = parse_int_list(args.tokens, "--tokens")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if max(args.token_list) > MAX_TOKENS_PER_RANK:
+        raise UsageError(f"--tokens values must be <= {MAX_TOKENS_PER_RANK}, got {max(args.token_list)}")
+    if args.iters < 1 or args.warmup < 0:
+        raise UsageError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+
+
+def make_config(args: argparse.Namespace, env: DistEnv) -> EpConfig:
+    return config_from_args(args, env, max_tokens=max(args.token_list))
+
+
+def _factories(args: argparse.Namespace, runtime: Runtime) -> dict[str, Any]:
+    """name -> buffer factory; the cute buffers share one compiled-module registry (one compile)."""
+    registry = None
+    if "cute" in args.backend_list:
+        from cute_ep.bootstrap.compile import ModuleRegistry
+
+        registry = ModuleRegistry(device_id=runtime.env.local_rank)
+        runtime.add_finalizer(registry.finalize_all)
+
+    def factory(name: str) -> Any:
+        if name == "cute":
+            from cute_ep.buffer import EpBuffer
+
+            return lambda cfg: EpBuffer(runtime, cfg, registry=registry)
+        return lambda cfg: make_buffer(name, runtime, cfg)
+
+    return {name: factory(name) for name in args.backend_list}
+
+
+def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
+    say = Printer(env.rank)
+    gpu = "cute" in args.backend_list or ("a2a" in args.backend_list and torch.cuda.is_available())
+    backend = "nvshmem" if gpu else "gloo"
+    with Runtime(env, symmetric_bytes=cfg.symmetric_bytes() if gpu else 0, backend=backend) as runtime:
+        say(world_banner("profile_backends", ",".join(args.backend_list), env, cfg, runtime=backend),
+            f"shapes: tokens/rank {args.token_list}, hidden {cfg.hidden}, top-k {cfg.topk}, experts "
+            f"{cfg.num_experts}, {args.dtype}; {args.warmup} warm-up + {args.iters} timed calls")
+        factories = _factories(args, runtime)
+        cache = ProfileCache(args.cache) if args.cache else None
+        tables, code = [], EXIT_PASS
+        for tokens in args.token_list:
+            common = dict(iters=args.iters, warmup=args.warmup, seed=args.seed)
+            if cache is not None:
+                name, buf = choose(runtime, cfg, factories, tokens=tokens, cache=cache, say=say, **common)
+                buf.close()
+                tables.append({"tokens": tokens, "winner": name})
+                continue
+            result = profile(runtime, cfg, factories, tokens=tokens, **common)
+            say(format_table(result))
+            tables.append({"tokens": tokens, **result.to_json()})
+            if result.winner is None:
+                code = EXIT_FAIL
+        if args.out_json and env.rank == 0:
+            Path(args.out_json).write_text(json.dumps(tables, indent=1) + "\n")
+            say(f"written to {args.out_json}")
+        runtime.barrier()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    return script_main(argv, build_parser, validate_args, make_config, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
