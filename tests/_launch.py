@@ -111,3 +111,14 @@ def launch_ranks(*argv: Arg, world: int, timeout: float, **env: str) -> tuple[li
                 p.kill()
                 p.wait()
     return [p.returncode for p in procs], "\n".join(out)
+
+
+def worker_results(worker: Arg, world: int, out_dir: Path, *, timeout: float) -> list[dict]:
+    """Run a torchrun ``worker`` that writes ``OUT_DIR/rank{r}.json`` on every rank (its argument is the
+    folder), assert it exited 0, and return the ranks' JSON objects in rank order."""
+    import json
+
+    proc = torchrun(worker, world, out_dir, timeout=timeout)
+    tail = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{tail}"
+    return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]

@@ -10,14 +10,13 @@ process, without a process group.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import torchrun
+from _launch import worker_results
 
 from cute_ep.a2a_backend import A2aDispatchHandle, A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
@@ -40,11 +39,7 @@ needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 @pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
 def ranks(request, tmp_path_factory) -> list[dict]:
     world = request.param
-    out = tmp_path_factory.mktemp(f"a2a{world}")
-    proc = torchrun(WORKER, world, out, timeout=120)
-    tail = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{tail}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return worker_results(WORKER, world, tmp_path_factory.mktemp(f"a2a{world}"), timeout=120)
 
 
 @needs_gloo

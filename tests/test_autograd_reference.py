@@ -7,12 +7,11 @@ the same calls, so the same functions run on it (tests/gpu/test_autograd.py).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from _launch import torchrun
+from _launch import worker_results
 
 WORKER = Path(__file__).with_name("_torchrun_autograd_worker.py")
 
@@ -22,11 +21,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 @pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
 def ranks(request, tmp_path_factory) -> list[dict]:
     world = request.param
-    out = tmp_path_factory.mktemp(f"autograd{world}")
-    proc = torchrun(WORKER, world, out, timeout=240)
-    tail = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{tail}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return worker_results(WORKER, world, tmp_path_factory.mktemp(f"autograd{world}"), timeout=240)
 
 
 def test_forward_matches_the_dense_moe(ranks):

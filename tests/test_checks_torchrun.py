@@ -6,13 +6,12 @@ per rank; the assertions live here.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import torchrun
+from _launch import worker_results
 
 from cute_ep.validators.checks import check_combine, check_dispatch, format_summary
 from cute_ep.validators.inputs import make_inputs
@@ -32,12 +31,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("checks")
-    proc = torchrun(WORKER, WORLD, out, timeout=120)
-    assert proc.returncode == 0, (
-        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    )
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return worker_results(WORKER, WORLD, tmp_path_factory.mktemp("checks"), timeout=120)
 
 
 def _all(ranks, name, key):
