@@ -9,20 +9,32 @@ registration with a bound on how many are alive, and a CPU mode that compiles fo
   ``Runtime.add_finalizer`` (``EpBuffer`` does for the registry it makes).
 - CPU mode (``use_cpu_target``): NVSHMEM picks its bitcode from the current GPU's architecture and
   CuTe DSL compiles for the detected GPU; with no GPU both are pinned to sm_90.
+- Disk cache (``ObjectCache``, opt-in with ``CUTE_EP_COMPILE_CACHE=DIR``): a compiled module is saved
+  as an object file (``dump_to_object``) and later processes load it (``cute.runtime.load_module``, a
+  few ms) instead of compiling again (tens of seconds per dtype, NVSHMEM's device library is linked
+  in). Files are named by the key and a fingerprint of everything that shapes the code: the kernel
+  sources, the DSL and nvshmem4py versions and the target architecture, so a stale file is never
+  loaded. Loading a cached module on a GPU host (and registering it with NVSHMEM) has not been run
+  yet: the cache is off unless asked for.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 CPU_TARGET_ARCH = "sm_90"
 DEFAULT_MAX_ALIVE = 3
+CACHE_ENV = "CUTE_EP_COMPILE_CACHE"
+KERNEL_SOURCES = Path(__file__).resolve().parents[1] / "kernels"
 
 
 def use_cpu_target(arch: str = CPU_TARGET_ARCH) -> None:
@@ -52,22 +64,104 @@ def compile_kernel(fn: Callable, *args: Any, options: str | None = None):
     return cute.compile(fn, *args)
 
 
+def target_arch() -> str:
+    """The architecture compiled for: CUTE_DSL_ARCH if set (CPU mode sets it), else the current GPU's."""
+    arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch:
+        return arch
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}"
+    return CPU_TARGET_ARCH
+
+
+def code_fingerprint(sources: Path = KERNEL_SOURCES, arch: str | None = None) -> str:
+    """sha256 over the kernel sources (*.py under ``sources``), the DSL and nvshmem4py versions and the
+    target architecture: what a cached object file must match to be loaded."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    h = hashlib.sha256()
+    for path in sorted(sources.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for dist in ("nvidia-cutlass-dsl", "nvshmem4py-cu13"):
+        try:
+            h.update(f"{dist}={version(dist)}".encode())
+        except PackageNotFoundError:
+            h.update(f"{dist}=absent".encode())
+    h.update((arch or target_arch()).encode())
+    return h.hexdigest()
+
+
+class ObjectCache:
+    """Compiled modules as object files in ``folder`` (see the module docstring)."""
+
+    def __init__(self, folder: str | os.PathLike, fingerprint: str | None = None) -> None:
+        self.folder = Path(folder)
+        self.fingerprint = fingerprint or code_fingerprint()
+
+    @classmethod
+    def from_env(cls) -> ObjectCache | None:
+        """The cache named by $CUTE_EP_COMPILE_CACHE, or None when it is unset or empty."""
+        folder = os.environ.get(CACHE_ENV)
+        return cls(folder) if folder else None
+
+    @staticmethod
+    def prefix(key: tuple) -> str:
+        """A C identifier naming the module's functions inside its object file."""
+        return "cute_ep_" + re.sub(r"[^0-9A-Za-z]+", "_", "_".join(map(str, key))).strip("_")
+
+    def path(self, key: tuple) -> Path:
+        return self.folder / f"{self.prefix(key)}-{self.fingerprint[:16]}.o"
+
+    def load(self, key: tuple) -> Any | None:
+        """The cached compiled function of ``key``, or None (absent, or unreadable: then logged)."""
+        path = self.path(key)
+        if not path.is_file():
+            return None
+        try:
+            import cutlass.cute as cute
+
+            module = cute.runtime.load_module(str(path))
+            compiled = module[self.prefix(key)]
+        except Exception as exc:  # a damaged file is recompiled and overwritten
+            log.warning("compile cache: cannot load %s (%s); compiling instead", path, exc)
+            return None
+        compiled._cute_ep_module = module  # the loaded engine lives as long as the function
+        return compiled
+
+    def store(self, key: tuple, compiled: Any) -> Path:
+        """Write ``compiled`` for ``key`` (atomically: concurrent ranks may store the same file)."""
+        path = self.path(key)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(compiled.dump_to_object(self.prefix(key)))
+        os.replace(tmp, path)
+        return path
+
+
 class ModuleRegistry:
     """Compile cache keyed by explicit tuples; registers each module with NVSHMEM on a GPU host.
 
-    ``register=False`` (CPU mode, or kernels without NVSHMEM calls) only caches.
+    ``register=False`` (CPU mode, or kernels without NVSHMEM calls) only caches. ``disk``: an
+    ``ObjectCache`` to load compiled modules from and store them in (default: $CUTE_EP_COMPILE_CACHE,
+    else none).
     """
 
     def __init__(
-        self, *, register: bool = True, max_alive: int = DEFAULT_MAX_ALIVE, device_id: int | None = None
+        self, *, register: bool = True, max_alive: int = DEFAULT_MAX_ALIVE, device_id: int | None = None,
+        disk: ObjectCache | None = None,
     ) -> None:
         if max_alive < 1:
             raise ValueError(f"max_alive must be >= 1, got {max_alive}")
         self.register = register
         self.max_alive = max_alive
         self.device_id = device_id
+        self.disk = disk if disk is not None else ObjectCache.from_env()
         self._entries: OrderedDict[Hashable, tuple[Any, Any]] = OrderedDict()
         self.compiles = 0
+        self.loads = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -86,9 +180,15 @@ class ModuleRegistry:
             old_key, (_, old_lib) = self._entries.popitem(last=False)
             log.info("finalizing NVSHMEM module %r to stay within %d alive", old_key, self.max_alive)
             self._finalize(old_lib)
-        fn, args = build()
-        compiled = compile_kernel(fn, *args)
-        self.compiles += 1
+        compiled = self.disk.load(key) if self.disk is not None else None
+        if compiled is not None:
+            self.loads += 1
+        else:
+            fn, args = build()
+            compiled = compile_kernel(fn, *args)
+            self.compiles += 1
+            if self.disk is not None:
+                log.info("compile cache: stored %s", self.disk.store(key, compiled))
         lib = None
         if self.register:
             compiled, lib = self._register(compiled)

@@ -1,0 +1,75 @@
+"""The on-disk compile cache (bootstrap.compile.ObjectCache): a compiled module round-trips through an
+object file, a second registry loads it instead of compiling, and anything that shapes the code
+(kernel sources, versions, target architecture) changes the file it is looked up in."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from cute_ep.bootstrap import compile as compile_mod
+from cute_ep.bootstrap.compile import CACHE_ENV, ModuleRegistry, ObjectCache, code_fingerprint, use_cpu_target
+from cute_ep.kernels.config import EpConfig
+from cute_ep.kernels.host import build
+
+CFG = EpConfig(world_size=2, local_world_size=1, num_experts=8, topk=2, hidden=128, dtype=torch.float32,
+               max_tokens=16, num_sms=4)
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """A registry with a disk cache compiles once and stores the module."""
+    use_cpu_target()
+    cache = ObjectCache(tmp_path_factory.mktemp("objects"))
+    reg = ModuleRegistry(register=False, disk=cache)
+    compiled = reg.get(CFG.compile_key(), lambda: build(CFG))
+    return cache, reg, compiled
+
+
+def test_a_compile_is_stored_as_an_object_file(stored):
+    cache, reg, _ = stored
+    path = cache.path(CFG.compile_key())
+    assert reg.compiles == 1 and reg.loads == 0
+    assert path.is_file() and path.stat().st_size > 100_000
+    assert path.name.startswith("cute_ep_ep_module_torch_float32-")
+
+
+def test_a_second_registry_loads_instead_of_compiling(stored):
+    cache, _, first = stored
+    reg = ModuleRegistry(register=False, disk=ObjectCache(cache.folder, cache.fingerprint))
+    loaded = reg.get(CFG.compile_key(), lambda: pytest.fail("must not compile"))
+    assert reg.loads == 1 and reg.compiles == 0
+    assert type(loaded) is type(first) and loaded.has_gpu_module  # a GPU module with its launcher
+    assert reg.get(CFG.compile_key(), lambda: pytest.fail("cached in memory")) is loaded
+
+
+def test_a_damaged_file_is_recompiled_and_replaced(stored, tmp_path, monkeypatch):
+    cache, _, first = stored
+    other = ObjectCache(tmp_path, cache.fingerprint)
+    shutil.copy(cache.path(CFG.compile_key()), other.path(CFG.compile_key()))
+    other.path(CFG.compile_key()).write_bytes(b"not an object file")
+    # The "recompile" hands back the module compiled above (a real compile takes ~40 s on a CPU).
+    monkeypatch.setattr(compile_mod, "compile_kernel", lambda fn, *args: first)
+    reg = ModuleRegistry(register=False, disk=other)
+    reg.get(CFG.compile_key(), lambda: (None, ()))
+    assert reg.compiles == 1 and other.path(CFG.compile_key()).stat().st_size > 100_000
+
+
+def test_the_fingerprint_follows_sources_and_arch(tmp_path):
+    src = tmp_path / "kernels"
+    src.mkdir()
+    (src / "a.py").write_text("x = 1\n")
+    base = code_fingerprint(src, arch="sm_90")
+    assert code_fingerprint(src, arch="sm_90") == base
+    assert code_fingerprint(src, arch="sm_100") != base
+    (src / "a.py").write_text("x = 2\n")
+    assert code_fingerprint(src, arch="sm_90") != base
+
+
+def test_the_cache_is_opt_in(monkeypatch, tmp_path):
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    assert ModuleRegistry(register=False).disk is None
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    assert ModuleRegistry(register=False).disk.folder == tmp_path
