@@ -1,11 +1,12 @@
-"""Small device helpers shared by the kernels: exact fp32 arithmetic, system-scope loads, views.
+"""Small device helpers shared by the kernels: exact fp32 arithmetic, system-scope loads, views, row
+copies and bounded waits.
 
 Why these exist:
 - ``mul_rn``/``add_rn``: a plain ``a * b + c`` may be contracted into an FMA by the compiler (one
   rounding instead of two). Combine promises bit-identity with the fixed-order torch reference,
   which rounds the product and the sum separately, so the kernels spell both roundings out.
-- ``ld_volatile_*``: values written by other GPUs (counts, peers' rows) must not come from a stale
-  L1 line; a volatile global load always goes to the memory system.
+- ``ld_volatile_i32``: values written by other GPUs (counts) or by other CTAs (the fault record) must
+  not come from a stale L1 line; a volatile global load always goes to the memory system.
 - ``elem_view``: NVSHMEM's CuTe FFIs accept a pointer whose alignment is exactly the element size,
   while 128-bit vector copies want a 16-byte aligned view of the same bytes.
 """
@@ -21,8 +22,6 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 # NVSHMEM enum values used on the device (taken from nvshmem4py so they can never drift).
 SIGNAL_SET = int(_nvshmem_core.SignalOp.SIGNAL_SET)
-SIGNAL_ADD = int(_nvshmem_core.SignalOp.SIGNAL_ADD)
-CMP_GE = int(_nvshmem_core.ComparisonType.CMP_GE)
 
 
 def _asm(ret, args, text: str, constraints: str, side_effects: bool = False):
@@ -68,15 +67,6 @@ def ld_volatile_i32(addr: Int64, *, loc=None, ip=None) -> Int32:
 def fence_sys(*, loc=None, ip=None) -> None:
     """Order this thread's earlier writes before its later ones for every observer in the system."""
     _asm(None, [], "fence.sc.sys;", "", side_effects=True)
-
-
-@dsl_user_op
-def atomic_add_i32(addr: Int64, val: Int32, *, loc=None, ip=None) -> Int32:
-    """Device-scope atomic add on a raw global address; returns the old value."""
-    return Int32(
-        _asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip), Int32(val).ir_value(loc=loc, ip=ip)],
-             "atom.add.global.s32 $0, [$1], $2;", "=r,l,r", side_effects=True)
-    )
 
 
 @cute.jit
