@@ -45,6 +45,7 @@ __all__ = [
     "make_buffer",
     "print_run_error",
     "report",
+    "run_guarded",
     "runtime_backend",
     "script_main",
     "world_banner",
@@ -191,9 +192,8 @@ def script_main(
     (``UsageError`` / ``ConfigError`` / ``DistEnvError``: exit 2, printed once, or by every rank for a
     launch error that may differ per rank), then ``run`` and return its status. A bad heap size
     (checked when the Runtime starts, on every rank alike) exits 2 with one message; any other
-    exception is printed by the rank that got it and exits 1."""
+    exception is printed by the rank that got it and exits 1 (``run_guarded``)."""
     from cute_ep.bootstrap.dist_env import DistEnv, DistEnvError
-    from cute_ep.bootstrap.runtime import HeapConfigError
     from cute_ep.kernels.config import ConfigError
 
     args = build_parser().parse_args(argv)
@@ -206,6 +206,20 @@ def script_main(
         if rank_hint == "0" or isinstance(exc, DistEnvError):
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    return run_guarded(run, args, env, cfg)
+
+
+def run_guarded(
+    run: Callable[[argparse.Namespace, DistEnv, EpConfig], int],
+    args: argparse.Namespace,
+    env: DistEnv,
+    cfg: EpConfig,
+) -> int:
+    """``run(args, env, cfg)``'s status, with the scripts' handling of what escapes it: a bad heap size
+    (the same on every rank) exits 2 with rank 0's message; any other exception is printed by the rank
+    that got it (``--traceback`` for the traceback) and exits 1."""
+    from cute_ep.bootstrap.runtime import HeapConfigError
+
     try:
         return run(args, env, cfg)
     except HeapConfigError as exc:

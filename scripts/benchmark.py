@@ -482,9 +482,9 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
 
 def run(args: argparse.Namespace) -> int:
     from cute_ep.bootstrap.dist_env import DistEnv, DistEnvError
-    from cute_ep.bootstrap.runtime import HeapConfigError, Runtime
-    from cute_ep.cli import DTYPES, Printer, launch_rank, print_run_error
-    from cute_ep.kernels.config import MODES, ConfigError, EpConfig
+    from cute_ep.bootstrap.runtime import Runtime
+    from cute_ep.cli import Printer, config_from_args, launch_rank, run_guarded
+    from cute_ep.kernels.config import MODES, ConfigError
     from cute_ep.validators.inputs import ROUTINGS
 
     rank_hint = launch_rank()
@@ -492,27 +492,17 @@ def run(args: argparse.Namespace) -> int:
         if set(args.routing_list) - set(ROUTINGS) or set(args.mode_list) - set(MODES):
             raise UsageError(f"routings must be in {ROUTINGS} and modes in {sorted(MODES)}")
         env = DistEnv.from_environ(local_world_size=args.local_world_size)
-        cfg = EpConfig(
-            world_size=env.world_size, local_world_size=env.local_world_size, num_experts=args.num_experts,
-            topk=args.topk, hidden=args.hidden, dtype=DTYPES[args.dtype], max_tokens=max(args.token_list),
-            num_sms=args.num_sms,
-        )  # fmt: skip
+        cfg = config_from_args(args, env, max_tokens=max(args.token_list))
     except (UsageError, ConfigError, DistEnvError) as exc:
         if rank_hint == "0" or isinstance(exc, DistEnvError):
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
 
-    say = Printer(env.rank)
-    try:
+    def timed_sweep(args: argparse.Namespace, env: Any, cfg: Any) -> int:
         with Runtime(env, symmetric_bytes=cfg.symmetric_bytes()) as runtime:
-            return sweep(args, cfg, runtime, say)
-    except HeapConfigError as exc:  # a bad NVSHMEM_SYMMETRIC_SIZE, the same on every rank
-        if env.rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    except Exception as exc:
-        print_run_error(env.rank, exc, args.traceback)
-        return EXIT_FAIL
+            return sweep(args, cfg, runtime, Printer(env.rank))
+
+    return run_guarded(timed_sweep, args, env, cfg)
 
 
 def sweep(

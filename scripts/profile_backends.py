@@ -26,8 +26,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from cute_ep.bench_report import parse_int_list, parse_name_list
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
@@ -40,6 +38,7 @@ from cute_ep.cli import (
     UsageError,
     config_from_args,
     make_buffer,
+    runtime_backend,
     script_main,
     world_banner,
 )
@@ -113,7 +112,8 @@ def _factories(args: argparse.Namespace, runtime: Runtime) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
     say = Printer(env.rank)
-    gpu = "cute" in args.backend_list or ("a2a" in args.backend_list and torch.cuda.is_available())
+    # One Runtime serves every candidate: NVSHMEM (with NCCL) as soon as one of them needs it.
+    gpu = any(runtime_backend(name) == "nvshmem" for name in args.backend_list)
     backend = "nvshmem" if gpu else "gloo"
     with Runtime(env, symmetric_bytes=cfg.symmetric_bytes() if gpu else 0, backend=backend) as runtime:
         say(world_banner("profile_backends", ",".join(args.backend_list), env, cfg, runtime=backend),
