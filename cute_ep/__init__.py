@@ -2,7 +2,8 @@
 
 The front door (imported on first use, so ``import cute_ep`` stays light):
   cute_ep.EpConfig, cute_ep.EpBuffer, cute_ep.DispatchResult, cute_ep.DispatchHandle,
-  cute_ep.PeerTimeout, cute_ep.KernelDidNotRun, cute_ep.ReferenceEpBuffer (same API on the CPU),
+  cute_ep.PeerTimeout, cute_ep.CapacityExceeded, cute_ep.KernelDidNotRun,
+  cute_ep.ReferenceEpBuffer (same API on the CPU),
   cute_ep.A2aEpBuffer (same API on all_to_all_single: NCCL or gloo),
   cute_ep.ReplicaMap (hot-expert replication), cute_ep.autograd (differentiable dispatch / combine).
 
@@ -25,6 +26,7 @@ _EXPORTS = {
     "DispatchResult": "cute_ep.buffer",
     "DispatchHandle": "cute_ep.buffer",
     "PeerTimeout": "cute_ep.buffer",
+    "CapacityExceeded": "cute_ep.buffer",
     "KernelDidNotRun": "cute_ep.buffer",
     "ReferenceEpBuffer": "cute_ep.reference_backend",
     "A2aEpBuffer": "cute_ep.a2a_backend",

@@ -14,9 +14,10 @@ and the same fp32 combine order.
 
 Dispatch (one rank's view; every step is collective):
 
-1. count this rank's (t, k) pairs per expert and all-gather the [E] count rows (plus an error flag
-   and the mode) as one small int64 tensor: every rank then knows ``counts[src][e]`` and so the
-   whole layout (offsets, split sizes, the slot of every pair). One host sync reads them.
+1. count this rank's (t, k) pairs per expert and all-gather the [E] count rows (plus an error flag,
+   the mode and the fp8 flag) as one small int64 tensor: every rank then knows ``counts[src][e]``
+   and so the whole layout (offsets, split sizes, the slot of every pair, the pairs kept under
+   expert capacity). One host sync reads them.
 2. sort the valid pairs by expert (stable, so (t, k) row-major inside an expert): since the experts
    of a rank are contiguous, this groups them by destination rank too;
 3. ``all_to_all_single`` the token rows, then an int32 [P, 2] metadata tensor (the weight's fp32
@@ -40,6 +41,17 @@ the dispatch; it does not read ``handle.scatter``.
 Mode "atomic" is accepted and behaves like "scatter": slots are assigned deterministically here (the
 layout is computed from the gathered counts), so both modes give the reference layout; the handle
 keeps the mode it was given.
+
+Expert capacity (``cfg.capacity_factor`` > 0): the gathered count rows say how many pairs every source
+keeps per expert (:func:`cute_ep.validators.capacity.kept_counts`: rank order, then (t, k) order), and
+a source's kept pairs of an expert are its first ones in (t, k) order, so each rank drops its own
+pairs without seeing the others' routing. Dropped pairs get slot -1 and are skipped by combine; the
+drops are counted (``dropped_rows``) and, with ``cfg.on_overflow == "raise"``, raised after the
+result is complete (every rank computes the same counts, so every rank raises).
+
+FP8 (``dispatch(..., fp8=True)``): the sender quantizes its rows and packs them
+(:mod:`cute_ep.validators.fp8`), the all-to-all moves the packed uint8 rows, and the receiver's
+``recv_x`` (float8_e4m3fn) and ``recv_scales`` (fp32) are views of its packed receive rows.
 
 Errors: an invalid input on any rank raises on every rank (the rank at fault gets the shared
 checks' message, the others a message naming it) before any rows move, and the buffer stays usable.
@@ -66,7 +78,9 @@ from cute_ep.buffer import (
 )
 from cute_ep.host_buffer import HostEpBuffer
 from cute_ep.kernels.config import MODES, EpConfig
+from cute_ep.validators.capacity import kept_counts
 from cute_ep.validators.checks import all_gather_objects
+from cute_ep.validators.fp8 import pack_fp8_rows, quantize_fp8
 
 __all__ = ["A2aDispatchHandle", "A2aEpBuffer"]
 
@@ -84,7 +98,7 @@ class _Route:
     send_splits: list[int]  # rows sent to each destination rank
     recv_splits: list[int]  # rows received from each source rank
     slot_of: Tensor | None  # [num_recv] int64: slot of the i-th received row; None: identity
-    back_pos: Tensor  # [T, K] int64: row of (t, k) in what combine receives back; num_send if dropped
+    back_pos: Tensor  # [T, K] int64: row of (t, k) in what combine receives back; num_send if not sent
 
     @property
     def num_send(self) -> int:
@@ -135,14 +149,18 @@ class A2aEpBuffer(HostEpBuffer):
 
     # -- public API ------------------------------------------------------------------------------
 
-    def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor,
-                 mode: str = "scatter") -> DispatchResult:
+    def dispatch(
+        self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter", fp8: bool = False
+    ) -> DispatchResult:
         """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (see EpBuffer.dispatch).
 
         x [T, H] cfg.dtype, topk_idx [T, K] int32/int64 in [-1, E), topk_weights [T, K] fp32, on this
-        rank's device. Returns a ``cute_ep.buffer.DispatchResult`` whose handle is an
-        ``A2aDispatchHandle``; recv_x / recv_weights / recv_src are views valid until the next
-        dispatch. Collective: every rank calls it; invalid inputs on any rank raise on every rank.
+        rank's device. mode "scatter" | "atomic"; fp8: send block-scaled e4m3 rows (H % 128 == 0, the
+        same flag on every rank). Returns a ``cute_ep.buffer.DispatchResult`` whose handle is an
+        ``A2aDispatchHandle``; recv_x / recv_weights / recv_src (and recv_scales with fp8) are views
+        valid until the next dispatch. Collective: every rank calls it; invalid inputs on any rank raise
+        on every rank. Rows dropped beyond ``cfg.expert_capacity`` raise ``CapacityExceeded`` (carrying
+        the result) if ``cfg.on_overflow == "raise"``.
         """
         self._check_open()
         c = self.cfg
@@ -152,6 +170,10 @@ class A2aEpBuffer(HostEpBuffer):
         try:
             if mode not in MODES:
                 raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+            if not isinstance(fp8, bool):
+                raise ValueError(f"fp8 must be True or False, got {fp8!r}")
+            if fp8:
+                c.check_fp8()
             x, idx, w = check_dispatch_inputs(c, dev, x, topk_idx, topk_weights)
             idx = idx.clone()  # the handle owns its routing: later edits by the caller change nothing
             w = w.clone()
@@ -160,22 +182,32 @@ class A2aEpBuffer(HostEpBuffer):
             key = torch.where(flat < 0, torch.full_like(flat, num_e), flat)
             hist = torch.zeros(num_e + 1, dtype=torch.int64, device=dev)
             hist.scatter_add_(0, key, torch.ones_like(key))  # exact and sync-free (bincount may sync)
-            row = torch.cat([hist[:num_e], torch.tensor([0, MODES[mode]], dtype=torch.int64, device=dev)])
+            tail = torch.tensor([0, MODES[mode], int(fp8)], dtype=torch.int64, device=dev)
+            row = torch.cat([hist[:num_e], tail])
         except Exception as exc:  # the peers must still learn of it in the same collective
             error = exc
-            row = torch.zeros(num_e + 2, dtype=torch.int64, device=dev)
+            row = torch.zeros(num_e + 3, dtype=torch.int64, device=dev)
             row[num_e] = 1
             row[num_e + 1] = _NO_MODE
-        table = self._gather_rows(row)  # [R, E + 2] int64 on the CPU
+            row[num_e + 2] = -1
+        table = self._gather_rows(row)  # [R, E + 3] int64 on the CPU
         self._raise_gathered(table[:, num_e].tolist(), error, "dispatch: invalid inputs on another rank")
         modes = table[:, num_e + 1].tolist()
         if any(m != modes[0] for m in modes):
             names = [_MODE_NAMES.get(m, m) for m in modes]
             raise ValueError(f"dispatch: every rank must use the same mode, got {names}")
+        flags = [bool(f) for f in table[:, num_e + 2].tolist()]
+        if any(f != flags[0] for f in flags):
+            raise ValueError(f"dispatch: every rank must pass the same fp8 flag, got {flags} (by rank)")
 
-        counts = table[:, :num_e]  # [R_src, E]
+        routed = table[:, :num_e]  # [R_src, E]: pairs routed, before capacity
+        limited = c.capacity_factor > 0
+        # What every source keeps of every expert: sources in rank order, each its first pairs.
+        counts = kept_counts(routed, c.expert_capacity) if limited else routed
         c3 = counts.view(world, world, el)  # [src, dst, local expert]
         per_dst = c3.sum(dim=(0, 2))
+        # Cannot happen with cfg.capacity >= cfg.required_capacity (EpConfig enforces it); kept for a
+        # configuration whose capacity was forced lower.
         over = [(d, int(n)) for d, n in enumerate(per_dst.tolist()) if n > c.capacity]
         if over:
             raise ValueError(
@@ -189,30 +221,41 @@ class A2aEpBuffer(HostEpBuffer):
         groups = c3.permute(1, 2, 0).reshape(world, el * world)
         offsets = (torch.cumsum(groups, dim=1) - groups).view(world, el, world)  # [dst, l, src]
 
-        # -- send side: valid pairs sorted by expert, (t, k) row-major inside an expert -------------
+        # -- send side: kept pairs sorted by expert, (t, k) row-major inside an expert ---------------
         t = x.shape[0]
         order = torch.sort(key, stable=True).indices
-        send_order = order[:n_send]  # flat t * K + k of every pair sent, in send order
-        e_sorted = key[send_order]
         mine = counts[rank]
-        first_of_e = (torch.cumsum(mine, 0) - mine).to(dev)
+        first_of_e = (torch.cumsum(mine, 0) - mine).to(dev)  # first send position of expert e
+        arange = torch.arange(n_send, device=dev)
+        if limited:
+            # Expert e's kept pairs are the first mine[e] of its sorted run: skip the dropped tails.
+            routed_mine = routed[rank]
+            first_routed = (torch.cumsum(routed_mine, 0) - routed_mine).to(dev)
+            skip = torch.repeat_interleave(first_routed - first_of_e, mine.to(dev), output_size=n_send)
+            send_order = order[arange + skip]
+        else:
+            send_order = order[:n_send]  # flat t * K + k of every pair sent, in send order
+        e_sorted = key[send_order]
         first_slot_e = offsets[:, :, rank].reshape(num_e).to(dev)  # slot of expert e's first row from me
-        slot_sorted = first_slot_e[e_sorted] + torch.arange(n_send, device=dev) - first_of_e[e_sorted]
+        slot_sorted = first_slot_e[e_sorted] + arange - first_of_e[e_sorted]
         scatter = torch.full((t * k_top,), -1, dtype=torch.int64, device=dev)
         scatter[send_order] = slot_sorted
         back_pos = torch.full((t * k_top,), n_send, dtype=torch.int64, device=dev)
-        back_pos[send_order] = torch.arange(n_send, device=dev)
+        back_pos[send_order] = arange
 
-        x_send = x.index_select(0, torch.div(send_order, k_top, rounding_mode="floor"))
+        # With fp8 the packed rows travel: each token quantized once, before the per-k copies.
+        rows = pack_fp8_rows(*quantize_fp8(x), c.fp8_row_bytes) if fp8 else x
+        x_send = rows.index_select(0, torch.div(send_order, k_top, rounding_mode="floor"))
         tags = send_order + rank * c.max_tokens * k_top  # (rank * M + t) * K + k, < 2**31 (EpConfig)
         meta_send = torch.stack([w.reshape(-1)[send_order].view(torch.int32), tags.to(torch.int32)], dim=1)
 
         # -- receive side --------------------------------------------------------------------------
         self._ensure_rows(n_recv)
+        dest = self._fp8_rows(n_recv) if fp8 else self.recv_x[:n_recv]
         identity = el == 1 or world == 1  # source-major order is already expert-major
         if identity:
             slot_of = None
-            x_recv = self.recv_x[:n_recv]
+            x_recv = dest
         else:
             sizes = c3[:, rank, :].reshape(-1)  # blocks in receive order: (source, local expert)
             slot_start = offsets[rank].t().reshape(-1)  # [src, l]: first slot of each block
@@ -220,7 +263,7 @@ class A2aEpBuffer(HostEpBuffer):
             shift = torch.repeat_interleave((slot_start - pos_start).to(dev), sizes.to(dev),
                                             output_size=n_recv)
             slot_of = shift + torch.arange(n_recv, device=dev)
-            x_recv = torch.empty((n_recv, c.hidden), dtype=c.dtype, device=dev)
+            x_recv = torch.empty_like(dest)
         meta_recv = torch.empty((n_recv, 2), dtype=torch.int32, device=dev)
         self._all_to_all(x_recv, x_send, recv_splits, send_splits)
         self._all_to_all(meta_recv, meta_send, recv_splits, send_splits)
@@ -229,17 +272,23 @@ class A2aEpBuffer(HostEpBuffer):
             w_bits.copy_(meta_recv[:, 0])
             src_tags.copy_(meta_recv[:, 1])
         else:
-            self.recv_x[:n_recv].index_copy_(0, slot_of, x_recv)
+            dest.index_copy_(0, slot_of, x_recv)
             w_bits.index_copy_(0, slot_of, meta_recv[:, 0])
             src_tags.index_copy_(0, slot_of, meta_recv[:, 1])
+        recv_x, recv_scales = self._fp8_views(n_recv) if fp8 else (dest, None)
 
         tpe = c3[:, rank, :].sum(dim=0).to(device=dev, dtype=torch.int32)
         route = _Route(self._token, self._calls, idx, send_splits, recv_splits, slot_of,
                        back_pos.view(t, k_top))
         self._calls += 1
         handle = A2aDispatchHandle(idx, w, scatter.view(t, k_top).to(torch.int32), t, mode, _route=route)
-        return DispatchResult(self.recv_x[:n_recv], self.recv_w[:n_recv], self.recv_src[:n_recv], tpe,
-                              n_recv, handle)
+        result = DispatchResult(
+            recv_x, self.recv_w[:n_recv], self.recv_src[:n_recv], tpe, n_recv, handle, recv_scales
+        )
+        if limited:
+            self._add_dropped(routed.sum(dim=0) - counts.sum(dim=0))
+        self.check_capacity(result)
+        return result
 
     def combine(self, y: Tensor, handle: DispatchHandle) -> Tensor:
         """out[t] = sum over k ascending of topk_weights[t, k] * y_owner[slot(t, k)] (fp32, then
@@ -286,7 +335,8 @@ class A2aEpBuffer(HostEpBuffer):
         t = handle.num_tokens
         acc = torch.zeros((t, c.hidden), dtype=torch.float32, device=dev)
         for k in range(c.topk):
-            valid = idx[:, k] >= 0
+            # A pair dropped by capacity was never sent (back_pos == n_send): skipped like a -1 id.
+            valid = (idx[:, k] >= 0) & (route.back_pos[:, k] < n_send)
             yk = got.index_select(0, route.back_pos[:, k])
             # Two separate fp32 ops: the product is rounded before the add (reference_combine).
             prod = w[:, k][:, None] * yk.float()

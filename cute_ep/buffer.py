@@ -31,6 +31,7 @@ import torch
 
 from cute_ep.kernels.config import (
     FAULT_WORDS,
+    FP8_BLOCK,
     MODES,
     OP_COMBINE,
     OP_DISPATCH,
@@ -54,7 +55,45 @@ class PeerTimeout(RuntimeError):
         self.call = call
 
 
+class CapacityExceeded(RuntimeError):
+    """Rows were dropped because experts received more than ``cfg.expert_capacity`` (capacity_factor).
+
+    dropped: {global expert: rows dropped} since the last check; total: their sum; result: the
+    ``DispatchResult`` of the call that raised (complete and consistent: combine skips the dropped
+    pairs), or None when raised by ``check_capacity`` after ``launch_dispatch``. Every rank raises alike.
+    """
+
+    def __init__(self, message: str, *, dropped: dict[int, int], result: Any = None) -> None:
+        super().__init__(message)
+        self.dropped = dropped
+        self.total = sum(dropped.values())
+        self.result = result
+
+
+def capacity_error(cfg: EpConfig, dropped: torch.Tensor, result: Any = None) -> CapacityExceeded | None:
+    """The ``CapacityExceeded`` to raise for per-expert drop counts ``dropped`` [E] (None: none dropped).
+    One message for every backend."""
+    counts = {int(e): int(n) for e, n in enumerate(dropped.tolist()) if n}
+    if not counts:
+        return None
+    el = cfg.experts_per_rank
+    shown = ", ".join(f"expert {e} (rank {e // el}): {n}" for e, n in list(counts.items())[:8])
+    more = f", and {len(counts) - 8} more experts" if len(counts) > 8 else ""
+    return CapacityExceeded(
+        f"dispatch dropped {sum(counts.values())} rows beyond expert_capacity={cfg.expert_capacity} "
+        f"(capacity_factor={cfg.capacity_factor:g}): {shown}{more}. The dropped (token, k) pairs are left "
+        f"out of combine; raise capacity_factor, or build the buffer with on_overflow='drop' to drop rows "
+        f"silently (counted by dropped_rows()).",
+        dropped=counts, result=result,
+    )
+
+
 OP_NAMES = {OP_LAYOUT: "layout", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
+
+# Offsets (int32 words) inside EpBuffer's status block.
+STATUS_FAULT = 6
+STATUS_NUM_RECV = STATUS_FAULT + FAULT_WORDS
+STATUS_DROPPED = STATUS_NUM_RECV + 2
 
 
 @dataclass(frozen=True)
@@ -74,9 +113,12 @@ class DispatchHandle:
 
 @dataclass(frozen=True)
 class DispatchResult:
-    """recv_x [num_recv, H] (view of the symmetric buffer, valid until the next dispatch),
+    """recv_x [num_recv, H] (view of the symmetric buffer, valid until the next dispatch): cfg.dtype,
+    or torch.float8_e4m3fn after an FP8 dispatch (a strided view: rows are ``cfg.fp8_row_bytes`` apart);
     recv_weights [num_recv] fp32, recv_src [num_recv] int32 ((src_rank * max_tokens + t) * K + k),
-    tokens_per_expert [E/R] int32 (rows of each local expert, back to back), num_recv, handle."""
+    tokens_per_expert [E/R] int32 (rows of each local expert, back to back), num_recv, handle;
+    recv_scales [num_recv, H / 128] fp32 after an FP8 dispatch (row i, block b of 128 columns is
+    ``recv_x[i, 128 b : 128 (b + 1)].float() * recv_scales[i, b]``), else None."""
 
     recv_x: torch.Tensor
     recv_weights: torch.Tensor
@@ -84,6 +126,7 @@ class DispatchResult:
     tokens_per_expert: torch.Tensor
     num_recv: int
     handle: DispatchHandle
+    recv_scales: torch.Tensor | None = None
 
 
 class EpBuffer:
@@ -126,23 +169,35 @@ class EpBuffer:
         self.stage = sym((c.stage_rows, c.hidden), c.dtype)
         self._symmetric = [self.recv_x, self.recv_y, self.recv_w, self.recv_src, self.recv_from, self.counts,
                            self.signals, self.stage]
+        # Packed FP8 rows of this rank's tokens (kernels/quantize.py): the source of its puts, symmetric.
+        fp8_ok = c.hidden % FP8_BLOCK == 0
+        self.packed = sym((c.max_tokens * c.fp8_row_bytes if fp8_ok else 16,), torch.uint8)
+        self._symmetric.append(self.packed)
         dev = self.device
         i32 = dict(dtype=torch.int32, device=dev)
         self.scatter = torch.full((c.max_tokens * c.topk,), -1, **i32)
         self.send_offsets = torch.zeros(c.num_experts, **i32)
         self.cursor = torch.zeros(c.num_experts, **i32)
+        self.send_limit = torch.zeros(c.num_experts, **i32)
         self.tokens_per_expert = torch.zeros(c.experts_per_rank, **i32)
-        self.num_recv = torch.zeros(1, **i32)
-        self.epochs = torch.zeros(3, dtype=torch.int64, device=dev)
         self.done = torch.zeros(2, **i32)
-        self.fault = torch.zeros(FAULT_WORDS, **i32)  # first timed-out wait, see kernels.ptx.record_fault
+        # Everything the host reads after a call, in one block so that one copy (one sync) reads it:
+        # epochs [3] int64 | fault [FAULT_WORDS] | num_recv [1] | padding | dropped [E].
+        self._status = torch.zeros(STATUS_DROPPED + c.num_experts, **i32)
+        self.epochs = self._status[0:6].view(torch.int64)
+        self.fault = self._status[STATUS_FAULT:STATUS_FAULT + FAULT_WORDS]  # first timed-out wait
+        self.num_recv = self._status[STATUS_NUM_RECV:STATUS_NUM_RECV + 1]
+        self.dropped = self._status[STATUS_DROPPED:]  # rows each expert dropped (capacity), accumulated
         self._calls = [0, 0, 0]  # expected epochs: layout, dispatch, combine
+        self._drops = torch.zeros(c.num_experts, dtype=torch.int64)  # read from the device, not yet reported
         # Signals and counts start at zero on every rank before anyone may signal.
         self.counts.zero_()
         self.signals.zero_()
         self.poison()
         runtime.barrier()  # synchronizes the device first
 
+        self._static_ptrs: dict[str, Any] | None = None  # made at the first launch
+        self._shape_args = c.shape_args()
         self._empty_x = torch.empty((1, c.hidden), dtype=c.dtype, device=dev)
         self._empty_i = torch.empty((1, c.topk), dtype=torch.int32, device=dev)
         self._empty_w = torch.empty((1, c.topk), dtype=torch.float32, device=dev)
@@ -157,41 +212,68 @@ class EpBuffer:
         self.recv_src.fill_(-1)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 mode: str = "scatter") -> DispatchResult:
+                 mode: str = "scatter", fp8: bool = False) -> DispatchResult:
         """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]``.
 
         x [T, H] cfg.dtype, topk_idx [T, K] int32/int64 in [-1, E) (-1: dropped), topk_weights
         [T, K] fp32, all contiguous on this rank's GPU. mode "scatter" (deterministic order) or
-        "atomic" (slots taken with an atomic add on the sender). Collective: every rank calls it.
+        "atomic" (slots taken with an atomic add on the sender). fp8: quantize rows to e4m3 with one
+        fp32 scale per 128 columns on the sender (needs H % 128 == 0; see DispatchResult). Collective:
+        every rank calls it with the same mode and fp8.
+
+        Rows beyond ``cfg.expert_capacity`` are dropped (capacity_factor > 0); with on_overflow="raise"
+        this raises ``CapacityExceeded`` (holding the complete result) on every rank.
+        Host syncs: one to check the inputs, one to read the results' sizes and status.
         """
         self._check_open()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        if fp8:
+            self.cfg.check_fp8()
         x, idx, w = check_dispatch_inputs(self.cfg, self.device, x, topk_idx, topk_weights)
         t = x.shape[0]
-        self.launch_dispatch(x, idx, w, mode)
-        num_recv = int(self.num_recv.item())  # host sync: the receive size (sync-free path: issue 5)
-        self._check_ran(OP_LAYOUT, OP_DISPATCH)
+        self.launch_dispatch(x, idx, w, mode, fp8=fp8)
+        status = self._read_status()
+        self._check_ran(status, OP_LAYOUT, OP_DISPATCH)
+        num_recv = status["num_recv"]
         tpe = self.tokens_per_expert.clone()
         scatter = self.scatter[: t * self.cfg.topk].view(t, self.cfg.topk).clone()
         # The handle owns its routing: a caller editing its tensors later cannot change combine.
         handle = DispatchHandle(idx.clone(), w.clone(), scatter, t, mode)
-        return DispatchResult(self.recv_x[:num_recv], self.recv_w[:num_recv], self.recv_src[:num_recv],
-                              tpe, num_recv, handle)
+        recv_x, recv_scales = self.recv_x[:num_recv], None
+        if fp8:
+            recv_x, recv_scales = self.fp8_views(num_recv)
+        result = DispatchResult(recv_x, self.recv_w[:num_recv], self.recv_src[:num_recv], tpe, num_recv,
+                                handle, recv_scales)
+        self._take_drops(status["dropped"], result)
+        return result
+
+    def fp8_views(self, num_recv: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The received FP8 rows and scales in ``recv_x``'s memory after an FP8 dispatch: (q [n, H]
+        float8_e4m3fn, scales [n, H / 128] fp32), strided views (rows ``cfg.fp8_row_bytes`` apart);
+        n = num_recv, or the capacity."""
+        c = self.cfg
+        c.check_fp8()
+        n = c.capacity if num_recv is None else num_recv
+        p = c.fp8_row_bytes
+        rows = self.recv_x.view(torch.uint8).view(-1)[: c.capacity * p].view(c.capacity, p)[:n]
+        scales = rows[:, c.hidden: c.hidden + 4 * c.fp8_scales].view(torch.float32)
+        return rows[:, : c.hidden].view(torch.float8_e4m3fn), scales
 
     def launch_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                        mode: str = "scatter") -> DispatchHandle:
+                        mode: str = "scatter", fp8: bool = False) -> DispatchHandle:
         """Enqueue the layout, dispatch and fan-out kernels on the current stream: no checks, no host
         sync, so the call can be captured in a CUDA graph.
 
-        Arguments must already satisfy ``check_dispatch_inputs`` (topk_idx int32). The results stay in
-        the buffer on the device: ``recv_x`` / ``recv_w`` / ``recv_src`` (first ``num_recv[0]`` rows),
-        ``tokens_per_expert``, ``scatter``. Returns a handle that refers to (does not copy) the given
+        Arguments must already satisfy ``check_dispatch_inputs`` (topk_idx int32, and for fp8
+        ``cfg.check_fp8``). The results stay in the buffer on the device: ``recv_x`` (or ``fp8_views``)
+        / ``recv_w`` / ``recv_src`` (first ``num_recv[0]`` rows), ``tokens_per_expert``, ``scatter``,
+        ``dropped`` (see ``check_capacity``). Returns a handle that refers to (does not copy) the given
         routing tensors and the buffer's ``scatter``: valid for ``launch_combine`` until the next dispatch.
         """
         t = x.shape[0]
         self._launch(OP_LAYOUT, 0, t, x=x, idx=topk_idx, w=topk_weights)
-        self._launch(OP_DISPATCH, MODES[mode], t, x=x, idx=topk_idx, w=topk_weights)
+        self._launch(OP_DISPATCH, MODES[mode], t, x=x, idx=topk_idx, w=topk_weights, fp8=fp8)
         scatter = self.scatter[: t * self.cfg.topk].view(t, self.cfg.topk)
         return DispatchHandle(topk_idx, topk_weights, scatter, t, mode)
 
@@ -222,8 +304,7 @@ class EpBuffer:
             self.recv_y[: y.shape[0]].copy_(y)
         out = torch.empty((handle.num_tokens, c.hidden), dtype=c.dtype, device=self.device)
         self.launch_combine(handle, out)
-        torch.cuda.synchronize(self.device)
-        self._check_ran(OP_COMBINE)
+        self._check_ran(self._read_status(), OP_COMBINE)  # the read waits for the kernel (same stream)
         return out
 
     def close(self) -> None:
@@ -257,44 +338,52 @@ class EpBuffer:
         if self._closed:
             raise RuntimeError("this EpBuffer is closed")
 
-    def _launch(self, op: int, mode: int, num_tokens: int, *, x=None, idx=None, w=None, out=None) -> None:
+    def _launch(self, op: int, mode: int, num_tokens: int, *, x=None, idx=None, w=None, out=None,
+                fp8: bool = False) -> None:
         import cuda.bindings.driver as cuda
 
-        from cute_ep.kernels.host import make_pointers
+        from cute_ep.kernels.host import make_pointer
+        from cute_ep.kernels.module import POINTER_ARGS
 
-        addrs = {
+        if self._static_ptrs is None:
+            # The buffer's own tensors never move: their pointers are made once (host time per call).
+            own = {
+                "scatter": self.scatter, "recv_x": self.recv_x, "recv_y": self.recv_y, "recv_w": self.recv_w,
+                "recv_src": self.recv_src, "recv_from": self.recv_from, "counts": self.counts,
+                "signals": self.signals, "stage": self.stage, "send_offsets": self.send_offsets,
+                "cursor": self.cursor, "send_limit": self.send_limit, "dropped": self.dropped,
+                "packed": self.packed, "tokens_per_expert": self.tokens_per_expert, "num_recv": self.num_recv,
+                "epochs": self.epochs, "done": self.done, "fault": self.fault,
+            }
+            self._static_ptrs = {name: make_pointer(self.cfg, name, t.data_ptr()) for name, t in own.items()}
+        call = {
             "x": (x if x is not None and x.numel() else self._empty_x).data_ptr(),
             "topk_idx": (idx if idx is not None and idx.numel() else self._empty_i).data_ptr(),
             "topk_w": (w if w is not None and w.numel() else self._empty_w).data_ptr(),
-            "scatter": self.scatter.data_ptr(),
             "out": (out if out is not None and out.numel() else self._empty_x).data_ptr(),
-            "recv_x": self.recv_x.data_ptr(),
-            "recv_y": self.recv_y.data_ptr(),
-            "recv_w": self.recv_w.data_ptr(),
-            "recv_src": self.recv_src.data_ptr(),
-            "recv_from": self.recv_from.data_ptr(),
-            "counts": self.counts.data_ptr(),
-            "signals": self.signals.data_ptr(),
-            "stage": self.stage.data_ptr(),
-            "send_offsets": self.send_offsets.data_ptr(),
-            "cursor": self.cursor.data_ptr(),
-            "tokens_per_expert": self.tokens_per_expert.data_ptr(),
-            "num_recv": self.num_recv.data_ptr(),
-            "epochs": self.epochs.data_ptr(),
-            "done": self.done.data_ptr(),
-            "fault": self.fault.data_ptr(),
         }
+        ptrs = [self._static_ptrs[n] if n in self._static_ptrs else make_pointer(self.cfg, n, call[n])
+                for n in POINTER_ARGS]
         stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
-        ptrs = make_pointers(self.cfg, addrs)
-        self.module(op, mode, self.rank, num_tokens, *self.cfg.shape_args(), *ptrs, stream)
+        self.module(op, mode, int(fp8), self.rank, num_tokens, *self._shape_args, *ptrs, stream)
         self._calls[op] += 1
 
-    def check_faults(self) -> None:
+    def _read_status(self) -> dict[str, Any]:
+        """Epochs, fault record, num_recv and drop counts in one device-to-host copy (one sync)."""
+        words = self._status.cpu()
+        return {
+            "epochs": words[0:6].view(torch.int64).tolist(),
+            "fault": words[STATUS_FAULT:STATUS_FAULT + FAULT_WORDS].tolist(),
+            "num_recv": int(words[STATUS_NUM_RECV]),
+            "dropped": words[STATUS_DROPPED:],
+        }
+
+    def check_faults(self, status: dict[str, Any] | None = None) -> None:
         """Raise ``PeerTimeout`` if a kernel of this buffer timed out waiting for a peer (host sync).
 
         ``dispatch`` and ``combine`` call it; after ``launch_*`` calls (e.g. CUDA graph replays) call it
         before trusting the results."""
-        f = self.fault.tolist()
+        f = (status or self._read_status())["fault"]
         if f[0]:
             op, peer, call = OP_NAMES.get(f[1], f"op {f[1]}"), f[2], f[3]
             raise PeerTimeout(
@@ -304,11 +393,38 @@ class EpBuffer:
                 op=op, peer=peer, call=call,
             )
 
-    def _check_ran(self, *ops: int) -> None:
+    def dropped_rows(self) -> torch.Tensor:
+        """Rows dropped beyond ``cfg.expert_capacity`` per global expert ([E] int64 on the CPU) since the
+        last ``dropped_rows``/``check_capacity``/``dispatch`` report; resets the count (host sync)."""
+        counts = self._status[STATUS_DROPPED:].cpu().to(torch.int64)
+        self.dropped.zero_()
+        return counts + self._pending_drops()
+
+    def check_capacity(self, result: Any = None) -> None:
+        """With on_overflow="raise": raise ``CapacityExceeded`` (carrying ``result``, if given) if rows
+        were dropped since the last report (host sync; call it after ``launch_dispatch`` / graph
+        replays). Every rank raises alike. With "drop" the drops stay counted for ``dropped_rows``."""
+        self._take_drops(self._status[STATUS_DROPPED:].cpu(), result)
+
+    def _pending_drops(self) -> torch.Tensor:
+        pending, self._drops = self._drops, torch.zeros(self.cfg.num_experts, dtype=torch.int64)
+        return pending
+
+    def _take_drops(self, dropped: torch.Tensor, result: Any = None) -> None:
+        """Account for device drop counts just read: raise (policy "raise") or keep them for dropped_rows."""
+        if not bool(dropped.any()):
+            return
+        self.dropped.zero_()  # enqueued after the kernels that counted them: the next call counts afresh
+        if self.cfg.on_overflow == "raise":
+            error = capacity_error(self.cfg, dropped.to(torch.int64) + self._pending_drops(), result)
+            raise error
+        self._drops += dropped.to(torch.int64)
+
+    def _check_ran(self, status: dict[str, Any], *ops: int) -> None:
         """Raise if a kernel timed out (``PeerTimeout``) or did not run: its epoch must equal the number
         of launches so far."""
-        self.check_faults()
-        got = self.epochs.tolist()
+        self.check_faults(status)
+        got = status["epochs"]
         for op in ops:
             if got[op] != self._calls[op]:
                 torch.cuda.synchronize(self.device)  # a sticky CUDA error, if any, raises here first
@@ -343,14 +459,17 @@ def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x: torch.Tensor, 
             f"{topk_weights.dtype}"
         )
     if t:
-        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        # One host sync for all value checks: min, max and the first token naming an expert twice.
+        ids = topk_idx.sort(dim=1).values
+        repeated = ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any(dim=1)
+        tokens = torch.arange(t, device=ids.device)
+        first_rep = torch.where(repeated, tokens, t).min()
+        stats = torch.stack([ids[:, 0].min().long(), ids[:, -1].max().long(), first_rep.long()])
+        lo, hi, tok = stats.tolist()
         if lo < -1 or hi >= c.num_experts:
             raise ValueError(f"topk_idx values must be in [-1, {c.num_experts}), got min {lo}, max {hi}")
         # Distinct experts per token bound the rows a rank can receive (the buffers' capacity).
-        ids = topk_idx.sort(dim=1).values
-        repeated = ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any(dim=1)
-        if bool(repeated.any()):
-            tok = int(repeated.nonzero()[0, 0])
+        if tok < t:
             raise ValueError(
                 f"topk_idx must name distinct experts per token (-1 may repeat): token {tok} has "
                 f"{topk_idx[tok].tolist()}"

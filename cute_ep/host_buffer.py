@@ -1,8 +1,10 @@
 """``HostEpBuffer``: what the torch-computed backends (reference, all-to-all) share.
 
 Receive buffers that live in ordinary torch memory and grow on demand up to ``cfg.capacity`` rows
-(poisoned when they grow), ``poison``, ``expert_output``, and a close that is collective unless an
-error is propagating (the peers may never arrive then). Subclasses implement dispatch and combine.
+(poisoned when they grow; the packed FP8 rows of ``dispatch(..., fp8=True)`` get their own uint8
+buffer), ``poison``, ``expert_output``, the expert-capacity bookkeeping shared with ``EpBuffer``
+(``dropped_rows``, ``check_capacity``), and a close that is collective unless an error is propagating
+(the peers may never arrive then). Subclasses implement dispatch and combine.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cute_ep.buffer import check_buffer_config
+from cute_ep.buffer import capacity_error, check_buffer_config
 from cute_ep.kernels.config import EpConfig
+from cute_ep.validators.fp8 import unpack_fp8_rows
 
 __all__ = ["HostEpBuffer"]
 
@@ -36,6 +39,9 @@ class HostEpBuffer:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.cpu_group = getattr(runtime, "cpu_group", None)
         self._closed = False
+        # Rows dropped per global expert beyond cfg.expert_capacity, since the last report (same on
+        # every rank: every rank knows every rank's counts).
+        self._dropped = torch.zeros(cfg.num_experts, dtype=torch.int64)
         self._allocate(rows)
 
     # -- public API (shared) ---------------------------------------------------------------------
@@ -46,6 +52,27 @@ class HostEpBuffer:
         self.recv_y.fill_(float("nan"))
         self.recv_w.fill_(float("nan"))
         self.recv_src.fill_(-1)
+        self.recv_fp8.fill_(0xFF)  # e4m3 NaN values and NaN scales
+
+    def dropped_rows(self) -> Tensor:
+        """[E] int64 on the CPU: rows dropped per global expert (beyond ``cfg.expert_capacity``) since
+        the last ``dropped_rows()`` call or ``check_capacity()`` that raised; the count restarts at 0.
+        The same on every rank."""
+        out = self._dropped.clone()
+        self._dropped.zero_()
+        return out
+
+    def check_capacity(self, result: Any = None) -> None:
+        """With ``cfg.on_overflow == "raise"``: if rows were dropped since the last report, reset the
+        count and raise ``cute_ep.buffer.CapacityExceeded`` (carrying ``result``, the DispatchResult of
+        the call that dropped them, or None). Every rank raises alike. With "drop": nothing happens (the
+        drops stay counted for ``dropped_rows``)."""
+        if self.cfg.on_overflow != "raise" or not bool(self._dropped.any()):
+            return
+        dropped = self.dropped_rows()
+        error = capacity_error(self.cfg, dropped, result)
+        if error is not None:
+            raise error
 
     def expert_output(self, num_recv: int) -> Tensor:
         """The [num_recv, H] buffer combine reads; experts writing here save a copy."""
@@ -74,6 +101,26 @@ class HostEpBuffer:
         self.recv_y = torch.full((rows, c.hidden), float("nan"), dtype=c.dtype, device=dev)
         self.recv_w = torch.full((rows,), float("nan"), dtype=torch.float32, device=dev)
         self.recv_src = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+        # Packed FP8 rows (validators/fp8.py format), allocated by the first FP8 dispatch.
+        self.recv_fp8 = torch.full((0, c.fp8_row_bytes), 0xFF, dtype=torch.uint8, device=dev)
+
+    def _add_dropped(self, dropped: Tensor) -> None:
+        """Count the rows a dispatch dropped: dropped [E] integer, per global expert."""
+        self._dropped += dropped.to(device="cpu", dtype=torch.int64)
+
+    def _fp8_rows(self, n: int) -> Tensor:
+        """The first n rows of the packed FP8 receive buffer [n, cfg.fp8_row_bytes] uint8 (grown and
+        poisoned with 0xFF as needed, old rows kept)."""
+        have = self.recv_fp8.shape[0]
+        if n > have:
+            new = torch.full((n, self.cfg.fp8_row_bytes), 0xFF, dtype=torch.uint8, device=self.device)
+            new[:have].copy_(self.recv_fp8)
+            self.recv_fp8 = new
+        return self.recv_fp8[:n]
+
+    def _fp8_views(self, n: int) -> tuple[Tensor, Tensor]:
+        """recv_x [n, H] float8_e4m3fn and recv_scales [n, H / 128] fp32: views of the packed rows."""
+        return unpack_fp8_rows(self.recv_fp8[:n], self.cfg.hidden)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -19,6 +19,14 @@ source) group the rows are shuffled with a generator seeded by the number of dis
 (identical on every rank, since dispatch is collective), and the handle's ``scatter`` holds the
 slots where each (token, k) really went, so combine still finds its rows.
 
+Expert capacity (``cfg.capacity_factor`` > 0): the gathered routing is first reduced to the effective
+routing of :func:`cute_ep.validators.capacity.apply_expert_capacity` (both modes keep the same pairs);
+dropped pairs get slot -1 in the handle and combine skips them. The drops are counted
+(``dropped_rows``) and, with ``cfg.on_overflow == "raise"``, raised after the result is complete.
+
+FP8 (``dispatch(..., fp8=True)``): every rank quantizes its own rows and gathers the packed rows
+(:mod:`cute_ep.validators.fp8`); the receiver gets e4m3 ``recv_x`` and fp32 ``recv_scales``.
+
 Only torch, ``cute_ep.validators`` and ``cute_ep.kernels.config`` are imported: no CUDA, CuTe DSL
 or NVSHMEM.
 """
@@ -40,7 +48,9 @@ from cute_ep.buffer import (
 )
 from cute_ep.host_buffer import HostEpBuffer
 from cute_ep.kernels.config import MODES, EpConfig
+from cute_ep.validators.capacity import apply_expert_capacity, effective_topk_from_scatter
 from cute_ep.validators.checks import all_gather_objects
+from cute_ep.validators.fp8 import pack_fp8_rows, quantize_fp8
 from cute_ep.validators.reference import (
     Layout,
     reference_combine,
@@ -73,22 +83,36 @@ class ReferenceEpBuffer(HostEpBuffer):
 
     # -- public API ------------------------------------------------------------------------------
 
-    def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter") -> Any:
+    def dispatch(
+        self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter", fp8: bool = False
+    ) -> Any:
         """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (see EpBuffer.dispatch).
 
-        Returns a ``cute_ep.buffer.DispatchResult``. Collective: every rank calls it. Invalid inputs
-        on any rank raise on every rank (the rank at fault gets the EpBuffer message).
+        x [T, H] cfg.dtype, topk_idx [T, K] int32/int64 in [-1, E), topk_weights [T, K] fp32. mode
+        "scatter" | "atomic"; fp8: send block-scaled e4m3 rows (needs H % 128 == 0; same on every rank).
+        Returns a ``cute_ep.buffer.DispatchResult`` (recv_x float8_e4m3fn and recv_scales [num_recv,
+        H / 128] fp32 with fp8). Collective: every rank calls it. Invalid inputs on any rank raise on
+        every rank (the rank at fault gets the EpBuffer message). Rows dropped beyond
+        ``cfg.expert_capacity`` raise ``CapacityExceeded`` (carrying the result) if
+        ``cfg.on_overflow == "raise"``.
         """
         self._check_open()
+        c = self.cfg
         error = None
         try:
             if mode not in MODES:
                 raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-            x, idx, w = check_dispatch_inputs(self.cfg, self.device, x, topk_idx, topk_weights)
-            payload = (None, mode, x.detach().cpu(), idx.cpu(), w.detach().cpu())
+            if not isinstance(fp8, bool):
+                raise ValueError(f"fp8 must be True or False, got {fp8!r}")
+            if fp8:
+                c.check_fp8()
+            x, idx, w = check_dispatch_inputs(c, self.device, x, topk_idx, topk_weights)
+            # With fp8 the sender quantizes and only the packed rows travel (as on the GPU).
+            rows = pack_fp8_rows(*quantize_fp8(x.detach()), c.fp8_row_bytes) if fp8 else x.detach()
+            payload = (None, mode, fp8, rows.cpu(), idx.cpu(), w.detach().cpu())
         except ValueError as exc:
             error = str(exc)
-            payload = (error, mode, None, None, None)
+            payload = (error, mode, fp8, None, None, None)
         gathered = self._all_gather(payload)
         if error is not None:
             raise ValueError(error)
@@ -98,10 +122,16 @@ class ReferenceEpBuffer(HostEpBuffer):
         modes = [g[1] for g in gathered]
         if any(m != mode for m in modes):
             raise ValueError(f"dispatch: every rank must use the same mode, got {modes}")
+        flags = [g[2] for g in gathered]
+        if any(f != fp8 for f in flags):
+            raise ValueError(f"dispatch: every rank must pass the same fp8 flag, got {flags} (by rank)")
 
-        c = self.cfg
-        xs, idxs, ws = [g[2] for g in gathered], [g[3] for g in gathered], [g[4] for g in gathered]
+        xs, idxs, ws = [g[3] for g in gathered], [g[4] for g in gathered], [g[5] for g in gathered]
+        # Capacity: the layout is that of the effective routing (dropped pairs set to -1).
+        idxs, dropped = apply_expert_capacity(idxs, c.num_experts, c.expert_capacity)
         layout = reference_layout(idxs, c.num_experts)
+        # Cannot happen with cfg.capacity >= cfg.required_capacity (EpConfig enforces it); kept for a
+        # configuration whose capacity was forced lower.
         over = [(d, int(n)) for d, n in enumerate(layout.num_recv.tolist()) if n > c.capacity]
         if over:
             raise ValueError(
@@ -122,15 +152,25 @@ class ReferenceEpBuffer(HostEpBuffer):
         n = expected.num_recv
         self._ensure_rows(n)
         self._num_recv = n
-        self.recv_x[:n].copy_(rx)
+        scales = None
+        if fp8:
+            self._fp8_rows(n).copy_(rx)
+            recv_x, scales = self._fp8_views(n)
+        else:
+            self.recv_x[:n].copy_(rx)
+            recv_x = self.recv_x[:n]
         self.recv_w[:n].copy_(rw)
         self.recv_src[:n].copy_(rsrc)
         t = x.shape[0]
         tpe = layout.tokens_per_expert[self.rank].to(device=self.device, dtype=torch.int32)
+        # The handle keeps the caller's routing; dropped pairs have slot -1 (as EpBuffer's handle).
         handle = DispatchHandle(
             idx, w, scatter.view(t, c.topk).to(device=self.device, dtype=torch.int32), t, mode
         )
-        return DispatchResult(self.recv_x[:n], self.recv_w[:n], self.recv_src[:n], tpe, n, handle)
+        result = DispatchResult(recv_x, self.recv_w[:n], self.recv_src[:n], tpe, n, handle, scales)
+        self._add_dropped(dropped)
+        self.check_capacity(result)
+        return result
 
     def combine(self, y: Tensor, handle: Any) -> Tensor:
         """out[t] = sum over k ascending of topk_weights[t, k] * y_owner[scatter[t, k]] (fp32, then
@@ -157,7 +197,8 @@ class ReferenceEpBuffer(HostEpBuffer):
         try:
             out = reference_combine(
                 ys,
-                [handle.topk_idx.cpu()],
+                # Pairs without a slot (dropped by capacity) are skipped like -1 ids.
+                [effective_topk_from_scatter(handle.topk_idx.cpu(), handle.scatter.cpu())],
                 [handle.topk_weights.cpu()],
                 [handle.scatter.cpu()],
                 num_experts=c.num_experts,

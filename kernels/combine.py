@@ -9,7 +9,8 @@ split into parts only when there are fewer tokens than warps and every peer is o
 batches), so that all warps work; otherwise a part is the whole row.
 - for each k whose owner is on ANOTHER node (node = rank // local_world_size), ``get_warp`` the whole
   row ONCE into this warp's staging row ``stage[warp, k]``;
-- the valid k (expert id >= 0) are compacted, in ascending k, into a per-warp list of (row address,
+- the valid k (expert id >= 0 and slot >= 0: not dropped for capacity) are compacted, in ascending k,
+  into a per-warp list of (row address,
   weight): the owner's NVSHMEM peer pointer (same node) or the staging row;
 - then, 128 bits per lane at a time along the hidden dimension, the list is walked in groups of 8 (then
   4, then 1): a group's loads are all issued before the first is used (one remote load in flight per
@@ -203,9 +204,13 @@ class CombineKernel:
             n = Int32(0)
             for k in range(K):
                 e = topk_idx[t * K + k]
+                slot = scatter[t * K + k]  # -1: dropped beyond the expert's capacity (or id -1)
+                valid = Int32(0)  # a handle may mask pairs with id -1 (autograd's one-k combines)
                 if e >= 0:
+                    if slot >= 0:
+                        valid = Int32(1)
+                if valid != 0:
                     d = e // El
-                    slot = scatter[t * K + k]
                     addr = Int64(0)
                     if d // L != my_node:
                         srow = gwarp * K + k

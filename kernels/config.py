@@ -7,6 +7,7 @@ passed to the kernels at run time, so one compiled module serves any ``EpConfig`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,14 @@ MAX_WORLD_SIZE = COMBINE_WARPS_PER_CTA * WARP  # combine signals and waits with 
 
 # Run-time sizes every kernel receives (see EpConfig.shape_args).
 SHAPE_ARGS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
-              "stage_rows", "num_ctas", "timeout_ms")
+              "expert_capacity", "stage_rows", "num_ctas", "timeout_ms")
+OVERFLOW_POLICIES = ("raise", "drop")  # what the host does after rows were dropped beyond expert capacity
+
+# FP8 dispatch (per-call option): e4m3 rows with one fp32 scale per FP8_BLOCK columns, packed per row as
+# [H bytes of e4m3 | H / FP8_BLOCK fp32 scales | zero padding to a multiple of 16 bytes].
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_AMAX_FLOOR = 2.0**-14  # a block's amax is at least this (an all-zero block gets a finite scale)
 MAX_TIMEOUT_S = 2**31 // 1000  # the timeout travels as int32 milliseconds
 
 
@@ -67,9 +75,17 @@ class EpConfig:
     hidden:            H, elements per row; H * element size must be a multiple of 16 bytes.
     dtype:             torch.bfloat16, torch.float16 or torch.float32 (rows and combine output).
     max_tokens:        M, most tokens per rank and call; buffers and the source tag are sized by it.
-    capacity:          rows each rank can receive: R * M * min(K, E/R), every routing with distinct
-                       experts per token fits (the default; a smaller one is refused until dispatch
-                       can drop rows beyond capacity instead of writing past the buffer).
+    capacity_factor:   0 (default): no expert ever drops a row (buffers sized for the worst case).
+                       f > 0: each expert receives at most ``expert_capacity`` = ceil(f * R * M * K / E)
+                       rows per dispatch (f times its share at full batch); rows beyond it are dropped
+                       in a fixed order (an expert keeps source 0's rows first, each source's in (t, k)
+                       order), counted on the device, and reported (see ``on_overflow``).
+    on_overflow:       "raise" (default): the next host-visible check (``dispatch``, or
+                       ``EpBuffer.check_capacity`` after ``launch_dispatch``) raises ``CapacityExceeded``
+                       naming how many rows each expert dropped, on every rank alike; "drop": rows are
+                       dropped silently and counted (``EpBuffer.dropped_rows``).
+    capacity:          rows each rank can receive; the default (0) is the least that always fits:
+                       min(R * M * min(K, E/R), E/R * expert_capacity). A smaller one is refused.
     num_sms:           CTAs launched by dispatch/combine (persistent grid-stride loops).
     timeout_s:         longest a kernel waits for a peer's signal; past it the kernel records which
                        peer and operation, moves no more data, and the host raises ``PeerTimeout``.
@@ -85,6 +101,8 @@ class EpConfig:
     capacity: int = 0
     num_sms: int = 132
     timeout_s: float = 60.0
+    capacity_factor: float = 0.0
+    on_overflow: str = "raise"
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -130,12 +148,20 @@ class EpConfig:
             f"world_size * max_tokens * topk must be < 2**31 (int32 source tag), got "
             f"{self.world_size} * {self.max_tokens} * {self.topk}",
         )
-        if self.capacity == 0:
-            object.__setattr__(self, "capacity", self.worst_case_capacity)
         need(
-            self.capacity >= self.worst_case_capacity,
-            f"capacity must be >= world_size * max_tokens * min(topk, experts per rank) = "
-            f"{self.worst_case_capacity} (dispatch does not drop rows yet), got {self.capacity}",
+            math.isfinite(self.capacity_factor) and self.capacity_factor >= 0,
+            f"capacity_factor must be a finite number >= 0 (0: no limit), got {self.capacity_factor}",
+        )
+        need(
+            self.on_overflow in OVERFLOW_POLICIES,
+            f"on_overflow must be one of {OVERFLOW_POLICIES}, got {self.on_overflow!r}",
+        )
+        if self.capacity == 0:
+            object.__setattr__(self, "capacity", self.required_capacity)
+        need(
+            self.capacity >= self.required_capacity,
+            f"capacity must be >= min(world_size * max_tokens * min(topk, experts per rank), experts per "
+            f"rank * expert_capacity) = {self.required_capacity}, got {self.capacity}",
         )
         need(self.capacity < 2**31, f"capacity must be < 2**31 (int32 slots), got {self.capacity}")
         need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
@@ -157,6 +183,21 @@ class EpConfig:
         return self.world_size * self.max_tokens * min(self.topk, self.experts_per_rank)
 
     @property
+    def expert_capacity(self) -> int:
+        """Rows one expert may receive per dispatch: R * M (never drops) unless capacity_factor > 0."""
+        most = self.world_size * self.max_tokens
+        if self.capacity_factor == 0:
+            return most
+        share = self.world_size * self.max_tokens * self.topk / self.num_experts
+        # Rounded first so that e.g. 1.1 * 10 gives 11, not ceil(11.000000000000002) = 12.
+        return max(1, min(most, math.ceil(round(self.capacity_factor * share, 6))))
+
+    @property
+    def required_capacity(self) -> int:
+        """Receive rows that always suffice: every routing, and at most expert_capacity per expert."""
+        return min(self.worst_case_capacity, self.experts_per_rank * self.expert_capacity)
+
+    @property
     def timeout_ms(self) -> int:
         return max(1, round(self.timeout_s * 1000))
 
@@ -174,6 +215,25 @@ class EpConfig:
         return self.hidden * self.element_size
 
     @property
+    def fp8_scales(self) -> int:
+        """fp32 scales per row of an FP8 dispatch (one per FP8_BLOCK columns)."""
+        return self.hidden // FP8_BLOCK
+
+    @property
+    def fp8_row_bytes(self) -> int:
+        """Bytes of one packed FP8 row: e4m3 values, fp32 scales, zero padding to 16 bytes."""
+        raw = self.hidden + 4 * self.fp8_scales
+        return (raw + VECTOR_BYTES - 1) // VECTOR_BYTES * VECTOR_BYTES
+
+    def check_fp8(self) -> None:
+        """Raise ConfigError unless FP8 dispatch works for this configuration."""
+        if self.hidden % FP8_BLOCK != 0:
+            raise ConfigError(
+                f"FP8 dispatch needs hidden to be a multiple of {FP8_BLOCK} (one scale per {FP8_BLOCK} "
+                f"columns), got hidden={self.hidden}"
+            )
+
+    @property
     def combine_warps(self) -> int:
         return self.num_sms * COMBINE_WARPS_PER_CTA
 
@@ -184,7 +244,7 @@ class EpConfig:
 
     def key(self) -> tuple:
         """Everything that defines the configuration (compared across ranks at construction)."""
-        return (str(self.dtype), *self.shape_args())
+        return (str(self.dtype), *self.shape_args(), self.capacity_factor, self.on_overflow)
 
     def compile_key(self) -> tuple:
         """The explicit compile-cache key: the kernels are specialized on the element type only."""
@@ -200,6 +260,7 @@ class EpConfig:
             self.hidden,
             self.max_tokens,
             self.capacity,
+            self.expert_capacity,
             self.stage_rows,
             self.num_sms,
             self.timeout_ms,

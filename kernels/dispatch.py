@@ -33,12 +33,13 @@ from cute_ep.kernels.config import MODE_ATOMIC, OP_DISPATCH, VECTOR_BYTES, WARP
 from cute_ep.kernels.ptx import (
     SIGNAL_SET,
     copy_row_warp,
-    elem_view,
     fence_sys,
     ld_volatile_i32,
     record_fault,
+    row_view,
     wait_signal_ge,
 )
+from cute_ep.kernels.quantize import quantize_row_warp
 
 
 class DispatchKernel:
@@ -57,6 +58,8 @@ class DispatchKernel:
         topk_w: cute.Tensor,
         scatter: cute.Tensor,
         cursor: cute.Tensor,
+        send_limit: cute.Tensor,
+        packed: cute.Tensor,
         recv_x: cute.Tensor,
         recv_w: cute.Tensor,
         recv_src: cute.Tensor,
@@ -68,6 +71,7 @@ class DispatchKernel:
         rank: Int32,
         num_tokens: Int32,
         mode: Int32,
+        fp8: Int32,
         world_size: Int32,
         local_world_size: Int32,
         num_experts: Int32,
@@ -78,9 +82,9 @@ class DispatchKernel:
         stream,
     ):
         self.kernel(
-            x, topk_idx, topk_w, scatter, cursor, recv_x, recv_w, recv_src, recv_from, signals, epochs, done,
-            fault, rank, num_tokens, mode, world_size, local_world_size, num_experts, topk, max_tokens,
-            timeout_ms,
+            x, topk_idx, topk_w, scatter, cursor, send_limit, packed, recv_x, recv_w, recv_src, recv_from,
+            signals, epochs, done, fault, rank, num_tokens, mode, fp8, world_size, local_world_size,
+            num_experts, topk, max_tokens, timeout_ms,
         ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
@@ -91,6 +95,8 @@ class DispatchKernel:
         topk_w: cute.Tensor,
         scatter: cute.Tensor,
         cursor: cute.Tensor,
+        send_limit: cute.Tensor,
+        packed: cute.Tensor,
         recv_x: cute.Tensor,
         recv_w: cute.Tensor,
         recv_src: cute.Tensor,
@@ -102,6 +108,7 @@ class DispatchKernel:
         rank: Int32,
         num_tokens: Int32,
         mode: Int32,
+        fp8: Int32,
         world_size: Int32,
         local_world_size: Int32,
         num_experts: Int32,
@@ -117,8 +124,15 @@ class DispatchKernel:
         WPC = self.threads // WARP
         NCTA, _, _ = cute.arch.grid_dim()
         dtype = x.element_type
-        ROW_BYTES = Int64(x.shape[1]) * (dtype.width // 8)
-        NV = x.shape[1] * (dtype.width // 8) // VECTOR_BYTES  # 128-bit pieces per row
+        H = x.shape[1]
+        X_ROW_BYTES = Int64(H) * (dtype.width // 8)
+        # Bytes that travel per row: the row itself, or its packed FP8 form (kernels/quantize.py).
+        row_bytes = H * (dtype.width // 8)
+        if fp8 != 0:
+            row_bytes = packed.shape[1]
+        ROW_BYTES = Int64(row_bytes)
+        NV = row_bytes // VECTOR_BYTES  # 128-bit pieces per row
+        ROW_ELEMS = row_bytes // (dtype.width // 8)  # the moved bytes as elements, for put_warp
 
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -127,6 +141,7 @@ class DispatchKernel:
         epoch = epochs[1] + Int64(1)
         my_node = rank // L
         x_base = x.iterator.toint()
+        packed_base = packed.iterator.toint()
         recv_x_base = recv_x.iterator.toint()
         fault_addr = fault.iterator.toint()
         # After a fault (a timed-out wait here or in the layout) this buffer moves no more data.
@@ -136,61 +151,76 @@ class DispatchKernel:
             work = num_tokens
 
         for t in range(bid * WPC + warp, work, NCTA * WPC):
-            src_row = elem_view(x[t, None])
+            src_addr = x_base + Int64(t) * X_ROW_BYTES
+            if fp8 != 0:
+                # Quantize once per token; every destination gets the same packed bytes.
+                dst = packed_base + Int64(t) * ROW_BYTES
+                quantize_row_warp(dtype, src_addr, dst, H, row_bytes, lane)
+                cute.arch.sync_warp()  # lanes copy bytes other lanes wrote
+                src_addr = dst
             for k in range(K):
                 e = topk_idx[t * K + k]
                 if e >= 0:
                     d = e // El
-                    slot = Int32(0)
+                    slot = Int32(-1)
                     if mode == MODE_ATOMIC:
                         got = Int32(0)
                         if lane == 0:
                             got = cute.arch.atomic_add(cursor.iterator + e, Int32(1))
+                            if got >= send_limit[e]:
+                                got = Int32(-1)  # beyond the expert's capacity: dropped
                             scatter[t * K + k] = got
                         slot = cute.arch.shuffle_sync(got, 0)
+                        cute.arch.sync_warp()  # the vote of a later k reads this scatter entry
                     else:
-                        slot = scatter[t * K + k]
-                    # The first k' < k bound for the same rank, if any (lanes look at k' = j0 + lane).
-                    first = k
-                    for j0 in range(0, k, WARP):
-                        j = j0 + lane
-                        same = Int32(0)
-                        if j < k:
-                            ej = topk_idx[t * K + j]
-                            if ej >= 0:
-                                if ej // El == d:
-                                    same = Int32(1)
-                        ballot = cute.arch.vote_ballot_sync(same != 0)
+                        slot = scatter[t * K + k]  # -1: dropped by the layout (capacity)
+                    if slot >= 0:
+                        # The first kept k' < k bound for the same rank, if any; lanes split the k'.
+                        first = k
+                        for j0 in range(0, k, WARP):
+                            j = j0 + lane
+                            same = Int32(0)
+                            if j < k:
+                                ej = topk_idx[t * K + j]
+                                if ej >= 0:
+                                    if ej // El == d:
+                                        if scatter[t * K + j] >= 0:
+                                            same = Int32(1)
+                            ballot = cute.arch.vote_ballot_sync(same != 0)
+                            if first == k:
+                                if ballot != 0:
+                                    first = j0 + Int32(cute.arch.clz(cute.arch.brev(ballot)))
+                        if d == rank:
+                            first = k  # rows for this rank are local writes: no fan-out needed
                         if first == k:
-                            if ballot != 0:
-                                first = j0 + Int32(cute.arch.clz(cute.arch.brev(ballot)))
-                    if d == rank:
-                        first = k  # rows for this rank are local writes: no fan-out needed
-                    if first == k:
-                        if d // L == my_node:
-                            copy_row_warp(
-                                dtype, x_base + Int64(t) * ROW_BYTES,
-                                nvshmem_ptr(recv_x_base, d) + Int64(slot) * ROW_BYTES, NV, lane,
+                            if d // L == my_node:
+                                copy_row_warp(
+                                    dtype, src_addr, nvshmem_ptr(recv_x_base, d) + Int64(slot) * ROW_BYTES,
+                                    NV, lane,
+                                )
+                            else:
+                                nvshmem_cute.put_warp(
+                                    row_view(dtype, recv_x_base + Int64(slot) * ROW_BYTES, ROW_ELEMS),
+                                    row_view(dtype, src_addr, ROW_ELEMS),
+                                    d,
+                                )
+                        if lane == 0:
+                            from_slot = Int32(-1)
+                            if first != k:
+                                from_slot = scatter[t * K + first]  # atomic mode: written above by this lane
+                            nvshmem_cute.p(
+                                cute.make_tensor(recv_w.iterator + slot, cute.make_layout(1)),
+                                topk_w[t * K + k],
+                                d,
                             )
-                        else:
-                            nvshmem_cute.put_warp(elem_view(recv_x[slot, None]), src_row, d)
-                    if lane == 0:
-                        from_slot = Int32(-1)
-                        if first != k:
-                            from_slot = scatter[t * K + first]  # atomic mode: written above by this lane
-                        nvshmem_cute.p(
-                            cute.make_tensor(recv_w.iterator + slot, cute.make_layout(1)),
-                            topk_w[t * K + k],
-                            d,
-                        )
-                        nvshmem_cute.p(
-                            cute.make_tensor(recv_src.iterator + slot, cute.make_layout(1)),
-                            (rank * M + t) * K + k,
-                            d,
-                        )
-                        nvshmem_cute.p(
-                            cute.make_tensor(recv_from.iterator + slot, cute.make_layout(1)), from_slot, d
-                        )
+                            nvshmem_cute.p(
+                                cute.make_tensor(recv_src.iterator + slot, cute.make_layout(1)),
+                                (rank * M + t) * K + k,
+                                d,
+                            )
+                            nvshmem_cute.p(
+                                cute.make_tensor(recv_from.iterator + slot, cute.make_layout(1)), from_slot, d
+                            )
         nvshmem_cute.quiet()
         fence_sys()  # this thread's peer-pointer stores, before the CTA's arrival below
         cute.arch.sync_threads()

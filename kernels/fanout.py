@@ -4,7 +4,9 @@ A token bound for several experts of one rank crosses the link once, into the sl
 (token, k) pair; every other pair's slot ``s`` holds ``recv_from[s]``, the slot its row arrived in
 (-1 for the slot that received the row itself). Launched right after the dispatch kernel on the same
 stream (dispatch ends only when every peer's rows and ``recv_from`` entries have arrived), a warp per
-slot in [0, num_recv) copies ``recv_x[recv_from[s]]`` into ``recv_x[s]``: local memory, no link.
+slot in [0, num_recv) copies ``recv_x[recv_from[s]]`` into ``recv_x[s]``: local memory, no link. Rows
+are ``row_bytes`` apart: a row of the buffer's dtype, or a packed FP8 row (kernels/quantize.py) in the
+same memory.
 """
 
 from __future__ import annotations
@@ -26,16 +28,17 @@ class FanoutKernel:
 
     @cute.jit
     def __call__(self, recv_x: cute.Tensor, recv_from: cute.Tensor, num_recv: cute.Tensor, fault: cute.Tensor,
-                 num_ctas: Int32, stream):
-        self.kernel(recv_x, recv_from, num_recv, fault).launch(
+                 row_bytes: Int32, num_ctas: Int32, stream):
+        self.kernel(recv_x, recv_from, num_recv, fault, row_bytes).launch(
             grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream
         )
 
     @cute.kernel
-    def kernel(self, recv_x: cute.Tensor, recv_from: cute.Tensor, num_recv: cute.Tensor, fault: cute.Tensor):
+    def kernel(self, recv_x: cute.Tensor, recv_from: cute.Tensor, num_recv: cute.Tensor, fault: cute.Tensor,
+               row_bytes: Int32):
         dtype = recv_x.element_type
-        ROW_BYTES = Int64(recv_x.shape[1]) * (dtype.width // 8)
-        NV = recv_x.shape[1] * (dtype.width // 8) // VECTOR_BYTES
+        ROW_BYTES = Int64(row_bytes)  # rows are row_bytes apart: a full row, or a packed FP8 row
+        NV = row_bytes // VECTOR_BYTES
         WPC = self.threads // WARP
         NCTA, _, _ = cute.arch.grid_dim()
         tid, _, _ = cute.arch.thread_idx()

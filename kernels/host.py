@@ -8,20 +8,21 @@ from cute_ep.kernels.config import EpConfig
 from cute_ep.kernels.module import POINTER_ARGS, EpModule, pointer_dtypes
 
 
-def make_pointers(cfg: EpConfig, addresses: Mapping[str, int]) -> list:
-    """CuTe pointers in ``POINTER_ARGS`` order for the given device addresses (bytes)."""
+def make_pointer(cfg: EpConfig, name: str, addr: int):
+    """The CuTe pointer of argument ``name`` (see ``POINTER_ARGS``) at device address ``addr``."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    kinds = pointer_dtypes(cfg)
-    ptrs = []
-    for name in POINTER_ARGS:
-        dtype, align = kinds[name]
-        addr = int(addresses[name])
-        if addr % align:
-            raise ValueError(f"{name} must be {align}-byte aligned, got address {addr:#x}")
-        ptrs.append(make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align))
-    return ptrs
+    dtype, align = pointer_dtypes(cfg)[name]
+    addr = int(addr)
+    if addr % align:
+        raise ValueError(f"{name} must be {align}-byte aligned, got address {addr:#x}")
+    return make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def make_pointers(cfg: EpConfig, addresses: Mapping[str, int]) -> list:
+    """CuTe pointers in ``POINTER_ARGS`` order for the given device addresses (bytes)."""
+    return [make_pointer(cfg, name, addresses[name]) for name in POINTER_ARGS]
 
 
 def example_args(cfg: EpConfig) -> tuple:
@@ -30,7 +31,7 @@ def example_args(cfg: EpConfig) -> tuple:
     from cutlass import Int32
 
     fake = {name: 1 << 20 for name in POINTER_ARGS}  # any aligned address: compile only
-    ints = (0, 0, 0, 1, *cfg.shape_args())  # op, mode, rank, num_tokens, sizes
+    ints = (0, 0, 0, 0, 1, *cfg.shape_args())  # op, mode, fp8, rank, num_tokens, sizes
     return (*(Int32(v) for v in ints), *make_pointers(cfg, fake), cuda.CUstream(0))
 
 

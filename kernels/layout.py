@@ -14,8 +14,14 @@ One CTA per rank (the work is a few histogram passes over T*K expert ids):
    same expert (found with shuffles), so the order inside an (expert, source) group is the (t, k)
    order, deterministically.
 
-Outputs (device): scatter [T*K] int32 (-1 dropped), send_offsets [E] and cursor [E] int32 (first slot of
-this rank's rows for each expert; cursor is the atomic-mode allocator), tokens_per_expert [E/R] and
+Capacity: an expert keeps its first ``expert_capacity`` rows in that order (source 0's first, each
+source's in (t, k) order); a pair whose slot would be at or past its expert's ``send_limit`` is dropped
+(scatter -1), and every rank adds the rows each expert dropped to ``dropped[e]`` (every rank sees
+every count, so every rank counts the same; the host reads and resets it).
+
+Outputs (device): scatter [T*K] int32 (-1: id -1 or dropped), send_offsets [E] and cursor [E] int32
+(first slot of this rank's rows for each expert; cursor is the atomic-mode allocator), send_limit [E]
+int32 (end of each expert's kept slots), dropped [E] int32 (accumulated), tokens_per_expert [E/R] and
 num_recv [1] int32 (rows this rank receives), epochs[0] advanced by one.
 """
 
@@ -48,6 +54,8 @@ class LayoutKernel:
         signals: cute.Tensor,
         send_offsets: cute.Tensor,
         cursor: cute.Tensor,
+        send_limit: cute.Tensor,
+        dropped: cute.Tensor,
         tokens_per_expert: cute.Tensor,
         num_recv: cute.Tensor,
         epochs: cute.Tensor,
@@ -57,12 +65,14 @@ class LayoutKernel:
         world_size: Int32,
         num_experts: Int32,
         topk: Int32,
+        expert_capacity: Int32,
         timeout_ms: Int32,
         stream,
     ):
         self.kernel(
-            topk_idx, scatter, counts, signals, send_offsets, cursor, tokens_per_expert, num_recv, epochs,
-            fault, rank, num_tokens, world_size, num_experts, topk, timeout_ms,
+            topk_idx, scatter, counts, signals, send_offsets, cursor, send_limit, dropped, tokens_per_expert,
+            num_recv, epochs, fault, rank, num_tokens, world_size, num_experts, topk, expert_capacity,
+            timeout_ms,
         ).launch(grid=(1, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
@@ -74,6 +84,8 @@ class LayoutKernel:
         signals: cute.Tensor,
         send_offsets: cute.Tensor,
         cursor: cute.Tensor,
+        send_limit: cute.Tensor,
+        dropped: cute.Tensor,
         tokens_per_expert: cute.Tensor,
         num_recv: cute.Tensor,
         epochs: cute.Tensor,
@@ -83,6 +95,7 @@ class LayoutKernel:
         world_size: Int32,
         num_experts: Int32,
         topk: Int32,
+        expert_capacity: Int32,
         timeout_ms: Int32,
     ):
         R = world_size
@@ -154,6 +167,9 @@ class LayoutKernel:
         # 3. offsets. Each column sum over sources (count[s][e], written by peers: volatile loads) is
         # read once, in parallel, into shared memory; the serial walks below then run over shared memory.
         # (Reading the peers' counts inside those walks cost ~100 us per call at E=256.)
+        # Capacity: expert e keeps its first expert_capacity rows (sources in rank order); the column
+        # sum is clamped, and every rank counts the same drops (all ranks see all counts).
+        live = ld_volatile_i32(fault_addr) == Int32(0)
         for e in range(tid, E, NT):
             tot = Int32(0)
             mine_before = Int32(0)
@@ -162,17 +178,23 @@ class LayoutKernel:
                 if s < rank:
                     mine_before = mine_before + c
                 tot = tot + c
+            if tot > expert_capacity:
+                if live:
+                    dropped[e] = dropped[e] + (tot - expert_capacity)  # one writer per e; the host resets
+                tot = expert_capacity
             colsum[e] = tot
             send_offsets[e] = mine_before  # this rank's start inside the (expert, source) groups
         cute.arch.sync_threads()
         for e in range(tid, E, NT):
             d = e // El
             le = e % El
-            off = send_offsets[e]
+            first_slot = Int32(0)  # the expert's first slot on its owner (`start` is this warp's pairs)
             for l2 in range(le):
-                off = off + colsum[d * El + l2]
+                first_slot = first_slot + colsum[d * El + l2]
+            off = first_slot + send_offsets[e]
             send_offsets[e] = off
             cursor[e] = off
+            send_limit[e] = first_slot + colsum[e]  # slots >= this are beyond the expert's capacity
             run = off
             for w in range(NW):
                 c = hist[w * E + e]
@@ -205,6 +227,8 @@ class LayoutKernel:
             slot = Int32(-1)
             if e >= 0:
                 slot = hist[warp * E + e] + before
+                if slot >= send_limit[e]:
+                    slot = Int32(-1)  # dropped: beyond the expert's capacity
             if i < end:
                 scatter[i] = slot
             cute.arch.sync_warp()

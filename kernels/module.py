@@ -17,7 +17,16 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from cute_ep.kernels.combine import CombineKernel
-from cute_ep.kernels.config import FAULT_WORDS, OP_COMBINE, OP_DISPATCH, OP_LAYOUT, EpConfig, cute_dtype
+from cute_ep.kernels.config import (
+    FAULT_WORDS,
+    FP8_BLOCK,
+    OP_COMBINE,
+    OP_DISPATCH,
+    OP_LAYOUT,
+    VECTOR_BYTES,
+    EpConfig,
+    cute_dtype,
+)
 from cute_ep.kernels.dispatch import DispatchKernel
 from cute_ep.kernels.fanout import FanoutKernel
 from cute_ep.kernels.layout import LayoutKernel
@@ -39,6 +48,9 @@ POINTER_ARGS = (
     "stage",  # symmetric [stage_rows, H] dtype
     "send_offsets",  # [E] int32
     "cursor",  # [E] int32
+    "send_limit",  # [E] int32: end of each expert's kept slots (capacity)
+    "dropped",  # [E] int32: rows dropped beyond expert capacity, accumulated until the host resets it
+    "packed",  # [M, P] bytes: this rank's packed FP8 rows (P = cfg.fp8_row_bytes)
     "tokens_per_expert",  # [E/R] int32
     "num_recv",  # [1] int32
     "epochs",  # [3] int64
@@ -62,6 +74,7 @@ class EpModule:
         self,
         op: Int32,
         mode: Int32,
+        fp8: Int32,
         rank: Int32,
         num_tokens: Int32,
         world_size: Int32,
@@ -71,6 +84,7 @@ class EpModule:
         hidden: Int32,
         max_tokens: Int32,
         capacity: Int32,
+        expert_capacity: Int32,
         stage_rows: Int32,
         num_ctas: Int32,
         timeout_ms: Int32,
@@ -89,6 +103,9 @@ class EpModule:
         stage: cute.Pointer,
         send_offsets: cute.Pointer,
         cursor: cute.Pointer,
+        send_limit: cute.Pointer,
+        dropped: cute.Pointer,
+        packed: cute.Pointer,
         tokens_per_expert: cute.Pointer,
         num_recv: cute.Pointer,
         epochs: cute.Pointer,
@@ -116,6 +133,13 @@ class EpModule:
         t_stage = rows(stage, stage_rows)
         t_send_offsets = flat(send_offsets, E)
         t_cursor = flat(cursor, E)
+        t_send_limit = flat(send_limit, E)
+        t_dropped = flat(dropped, E)
+        P = (H + 4 * (H // FP8_BLOCK) + VECTOR_BYTES - 1) // VECTOR_BYTES * VECTOR_BYTES  # cfg.fp8_row_bytes
+        t_packed = cute.make_tensor(packed, cute.make_layout((max_tokens, P), stride=(P, 1)))
+        row_bytes = H * (self.dtype.width // 8)
+        if fp8 != 0:
+            row_bytes = P
         t_tpe = flat(tokens_per_expert, E // R)
         t_num_recv = flat(num_recv, 1)
         t_epochs = flat(epochs, 3)
@@ -124,17 +148,18 @@ class EpModule:
 
         if op == OP_LAYOUT:
             self.layout(
-                t_idx, t_scatter, t_counts, t_signals, t_send_offsets, t_cursor, t_tpe, t_num_recv,
-                t_epochs, t_fault, rank, num_tokens, world_size, num_experts, topk, timeout_ms, stream,
+                t_idx, t_scatter, t_counts, t_signals, t_send_offsets, t_cursor, t_send_limit, t_dropped,
+                t_tpe, t_num_recv, t_epochs, t_fault, rank, num_tokens, world_size, num_experts, topk,
+                expert_capacity, timeout_ms, stream,
             )
         if op == OP_DISPATCH:
             self.dispatch(
-                t_x, t_idx, t_w, t_scatter, t_cursor, t_recv_x, t_recv_w, t_recv_src, t_recv_from,
-                t_signals, t_epochs, t_done, t_fault, rank, num_tokens, mode, world_size, local_world_size,
-                num_experts, topk, max_tokens, num_ctas, timeout_ms, stream,
+                t_x, t_idx, t_w, t_scatter, t_cursor, t_send_limit, t_packed, t_recv_x, t_recv_w, t_recv_src,
+                t_recv_from, t_signals, t_epochs, t_done, t_fault, rank, num_tokens, mode, fp8, world_size,
+                local_world_size, num_experts, topk, max_tokens, num_ctas, timeout_ms, stream,
             )
             # Same stream, right after: copy the de-duplicated rows to their other slots.
-            self.fanout(t_recv_x, t_recv_from, t_num_recv, t_fault, num_ctas, stream)
+            self.fanout(t_recv_x, t_recv_from, t_num_recv, t_fault, row_bytes, num_ctas, stream)
         if op == OP_COMBINE:
             self.combine(
                 t_out, t_idx, t_w, t_scatter, t_recv_y, t_stage, t_signals, t_epochs, t_done, t_fault, rank,
@@ -162,6 +187,9 @@ def pointer_dtypes(cfg: EpConfig) -> dict:
         "stage": (row, 16),
         "send_offsets": (cutlass.Int32, 4),
         "cursor": (cutlass.Int32, 4),
+        "send_limit": (cutlass.Int32, 4),
+        "dropped": (cutlass.Int32, 4),
+        "packed": (cutlass.Uint8, 16),
         "tokens_per_expert": (cutlass.Int32, 4),
         "num_recv": (cutlass.Int32, 4),
         "epochs": (cutlass.Int64, 8),

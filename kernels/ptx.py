@@ -55,6 +55,65 @@ def add_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a / b, IEEE division rounded to nearest even (what torch computes; no approximate reciprocal)."""
+    return Float32(
+        _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+             "div.rn.f32 $0, $1, $2;", "=f,f,f")
+    )
+
+
+@dsl_user_op
+def abs_max(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """max(a, |b|) for finite values."""
+    return Float32(
+        _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+             "{ .reg .f32 t; abs.f32 t, $2; max.f32 $0, $1, t; }", "=f,f,f")
+    )
+
+
+@dsl_user_op
+def max_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """max(a, b) for finite values."""
+    return Float32(
+        _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+             "max.f32 $0, $1, $2;", "=f,f,f")
+    )
+
+
+@dsl_user_op
+def cvt_e4m3x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    """Two fp32 values as float8_e4m3fn (round to nearest even, saturated to +-448): ``lo`` in bits
+    0-7, ``hi`` in bits 8-15 of the result (the upper 16 bits are zero)."""
+    return Int32(
+        _asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+             "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }", "=r,f,f")
+    )
+
+
+@dsl_user_op
+def st_global_u32(addr: Int64, value: Int32, *, loc=None, ip=None) -> None:
+    """32-bit global store to a raw address."""
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+         "st.global.b32 [$0], $1;", "l,r", side_effects=True)
+
+
+@dsl_user_op
+def st_global_f32(addr: Int64, value: Float32, *, loc=None, ip=None) -> None:
+    """32-bit float global store to a raw address."""
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+         "st.global.f32 [$0], $1;", "l,f", side_effects=True)
+
+
+@dsl_user_op
+def st_global_v2_u32(addr: Int64, a: Int32, b: Int32, *, loc=None, ip=None) -> None:
+    """64-bit global store of two words (``a`` at the lower address) to a raw 8-byte aligned address."""
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(a).ir_value(loc=loc, ip=ip),
+                Int32(b).ir_value(loc=loc, ip=ip)],
+         "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", side_effects=True)
+
+
+@dsl_user_op
 def ld_volatile_i32(addr: Int64, *, loc=None, ip=None) -> Int32:
     """32-bit volatile global load from a raw address (sees other GPUs' completed writes)."""
     return Int32(
@@ -75,6 +134,13 @@ def elem_view(t: cute.Tensor) -> cute.Tensor:
     width = t.element_type.width // 8
     p = cute.make_ptr(t.element_type, t.iterator.toint(), cute.AddressSpace.gmem, assumed_align=width)
     return cute.make_tensor(p, t.layout)
+
+
+@cute.jit
+def row_view(dtype: cutlass.Constexpr, addr: Int64, num_elems: Int32) -> cute.Tensor:
+    """A 1-D global tensor of ``num_elems`` over a raw address, aligned to one element (NVSHMEM FFIs)."""
+    p = cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=dtype.width // 8)
+    return cute.make_tensor(p, cute.make_layout(num_elems))
 
 
 @cute.jit

@@ -592,4 +592,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from cute_ep.cli import exit_process  # after main: --help and bad syntax exit before torch is imported
+
+    exit_process(code)

@@ -26,6 +26,9 @@ To run:
     # timing (backend cute): CUDA events, median of --bench-iters after --bench-warmup
     ... --benchmark
 
+    # FP8 dispatch (e4m3 rows, one fp32 scale per 128 columns) and experts capped at 1.25x their share
+    ... --fp8 --capacity-factor 1.25 --routing skewed
+
 Constraints:
     * --num-experts divisible by the world size; 1 <= --topk <= --num-experts.
     * --hidden >= 4 and --hidden * element size a multiple of 16 bytes (8 bf16/fp16, 4 fp32).
@@ -37,10 +40,14 @@ Constraints:
       TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1). --benchmark needs backend cute.
     * baselines hold the scatter mode's first iteration: --modes must include scatter to save or
       compare one.
+    * --fp8: --hidden a multiple of 128. --capacity-factor >= 0 (0: no expert drops rows).
 
 PASS means, for every mode and iteration and on every rank: the layout (tokens per expert, rows
 received, the handle's slots) matches the reference; the received rows, weights and source tags are
-bit-identical to the reference (in atomic mode, after sorting each (local expert, source) group);
+bit-identical to the reference (in atomic mode, after sorting each (local expert, source) group;
+with --fp8 the packed e4m3 rows and scales, against the senders' rows quantized by the reference);
+with --capacity-factor the references run on the routing left after the drops, every rank's drop
+counts per expert match them, and atomic mode keeps as many rows per (expert, source) as scatter mode;
 the combine output is bit-identical to the reference sum of the expert outputs; every route class
 possible in the topology carried at least one pair (unless --no-coverage); and, with
 --compare-baseline, every array is bit-identical to the baseline's. Rank 0 prints one line per check
@@ -55,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from typing import Any
 
 import torch
@@ -74,6 +80,7 @@ from cute_ep.cli import (
     all_gather,
     broadcast_from_rank0,
     config_from_args,
+    exit_process,
     expert_ids,
     leave,
     make_buffer,
@@ -82,7 +89,7 @@ from cute_ep.cli import (
     script_main,
     world_banner,
 )
-from cute_ep.kernels.config import MODES, EpConfig
+from cute_ep.kernels.config import FP8_BLOCK, MODES, EpConfig
 from cute_ep.validators.baseline import (
     BaselineConfigError,
     BaselineFormatError,
@@ -92,7 +99,9 @@ from cute_ep.validators.baseline import (
     make_baseline,
     save_baseline,
 )
+from cute_ep.validators.capacity import apply_expert_capacity, check_atomic_drops, effective_topk_from_scatter
 from cute_ep.validators.checks import check_combine, check_dispatch, check_layout
+from cute_ep.validators.fp8 import dequantize_fp8, pack_fp8_rows, quantize_fp8
 from cute_ep.validators.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
 from cute_ep.validators.reference import apply_test_expert
 
@@ -138,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench-iters", type=int, default=50, help="timed iterations of --benchmark")
     p.add_argument("--bench-warmup", type=int, default=10, help="untimed iterations before them")
     p.add_argument("--no-coverage", action="store_true", help="do not fail when a route class gets no pair")
+    p.add_argument("--fp8", action="store_true", help="FP8 dispatch: e4m3 rows, a scale per 128 columns")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="experts keep at most ceil(f * R * T * K / E) rows, the rest are dropped (0: none)")
     p.add_argument("--num-sms", type=int, default=None, help="CTAs of dispatch/combine (EpConfig default)")
     p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
     return p
@@ -164,6 +176,10 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--bench-iters must be >= 1 and --bench-warmup >= 0, got {args.bench_iters}, {args.bench_warmup}"
         )
+    if args.fp8 and args.hidden % FP8_BLOCK:
+        raise UsageError(f"--fp8 needs --hidden to be a multiple of {FP8_BLOCK}, got {args.hidden}")
+    if args.capacity_factor is not None and not args.capacity_factor >= 0:
+        raise UsageError(f"--capacity-factor must be >= 0, got {args.capacity_factor}")
     if (args.save_baseline_to or args.compare_baseline) and BASELINE_MODE not in args.mode_list:
         raise UsageError(
             f"baselines hold the {BASELINE_MODE!r} mode (its order is deterministic): add it to --modes "
@@ -187,6 +203,9 @@ def baseline_meta(args: argparse.Namespace) -> dict[str, Any]:
             "routing": args.routing,
             "mode": BASELINE_MODE,
             "iteration": 0,
+            # Only when used, so that baselines made before these options existed still match.
+            **({"fp8": True} if args.fp8 else {}),
+            **({"capacity_factor": args.capacity_factor} if args.capacity_factor else {}),
         },
         "seed": args.seed,
         "dtype": args.dtype,
@@ -212,30 +231,41 @@ def run_once(
     )  # fmt: skip
     coverage = not args.no_coverage
     tag = f"[{mode} #{it}]"
+    ok = True
 
     buffer.poison()
-    res = buffer.dispatch(x, idx, w, mode=mode)
+    res = buffer.dispatch(x, idx, w, mode=mode, fp8=args.fp8)
+    # The routing the references see: with a capacity factor, dropped pairs become -1.
+    eff = idx
+    if cfg.capacity_factor:
+        eff, capacity_ok = check_drops(buffer, res, idx, cfg, group, mode, say, tag)
+        ok &= capacity_ok
     lay = check_layout(
-        res, idx, max_tokens=cfg.max_tokens, num_experts=cfg.num_experts,
+        res, eff, max_tokens=cfg.max_tokens, num_experts=cfg.num_experts,
         local_world_size=cfg.local_world_size, group=group,
     )  # fmt: skip
-    ok = report(lay, f"{tag} layout", group, say)
+    ok &= report(lay, f"{tag} layout", group, say)
+    rows, recv_rows, expert_in = x, res.recv_x, res.recv_x
+    if args.fp8:  # what travels: the packed rows (e4m3 values, fp32 scales, padding)
+        rows = pack_fp8_rows(*quantize_fp8(x.cpu()), cfg.fp8_row_bytes)
+        recv_rows = pack_fp8_rows(res.recv_x.cpu(), res.recv_scales.cpu(), cfg.fp8_row_bytes)
+        expert_in = dequantize_fp8(res.recv_x.cpu(), res.recv_scales.cpu()).to(cfg.dtype).to(device)
     disp = check_dispatch(
-        x, idx, w, res.recv_x, res.recv_weights, res.recv_src,
+        rows, eff, w, recv_rows, res.recv_weights, res.recv_src,
         max_tokens=cfg.max_tokens, num_experts=cfg.num_experts, local_world_size=cfg.local_world_size,
         ordered=(mode == "scatter"), require_coverage=coverage, group=group,
     )  # fmt: skip
-    ok &= report(disp, f"{tag} dispatch", group, say)
+    ok &= report(disp, f"{tag} dispatch" + (" (fp8)" if args.fp8 else ""), group, say)
 
     y = buffer.expert_output(res.num_recv)
     experts = expert_ids(res, rank)
     if experts is None:  # the layout check has failed already; give combine defined input
         y.fill_(float("nan"))
     else:
-        y.copy_(apply_test_expert(res.recv_x, experts.to(device)))
+        y.copy_(apply_test_expert(expert_in, experts.to(device)))
     out = buffer.combine(y, res.handle)
     comb = check_combine(
-        out, idx, w, y, local_world_size=cfg.local_world_size, num_experts=cfg.num_experts,
+        out, eff, w, y, local_world_size=cfg.local_world_size, num_experts=cfg.num_experts,
         scatter=res.handle.scatter, require_coverage=coverage, group=group,
     )  # fmt: skip
     ok &= report(comb, f"{tag} combine", group, say)
@@ -246,7 +276,7 @@ def run_once(
             "x": x,
             "topk_idx": idx,
             "topk_weights": w,
-            "recv_x": res.recv_x,
+            "recv_x": recv_rows if args.fp8 else res.recv_x,  # numpy has no float8: the packed bytes
             "recv_w": res.recv_weights,
             "recv_src": res.recv_src,
             "tokens_per_expert": res.tokens_per_expert,
@@ -255,6 +285,32 @@ def run_once(
         # Copies: recv_* are views of buffers the next dispatch overwrites.
         arrays = {k: v.detach().to("cpu", copy=True) for k, v in named.items()}
     return ok, arrays
+
+
+def check_drops(buffer: Any, res: Any, idx: torch.Tensor, cfg: EpConfig, group: Any, mode: str, say: Printer,
+                tag: str) -> tuple[torch.Tensor, bool]:
+    """Capacity: the routing after the drops (this rank's [T, K], dropped pairs -1) and whether the
+    buffer's drops are right on every rank: its per-expert counts equal the reference's, and in atomic
+    mode (which may keep other rows of a source) each (expert, source) keeps as many rows."""
+    all_idx = all_gather(idx.cpu(), group)
+    eff_all, dropped = apply_expert_capacity(all_idx, cfg.num_experts, cfg.expert_capacity)
+    got = buffer.dropped_rows()
+    problems = []
+    if not torch.equal(got, dropped):
+        problems.append(f"rows dropped per expert: got {got.tolist()}, expected {dropped.tolist()}")
+    eff = eff_all[buffer.rank]
+    if mode == "atomic":
+        eff = effective_topk_from_scatter(idx.cpu(), res.handle.scatter.cpu())
+        problems += check_atomic_drops(all_gather(eff, group), eff_all, cfg.num_experts)
+    verdicts = all_gather(problems, group)
+    bad = {r: p for r, p in enumerate(verdicts) if p}
+    total = int(dropped.sum())
+    if bad:
+        say(f"{tag} capacity FAIL: " + "; ".join(f"rank {r}: {'; '.join(p)}" for r, p in bad.items()))
+    else:
+        say(f"{tag} capacity ok: {total} rows dropped beyond expert_capacity={cfg.expert_capacity} "
+            f"({int((dropped > 0).sum())} of {cfg.num_experts} experts)")
+    return eff.to(idx.device), not bad
 
 
 def unreadable_baseline(path: str, exc: OSError) -> UsageError:
@@ -303,7 +359,7 @@ def benchmark(buffer: Any, args: argparse.Namespace, cfg: EpConfig, runtime: Run
         for i in range(args.bench_warmup + args.bench_iters):
             runtime.barrier()
             events[0].record()
-            res = buffer.dispatch(x, idx, w, mode=mode)
+            res = buffer.dispatch(x, idx, w, mode=mode, fp8=args.fp8)
             events[1].record()
             y = buffer.expert_output(res.num_recv)
             runtime.barrier()
@@ -318,9 +374,11 @@ def benchmark(buffer: Any, args: argparse.Namespace, cfg: EpConfig, runtime: Run
         rows = all_gather((pairs_off, med["dispatch"], med["combine"]), group)
         for r, (p_off, t_d, t_c) in enumerate(rows):
             b = p_off * cfg.row_bytes
+            bd = p_off * cfg.fp8_row_bytes if args.fp8 else b  # FP8 dispatch moves packed rows
             say(
-                f"[{mode}] rank {r}: dispatch {t_d:9.1f} us {b / (t_d * 1e3):8.2f} GB/s | "
-                f"combine {t_c:9.1f} us {b / (t_c * 1e3):8.2f} GB/s (pairs_off {p_off}, {b} B)"
+                f"[{mode}] rank {r}: dispatch {t_d:9.1f} us {bd / (t_d * 1e3):8.2f} GB/s | "
+                f"combine {t_c:9.1f} us {b / (t_c * 1e3):8.2f} GB/s (pairs_off {p_off}, {b} B"
+                + (f", {bd} B in fp8)" if args.fp8 else ")")
             )
 
 
@@ -380,7 +438,10 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
             f"config: tokens/rank {cfg.max_tokens}, hidden {cfg.hidden}, experts {cfg.num_experts} "
             f"({cfg.experts_per_rank}/rank), topk {cfg.topk}, {args.dtype}, routing {args.routing}, "
             f"seed {args.seed}, modes {','.join(args.mode_list)}, iters {args.iters}, "
-            f"capacity {cfg.capacity} rows, num_sms {cfg.num_sms}",
+            f"capacity {cfg.capacity} rows, num_sms {cfg.num_sms}"
+            + (f", fp8 ({cfg.fp8_row_bytes} B per row)" if args.fp8 else "")
+            + (f", capacity_factor {cfg.capacity_factor:g} (expert_capacity {cfg.expert_capacity})"
+               if cfg.capacity_factor else ""),
             f"symmetric memory per rank: {sym} bytes ({sym / 2**20:.2f} MiB)"
             + (f", NVSHMEM_SYMMETRIC_SIZE={runtime.symmetric_size}" if runtime.symmetric_size else ""),
             "topology:",
@@ -402,4 +463,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from cute_ep.cli import (
     Printer,
     UsageError,
     config_from_args,
+    exit_process,
     make_buffer,
     runtime_backend,
     script_main,
@@ -146,4 +146,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

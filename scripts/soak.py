@@ -104,6 +104,7 @@ from cute_ep.cli import (
     UsageError,
     all_gather,
     config_from_args,
+    exit_process,
     expert_ids,
     make_buffer,
     report,
@@ -677,4 +678,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -20,6 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from _launch import exit_without_teardown  # tests/ is this script's sys.path[0]
 
 from cute_ep.a2a_backend import A2aDispatchHandle, A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
@@ -259,3 +260,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_without_teardown()

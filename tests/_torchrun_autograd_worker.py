@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from _launch import exit_without_teardown  # tests/ is this script's sys.path[0]
 
 from cute_ep import autograd as ep
 from cute_ep.bootstrap.dist_env import DistEnv
@@ -41,3 +42,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_without_teardown()

@@ -27,7 +27,12 @@ BASE = dict(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256
         (dict(num_experts=4 * 4096), "num_experts must be <= 6144"),
         (dict(max_tokens=2**28, topk=8), r"world_size \* max_tokens \* topk must be < 2\*\*31"),
         (dict(capacity=100),
-         r"capacity must be >= world_size \* max_tokens \* min\(topk, experts per rank\) = 512"),
+         r"capacity must be >= min\(world_size \* max_tokens \* min\(topk, experts per rank\), experts per "
+         r"rank \* expert_capacity\) = 512, got 100"),
+        (dict(capacity_factor=1.0, capacity=127), r"= 128, got 127"),  # 8 experts/rank x expert_capacity 16
+        (dict(capacity_factor=-1.0), r"capacity_factor must be a finite number >= 0 \(0: no limit\), got -1"),
+        (dict(capacity_factor=float("nan")), r"capacity_factor must be a finite number >= 0"),
+        (dict(on_overflow="ignore"), r"on_overflow must be one of \('raise', 'drop'\), got 'ignore'"),
         (dict(world_size=512, local_world_size=8, num_experts=512), r"world_size must be in \[1, 256\]"),
         (dict(timeout_s=0), r"timeout_s must be in \[0.001, 2147483\] seconds, got 0"),
         (dict(timeout_s=1e7), r"timeout_s must be in \[0.001, 2147483\] seconds, got 10000000.0"),
@@ -47,6 +52,27 @@ def test_config_defaults_to_worst_case_capacity():
     cfg = EpConfig(**BASE)
     assert cfg.capacity == 4 * 64 * min(2, 8)
     assert cfg.experts_per_rank == 8 and cfg.nnodes == 2 and cfg.vec == 8
+    assert cfg.expert_capacity == 4 * 64  # no factor: an expert can take every token of every rank
+
+
+def test_capacity_factor_sizes_experts_and_buffers():
+    # share = R * M * K / E = 4 * 64 * 2 / 32 = 16 rows per expert at full batch
+    cfg = EpConfig(**{**BASE, "capacity_factor": 1.0})
+    assert cfg.expert_capacity == 16 and cfg.capacity == 8 * 16
+    assert EpConfig(**{**BASE, "capacity_factor": 1.1}).expert_capacity == 18  # ceil(17.6)
+    assert EpConfig(**{**BASE, "capacity_factor": 0.001}).expert_capacity == 1  # at least one row
+    big = EpConfig(**{**BASE, "capacity_factor": 100.0})  # never more than the worst case
+    assert big.expert_capacity == 4 * 64 and big.capacity == big.worst_case_capacity
+    assert cfg.key() != EpConfig(**BASE).key() != EpConfig(**{**BASE, "on_overflow": "drop"}).key()
+    assert cfg.shape_args()[7] == 16  # expert_capacity travels to the kernels
+
+
+def test_fp8_row_layout():
+    cfg = EpConfig(**{**BASE, "hidden": 7168})
+    assert cfg.fp8_scales == 56 and cfg.fp8_row_bytes == 7168 + 224  # already a multiple of 16
+    assert EpConfig(**{**BASE, "hidden": 128}).fp8_row_bytes == 144  # 128 + 4, padded
+    with pytest.raises(ConfigError, match=r"needs hidden to be a multiple of 128 .*, got hidden=200"):
+        EpConfig(**{**BASE, "hidden": 200}).check_fp8()
 
 
 def _inputs(t=8, h=256, k=2, dtype=torch.bfloat16):

@@ -107,6 +107,19 @@ def test_dispatch_has_the_atomic_slot_path(compiled_ptx):
     assert _ops(_kernels(ptx)["Layout"])["atom.shared.add.u32"] > 0
 
 
+def test_dispatch_quantizes_fp8_like_the_reference(compiled_ptx):
+    """FP8 dispatch (kernels/quantize.py): e4m3 conversion with rounding to nearest and saturation,
+    true IEEE divisions for scale and inverse (an approximate reciprocal would break bit-identity with
+    validators.fp8), a butterfly max inside each 128-column block, and no fused multiply-add."""
+    _, ptx = compiled_ptx
+    text = _kernels(ptx)["Dispatch"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in text
+    ops = _ops(text)
+    assert ops["div.rn.f32"] >= 2 and ops["shfl.sync.bfly.b32"] >= 4, ops
+    assert not any(op.startswith(("rcp.", "div.approx", "div.full", "fma.")) for op in ops), ops
+    assert ops["st.global.f32"] > 0  # the scales
+
+
 class _FakeLib:
     def __init__(self, name):
         self.name = name

@@ -158,8 +158,8 @@ _PATCHED = textwrap.dedent(
     patches = sys.argv[2].split(",")
     original = ReferenceEpBuffer.dispatch
 
-    def dispatch(self, x, topk_idx, topk_weights, mode="scatter"):
-        res = original(self, x, topk_idx, topk_weights, mode=mode)
+    def dispatch(self, x, topk_idx, topk_weights, mode="scatter", fp8=False):
+        res = original(self, x, topk_idx, topk_weights, mode=mode, fp8=fp8)
         if mode == "scatter":
             res.recv_x[3, 5] += 1  # a wrong element
             return res

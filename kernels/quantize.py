@@ -1,0 +1,87 @@
+"""FP8 quantization of one row by one warp, called by the dispatch kernel for an FP8 dispatch.
+
+The row's H elements (H a multiple of FP8_BLOCK = 128) become a packed row of ``cfg.fp8_row_bytes``:
+[H bytes of float8_e4m3fn | H / 128 fp32 scales | zero padding to a multiple of 16 bytes], which the
+dispatch kernel then moves like any other row (same-node peer stores, ``put_warp``, the fan-out).
+
+Per block of 128 columns, exactly as ``validators.fp8.quantize_fp8`` computes it in torch:
+    amax  = max(max |x|, FP8_AMAX_FLOOR)
+    scale = amax / 448          (IEEE division, rounded to nearest)
+    inv   = 448 / amax          (a second division, not 1 / scale: two roundings would differ)
+    q     = e4m3(x * inv)       (product rounded to fp32, then to e4m3, nearest even, saturated)
+so the received bytes are bit-identical to the reference.
+
+Lanes: a lane holds one 128-bit piece (8 elements of a 16-bit type, 4 of fp32), so a block spans 16
+or 32 lanes and a warp step covers 2 or 1 blocks; the block's amax is a butterfly max over its lanes.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from cute_ep.kernels.config import FP8_AMAX_FLOOR, FP8_BLOCK, FP8_MAX, VECTOR_BYTES, WARP
+from cute_ep.kernels.ptx import (
+    abs_max,
+    cvt_e4m3x2,
+    div_rn,
+    gmem_tensor,
+    max_f32,
+    mul_rn,
+    st_global_f32,
+    st_global_u32,
+    st_global_v2_u32,
+)
+
+
+@cute.jit
+def quantize_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, hidden: Int32,
+                      row_bytes: Int32, lane: Int32):
+    """A warp quantizes the row at ``src_addr`` (``hidden`` elements of ``dtype``, 16-byte aligned) into
+    the packed FP8 row at ``dst_addr`` (``row_bytes`` bytes, 16-byte aligned). See the module docstring.
+
+    The caller must ``sync_warp`` before lanes read bytes other lanes wrote."""
+    V = VECTOR_BYTES // (dtype.width // 8)  # elements per lane
+    LPB = FP8_BLOCK // V  # lanes per block: 16 or 32
+    BPS = WARP // LPB  # blocks per warp step: 2 or 1
+    # Butterfly offsets LPB/2 ... 1 (kept inside the block); a Python list, fixed at trace time.
+    OFFSETS = [LPB >> (i + 1) for i in range(LPB.bit_length() - 1)]
+    layout = cute.make_layout(V)
+    nblocks = hidden // FP8_BLOCK
+    sub = lane % LPB
+    for b0 in range(0, nblocks, BPS):  # warp-uniform bounds: every lane takes part in the shuffles
+        block = b0 + lane // LPB
+        valid = block < nblocks
+        frag = cute.make_rmem_tensor(layout, dtype)
+        frag.fill(0.0)
+        elem = block * FP8_BLOCK + sub * V
+        if valid:
+            cute.autovec_copy(gmem_tensor(dtype, src_addr + Int64(elem * (dtype.width // 8)), layout,
+                                          VECTOR_BYTES), frag)
+        vals = frag.load().to(Float32)
+        a = Float32(0.0)
+        for i in cutlass.range_constexpr(V):
+            a = abs_max(a, vals[i])
+        for i in cutlass.range_constexpr(len(OFFSETS)):
+            a = max_f32(a, cute.arch.shuffle_sync_bfly(a, OFFSETS[i]))
+        amax = max_f32(a, Float32(FP8_AMAX_FLOOR))
+        scale = div_rn(amax, Float32(FP8_MAX))
+        inv = div_rn(Float32(FP8_MAX), amax)
+        words = []
+        for w in cutlass.range_constexpr(V // 4):
+            b01 = cvt_e4m3x2(mul_rn(vals[4 * w], inv), mul_rn(vals[4 * w + 1], inv))
+            b23 = cvt_e4m3x2(mul_rn(vals[4 * w + 2], inv), mul_rn(vals[4 * w + 3], inv))
+            words.append(b01 | (b23 << 16))
+        if valid:
+            out = dst_addr + Int64(elem)
+            if cutlass.const_expr(V == 8):
+                st_global_v2_u32(out, words[0], words[1])
+            else:
+                st_global_u32(out, words[0])
+            if sub == 0:
+                st_global_f32(dst_addr + Int64(hidden + 4 * block), scale)
+    # Zero padding after the scales (fewer than 16 bytes, one word per lane).
+    pad_words = (row_bytes - hidden - 4 * nblocks) // 4
+    if lane < pad_words:
+        st_global_u32(dst_addr + Int64(hidden + 4 * nblocks + 4 * lane), Int32(0))
