@@ -1,0 +1,92 @@
+"""EpBuffer's host-side bookkeeping on the CPU (no NVSHMEM): the status block it reads in one copy,
+capacity drop accounting under both overflow policies, and the per-call pointer cache.
+
+The buffer is built with ``object.__new__`` and only the attributes these methods use, so the logic
+that decides what a user sees (errors, counts) is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cute_ep.buffer import (
+    STATUS_DROPPED,
+    STATUS_FAULT,
+    STATUS_NUM_RECV,
+    CapacityExceeded,
+    EpBuffer,
+    PeerTimeout,
+)
+from cute_ep.kernels.config import FAULT_WORDS, EpConfig
+
+
+def _buffer(on_overflow: str = "raise") -> EpBuffer:
+    cfg = EpConfig(world_size=2, local_world_size=2, num_experts=8, topk=2, hidden=128, dtype=torch.bfloat16,
+                   max_tokens=16, capacity_factor=0.5, on_overflow=on_overflow)
+    buf = object.__new__(EpBuffer)
+    buf.cfg, buf.rank = cfg, 0
+    buf._status = torch.zeros(STATUS_DROPPED + cfg.num_experts, dtype=torch.int32)
+    buf.epochs = buf._status[0:6].view(torch.int64)
+    buf.fault = buf._status[STATUS_FAULT:STATUS_FAULT + FAULT_WORDS]
+    buf.num_recv = buf._status[STATUS_NUM_RECV:STATUS_NUM_RECV + 1]
+    buf.dropped = buf._status[STATUS_DROPPED:]
+    buf._drops = torch.zeros(cfg.num_experts, dtype=torch.int64)
+    buf._call_ptrs = {}
+    buf._calls = [0, 0, 0]
+    return buf
+
+
+def test_status_block_reads_every_field_in_one_copy():
+    buf = _buffer()
+    buf.epochs.copy_(torch.tensor([3, 2, 1]))
+    buf.num_recv.fill_(41)
+    buf.dropped[5] = 7
+    st = buf._read_status()
+    assert st["epochs"] == [3, 2, 1] and st["num_recv"] == 41 and st["fault"] == [0] * FAULT_WORDS
+    assert st["dropped"].tolist() == [0, 0, 0, 0, 0, 7, 0, 0]
+    buf._calls = [3, 2, 1]
+    buf._check_ran(st, 0, 1, 2)  # epochs match the launches: no error
+
+
+def test_fault_record_raises_peer_timeout_naming_op_and_peer():
+    buf = _buffer()
+    buf.fault.copy_(torch.tensor([1, 1, 1, 4], dtype=torch.int32))  # 1 wait timed out in dispatch, peer 1
+    with pytest.raises(PeerTimeout, match=r"dispatch on rank 0: rank 1 did not signal .* \(dispatch call 4"):
+        buf.check_faults()
+
+
+def test_raise_policy_reports_drops_once_with_experts_and_ranks():
+    buf = _buffer("raise")
+    buf.dropped[1] = 3
+    buf.dropped[6] = 2
+    with pytest.raises(CapacityExceeded) as info:
+        buf.check_capacity(result="the result")
+    exc = info.value
+    assert exc.dropped == {1: 3, 6: 2} and exc.total == 5 and exc.result == "the result"
+    assert "dispatch dropped 5 rows beyond expert_capacity=4" in str(exc)
+    assert "expert 1 (rank 0): 3, expert 6 (rank 1): 2" in str(exc)
+    assert int(buf.dropped.sum()) == 0  # reset on the device: the next check counts afresh
+    buf.check_capacity()  # nothing pending: no error
+
+
+def test_drop_policy_counts_until_read():
+    buf = _buffer("drop")
+    buf.dropped[2] = 4
+    buf.check_capacity()  # "drop" never raises
+    buf.dropped[2] += 1  # a later dispatch drops more
+    buf.dropped[7] = 2
+    assert buf.dropped_rows().tolist() == [0, 0, 5, 0, 0, 0, 0, 2]
+    assert buf.dropped_rows().tolist() == [0] * 8  # read resets
+
+
+def test_per_call_pointers_are_cached_by_address_and_bounded(monkeypatch):
+    made = []
+    monkeypatch.setattr("cute_ep.kernels.host.make_pointer", lambda cfg, n, a: made.append((n, a)) or (n, a))
+    buf = _buffer()
+    assert buf._call_pointer("x", 4096) == ("x", 4096)
+    assert buf._call_pointer("x", 4096) == ("x", 4096) and len(made) == 1  # remembered
+    assert buf._call_pointer("out", 4096) == ("out", 4096) and len(made) == 2  # keyed by name too
+    for i in range(70):
+        buf._call_pointer("x", 8192 + 16 * i)
+    assert len(buf._call_ptrs) <= 64
