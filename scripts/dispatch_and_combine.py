@@ -99,8 +99,7 @@ from cute_ep.validators.baseline import (
     make_baseline,
     save_baseline,
 )
-from cute_ep.validators.capacity import apply_expert_capacity, check_atomic_drops, effective_topk_from_scatter
-from cute_ep.validators.checks import check_combine, check_dispatch, check_layout
+from cute_ep.validators.checks import check_capacity_drops, check_combine, check_dispatch, check_layout
 from cute_ep.validators.fp8 import dequantize_fp8, pack_fp8_rows, quantize_fp8
 from cute_ep.validators.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
 from cute_ep.validators.reference import apply_test_expert
@@ -238,8 +237,14 @@ def run_once(
     # The routing the references see: with a capacity factor, dropped pairs become -1.
     eff = idx
     if cfg.capacity_factor:
-        eff, capacity_ok = check_drops(buffer, res, idx, cfg, group, mode, say, tag)
-        ok &= capacity_ok
+        dropped = buffer.dropped_rows()
+        cap, eff = check_capacity_drops(
+            idx, res.handle.scatter, dropped, num_experts=cfg.num_experts,
+            expert_capacity=cfg.expert_capacity, ordered=(mode == "scatter"), group=group,
+        )  # fmt: skip
+        ok &= report(cap, f"{tag} capacity", group, say)
+        say(f"{tag} {int(dropped.sum())} rows dropped beyond expert_capacity={cfg.expert_capacity} "
+            f"({int((dropped > 0).sum())} of {cfg.num_experts} experts)")
     lay = check_layout(
         res, eff, max_tokens=cfg.max_tokens, num_experts=cfg.num_experts,
         local_world_size=cfg.local_world_size, group=group,
@@ -285,32 +290,6 @@ def run_once(
         # Copies: recv_* are views of buffers the next dispatch overwrites.
         arrays = {k: v.detach().to("cpu", copy=True) for k, v in named.items()}
     return ok, arrays
-
-
-def check_drops(buffer: Any, res: Any, idx: torch.Tensor, cfg: EpConfig, group: Any, mode: str, say: Printer,
-                tag: str) -> tuple[torch.Tensor, bool]:
-    """Capacity: the routing after the drops (this rank's [T, K], dropped pairs -1) and whether the
-    buffer's drops are right on every rank: its per-expert counts equal the reference's, and in atomic
-    mode (which may keep other rows of a source) each (expert, source) keeps as many rows."""
-    all_idx = all_gather(idx.cpu(), group)
-    eff_all, dropped = apply_expert_capacity(all_idx, cfg.num_experts, cfg.expert_capacity)
-    got = buffer.dropped_rows()
-    problems = []
-    if not torch.equal(got, dropped):
-        problems.append(f"rows dropped per expert: got {got.tolist()}, expected {dropped.tolist()}")
-    eff = eff_all[buffer.rank]
-    if mode == "atomic":
-        eff = effective_topk_from_scatter(idx.cpu(), res.handle.scatter.cpu())
-        problems += check_atomic_drops(all_gather(eff, group), eff_all, cfg.num_experts)
-    verdicts = all_gather(problems, group)
-    bad = {r: p for r, p in enumerate(verdicts) if p}
-    total = int(dropped.sum())
-    if bad:
-        say(f"{tag} capacity FAIL: " + "; ".join(f"rank {r}: {'; '.join(p)}" for r, p in bad.items()))
-    else:
-        say(f"{tag} capacity ok: {total} rows dropped beyond expert_capacity={cfg.expert_capacity} "
-            f"({int((dropped > 0).sum())} of {cfg.num_experts} experts)")
-    return eff.to(idx.device), not bad
 
 
 def unreadable_baseline(path: str, exc: OSError) -> UsageError:

@@ -24,6 +24,9 @@ To run:
     # several nodes under SLURM
     srun --ntasks-per-node 4 python scripts/soak.py ...
 
+    # FP8 dispatch and experts capped at 0.75x their share: drops counted and checked every iteration
+    torchrun --nproc-per-node 4 scripts/soak.py ... --hidden 256 --fp8 --capacity-factor 0.75
+
     # determinism: two runs with the same seed (and world size, sizes, dtype, modes, routings) print
     # the same digest, whatever the stragglers, the virtual nodes or the backend
     ... --seed 7 --out-json out/soak.json
@@ -55,8 +58,15 @@ dispatch, received slots that do not hold their expected row, weight and source 
 anywhere inside their (local expert, source) group) plus missing or extra rows; combine, output
 tokens whose row differs in any bit from the reference combine of the expert outputs.
 
+With --capacity-factor every check runs on the routing left after the drops, and a "capacity" check
+compares the buffer's per-expert drop counts (and, in scatter mode, exactly which pairs were dropped;
+in atomic mode how many per (expert, source)) with validators.capacity. With --fp8 the received rows
+are compared as packed rows (e4m3 values, fp32 scales, padding) with the senders' rows quantized by
+validators.fp8, and the test expert runs on the dequantized rows.
+
 Digest: SHA-256 over every scatter-mode iteration, per rank, of (iteration, tokens, rows received),
-recv_x[:num_recv], recv_weights, recv_src, tokens_per_expert and the combine output (raw bytes), then
+recv_x[:num_recv] (the packed rows with --fp8), recv_weights, recv_src, tokens_per_expert and the
+combine output (raw bytes), then
 over the ranks' digests in rank order. It depends only on the data, so equal inputs give equal digests
 on any backend (the GPU kernels must match the references bit for bit) and topology.
 
@@ -81,6 +91,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -113,7 +124,14 @@ from cute_ep.cli import (
     world_banner,
 )
 from cute_ep.kernels.config import MODES, EpConfig
-from cute_ep.validators.checks import CheckResult, check_combine, check_dispatch, check_layout
+from cute_ep.validators.checks import (
+    CheckResult,
+    check_capacity_drops,
+    check_combine,
+    check_dispatch,
+    check_layout,
+)
+from cute_ep.validators.fp8 import dequantize_fp8, pack_fp8_rows, quantize_fp8
 from cute_ep.validators.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
 from cute_ep.validators.reference import (
     apply_test_expert,
@@ -176,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=BACKENDS, default="cute",
                    help="cute: GPU kernels; reference: torch on CPU; a2a: all_to_all_single fallback")
     p.add_argument("--num-sms", type=int, default=None, help="CTAs of dispatch/combine (EpConfig default)")
+    p.add_argument("--fp8", action="store_true", help="FP8 dispatch: e4m3 rows, a scale per 128 columns")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="experts keep at most ceil(f * R * M * K / E) rows, the rest are dropped (0: none)")
     p.add_argument(
         "--report-every", type=int, default=100, help="a progress line every K iterations (0: none)"
     )
@@ -206,6 +227,11 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--straggler-prob must be in [0, 1], got {args.straggler_prob}")
     if not (math.isfinite(args.max_straggle_us) and args.max_straggle_us >= 0):
         raise UsageError(f"--max-straggle-us must be a finite number >= 0, got {args.max_straggle_us}")
+    if args.fp8 and args.hidden % 128:
+        raise UsageError(f"--fp8 needs --hidden to be a multiple of 128, got {args.hidden}")
+    cf = args.capacity_factor
+    if cf is not None and not (math.isfinite(cf) and cf >= 0):
+        raise UsageError(f"--capacity-factor must be a finite number >= 0, got {args.capacity_factor}")
     if args.report_every < 0 or args.show_failures < 0:
         raise UsageError(
             f"--report-every and --show-failures must be >= 0, got {args.report_every}, {args.show_failures}"
@@ -397,6 +423,7 @@ class Totals:
     rows_received: int = 0  # this rank's
     tokens: int = 0  # this rank's
     call_s: float = 0.0  # this rank's host time in dispatch + combine (straggles included)
+    rows_dropped: int = 0  # beyond expert capacity, all ranks (every rank counts every drop)
     route_pairs: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROUTE_CLASSES, 0))
     failures: list[dict[str, Any]] = field(default_factory=list)
 
@@ -427,14 +454,30 @@ class Soak:
 
         t0 = time.perf_counter()
         self.straggler.maybe()
-        res = self.buffer.dispatch(x, idx, w, mode=mode)
+        res = self.buffer.dispatch(x, idx, w, mode=mode, fp8=args.fp8)
         t.call_s += time.perf_counter() - t0
+        checks: dict[str, CheckResult] = {}
+        eff = idx  # the routing after capacity drops: what every check below compares against
+        if cfg.capacity_factor:
+            dropped = self.buffer.dropped_rows()
+            checks["capacity"], eff = check_capacity_drops(
+                idx, res.handle.scatter, dropped, num_experts=cfg.num_experts,
+                expert_capacity=cfg.expert_capacity, ordered=(mode == "scatter"), group=group,
+            )  # fmt: skip
+            t.rows_dropped += int(dropped.sum())
+        rows, got, expert_in = x, res, res.recv_x
+        if args.fp8:  # what travels: packed rows (e4m3 values, fp32 scales, padding)
+            rows = pack_fp8_rows(*quantize_fp8(x.cpu()), cfg.fp8_row_bytes)
+            packed = pack_fp8_rows(res.recv_x.cpu(), res.recv_scales.cpu(), cfg.fp8_row_bytes)
+            got = SimpleNamespace(recv_x=packed, recv_weights=res.recv_weights, recv_src=res.recv_src,
+                                  num_recv=res.num_recv)
+            expert_in = dequantize_fp8(res.recv_x.cpu(), res.recv_scales.cpu()).to(cfg.dtype).to(self.device)
         lay = check_layout(
-            res, idx, max_tokens=cfg.max_tokens, num_experts=cfg.num_experts,
+            res, eff, max_tokens=cfg.max_tokens, num_experts=cfg.num_experts,
             local_world_size=cfg.local_world_size, group=group,
         )  # fmt: skip
         disp = check_dispatch(
-            x, idx, w, res.recv_x, res.recv_weights, res.recv_src,
+            rows, eff, w, got.recv_x, res.recv_weights, res.recv_src,
             max_tokens=cfg.max_tokens, num_experts=cfg.num_experts, local_world_size=cfg.local_world_size,
             ordered=(mode == "scatter"), require_coverage=False, group=group,
         )  # fmt: skip
@@ -444,23 +487,24 @@ class Soak:
         if experts is None:  # the layout check has failed already; give combine defined input
             y.fill_(float("nan"))
         else:
-            y.copy_(apply_test_expert(res.recv_x, experts.to(self.device)))
+            y.copy_(apply_test_expert(expert_in, experts.to(self.device)))
         t0 = time.perf_counter()
         self.straggler.maybe()
         out = self.buffer.combine(y, res.handle)
         t.call_s += time.perf_counter() - t0
         comb = check_combine(
-            out, idx, w, y, local_world_size=cfg.local_world_size, num_experts=cfg.num_experts,
+            out, eff, w, y, local_world_size=cfg.local_world_size, num_experts=cfg.num_experts,
             scatter=res.handle.scatter, require_coverage=False, group=group,
         )  # fmt: skip
 
         # Every verdict is the same on every rank, so the collectives below are entered by all or none.
-        bad_d = 0 if disp.passed else wrong_dispatch_rows(x, idx, w, res, cfg, rank, mode == "scatter", group)
-        bad_c = 0 if comb.passed else wrong_combine_rows(out, idx, w, y, res.handle.scatter, cfg, rank, group)
+        ordered = mode == "scatter"
+        bad_d = 0 if disp.passed else wrong_dispatch_rows(rows, eff, w, got, cfg, rank, ordered, group)
+        bad_c = 0 if comb.passed else wrong_combine_rows(out, eff, w, y, res.handle.scatter, cfg, rank, group)
         if mode == "scatter":
             self.digest.update(struct.pack("<qqq", it, num_tokens, res.num_recv))
-            rows = res.recv_x[: res.num_recv]
-            for tensor in (rows, res.recv_weights, res.recv_src, res.tokens_per_expert, out):
+            received = got.recv_x[: res.num_recv]
+            for tensor in (received, res.recv_weights, res.recv_src, res.tokens_per_expert, out):
                 self.digest.update(raw_bytes(tensor))
             t.scatter_iterations += 1
         t.iterations += 1
@@ -471,7 +515,7 @@ class Soak:
         t.wrong_dispatch_rows += bad_d
         t.wrong_combine_rows += bad_c
         t.layout_failures += not lay.passed
-        checks = {"layout": lay, "dispatch": disp, "combine": comb}
+        checks.update(layout=lay, dispatch=disp, combine=comb)
         if all(r.passed for r in checks.values()):
             return
         t.failed += 1
@@ -553,12 +597,16 @@ class Soak:
                 "seed": args.seed,
                 "timeout_s": cfg.timeout_s,
                 "num_sms": cfg.num_sms,
+                "fp8": args.fp8,
+                "capacity_factor": cfg.capacity_factor,
+                "expert_capacity": cfg.expert_capacity,
             },
             "iterations_run": t.iterations,
             "failed_iterations": t.failed,
             "layout_failures": t.layout_failures,
             "wrong_dispatch_rows": t.wrong_dispatch_rows,
             "wrong_combine_rows": t.wrong_combine_rows,
+            "rows_dropped": t.rows_dropped,
             "rows_received": sum(r["rows_received"] for r in ranks),
             "tokens_combined": sum(r["tokens"] for r in ranks),
             "straggles": sum(r["straggles"] for r in ranks),
@@ -597,6 +645,8 @@ class Soak:
             f"  failed iterations: {s['failed_iterations']} (layout failures: {s['layout_failures']})",
             f"  wrong dispatch rows: {s['wrong_dispatch_rows']} (of {s['rows_received']} rows received)",
             f"  wrong combine rows: {s['wrong_combine_rows']} (of {s['tokens_combined']} tokens combined)",
+            *([f"  rows dropped beyond expert capacity {cfg.expert_capacity}: {s['rows_dropped']}"]
+              if cfg.capacity_factor else []),
             f"  straggles injected: {s['straggles']} ({s['straggle_ms']:.1f} ms in all, {who})",
             "  pairs: "
             + " ".join(f"{c}={s['route_pairs'][c]}" for c in ROUTE_CLASSES)

@@ -384,3 +384,49 @@ def test_distributed_raise_is_the_same_on_every_rank(ranks):
             assert got["mismatches"] == [] and got["reset"], (r, backend, got)
             messages.add(got["message"])
     assert len(messages) == 1 and "expert 0 (rank 0):" in messages.pop()
+
+
+# --------------------------------------------------------------------------------------------------
+# check_capacity_drops (validators.checks): the distributed check the scripts run, in a world of one
+# --------------------------------------------------------------------------------------------------
+
+
+def _one_rank_case():
+    from cute_ep.validators.reference import reference_layout
+
+    idx = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]], dtype=torch.int32)  # expert 0 gets 4 pairs
+    eff, dropped = apply_expert_capacity([idx], 4, 2)
+    scatter = reference_layout(eff, 4).scatter[0].to(torch.int32)
+    return idx, eff[0], dropped, scatter
+
+
+def test_check_capacity_drops_passes_the_rule_and_returns_the_effective_routing():
+    from cute_ep.validators.checks import check_capacity_drops
+
+    idx, eff, dropped, scatter = _one_rank_case()
+    assert dropped.tolist() == [2, 0, 0, 0]
+    res, got = check_capacity_drops(idx, scatter, dropped, num_experts=4, expert_capacity=2)
+    assert res.passed, res.message
+    assert torch.equal(got, eff) and got.dtype == idx.dtype
+    assert got[:, 0].tolist() == [0, 0, -1, 3] and got[3, 1] == -1  # expert 0 keeps its first 2 pairs
+    res, _ = check_capacity_drops(idx, scatter, dropped, num_experts=4, expert_capacity=2, ordered=False)
+    assert res.passed, res.message
+
+
+def test_check_capacity_drops_catches_wrong_counts_and_wrong_pairs():
+    from cute_ep.validators.checks import check_capacity_drops
+
+    idx, _, dropped, scatter = _one_rank_case()
+    res, _ = check_capacity_drops(idx, scatter, dropped + 1, num_experts=4, expert_capacity=2)
+    assert not res.passed and "dropped per expert [3, 1, 1, 1], expected [2, 0, 0, 0]" in res.message
+    swapped = scatter.clone()
+    swapped[0, 0], swapped[2, 0] = -1, 5  # keeps pair (2, 0), drops (0, 0): the wrong rows of expert 0
+    res, _ = check_capacity_drops(idx, swapped, dropped, num_experts=4, expert_capacity=2)
+    assert not res.passed and "pair (t=0, k=0) to expert 0 was dropped, the rule keeps it" in res.message
+    # Atomic mode may keep other pairs of a source, as many as the rule: the same swap passes there.
+    res, _ = check_capacity_drops(idx, swapped, dropped, num_experts=4, expert_capacity=2, ordered=False)
+    assert res.passed, res.message
+    fewer = scatter.clone()
+    fewer[0, 0] = -1  # one pair too few kept for expert 0
+    res, _ = check_capacity_drops(idx, fewer, dropped, num_experts=4, expert_capacity=2, ordered=False)
+    assert not res.passed and "expert 0, source 0: atomic mode kept 1 rows, scatter mode 2" in res.message

@@ -170,6 +170,24 @@ def test_digest_depends_on_the_data_only(four_ranks):
 # --------------------------------------------------------------------------------------------------
 
 
+def test_capacity_drops_and_fp8_under_soak_match_across_backends(tmp_path):
+    """Capacity drops (counted and checked every iteration) with FP8 dispatch: both backends pass, drop
+    the same rows and give the same digest (which covers the packed rows)."""
+    args = ["--max-tokens", "16", "--hidden", "128", "--num-experts", "8", "--topk", "2", "--iters", "12",
+            "--straggler-prob", "0.3", "--max-straggle-us", "200", "--seed", "4",
+            "--routings", "skewed,uniform", "--capacity-factor", "0.75", "--fp8"]  # fmt: skip
+    ref = _torchrun(2, "--backend", "reference", *args, "--out-json", str(tmp_path / "ref.json"))
+    a2a = _torchrun(2, "--backend", "a2a", *args, "--out-json", str(tmp_path / "a2a.json"))
+    _assert_passed(ref)
+    _assert_passed(a2a)
+    s_ref, s_a2a = (json.loads((tmp_path / f).read_text()) for f in ("ref.json", "a2a.json"))
+    assert s_ref["rows_dropped"] > 0 and s_ref["rows_dropped"] == s_a2a["rows_dropped"]
+    assert s_ref["config"]["fp8"] and s_ref["config"]["expert_capacity"] == 6  # ceil(0.75 * 2*16*2/8)
+    assert f"rows dropped beyond expert capacity 6: {s_ref['rows_dropped']}" in ref.stdout
+    assert "capacity: FAIL" not in ref.stdout + a2a.stdout
+    assert _digest(ref) == _digest(a2a)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -177,6 +195,8 @@ def test_digest_depends_on_the_data_only(four_ranks):
         (["--topk", "9"], "topk must be in [1, min(num_experts=8, 64)], got 9"),
         (["--routings", "uniform,hot"], "--routings must be a comma-separated list of"),
         (["--straggler-prob", "1.5"], "--straggler-prob must be in [0, 1], got 1.5"),
+        (["--fp8"], "--fp8 needs --hidden to be a multiple of 128, got 64"),
+        (["--capacity-factor", "-1"], "--capacity-factor must be a finite number >= 0, got -1.0"),
     ],
 )
 def test_argument_errors_exit_2_with_the_constraint_and_no_traceback(args, message):
@@ -205,12 +225,12 @@ _PATCHED = textwrap.dedent(
     bad = {"dispatch": 0, "combine": 0}
     failed = set()
 
-    def bad_dispatch(self, x, topk_idx, topk_weights, mode="scatter"):
+    def bad_dispatch(self, x, topk_idx, topk_weights, mode="scatter", fp8=False):
         calls["dispatch"] += 1
         if patch == "timeout" and calls["dispatch"] == 4:
             raise PeerTimeout("dispatch on rank 0: rank 1 did not signal within 1 s (a test)",
                               op="dispatch", peer=1, call=4)
-        res = dispatch(self, x, topk_idx, topk_weights, mode=mode)
+        res = dispatch(self, x, topk_idx, topk_weights, mode=mode, fp8=fp8)
         if patch == "corrupt" and calls["dispatch"] % 3 == 0 and res.num_recv:
             res.recv_x.view(torch.int16)[res.num_recv - 1, 5] ^= 1
             bad["dispatch"] += 1

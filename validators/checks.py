@@ -33,6 +33,7 @@ from cute_ep.validators.reference import (
 
 __all__ = [
     "CheckResult",
+    "check_capacity_drops",
     "check_combine",
     "check_dispatch",
     "check_layout",
@@ -350,6 +351,79 @@ def check_dispatch(
 
 
 # --------------------------------------------------------------------------------------------
+# Capacity (which pairs a dispatch with a capacity factor dropped)
+# --------------------------------------------------------------------------------------------
+
+
+def check_capacity_drops(
+    topk_idx: Tensor,
+    scatter: Tensor,
+    dropped: Tensor,
+    *,
+    num_experts: int,
+    expert_capacity: int,
+    ordered: bool = True,
+    group: Any = None,
+) -> tuple[CheckResult, Tensor]:
+    """Check a dispatch's capacity drops and return this rank's routing after them (collective).
+
+    Every rank of ``group`` must call it with its own tensors. The rule (validators.capacity): each
+    expert keeps its first ``expert_capacity`` pairs, sources in rank order, each source's in (t, k)
+    order. Checked: the per-expert drop counts the buffer reported equal the rule's (the same on every
+    rank); ordered (scatter mode): exactly the rule's pairs were dropped (slot -1); not ordered (atomic
+    mode, which may keep other pairs of a source): each (expert, source) kept as many pairs.
+
+    Args:
+        topk_idx: [T, K] int32/int64 in [-1, E), this rank's routing (the dispatch's input).
+        scatter: [T, K] integer, the handle's slots (-1: not sent).
+        dropped: [E] integer, rows dropped per global expert as the buffer reported them
+            (``buffer.dropped_rows()``).
+        num_experts: E. expert_capacity: ``cfg.expert_capacity``.
+        ordered: True for scatter mode, False for atomic mode.
+        group: the process group (None: the default group, or a world of 1).
+
+    Returns:
+        (result, effective): the verdict reduced over all ranks, and [T, K] routing (topk_idx's dtype
+        and device) with every pair this dispatch dropped set to -1: pass it to check_layout,
+        check_dispatch and check_combine in place of topk_idx.
+    """
+    from cute_ep.validators.capacity import (
+        apply_expert_capacity,
+        check_atomic_drops,
+        effective_topk_from_scatter,
+    )
+
+    rank, _ = world_of(group)
+    idx_all = all_gather_objects(_cpu(topk_idx), group)
+    msgs: list[str] = []
+    effective = topk_idx
+    actual = rule = None
+    try:
+        rule, expected = apply_expert_capacity(idx_all, num_experts, expert_capacity)
+        got = _cpu(dropped).to(torch.int64).reshape(-1)
+        if not torch.equal(got, expected):
+            msgs.append(f"rank {rank}: dropped per expert {got.tolist()}, expected {expected.tolist()}")
+        actual = effective_topk_from_scatter(_cpu(topk_idx), _cpu(scatter))
+        if ordered:
+            bad = actual != rule[rank].to(actual.dtype)
+            if bool(bad.any()):
+                t, k = (int(v) for v in torch.nonzero(bad)[0])
+                kept = int(actual[t, k]) >= 0
+                msgs.append(
+                    f"rank {rank}: pair (t={t}, k={k}) to expert {int(topk_idx[t, k])} was "
+                    f"{'kept' if kept else 'dropped'}, the rule {'drops' if kept else 'keeps'} it "
+                    f"({int(bad.sum())} such pairs)"
+                )
+        effective = actual.to(device=topk_idx.device, dtype=topk_idx.dtype)
+    except Exception as exc:  # every rank must still reach the collectives below
+        msgs.append(f"rank {rank}: error while checking capacity drops: {type(exc).__name__}: {exc}")
+    actual_all = all_gather_objects(actual, group)  # collective: every rank, even after an error
+    if not ordered and rule is not None and all(a is not None for a in actual_all):
+        msgs += [f"rank {rank}: {p}" for p in check_atomic_drops(actual_all, rule, num_experts)[:5]]
+    return _finish(msgs, dict.fromkeys(ROUTE_CLASSES, 0), True, group), effective
+
+
+# --------------------------------------------------------------------------------------------
 # Layout (what check_dispatch / check_combine take on trust: counts, num_recv, handle slots)
 # --------------------------------------------------------------------------------------------
 
@@ -580,9 +654,11 @@ def format_summary(result: CheckResult, name: str) -> str:
         result: a :class:`CheckResult`.
         name: what was checked ("dispatch", "combine", ...).
     """
-    pairs = " ".join(f"{c}={result.route_counts.get(c, 0)}" for c in ROUTE_CLASSES)
     verdict = "PASS" if result.passed else "FAIL"
-    line = f"{name}: {verdict} (pairs: {pairs})"
+    line = f"{name}: {verdict}"
+    if any(result.route_counts.values()):  # checks that count no pairs (capacity) print none
+        pairs = " ".join(f"{c}={result.route_counts.get(c, 0)}" for c in ROUTE_CLASSES)
+        line += f" (pairs: {pairs})"
     if not result.coverage_ok:
         line += " [route coverage incomplete]"
     if not result.passed:
