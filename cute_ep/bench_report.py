@@ -38,6 +38,7 @@ from cute_ep._version import git_sha, package_versions
 __all__ = [
     "META_KEYS",
     "NVLINK4_LINE_RATE_GBPS",
+    "OPTIONAL_ROW_KEYS",
     "ROW_KEYS",
     "SCHEMA",
     "TAG_BYTES",
@@ -233,6 +234,9 @@ class BenchRow:
     nccl_combine_gbps: float
     dispatch_ratio: float
     combine_ratio: float
+    # FP8 dispatch rows (mode "<mode>+fp8"): bytes of one packed row, which dispatch and the NCCL
+    # baseline move (0: a row of the input dtype, ``row_bytes``). Optional in reports.
+    dispatch_row_bytes: int = 0
 
     @classmethod
     def from_measurements(
@@ -250,8 +254,13 @@ class BenchRow:
         nccl_dispatch_us: Sequence[float],
         nccl_combine_us: Sequence[float],
         line_rate_gbps: float = NVLINK4_LINE_RATE_GBPS,
+        dispatch_row_bytes: int = 0,
     ) -> BenchRow:
-        """Build a row from per-rank values (each sequence indexed by rank, all the same length)."""
+        """Build a row from per-rank values (each sequence indexed by rank, all the same length).
+
+        dispatch_row_bytes: bytes per row that dispatch and NCCL's dispatch baseline really move when
+        they differ from ``row_bytes`` (FP8 packed rows); the algorithmic bandwidth keeps ``row_bytes``
+        (the rows the application hands over), the moved bytes and NCCL's rate use the packed size."""
         per_rank = {
             "pairs_off": [float(v) for v in pairs_off],
             "rows_off": [float(v) for v in rows_off],
@@ -283,7 +292,8 @@ class BenchRow:
         def gbps(nbytes: float, key: str) -> float:
             return bandwidth_gbps(nbytes, slowest[key] * 1e-6)
 
-        d_moved = gbps(dispatch_moved_bytes(mean_rows, mean_pairs, row_bytes), "dispatch_us")
+        d_row = dispatch_row_bytes or row_bytes
+        d_moved = gbps(dispatch_moved_bytes(mean_rows, mean_pairs, d_row), "dispatch_us")
         c_moved = gbps(combine_moved_bytes(mean_pairs, row_bytes), "combine_us")
         fields: dict[str, Any] = {
             "routing": routing,
@@ -302,10 +312,11 @@ class BenchRow:
             "combine_moved_gbps": c_moved,
             "dispatch_line_pct": 100.0 * d_moved / line_rate_gbps,
             "combine_line_pct": 100.0 * c_moved / line_rate_gbps,
-            "nccl_dispatch_gbps": gbps(alg_bytes, "nccl_dispatch_us"),
+            "nccl_dispatch_gbps": gbps(mean_pairs * d_row, "nccl_dispatch_us"),
             "nccl_combine_gbps": gbps(alg_bytes, "nccl_combine_us"),
             "dispatch_ratio": slowest["nccl_dispatch_us"] / slowest["dispatch_us"],
             "combine_ratio": slowest["nccl_combine_us"] / slowest["combine_us"],
+            "dispatch_row_bytes": int(dispatch_row_bytes),
         }
         for key, vals in times.items():
             fields[key] = max(vals)
@@ -318,7 +329,9 @@ class BenchRow:
         return dataclasses.asdict(self)
 
 
-ROW_KEYS = tuple(f.name for f in dataclasses.fields(BenchRow))
+ROW_KEYS = tuple(f.name for f in dataclasses.fields(BenchRow) if f.default is dataclasses.MISSING)
+"""Keys every row of a report must hold (rows written before optional keys existed stay readable)."""
+OPTIONAL_ROW_KEYS = tuple(f.name for f in dataclasses.fields(BenchRow) if f.name not in ROW_KEYS)
 
 
 def _row_dict(row: BenchRow | Mapping[str, Any]) -> dict[str, Any]:
@@ -473,7 +486,9 @@ def plot(report: Mapping[str, Any], png_path: str | os.PathLike) -> Path:
                     color=colors[routing],
                     label=label,
                 )
-            by_tokens = {r["tokens"]: r for r in rows if r["routing"] == routing}
+            # NCCL moving rows of the input dtype (FP8 rows' packed baseline is in the table and JSON)
+            plain = [r for r in rows if r["routing"] == routing and not r.get("dispatch_row_bytes")]
+            by_tokens = {r["tokens"]: r for r in plain}
             toks = sorted(by_tokens)
             if toks:
                 ax.plot(

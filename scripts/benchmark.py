@@ -8,6 +8,9 @@ To run (one process per GPU; keep NVLink multicast off, as on the lent hosts):
     # a quick look: fewer sizes, one routing
     torchrun --nproc-per-node 2 scripts/benchmark.py --tokens 512,4096 --routing uniform --iters 20
 
+    # FP8 dispatch as well (rows "scatter+fp8": packed e4m3 rows, NCCL moving the same packed rows)
+    torchrun --nproc-per-node 2 scripts/benchmark.py --tokens 128,4096 --routing uniform --fp8
+
     # plot again from a saved report (CPU, no launch)
     python -c "from cute_ep import bench_report as b; b.plot(b.load_json('r.json'), 'r.png')"
 
@@ -41,6 +44,10 @@ What is measured, for every routing (--routing), tokens per rank T (--tokens) an
       its weight, source tag and from-slot; combine pairs_off * H*b), means over ranks, and their
       percentage of the 450 GB/s NVLink4 line rate; NCCL GB/s with the algorithmic formula; ratio =
       NCCL time / our time (> 1: faster than NCCL).
+    * --fp8: per mode, one more row "<mode>+fp8": dispatch with ``fp8=True`` (quantized in the kernel)
+      against NCCL moving the same rows packed the same way (cfg.fp8_row_bytes each: e4m3 values plus
+      fp32 scales, quantized outside the timed region); moved bytes and NCCL's rate use the packed
+      size, the algorithmic bandwidth the input dtype's rows; combine is the mode's own (unchanged).
 
 Output on rank 0: a table, one line per (routing, T, mode) as it completes; with --out-json the report
 (device, world and local world size, config, symmetric bytes per rank, package versions, git sha,
@@ -148,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-json", metavar="PATH", help="write the report here (rank 0; after every row)")
     p.add_argument("--out-png", metavar="PATH", help="plot bandwidth vs tokens here at the end (rank 0)")
     p.add_argument("--seed", type=int, default=0, help="input set j uses seed + j")
+    p.add_argument("--fp8", action="store_true", help="also time FP8 dispatch (--hidden a multiple of 128)")
     p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
     return p
 
@@ -171,6 +179,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--hidden must be >= 4 (the first columns name the sender), got {args.hidden}")
     if args.num_sms < 1:
         raise UsageError(f"--num-sms must be >= 1, got {args.num_sms}")
+    if args.fp8 and args.hidden % 128:
+        raise UsageError(f"--fp8 needs --hidden to be a multiple of 128, got {args.hidden}")
     if args.validate_max_tokens < 0:
         raise UsageError(f"--validate-max-tokens must be >= 0, got {args.validate_max_tokens}")
     if args.out_png:
@@ -306,22 +316,30 @@ def exchange_splits(sets: list[InputSet], group: Any) -> None:
         s.recv_splits = [gathered[src][j][rank] for src in range(world)]
 
 
-def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag: str, say: Any) -> None:
-    """Dispatch + test expert + combine on ``s``, checked bit for bit; raise CheckFailed on every rank."""
+def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag: str, say: Any,
+                  fp8: bool = False) -> None:
+    """Dispatch + test expert + combine on ``s``, checked bit for bit; raise CheckFailed on every rank.
+    fp8: the received packed rows against the senders' rows quantized by validators.fp8."""
     from cute_ep.cli import expert_ids, report
     from cute_ep.validators.checks import check_combine, check_dispatch, check_layout
+    from cute_ep.validators.fp8 import dequantize_fp8, pack_fp8_rows, quantize_fp8
     from cute_ep.validators.reference import apply_test_expert
 
     group, rank = runtime.cpu_group, runtime.env.rank
     lws = cfg.local_world_size
     buf.poison()
-    res = buf.dispatch(s.x, s.idx, s.w, mode=mode)
+    res = buf.dispatch(s.x, s.idx, s.w, mode=mode, fp8=fp8)
     results = [("layout", check_layout(
         res, s.idx, max_tokens=cfg.max_tokens, num_experts=cfg.num_experts, local_world_size=lws,
         group=group,
     ))]  # fmt: skip
+    rows, recv_rows, expert_in = s.x, res.recv_x, res.recv_x
+    if fp8:
+        rows = pack_fp8_rows(*quantize_fp8(s.x.cpu()), cfg.fp8_row_bytes)
+        recv_rows = pack_fp8_rows(res.recv_x.cpu(), res.recv_scales.cpu(), cfg.fp8_row_bytes)
+        expert_in = dequantize_fp8(res.recv_x.cpu(), res.recv_scales.cpu()).to(cfg.dtype).to(runtime.device)
     results.append(("dispatch", check_dispatch(
-        s.x, s.idx, s.w, res.recv_x, res.recv_weights, res.recv_src, max_tokens=cfg.max_tokens,
+        rows, s.idx, s.w, recv_rows, res.recv_weights, res.recv_src, max_tokens=cfg.max_tokens,
         num_experts=cfg.num_experts, local_world_size=lws, ordered=(mode == "scatter"),
         require_coverage=False, group=group,
     )))  # fmt: skip
@@ -330,7 +348,7 @@ def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag:
     if experts is None:  # the layout check failed already; give combine defined input
         y.fill_(float("nan"))
     else:
-        y.copy_(apply_test_expert(res.recv_x, experts.to(runtime.device)))
+        y.copy_(apply_test_expert(expert_in, experts.to(runtime.device)))
     out = buf.combine(y, res.handle)
     results.append(("combine", check_combine(
         out, s.idx, s.w, y, local_world_size=lws, num_experts=cfg.num_experts,
@@ -386,6 +404,24 @@ def measure(
 
     nccl_d = br.median(timer.run(nccl_dispatch, args.warmup, args.iters))
     nccl_c = br.median(timer.run(nccl_combine, args.warmup, args.iters))
+    nccl_fp8: list[float] = []
+
+    def nccl_fp8_dispatch() -> float:
+        """NCCL moving the same rows packed as FP8 (quantized here, outside the timed region); once."""
+        if not nccl_fp8:
+            from cute_ep.validators.fp8 import pack_fp8_rows, quantize_fp8
+
+            packed = [pack_fp8_rows(*quantize_fp8(s.send), cfg.fp8_row_bytes) for s in sets]
+            recv8 = torch.empty((recv.shape[0], cfg.fp8_row_bytes), dtype=torch.uint8, device=device)
+
+            def step(i: int) -> None:
+                s = sets[i % n]
+                dist.all_to_all_single(
+                    recv8[: sum(s.recv_splits)], packed[i % n], s.recv_splits, s.send_splits, group=nccl_group
+                )
+
+            nccl_fp8.append(br.median(timer.run(step, args.warmup, args.iters)))
+        return nccl_fp8[0]
     pairs = sum(s.pairs_off for s in sets) / n
     rows_sent = sum(s.rows_off for s in sets) / n
 
@@ -415,16 +451,31 @@ def measure(
         ours_c = br.median(timer.run(our_combine, args.warmup, args.iters))
         buf.combine(buf.expert_output(sets[0].num_recv), sets[0].handle)  # raises if a launch did not run
 
-        per_rank = all_gather((pairs, rows_sent, ours_d, ours_c, nccl_d, nccl_c), runtime.cpu_group)
-        if env.rank == 0:
-            row = br.BenchRow.from_measurements(
-                routing=routing, tokens=tokens, mode=mode, checked=checked, row_bytes=cfg.row_bytes,
-                pairs_off=[p[0] for p in per_rank], rows_off=[p[1] for p in per_rank],
-                dispatch_us=[p[2] for p in per_rank], combine_us=[p[3] for p in per_rank],
-                nccl_dispatch_us=[p[4] for p in per_rank], nccl_combine_us=[p[5] for p in per_rank],
-            )  # fmt: skip
-            rows.append(row.to_dict())
-            say(br.format_row(row))
+        variants = [(mode, ours_d, nccl_d, 0)]
+        if args.fp8:
+            if checked:
+                checked_round(buf, cfg, runtime, sets[0], mode, f"[{routing} T={tokens} {mode}+fp8]", say,
+                              fp8=True)
+
+            def our_fp8_dispatch(i: int, mode: str = mode) -> None:
+                s = sets[i % n]
+                buf.launch_dispatch(s.x, s.idx, s.w, mode, fp8=True)
+
+            fp8_d = br.median(timer.run(our_fp8_dispatch, args.warmup, args.iters))
+            buf.dispatch(sets[0].x, sets[0].idx, sets[0].w, mode=mode, fp8=True)  # raises if one did not run
+            variants.append((f"{mode}+fp8", fp8_d, nccl_fp8_dispatch(), cfg.fp8_row_bytes))
+        for label, t_d, t_nccl_d, d_row in variants:
+            per_rank = all_gather((pairs, rows_sent, t_d, ours_c, t_nccl_d, nccl_c), runtime.cpu_group)
+            if env.rank == 0:
+                row = br.BenchRow.from_measurements(
+                    routing=routing, tokens=tokens, mode=label, checked=checked, row_bytes=cfg.row_bytes,
+                    pairs_off=[p[0] for p in per_rank], rows_off=[p[1] for p in per_rank],
+                    dispatch_us=[p[2] for p in per_rank], combine_us=[p[3] for p in per_rank],
+                    nccl_dispatch_us=[p[4] for p in per_rank], nccl_combine_us=[p[5] for p in per_rank],
+                    dispatch_row_bytes=d_row,
+                )  # fmt: skip
+                rows.append(row.to_dict())
+                say(br.format_row(row))
     return rows
 
 

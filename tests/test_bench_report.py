@@ -200,6 +200,14 @@ def test_median():
         br.median([])
 
 
+_ROW_KW = dict(
+    routing="uniform", tokens=4096, mode="scatter", checked=False, row_bytes=7168 * 2,
+    pairs_off=[4096 * 6.0 + r for r in range(4)], rows_off=[4096 * 2.5 + 2 * r for r in range(4)],
+    dispatch_us=[100.0 + r for r in range(4)], combine_us=[150.0 + 2 * r for r in range(4)],
+    nccl_dispatch_us=[300.0 - r for r in range(4)], nccl_combine_us=[310.0] * 4,
+)  # fmt: skip
+
+
 def _row(routing="uniform", tokens=4096, mode="scatter", checked=False, scale=1.0, world=4) -> br.BenchRow:
     return br.BenchRow.from_measurements(
         routing=routing, tokens=tokens, mode=mode, checked=checked, row_bytes=7168 * 2,
@@ -236,7 +244,28 @@ def test_row_derived_fields():
     assert row.combine_ratio == pytest.approx(310.0 / 156.0)
     # Same bytes for both: the bandwidth ratio is the time ratio.
     assert row.dispatch_alg_gbps / row.nccl_dispatch_gbps == pytest.approx(row.dispatch_ratio)
-    assert set(row.to_dict()) == set(br.ROW_KEYS)
+    assert set(row.to_dict()) == set(br.ROW_KEYS) | set(br.OPTIONAL_ROW_KEYS)
+
+
+def test_fp8_row_moves_packed_rows_but_keeps_the_algorithmic_formula():
+    packed = 7168 + 224  # e4m3 values + 56 fp32 scales
+    plain, fp8 = _row(), br.BenchRow.from_measurements(**{**_ROW_KW, "mode": "scatter+fp8"},
+                                                       dispatch_row_bytes=packed)
+    mean_pairs, mean_rows = 4096 * 6.0 + 1.5, 4096 * 2.5 + 3.0
+    assert fp8.dispatch_row_bytes == packed and plain.dispatch_row_bytes == 0
+    assert fp8.dispatch_alg_gbps == pytest.approx(plain.dispatch_alg_gbps)  # the application's bf16 rows
+    assert fp8.dispatch_moved_gbps == pytest.approx((mean_rows * packed + 12 * mean_pairs) / 103e3)
+    assert fp8.nccl_dispatch_gbps == pytest.approx(mean_pairs * packed / 300e3)  # NCCL moved packed rows
+    assert fp8.combine_moved_gbps == pytest.approx(plain.combine_moved_gbps)  # combine is unchanged
+
+
+def test_reports_without_optional_row_keys_still_load(tmp_path):
+    report = br.write_json(tmp_path / "r.json", _meta(), _rows())
+    for row in report["rows"]:
+        for key in br.OPTIONAL_ROW_KEYS:
+            del row[key]
+    (tmp_path / "old.json").write_text(json.dumps(report))
+    assert len(br.load_json(tmp_path / "old.json")["rows"]) == len(report["rows"])
 
 
 def test_row_rejects_inconsistent_measurements():
@@ -455,6 +484,7 @@ def test_benchmark_help_imports_nothing_of_the_gpu():
     (["--modes", "fast"], "--modes"),
     (["--iters", "0"], "--iters"),
     (["--tokens", "70000"], "65536"),
+    (["--fp8", "--hidden", "200"], "--fp8 needs --hidden to be a multiple of 128, got 200"),
 ])  # fmt: skip
 def test_benchmark_rejects_bad_arguments_before_any_launch(args, message):
     res = _script(*args)
@@ -559,9 +589,9 @@ from cute_ep.reference_backend import ReferenceEpBuffer
 class Launching(ReferenceEpBuffer):
     """ReferenceEpBuffer plus the two sync-free launches of EpBuffer (here: synchronous)."""
 
-    def launch_dispatch(self, x, idx, w, mode="scatter"):
+    def launch_dispatch(self, x, idx, w, mode="scatter", fp8=False):
         assert idx.dtype.itemsize == 4  # the script converts topk_idx to int32 once
-        self.dispatch(x, idx, w, mode)
+        self.dispatch(x, idx, w, mode, fp8=fp8)
 
     def launch_combine(self, handle, out):
         out.copy_(self.combine(self.expert_output(self.cfg.capacity), handle))
@@ -646,6 +676,21 @@ def test_sweep_runs_over_gloo_and_writes_report_and_plot(tmp_path):
     for r in rows:
         assert br.format_row(r) in out  # printed progressively on rank 0
     assert out.count(br.table_header()) == 1  # rank 0 only
+
+
+def test_sweep_with_fp8_adds_a_checked_packed_row_per_mode(tmp_path):
+    out_json = tmp_path / "r.json"
+    codes, out = _run_sweep(
+        tmp_path, "ok", "--hidden", "128", "--topk", "2", "--num-experts", "8", "--tokens", "8",
+        "--routing", "uniform", "--modes", "scatter,atomic", "--iters", "2", "--warmup", "0",
+        "--input-sets", "2", "--validate-max-tokens", "8", "--fp8", "--out-json", str(out_json), world=2,
+    )  # fmt: skip
+    assert codes == [0, 0], out[-6000:]
+    rows = br.load_json(out_json)["rows"]
+    assert [r["mode"] for r in rows] == ["scatter", "scatter+fp8", "atomic", "atomic+fp8"]
+    assert [r["dispatch_row_bytes"] for r in rows] == [0, 144, 0, 144]  # 128 B of e4m3 + 4 B scale, padded
+    assert all(r["checked"] for r in rows)
+    assert rows[1]["combine_us"] == rows[0]["combine_us"]  # combine is the mode's own
 
 
 def test_sweep_aborts_when_the_checked_round_fails(tmp_path):
