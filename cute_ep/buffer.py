@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from cute_ep.kernels.config import (
+    DISPATCH_ALGORITHMS,
     FAULT_WORDS,
     FP8_BLOCK,
     MODES,
@@ -135,14 +136,25 @@ class EpBuffer:
     runtime: a started ``cute_ep.bootstrap.runtime.Runtime`` with backend "nvshmem".
     cfg:     the ``EpConfig``; world_size must match the runtime's.
     registry: a ``ModuleRegistry`` to share compiled modules between buffers (one is made otherwise).
+    algorithm: the dispatch primitive (kernels.config.DISPATCH_ALGORITHMS): "dedup" (default: a row
+             crosses the link once per destination rank), "per_pair" (every (token, k) row), "put_warp"
+             (every row with put_warp), or "auto": time the three at ``cfg.max_tokens`` tokens now
+             (collective; the slowest rank's median decides; ``self.algorithm_table`` holds the table)
+             and use the fastest. ``profile_cache``: a ``cute_ep.profiler.ProfileCache`` to keep and
+             reuse that choice per shape.
     """
 
-    def __init__(self, runtime: Any, cfg: EpConfig, registry: Any = None) -> None:
+    def __init__(self, runtime: Any, cfg: EpConfig, registry: Any = None, algorithm: str = "dedup",
+                 profile_cache: Any = None) -> None:
         import nvshmem.core.interop.torch as nvshmem_torch
 
         from cute_ep.bootstrap.compile import ModuleRegistry
         from cute_ep.kernels.host import build
 
+        if algorithm != "auto" and algorithm not in DISPATCH_ALGORITHMS:
+            raise ValueError(
+                f"algorithm must be 'auto' or one of {sorted(DISPATCH_ALGORITHMS)}, got {algorithm!r}"
+            )
         env = runtime.env
         check_buffer_config(runtime, cfg)
         self.runtime = runtime
@@ -202,6 +214,11 @@ class EpBuffer:
         self._empty_x = torch.empty((1, c.hidden), dtype=c.dtype, device=dev)
         self._empty_i = torch.empty((1, c.topk), dtype=torch.int32, device=dev)
         self._empty_w = torch.empty((1, c.topk), dtype=torch.float32, device=dev)
+        self.algorithm_table: str | None = None
+        self.algorithm = algorithm
+        if algorithm == "auto":
+            self.algorithm = self._choose_algorithm(profile_cache)
+            self.poison()  # the timed dispatches left rows behind
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -213,13 +230,14 @@ class EpBuffer:
         self.recv_src.fill_(-1)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 mode: str = "scatter", fp8: bool = False) -> DispatchResult:
+                 mode: str = "scatter", fp8: bool = False, algorithm: str | None = None) -> DispatchResult:
         """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]``.
 
         x [T, H] cfg.dtype, topk_idx [T, K] int32/int64 in [-1, E) (-1: dropped), topk_weights
         [T, K] fp32, all contiguous on this rank's GPU. mode "scatter" (deterministic order) or
         "atomic" (slots taken with an atomic add on the sender). fp8: quantize rows to e4m3 with one
-        fp32 scale per 128 columns on the sender (needs H % 128 == 0; see DispatchResult). Collective:
+        fp32 scale per 128 columns on the sender (needs H % 128 == 0; see DispatchResult). algorithm:
+        the dispatch primitive for this call (default: the buffer's, see the class docstring). Collective:
         every rank calls it with the same mode and fp8.
 
         Rows beyond ``cfg.expert_capacity`` are dropped (capacity_factor > 0); with on_overflow="raise"
@@ -231,9 +249,11 @@ class EpBuffer:
             raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
         if fp8:
             self.cfg.check_fp8()
+        if algorithm is not None and algorithm not in DISPATCH_ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {sorted(DISPATCH_ALGORITHMS)}, got {algorithm!r}")
         x, idx, w = check_dispatch_inputs(self.cfg, self.device, x, topk_idx, topk_weights)
         t = x.shape[0]
-        self.launch_dispatch(x, idx, w, mode, fp8=fp8)
+        self.launch_dispatch(x, idx, w, mode, fp8=fp8, algorithm=algorithm)
         status = self._read_status()
         self._check_ran(status, OP_LAYOUT, OP_DISPATCH)
         num_recv = status["num_recv"]
@@ -262,7 +282,8 @@ class EpBuffer:
         return rows[:, : c.hidden].view(torch.float8_e4m3fn), scales
 
     def launch_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                        mode: str = "scatter", fp8: bool = False) -> DispatchHandle:
+                        mode: str = "scatter", fp8: bool = False, algorithm: str | None = None
+                        ) -> DispatchHandle:
         """Enqueue the layout, dispatch and fan-out kernels on the current stream: no checks, no host
         sync, so the call can be captured in a CUDA graph.
 
@@ -274,7 +295,8 @@ class EpBuffer:
         """
         t = x.shape[0]
         self._launch(OP_LAYOUT, 0, t, x=x, idx=topk_idx, w=topk_weights)
-        self._launch(OP_DISPATCH, MODES[mode], t, x=x, idx=topk_idx, w=topk_weights, fp8=fp8)
+        algo = DISPATCH_ALGORITHMS[algorithm or self.algorithm]
+        self._launch(OP_DISPATCH, MODES[mode], t, x=x, idx=topk_idx, w=topk_weights, fp8=fp8, algo=algo)
         scatter = self.scatter[: t * self.cfg.topk].view(t, self.cfg.topk)
         return DispatchHandle(topk_idx, topk_weights, scatter, t, mode)
 
@@ -340,7 +362,7 @@ class EpBuffer:
             raise RuntimeError("this EpBuffer is closed")
 
     def _launch(self, op: int, mode: int, num_tokens: int, *, x=None, idx=None, w=None, out=None,
-                fp8: bool = False) -> None:
+                fp8: bool = False, algo: int = 0) -> None:
         import cuda.bindings.driver as cuda
 
         from cute_ep.kernels.host import make_pointer
@@ -366,8 +388,42 @@ class EpBuffer:
         ptrs = [self._static_ptrs[n] if n in self._static_ptrs else self._call_pointer(n, call[n])
                 for n in POINTER_ARGS]
         stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
-        self.module(op, mode, int(fp8), self.rank, num_tokens, *self._shape_args, *ptrs, stream)
+        self.module(op, mode, int(fp8), algo, self.rank, num_tokens, *self._shape_args, *ptrs, stream)
         self._calls[op] += 1
+
+    def _choose_algorithm(self, cache: Any = None, iters: int = 10, warmup: int = 3) -> str:
+        """Time every dispatch primitive at cfg.max_tokens tokens (uniform routing, CUDA events around
+        ``launch_dispatch``), gather every rank's medians and return the fastest (collective)."""
+        from cute_ep.profiler import shape_key
+        from cute_ep.validators.checks import all_gather_objects, broadcast_from_root
+        from cute_ep.validators.inputs import make_inputs
+
+        c, group = self.cfg, self.runtime.cpu_group
+        key = shape_key(self.runtime, c, c.max_tokens) + "|dispatch-primitive"
+        cached = cache.get(key) if cache is not None and self.rank == 0 else None
+        cached = broadcast_from_root(cached, group)
+        if cached in DISPATCH_ALGORITHMS:
+            self.algorithm_table = f"dispatch primitive {key}: {cached} (cached in {cache.path})"
+            return cached
+        x, idx, w = make_inputs(self.rank, c.max_tokens, c.hidden, c.num_experts, c.topk, c.dtype, 0,
+                                device=self.device, idx_dtype=torch.int32)
+        medians = {}
+        for name in DISPATCH_ALGORITHMS:
+            times = []
+            for i in range(warmup + iters):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self.launch_dispatch(x, idx, w, algorithm=name)
+                end.record()
+                end.synchronize()
+                if i >= warmup:
+                    times.append(start.elapsed_time(end) * 1e3)
+            self._check_ran(self._read_status(), OP_LAYOUT, OP_DISPATCH)
+            medians[name] = sorted(times)[len(times) // 2]
+        name, self.algorithm_table = pick_fastest_algorithm(all_gather_objects(medians, group), key)
+        if cache is not None and self.rank == 0:
+            cache.put_choice(key, name, self.algorithm_table)
+        return name
 
     def _call_pointer(self, name: str, addr: int) -> Any:
         """The pointer of a per-call tensor, remembered by (name, address): callers often pass the same
@@ -450,6 +506,19 @@ class EpBuffer:
                     f"{OP_NAMES[op]} kernel did not complete: epoch {got[op]}, "
                     f"expected {self._calls[op]} launches"
                 )
+
+
+def pick_fastest_algorithm(medians_per_rank: list[dict[str, float]], key: str) -> tuple[str, str]:
+    """The dispatch primitive whose slowest rank's median (microseconds) is least, and a short table.
+
+    medians_per_rank: one {primitive: median us} per rank (all with the same primitives)."""
+    names = list(medians_per_rank[0])
+    slowest = {n: max(m[n] for m in medians_per_rank) for n in names}
+    best = min(names, key=lambda n: slowest[n])
+    lines = [f"dispatch primitive {key} (slowest rank's median of the dispatch launch)"]
+    for n in names:
+        lines.append(f"  {n:>9} {slowest[n]:10.1f} us" + ("  <- chosen" if n == best else ""))
+    return best, "\n".join(lines)
 
 
 def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x: torch.Tensor, topk_idx: torch.Tensor,

@@ -229,8 +229,15 @@ class ProfileCache:
         return entry.get("winner") if isinstance(entry, dict) else None
 
     def put(self, result: ProfileResult) -> None:
+        self._write(result.key, result.to_json())
+
+    def put_choice(self, key: str, winner: str, table: str) -> None:
+        """Keep a choice made outside ``profile`` (e.g. EpBuffer's dispatch primitive) under ``key``."""
+        self._write(key, {"key": key, "winner": winner, "table": table})
+
+    def _write(self, key: str, entry: dict[str, Any]) -> None:
         data = self.load()
-        data[result.key] = result.to_json()
+        data[key] = entry
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")

@@ -19,6 +19,15 @@ MODE_SCATTER = 0  # slots precomputed by the layout kernel: deterministic order
 MODE_ATOMIC = 1  # slots taken by an atomic add on the sender: order inside a (expert, source) group varies
 MODES = {"scatter": MODE_SCATTER, "atomic": MODE_ATOMIC}
 
+# Dispatch primitives (run-time argument of the dispatch kernel; a sender-side choice, so ranks may
+# differ): "dedup" sends a row once per destination rank and the receiver fans it out; "per_pair" sends
+# every (token, k) row (peer-pointer stores on the node, put_warp beyond); "put_warp" sends every
+# (token, k) row with put_warp, also on the node (self-rank rows are always local copies).
+ALGO_DEDUP = 0
+ALGO_PER_PAIR = 1
+ALGO_PUT_WARP = 2
+DISPATCH_ALGORITHMS = {"dedup": ALGO_DEDUP, "per_pair": ALGO_PER_PAIR, "put_warp": ALGO_PUT_WARP}
+
 # Operations of the one compiled module (NVSHMEM tolerates few registered modules per process).
 OP_LAYOUT = 0
 OP_DISPATCH = 1

@@ -5,7 +5,9 @@ A warp per token (persistent grid-stride loop). For each k: skip -1; find the sl
 back into ``scatter`` for combine); lane 0 ``p``-puts the fp32 weight into ``recv_w[slot]``, the source
 tag (rank * max_tokens + t) * K + k into ``recv_src[slot]`` and ``recv_from[slot]``.
 
-Rank de-duplication: the row itself crosses the link once per destination RANK, not once per k. Only
+Rank de-duplication (``algo`` ALGO_DEDUP, the default primitive; ALGO_PER_PAIR and ALGO_PUT_WARP send
+every pair's own row, see kernels.config): the row itself crosses the link once per destination RANK,
+not once per k. Only
 the first k of the token bound for a rank (its "primary" pair) sends the row, into its own slot, and
 sets ``recv_from[slot] = -1``; every later k bound for the same rank sets ``recv_from[slot]`` to that
 primary slot, and the receiver's fan-out kernel (kernels/fanout.py) copies the row locally. Pairs
@@ -29,7 +31,7 @@ import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Int32, Int64
 from nvshmem.core.device.cute.mem import nvshmem_ptr
 
-from cute_ep.kernels.config import MODE_ATOMIC, OP_DISPATCH, VECTOR_BYTES, WARP
+from cute_ep.kernels.config import ALGO_DEDUP, ALGO_PUT_WARP, MODE_ATOMIC, OP_DISPATCH, VECTOR_BYTES, WARP
 from cute_ep.kernels.ptx import (
     SIGNAL_SET,
     copy_row_warp,
@@ -72,6 +74,7 @@ class DispatchKernel:
         num_tokens: Int32,
         mode: Int32,
         fp8: Int32,
+        algo: Int32,
         world_size: Int32,
         local_world_size: Int32,
         num_experts: Int32,
@@ -83,7 +86,7 @@ class DispatchKernel:
     ):
         self.kernel(
             x, topk_idx, topk_w, scatter, cursor, send_limit, packed, recv_x, recv_w, recv_src, recv_from,
-            signals, epochs, done, fault, rank, num_tokens, mode, fp8, world_size, local_world_size,
+            signals, epochs, done, fault, rank, num_tokens, mode, fp8, algo, world_size, local_world_size,
             num_experts, topk, max_tokens, timeout_ms,
         ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
@@ -109,6 +112,7 @@ class DispatchKernel:
         num_tokens: Int32,
         mode: Int32,
         fp8: Int32,
+        algo: Int32,
         world_size: Int32,
         local_world_size: Int32,
         num_experts: Int32,
@@ -176,24 +180,33 @@ class DispatchKernel:
                         slot = scatter[t * K + k]  # -1: dropped by the layout (capacity)
                     if slot >= 0:
                         # The first kept k' < k bound for the same rank, if any; lanes split the k'.
+                        # (The per-pair primitives send every pair's row: no vote.)
                         first = k
-                        for j0 in range(0, k, WARP):
-                            j = j0 + lane
-                            same = Int32(0)
-                            if j < k:
-                                ej = topk_idx[t * K + j]
-                                if ej >= 0:
-                                    if ej // El == d:
-                                        if scatter[t * K + j] >= 0:
-                                            same = Int32(1)
-                            ballot = cute.arch.vote_ballot_sync(same != 0)
-                            if first == k:
-                                if ballot != 0:
-                                    first = j0 + Int32(cute.arch.clz(cute.arch.brev(ballot)))
+                        if algo == ALGO_DEDUP:
+                            for j0 in range(0, k, WARP):
+                                j = j0 + lane
+                                same = Int32(0)
+                                if j < k:
+                                    ej = topk_idx[t * K + j]
+                                    if ej >= 0:
+                                        if ej // El == d:
+                                            if scatter[t * K + j] >= 0:
+                                                same = Int32(1)
+                                ballot = cute.arch.vote_ballot_sync(same != 0)
+                                if first == k:
+                                    if ballot != 0:
+                                        first = j0 + Int32(cute.arch.clz(cute.arch.brev(ballot)))
                         if d == rank:
                             first = k  # rows for this rank are local writes: no fan-out needed
                         if first == k:
+                            # Peer-pointer stores on the node, except the put_warp primitive's remote rows.
+                            store = Int32(0)
                             if d // L == my_node:
+                                store = Int32(1)
+                                if algo == ALGO_PUT_WARP:
+                                    if d != rank:
+                                        store = Int32(0)
+                            if store != 0:
                                 copy_row_warp(
                                     dtype, src_addr, nvshmem_ptr(recv_x_base, d) + Int64(slot) * ROW_BYTES,
                                     NV, lane,

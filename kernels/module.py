@@ -75,6 +75,7 @@ class EpModule:
         op: Int32,
         mode: Int32,
         fp8: Int32,
+        algo: Int32,
         rank: Int32,
         num_tokens: Int32,
         world_size: Int32,
@@ -155,8 +156,8 @@ class EpModule:
         if op == OP_DISPATCH:
             self.dispatch(
                 t_x, t_idx, t_w, t_scatter, t_cursor, t_send_limit, t_packed, t_recv_x, t_recv_w, t_recv_src,
-                t_recv_from, t_signals, t_epochs, t_done, t_fault, rank, num_tokens, mode, fp8, world_size,
-                local_world_size, num_experts, topk, max_tokens, num_ctas, timeout_ms, stream,
+                t_recv_from, t_signals, t_epochs, t_done, t_fault, rank, num_tokens, mode, fp8, algo,
+                world_size, local_world_size, num_experts, topk, max_tokens, num_ctas, timeout_ms, stream,
             )
             # Same stream, right after: copy the de-duplicated rows to their other slots.
             self.fanout(t_recv_x, t_recv_from, t_num_recv, t_fault, row_bytes, num_ctas, stream)

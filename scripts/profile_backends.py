@@ -7,6 +7,10 @@ To run (one process per GPU; every rank prints nothing but rank 0's tables):
     torchrun --nproc-per-node 2 scripts/profile_backends.py --backends reference,a2a --tokens 8,16 \
         --hidden 128 --num-experts 16 --topk 2
 
+The cute backend is one candidate per dispatch primitive (--cute-algorithms: "cute:dedup" sends a
+row once per destination rank, "cute:per_pair" every (token, k) row, "cute:put_warp" every row with
+put_warp), so the table also says which primitive to build ``EpBuffer(algorithm=...)`` with.
+
 For each tokens-per-rank value, every backend runs the same inputs once to be checked bit for bit
 against the first backend listed, then ``--warmup`` + ``--iters`` timed dispatch and combine calls
 (the public calls, host work and syncs included); the slowest rank's median counts. A table per shape
@@ -42,7 +46,7 @@ from cute_ep.cli import (
     script_main,
     world_banner,
 )
-from cute_ep.kernels.config import EpConfig
+from cute_ep.kernels.config import DISPATCH_ALGORITHMS, EpConfig
 from cute_ep.profiler import ProfileCache, choose, format_table, profile
 
 MAX_TOKENS_PER_RANK = 256 * 256  # make_inputs writes the token id into two bf16-exact columns
@@ -64,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=10, help="timed calls per backend and shape")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before them")
     p.add_argument("--seed", type=int, default=0, help="input seed")
+    p.add_argument("--cute-algorithms", default="dedup,per_pair,put_warp",
+                   help="the cute backend's dispatch primitives to time, each a candidate 'cute:NAME' "
+                        f"(from {list(DISPATCH_ALGORITHMS)})")
     p.add_argument("--cache", metavar="PATH", help="JSON file of choices per shape (read, then updated)")
     p.add_argument("--out-json", metavar="PATH", help="write every shape's table here (rank 0)")
     p.add_argument("--local-world-size", type=int, default=None, help="ranks per (virtual) node")
@@ -76,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 def validate_args(args: argparse.Namespace) -> None:
     try:
         args.backend_list = parse_name_list(args.backends, "--backends", BACKENDS)
+        args.algorithm_list = parse_name_list(args.cute_algorithms, "--cute-algorithms", DISPATCH_ALGORITHMS)
         args.token_list = parse_int_list(args.tokens, "--tokens")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -100,14 +108,18 @@ def _factories(args: argparse.Namespace, runtime: Runtime) -> dict[str, Any]:
         registry = ModuleRegistry(device_id=runtime.env.local_rank)
         runtime.add_finalizer(registry.finalize_all)
 
-    def factory(name: str) -> Any:
-        if name == "cute":
-            from cute_ep.buffer import EpBuffer
+    def cute(algorithm: str) -> Any:
+        from cute_ep.buffer import EpBuffer
 
-            return lambda cfg: EpBuffer(runtime, cfg, registry=registry)
-        return lambda cfg: make_buffer(name, runtime, cfg)
+        return lambda cfg: EpBuffer(runtime, cfg, registry=registry, algorithm=algorithm)
 
-    return {name: factory(name) for name in args.backend_list}
+    factories: dict[str, Any] = {}
+    for name in args.backend_list:
+        if name == "cute":  # one candidate per dispatch primitive; the same combine kernel
+            factories.update({f"cute:{a}": cute(a) for a in args.algorithm_list})
+        else:
+            factories[name] = lambda cfg, name=name: make_buffer(name, runtime, cfg)
+    return factories
 
 
 def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:

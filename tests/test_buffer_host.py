@@ -17,6 +17,7 @@ from cute_ep.buffer import (
     CapacityExceeded,
     EpBuffer,
     PeerTimeout,
+    pick_fastest_algorithm,
 )
 from cute_ep.kernels.config import FAULT_WORDS, EpConfig
 
@@ -90,3 +91,21 @@ def test_per_call_pointers_are_cached_by_address_and_bounded(monkeypatch):
     for i in range(70):
         buf._call_pointer("x", 8192 + 16 * i)
     assert len(buf._call_ptrs) <= 64
+
+
+def test_auto_algorithm_takes_the_least_slowest_rank_median():
+    medians = [  # rank 0 finds per_pair fastest, but rank 1's per_pair is the slowest of all
+        {"dedup": 50.0, "per_pair": 40.0, "put_warp": 70.0},
+        {"dedup": 55.0, "per_pair": 90.0, "put_warp": 60.0},
+    ]
+    name, table = pick_fastest_algorithm(medians, "H200|R2")
+    assert name == "dedup"  # slowest ranks: dedup 55, per_pair 90, put_warp 70
+    assert "dedup" in table and "55.0 us  <- chosen" in table and "90.0 us" in table
+
+
+def test_unknown_algorithm_is_refused_before_anything_is_built():
+    cfg = EpConfig(world_size=1, local_world_size=1, num_experts=8, topk=2, hidden=128, dtype=torch.bfloat16,
+                   max_tokens=16)
+    with pytest.raises(ValueError, match=r"algorithm must be 'auto' or one of \['dedup', 'per_pair', "
+                                         r"'put_warp'\], got 'fastest'"):
+        EpBuffer(object(), cfg, algorithm="fastest")

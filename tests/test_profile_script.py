@@ -49,6 +49,7 @@ def test_the_cache_answers_the_second_run(tmp_path):
         (["--tokens", "0"], "--tokens"),
         (["--iters", "0"], "--iters must be >= 1"),
         (["--topk", "9"], "topk must be in"),
+        (["--cute-algorithms", "dedup,fastest"], "--cute-algorithms must be a comma-separated list of"),
     ],
 )
 def test_bad_arguments_exit_2(args, message):

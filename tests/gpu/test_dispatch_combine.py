@@ -34,7 +34,7 @@ CASES = [
 ]
 
 
-def _run_case(runtime, dtype, hidden, topk, el, tokens, routing, coverage, seed):
+def _run_case(runtime, dtype, hidden, topk, el, tokens, routing, coverage, seed, algorithm="dedup"):
     env = runtime.env
     R, rank, L = env.world_size, env.rank, env.local_world_size
     E = el * R
@@ -52,7 +52,11 @@ def _run_case(runtime, dtype, hidden, topk, el, tokens, routing, coverage, seed)
         num_sms=16,
     )
     dev = runtime.device
-    with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
+    with EpBuffer(runtime, cfg, registry=runtime.registry, algorithm=algorithm) as buf:
+        if algorithm == "auto":
+            assert buf.algorithm in ("dedup", "per_pair", "put_warp") and buf.algorithm_table, buf.algorithm
+            if runtime.env.rank == 0:
+                print("\n" + buf.algorithm_table)
         for it, mode in enumerate(("scatter", "atomic", "scatter")):
             x, idx, w = make_inputs(rank, T, hidden, E, topk, dtype, seed + it, routing=routing)
             x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
@@ -112,3 +116,13 @@ def test_dispatch_combine(runtime, case):
 @pytest.mark.parametrize("topk", range(1, 9))
 def test_topk_sweep(runtime, topk):
     _run_case(runtime, torch.bfloat16, 256, topk, 8, (24, 16, 8, 32), "uniform", False, seed=77 + topk)
+
+
+@pytest.mark.parametrize("algorithm", ["per_pair", "put_warp", "auto"])
+def test_dispatch_primitives(runtime, algorithm):
+    """The per-pair primitives (every (token, k) row sent, no fan-out) and the auto choice give the
+    same exact results as the default rank de-duplicated dispatch."""
+    _run_case(runtime, torch.bfloat16, 256, 4, 8, (64, 48, 32, 16), "uniform", True, seed=555,
+              algorithm=algorithm)
+    _run_case(runtime, torch.float32, 128, 6, 3, (16, 0, 24, 8), "dropped", False, seed=556,
+              algorithm=algorithm)
