@@ -21,7 +21,11 @@ Constraints: mode "scatter" only (atomic slots differ from call to call, so a ba
 would not land where the forward's rows were); every rank runs forward and backward in the same
 order (every step is a collective); the handle must come from the dispatch whose rows ``y`` holds,
 and that dispatch must be the buffer's most recent one when combine runs forward. Gradients are
-rounded to ``cfg.dtype`` where they cross ranks (they travel as rows of that type).
+rounded to ``cfg.dtype`` where they cross ranks (they travel as rows of that type). With a capacity
+factor, combine's backward dispatch of ``grad_out`` drops exactly the pairs the forward dropped (same
+routing, same rule) and counts them again: use ``on_overflow="drop"`` when training with a capacity
+factor, or the backward raises ``CapacityExceeded`` whenever the forward dropped rows. FP8 dispatch is
+not differentiable here (the forward rows are quantized).
 
 Cost of a backward: combine's is one dispatch plus K + 1 combines, dispatch's one combine. A fused
 backward kernel (one pass for grad_y and grad_w) is the obvious next step.
