@@ -75,6 +75,7 @@ from cute_ep.buffer import (
     DispatchResult,
     check_combine_input,
     check_dispatch_inputs,
+    check_dispatch_options,
 )
 from cute_ep.host_buffer import HostEpBuffer
 from cute_ep.kernels.config import MODES, EpConfig
@@ -168,12 +169,7 @@ class A2aEpBuffer(HostEpBuffer):
         dev = self.device
         error: BaseException | None = None
         try:
-            if mode not in MODES:
-                raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-            if not isinstance(fp8, bool):
-                raise ValueError(f"fp8 must be True or False, got {fp8!r}")
-            if fp8:
-                c.check_fp8()
+            check_dispatch_options(c, mode, fp8)
             x, idx, w = check_dispatch_inputs(c, dev, x, topk_idx, topk_weights)
             idx = idx.clone()  # the handle owns its routing: later edits by the caller change nothing
             w = w.clone()

@@ -269,17 +269,21 @@ class EpBuffer:
         self._take_drops(status["dropped"], result)
         return result
 
-    def fp8_views(self, num_recv: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The received FP8 rows and scales in ``recv_x``'s memory after an FP8 dispatch: (q [n, H]
-        float8_e4m3fn, scales [n, H / 128] fp32), strided views (rows ``cfg.fp8_row_bytes`` apart);
-        n = num_recv, or the capacity."""
+    def fp8_packed_rows(self, num_recv: int | None = None) -> torch.Tensor:
+        """The received packed FP8 rows [n, cfg.fp8_row_bytes] uint8 (a view of ``recv_x``'s memory, where
+        an FP8 dispatch puts them); n = num_recv, or the capacity."""
         c = self.cfg
         c.check_fp8()
         n = c.capacity if num_recv is None else num_recv
         p = c.fp8_row_bytes
-        rows = self.recv_x.view(torch.uint8).view(-1)[: c.capacity * p].view(c.capacity, p)[:n]
-        scales = rows[:, c.hidden: c.hidden + 4 * c.fp8_scales].view(torch.float32)
-        return rows[:, : c.hidden].view(torch.float8_e4m3fn), scales
+        return self.recv_x.view(torch.uint8).view(-1)[: c.capacity * p].view(c.capacity, p)[:n]
+
+    def fp8_views(self, num_recv: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The received FP8 rows and scales after an FP8 dispatch: (q [n, H] float8_e4m3fn, scales
+        [n, H / 128] fp32), strided views of ``fp8_packed_rows`` (rows ``cfg.fp8_row_bytes`` apart)."""
+        from cute_ep.validators.fp8 import unpack_fp8_rows
+
+        return unpack_fp8_rows(self.fp8_packed_rows(num_recv), self.cfg.hidden)
 
     def launch_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                         mode: str = "scatter", fp8: bool = False, algorithm: str | None = None
@@ -394,14 +398,13 @@ class EpBuffer:
     def _choose_algorithm(self, cache: Any = None, iters: int = 10, warmup: int = 3) -> str:
         """Time every dispatch primitive at cfg.max_tokens tokens (uniform routing, CUDA events around
         ``launch_dispatch``), gather every rank's medians and return the fastest (collective)."""
-        from cute_ep.profiler import shape_key
-        from cute_ep.validators.checks import all_gather_objects, broadcast_from_root
+        from cute_ep.profiler import cached_choice, shape_key
+        from cute_ep.validators.checks import all_gather_objects
         from cute_ep.validators.inputs import make_inputs
 
         c, group = self.cfg, self.runtime.cpu_group
         key = shape_key(self.runtime, c, c.max_tokens) + "|dispatch-primitive"
-        cached = cache.get(key) if cache is not None and self.rank == 0 else None
-        cached = broadcast_from_root(cached, group)
+        cached = cached_choice(self.runtime, cache, key)
         if cached in DISPATCH_ALGORITHMS:
             self.algorithm_table = f"dispatch primitive {key}: {cached} (cached in {cache.path})"
             return cached
@@ -519,6 +522,17 @@ def pick_fastest_algorithm(medians_per_rank: list[dict[str, float]], key: str) -
     for n in names:
         lines.append(f"  {n:>9} {slowest[n]:10.1f} us" + ("  <- chosen" if n == best else ""))
     return best, "\n".join(lines)
+
+
+def check_dispatch_options(cfg: EpConfig, mode: str, fp8: Any) -> None:
+    """Validate dispatch's mode ("scatter" | "atomic") and fp8 flag (a bool; True needs H % 128 == 0)
+    for ``cfg`` (the host backends share it). Errors name the constraint and the value."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    if not isinstance(fp8, bool):
+        raise ValueError(f"fp8 must be True or False, got {fp8!r}")
+    if fp8:
+        cfg.check_fp8()
 
 
 def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x: torch.Tensor, topk_idx: torch.Tensor,

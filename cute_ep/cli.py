@@ -10,6 +10,7 @@ without torch import it after parsing.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import traceback
@@ -38,6 +39,8 @@ __all__ = [
     "Printer",
     "all_gather",
     "broadcast_from_rank0",
+    "add_fp8_capacity_args",
+    "check_fp8_capacity_args",
     "config_from_args",
     "exit_process",
     "expert_ids",
@@ -156,6 +159,27 @@ def make_buffer(backend: str, runtime: Runtime, cfg: EpConfig) -> Any:
     from cute_ep.reference_backend import ReferenceEpBuffer
 
     return ReferenceEpBuffer(runtime, cfg)
+
+
+def add_fp8_capacity_args(p: argparse.ArgumentParser) -> None:
+    """--fp8 and --capacity-factor, for the scripts that run checked dispatches (see
+    ``check_fp8_capacity_args`` and ``config_from_args``)."""
+    p.add_argument("--fp8", action="store_true", help="FP8 dispatch: e4m3 rows, a scale per 128 columns")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="experts keep at most ceil(f * R * M * K / E) rows (M: max tokens per rank), "
+                        "the rest are dropped (0: none)")
+
+
+def check_fp8_capacity_args(args: argparse.Namespace) -> None:
+    """UsageError for a --fp8 whose --hidden is not a multiple of 128, or a bad --capacity-factor (for the
+    scripts that have those arguments)."""
+    from cute_ep.kernels.config import FP8_BLOCK
+
+    if getattr(args, "fp8", False) and args.hidden % FP8_BLOCK:
+        raise UsageError(f"--fp8 needs --hidden to be a multiple of {FP8_BLOCK}, got {args.hidden}")
+    cf = getattr(args, "capacity_factor", None)
+    if cf is not None and not (math.isfinite(cf) and cf >= 0):
+        raise UsageError(f"--capacity-factor must be a finite number >= 0, got {cf}")
 
 
 def config_from_args(args: argparse.Namespace, env: DistEnv, max_tokens: int) -> EpConfig:

@@ -244,16 +244,20 @@ class ProfileCache:
         os.replace(tmp, self.path)
 
 
+def cached_choice(runtime: Any, cache: ProfileCache | None, key: str) -> str | None:
+    """The choice ``cache`` holds for ``key`` as rank 0 reads it, on every rank (collective), or None."""
+    cached = cache.get(key) if cache is not None and runtime.env.rank == 0 else None
+    return broadcast_from_root(cached, getattr(runtime, "cpu_group", None))
+
+
 def choose(runtime: Any, cfg: EpConfig, candidates: Mapping[str, BufferFactory], *, tokens: int,
            cache: ProfileCache | None = None, say: Callable[[str], None] | None = None,
            **profile_kwargs: Any) -> tuple[str, Any]:
     """(name, buffer) of the best backend for this shape: from ``cache`` when it holds a choice that is
     still a candidate, else by ``profile`` (then stored in the cache by rank 0). Collective: rank 0's
     view of the cache decides for everyone."""
-    group = getattr(runtime, "cpu_group", None)
     key = shape_key(runtime, cfg, tokens)
-    cached = cache.get(key) if cache is not None and runtime.env.rank == 0 else None
-    cached = broadcast_from_root(cached, group)
+    cached = cached_choice(runtime, cache, key)
     if cached in candidates:
         if say:
             say(f"profile {key}: {cached} (cached in {cache.path})")

@@ -45,9 +45,10 @@ from cute_ep.buffer import (
     DispatchResult,
     check_combine_input,
     check_dispatch_inputs,
+    check_dispatch_options,
 )
 from cute_ep.host_buffer import HostEpBuffer
-from cute_ep.kernels.config import MODES, EpConfig
+from cute_ep.kernels.config import EpConfig
 from cute_ep.validators.capacity import apply_expert_capacity, effective_topk_from_scatter
 from cute_ep.validators.checks import all_gather_objects
 from cute_ep.validators.fp8 import pack_fp8_rows, quantize_fp8
@@ -100,12 +101,7 @@ class ReferenceEpBuffer(HostEpBuffer):
         c = self.cfg
         error = None
         try:
-            if mode not in MODES:
-                raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-            if not isinstance(fp8, bool):
-                raise ValueError(f"fp8 must be True or False, got {fp8!r}")
-            if fp8:
-                c.check_fp8()
+            check_dispatch_options(c, mode, fp8)
             x, idx, w = check_dispatch_inputs(c, self.device, x, topk_idx, topk_weights)
             # With fp8 the sender quantizes and only the packed rows travel (as on the GPU).
             rows = pack_fp8_rows(*quantize_fp8(x.detach()), c.fp8_row_bytes) if fp8 else x.detach()

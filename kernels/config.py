@@ -55,6 +55,12 @@ OVERFLOW_POLICIES = ("raise", "drop")  # what the host does after rows were drop
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_AMAX_FLOOR = 2.0**-14  # a block's amax is at least this (an all-zero block gets a finite scale)
+
+
+def packed_fp8_row_bytes(hidden: int) -> int:
+    """Bytes of one packed FP8 row of ``hidden`` columns: e4m3 values, fp32 scales, zeros to 16 bytes."""
+    raw = hidden + 4 * (hidden // FP8_BLOCK)
+    return (raw + VECTOR_BYTES - 1) // VECTOR_BYTES * VECTOR_BYTES
 MAX_TIMEOUT_S = 2**31 // 1000  # the timeout travels as int32 milliseconds
 
 
@@ -231,8 +237,7 @@ class EpConfig:
     @property
     def fp8_row_bytes(self) -> int:
         """Bytes of one packed FP8 row: e4m3 values, fp32 scales, zero padding to 16 bytes."""
-        raw = self.hidden + 4 * self.fp8_scales
-        return (raw + VECTOR_BYTES - 1) // VECTOR_BYTES * VECTOR_BYTES
+        return packed_fp8_row_bytes(self.hidden)
 
     def check_fp8(self) -> None:
         """Raise ConfigError unless FP8 dispatch works for this configuration."""

@@ -322,7 +322,7 @@ def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag:
     fp8: the received packed rows against the senders' rows quantized by validators.fp8."""
     from cute_ep.cli import expert_ids, report
     from cute_ep.validators.checks import check_combine, check_dispatch, check_layout
-    from cute_ep.validators.fp8 import dequantize_fp8, pack_fp8_rows, quantize_fp8
+    from cute_ep.validators.fp8 import fp8_check_rows
     from cute_ep.validators.reference import apply_test_expert
 
     group, rank = runtime.cpu_group, runtime.env.rank
@@ -335,9 +335,8 @@ def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag:
     ))]  # fmt: skip
     rows, recv_rows, expert_in = s.x, res.recv_x, res.recv_x
     if fp8:
-        rows = pack_fp8_rows(*quantize_fp8(s.x.cpu()), cfg.fp8_row_bytes)
-        recv_rows = pack_fp8_rows(res.recv_x.cpu(), res.recv_scales.cpu(), cfg.fp8_row_bytes)
-        expert_in = dequantize_fp8(res.recv_x.cpu(), res.recv_scales.cpu()).to(cfg.dtype).to(runtime.device)
+        rows, recv_rows, expert_in = fp8_check_rows(s.x, res.recv_x, res.recv_scales, cfg.fp8_row_bytes)
+        expert_in = expert_in.to(cfg.dtype).to(runtime.device)
     results.append(("dispatch", check_dispatch(
         rows, s.idx, s.w, recv_rows, res.recv_weights, res.recv_src, max_tokens=cfg.max_tokens,
         num_experts=cfg.num_experts, local_world_size=lws, ordered=(mode == "scatter"),

@@ -77,8 +77,10 @@ from cute_ep.cli import (
     EXIT_USAGE,
     Printer,
     UsageError,
+    add_fp8_capacity_args,
     all_gather,
     broadcast_from_rank0,
+    check_fp8_capacity_args,
     config_from_args,
     exit_process,
     expert_ids,
@@ -89,7 +91,7 @@ from cute_ep.cli import (
     script_main,
     world_banner,
 )
-from cute_ep.kernels.config import FP8_BLOCK, MODES, EpConfig
+from cute_ep.kernels.config import MODES, EpConfig
 from cute_ep.validators.baseline import (
     BaselineConfigError,
     BaselineFormatError,
@@ -100,7 +102,7 @@ from cute_ep.validators.baseline import (
     save_baseline,
 )
 from cute_ep.validators.checks import check_capacity_drops, check_combine, check_dispatch, check_layout
-from cute_ep.validators.fp8 import dequantize_fp8, pack_fp8_rows, quantize_fp8
+from cute_ep.validators.fp8 import fp8_check_rows
 from cute_ep.validators.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
 from cute_ep.validators.reference import apply_test_expert
 
@@ -146,9 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench-iters", type=int, default=50, help="timed iterations of --benchmark")
     p.add_argument("--bench-warmup", type=int, default=10, help="untimed iterations before them")
     p.add_argument("--no-coverage", action="store_true", help="do not fail when a route class gets no pair")
-    p.add_argument("--fp8", action="store_true", help="FP8 dispatch: e4m3 rows, a scale per 128 columns")
-    p.add_argument("--capacity-factor", type=float, default=None,
-                   help="experts keep at most ceil(f * R * T * K / E) rows, the rest are dropped (0: none)")
+    add_fp8_capacity_args(p)
     p.add_argument("--num-sms", type=int, default=None, help="CTAs of dispatch/combine (EpConfig default)")
     p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
     return p
@@ -175,10 +175,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--bench-iters must be >= 1 and --bench-warmup >= 0, got {args.bench_iters}, {args.bench_warmup}"
         )
-    if args.fp8 and args.hidden % FP8_BLOCK:
-        raise UsageError(f"--fp8 needs --hidden to be a multiple of {FP8_BLOCK}, got {args.hidden}")
-    if args.capacity_factor is not None and not args.capacity_factor >= 0:
-        raise UsageError(f"--capacity-factor must be >= 0, got {args.capacity_factor}")
+    check_fp8_capacity_args(args)
     if (args.save_baseline_to or args.compare_baseline) and BASELINE_MODE not in args.mode_list:
         raise UsageError(
             f"baselines hold the {BASELINE_MODE!r} mode (its order is deterministic): add it to --modes "
@@ -252,9 +249,8 @@ def run_once(
     ok &= report(lay, f"{tag} layout", group, say)
     rows, recv_rows, expert_in = x, res.recv_x, res.recv_x
     if args.fp8:  # what travels: the packed rows (e4m3 values, fp32 scales, padding)
-        rows = pack_fp8_rows(*quantize_fp8(x.cpu()), cfg.fp8_row_bytes)
-        recv_rows = pack_fp8_rows(res.recv_x.cpu(), res.recv_scales.cpu(), cfg.fp8_row_bytes)
-        expert_in = dequantize_fp8(res.recv_x.cpu(), res.recv_scales.cpu()).to(cfg.dtype).to(device)
+        rows, recv_rows, expert_in = fp8_check_rows(x, res.recv_x, res.recv_scales, cfg.fp8_row_bytes)
+        expert_in = expert_in.to(cfg.dtype).to(device)
     disp = check_dispatch(
         rows, eff, w, recv_rows, res.recv_weights, res.recv_src,
         max_tokens=cfg.max_tokens, num_experts=cfg.num_experts, local_world_size=cfg.local_world_size,

@@ -113,7 +113,9 @@ from cute_ep.cli import (
     EXIT_PASS,
     Printer,
     UsageError,
+    add_fp8_capacity_args,
     all_gather,
+    check_fp8_capacity_args,
     config_from_args,
     exit_process,
     expert_ids,
@@ -131,7 +133,7 @@ from cute_ep.validators.checks import (
     check_dispatch,
     check_layout,
 )
-from cute_ep.validators.fp8 import dequantize_fp8, pack_fp8_rows, quantize_fp8
+from cute_ep.validators.fp8 import fp8_check_rows
 from cute_ep.validators.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
 from cute_ep.validators.reference import (
     apply_test_expert,
@@ -194,9 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=BACKENDS, default="cute",
                    help="cute: GPU kernels; reference: torch on CPU; a2a: all_to_all_single fallback")
     p.add_argument("--num-sms", type=int, default=None, help="CTAs of dispatch/combine (EpConfig default)")
-    p.add_argument("--fp8", action="store_true", help="FP8 dispatch: e4m3 rows, a scale per 128 columns")
-    p.add_argument("--capacity-factor", type=float, default=None,
-                   help="experts keep at most ceil(f * R * M * K / E) rows, the rest are dropped (0: none)")
+    add_fp8_capacity_args(p)
     p.add_argument(
         "--report-every", type=int, default=100, help="a progress line every K iterations (0: none)"
     )
@@ -227,11 +227,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--straggler-prob must be in [0, 1], got {args.straggler_prob}")
     if not (math.isfinite(args.max_straggle_us) and args.max_straggle_us >= 0):
         raise UsageError(f"--max-straggle-us must be a finite number >= 0, got {args.max_straggle_us}")
-    if args.fp8 and args.hidden % 128:
-        raise UsageError(f"--fp8 needs --hidden to be a multiple of 128, got {args.hidden}")
-    cf = args.capacity_factor
-    if cf is not None and not (math.isfinite(cf) and cf >= 0):
-        raise UsageError(f"--capacity-factor must be a finite number >= 0, got {args.capacity_factor}")
+    check_fp8_capacity_args(args)
     if args.report_every < 0 or args.show_failures < 0:
         raise UsageError(
             f"--report-every and --show-failures must be >= 0, got {args.report_every}, {args.show_failures}"
@@ -467,11 +463,10 @@ class Soak:
             t.rows_dropped += int(dropped.sum())
         rows, got, expert_in = x, res, res.recv_x
         if args.fp8:  # what travels: packed rows (e4m3 values, fp32 scales, padding)
-            rows = pack_fp8_rows(*quantize_fp8(x.cpu()), cfg.fp8_row_bytes)
-            packed = pack_fp8_rows(res.recv_x.cpu(), res.recv_scales.cpu(), cfg.fp8_row_bytes)
+            rows, packed, expert_in = fp8_check_rows(x, res.recv_x, res.recv_scales, cfg.fp8_row_bytes)
             got = SimpleNamespace(recv_x=packed, recv_weights=res.recv_weights, recv_src=res.recv_src,
                                   num_recv=res.num_recv)
-            expert_in = dequantize_fp8(res.recv_x.cpu(), res.recv_scales.cpu()).to(cfg.dtype).to(self.device)
+            expert_in = expert_in.to(cfg.dtype).to(self.device)
         lay = check_layout(
             res, eff, max_tokens=cfg.max_tokens, num_experts=cfg.num_experts,
             local_world_size=cfg.local_world_size, group=group,

@@ -131,3 +131,13 @@ def exit_without_teardown() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def outcome(fn) -> dict:
+    """What calling fn() did on this rank (torchrun workers report it): the exception's type and
+    message, or nothing."""
+    try:
+        fn()
+    except Exception as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    return {"raised": None, "message": ""}

@@ -20,7 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from _launch import exit_without_teardown  # tests/ is this script's sys.path[0]
+from _launch import exit_without_teardown, outcome  # tests/ is this script's sys.path[0]
 
 from cute_ep.a2a_backend import A2aDispatchHandle, A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
@@ -132,15 +132,6 @@ def run_case(rt: Runtime, number: int, case: tuple) -> dict:
                 if not res.passed:
                     messages[f"{key}{rnd}"] = res.message
     return {"name": name, "mismatches": found, "checks": checks, "messages": messages, "num_recv": num_recv}
-
-
-def outcome(fn) -> dict:
-    """What calling fn() did on this rank: the exception's type and message, or nothing."""
-    try:
-        fn()
-    except Exception as exc:
-        return {"raised": type(exc).__name__, "message": str(exc)}
-    return {"raised": None, "message": ""}
 
 
 def bad_inputs(rt: Runtime) -> dict:

@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from _launch import exit_without_teardown  # tests/ is this script's sys.path[0]
+from _launch import exit_without_teardown, outcome  # tests/ is this script's sys.path[0]
 
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
@@ -71,15 +71,6 @@ def diff(name: str, a: torch.Tensor, b: torch.Tensor) -> str | None:
     bad = a != b
     first = torch.nonzero(bad)[0].tolist()
     return f"{name}: {int(bad.sum())} of {a.numel()} elements differ (first at {first})"
-
-
-def outcome(fn) -> dict:
-    """What calling fn() did on this rank: the exception's type and message, or nothing."""
-    try:
-        fn()
-    except Exception as exc:
-        return {"raised": type(exc).__name__, "message": str(exc)}
-    return {"raised": None, "message": ""}
 
 
 def config(env: DistEnv, case: tuple, **extra) -> EpConfig:
@@ -168,6 +159,22 @@ def combine_expected(
     return reference_combine(ys, [eff[rt.env.rank]], [w], [scatter], num_experts=cfg.num_experts)[0]
 
 
+def compare_combines(found: list, where: str, rt, cfg: EpConfig, a2a_run: tuple, ref_run: tuple, exp: dict,
+                     w: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """Both backends' combine of their own dispatch result (a (buffer, result) pair each) against the
+    reference combine of the a2a run's expert rows on the effective routing; problems go to found.
+    Returns that reference output."""
+    rank = rt.env.rank
+    (a2a, ra), (ref, rr) = a2a_run, ref_run
+    ya, yr = expert_rows(ra, rank, cfg, fp8), expert_rows(rr, rank, cfg, fp8)
+    want = combine_expected(rt, cfg, ya, exp["eff"], w, exp["layout"].scatter[rank])
+    for name, out in (("a2a", a2a.combine(ya, ra.handle)), ("reference", ref.combine(yr, rr.handle))):
+        dd = diff(f"{name} combine", out, want)
+        if dd:
+            found.append(f"{where}: {dd}")
+    return want
+
+
 # --------------------------------------------------------------------------------------------------
 # capacity
 # --------------------------------------------------------------------------------------------------
@@ -189,12 +196,7 @@ def capacity_case(rt: Runtime, number: int, case: tuple) -> dict:
             ra, rr = a2a.dispatch(x, idx, w), ref.dispatch(x, idx, w)
             compare(found, f"{where} a2a", ra, exp, rank, False, cfg)
             compare(found, f"{where} reference", rr, exp, rank, False, cfg)
-            ya, yr = expert_rows(ra, rank, cfg, False), expert_rows(rr, rank, cfg, False)
-            want = combine_expected(rt, cfg, ya, exp["eff"], w, exp["layout"].scatter[rank])
-            for name, out in (("a2a", a2a.combine(ya, ra.handle)), ("reference", ref.combine(yr, rr.handle))):
-                dd = diff(f"{name} combine", out, want)
-                if dd:
-                    found.append(f"{where}: {dd}")
+            want = compare_combines(found, where, rt, cfg, (a2a, ra), (ref, rr), exp, w, False)
             # Atomic mode (the reference shuffles inside groups): the same pairs, the same sums.
             at = ref.dispatch(x, idx, w, mode="atomic")
             eff_at = all_gather_objects(effective_topk_from_scatter(idx, at.handle.scatter), rt.cpu_group)
@@ -274,12 +276,7 @@ def fp8_case(rt: Runtime, number: int, case: tuple) -> dict:
                 if res.recv_x.dtype != torch.float8_e4m3fn or res.recv_scales is None:
                     found.append(f"{where} {name}: recv_x {res.recv_x.dtype}, recv_scales {res.recv_scales}")
             num_recv.append(ra.num_recv)
-            ya, yr = expert_rows(ra, rank, cfg, True), expert_rows(rr, rank, cfg, True)
-            want = combine_expected(rt, cfg, ya, exp["eff"], w, exp["layout"].scatter[rank])
-            for name, out in (("a2a", a2a.combine(ya, ra.handle)), ("reference", ref.combine(yr, rr.handle))):
-                dd = diff(f"{name} combine", out, want)
-                if dd:
-                    found.append(f"{where}: {dd}")
+            compare_combines(found, where, rt, cfg, (a2a, ra), (ref, rr), exp, w, True)
             # The same dispatch without fp8: every field but the rows is the same.
             kept = {f: getattr(ra, f).clone() for f in ("recv_weights", "recv_src", "tokens_per_expert")}
             plain = a2a.dispatch(x, idx, w, mode=mode)

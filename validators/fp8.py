@@ -22,9 +22,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cute_ep.kernels.config import FP8_AMAX_FLOOR, FP8_BLOCK, FP8_MAX, VECTOR_BYTES
+from cute_ep.kernels.config import FP8_AMAX_FLOOR, FP8_BLOCK, FP8_MAX, VECTOR_BYTES, packed_fp8_row_bytes
 
-__all__ = ["FP8_DTYPE", "dequantize_fp8", "fp8_row_bytes", "pack_fp8_rows", "quantize_fp8", "unpack_fp8_rows"]
+__all__ = [
+    "FP8_DTYPE",
+    "dequantize_fp8",
+    "fp8_check_rows",
+    "fp8_row_bytes",
+    "pack_fp8_rows",
+    "quantize_fp8",
+    "unpack_fp8_rows",
+]
 
 FP8_DTYPE = torch.float8_e4m3fn
 _SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -41,8 +49,24 @@ def _check_hidden(hidden: int) -> None:
 def fp8_row_bytes(hidden: int) -> int:
     """P: bytes of one packed row of ``hidden`` columns (e4m3 values, fp32 scales, zeros to 16 bytes)."""
     _check_hidden(hidden)
-    raw = hidden + 4 * (hidden // FP8_BLOCK)
-    return (raw + VECTOR_BYTES - 1) // VECTOR_BYTES * VECTOR_BYTES
+    return packed_fp8_row_bytes(hidden)
+
+
+def _check_q_scales(q: Tensor, scales: Tensor, rows: str) -> tuple[int, int, int]:
+    """(rows, H, H / 128) of a valid pair q [rows, H] float8_e4m3fn, scales [rows, H / 128] fp32."""
+    if q.dim() != 2 or q.dtype != FP8_DTYPE:
+        raise ValueError(
+            f"q must be a 2-D [{rows}, H] torch.float8_e4m3fn tensor, got {tuple(q.shape)} {q.dtype}"
+        )
+    n, hidden = q.shape
+    _check_hidden(hidden)
+    nsc = hidden // FP8_BLOCK
+    if tuple(scales.shape) != (n, nsc) or scales.dtype != torch.float32:
+        raise ValueError(
+            f"scales must be [{rows}={n}, H/{FP8_BLOCK}={nsc}] float32, got {tuple(scales.shape)} "
+            f"{scales.dtype}"
+        )
+    return n, hidden, nsc
 
 
 def quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -79,15 +103,7 @@ def pack_fp8_rows(q: Tensor, scales: Tensor, row_bytes: int) -> Tensor:
     Returns:
         [T, P] uint8 (new, contiguous): bytes [0, H) q, [H, H + 4 H / 128) the scales, zeros after.
     """
-    if q.dim() != 2 or q.dtype != FP8_DTYPE:
-        raise ValueError(f"q must be a 2-D [T, H] torch.float8_e4m3fn tensor, got {tuple(q.shape)} {q.dtype}")
-    t, hidden = q.shape
-    _check_hidden(hidden)
-    nsc = hidden // FP8_BLOCK
-    if tuple(scales.shape) != (t, nsc) or scales.dtype != torch.float32:
-        raise ValueError(
-            f"scales must be [T={t}, H/{FP8_BLOCK}={nsc}] float32, got {tuple(scales.shape)} {scales.dtype}"
-        )
+    t, hidden, nsc = _check_q_scales(q, scales, "T")
     if scales.device != q.device:
         raise ValueError(f"scales must be on q's device {q.device}, got {scales.device}")
     raw = hidden + 4 * nsc
@@ -148,14 +164,25 @@ def dequantize_fp8(q: Tensor, scales: Tensor) -> Tensor:
     Returns:
         [N, H] fp32: ``q[i, 128 b + j].float() * scales[i, b]`` (one rounded fp32 product).
     """
-    if q.dim() != 2 or q.dtype != FP8_DTYPE:
-        raise ValueError(f"q must be a 2-D [N, H] torch.float8_e4m3fn tensor, got {tuple(q.shape)} {q.dtype}")
-    n, hidden = q.shape
-    _check_hidden(hidden)
-    nsc = hidden // FP8_BLOCK
-    if tuple(scales.shape) != (n, nsc) or scales.dtype != torch.float32:
-        raise ValueError(
-            f"scales must be [N={n}, H/{FP8_BLOCK}={nsc}] float32, got {tuple(scales.shape)} {scales.dtype}"
-        )
+    n, hidden, nsc = _check_q_scales(q, scales, "N")
     blocks = q.float().reshape(n, nsc, FP8_BLOCK) * scales.to(q.device)[..., None]
     return blocks.reshape(n, hidden)
+
+
+def fp8_check_rows(
+    x: Tensor, recv_q: Tensor, recv_scales: Tensor, row_bytes: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """What an FP8 dispatch is checked with (the scripts' shared step).
+
+    Args:
+        x: [T, H] the sender's rows (any device). recv_q [N, H] float8_e4m3fn and recv_scales [N, H / 128]
+            fp32: what this rank received (any device). row_bytes: P, ``EpConfig.fp8_row_bytes``.
+
+    Returns:
+        (sent, received, dequantized), on the CPU: the sender's rows quantized and packed [T, P] uint8
+        (what must arrive), the received rows packed again [N, P] uint8 (compared with ``sent`` by
+        check_dispatch), and the received rows dequantized [N, H] fp32 (the experts' input).
+    """
+    q, s = recv_q.cpu(), recv_scales.cpu()
+    sent = pack_fp8_rows(*quantize_fp8(x.cpu()), row_bytes)
+    return sent, pack_fp8_rows(q, s, row_bytes), dequantize_fp8(q, s)

@@ -36,13 +36,6 @@ def _gather(runtime, obj):
     return out
 
 
-def _packed_rows(buf: EpBuffer, n: int) -> torch.Tensor:
-    """The first n received packed FP8 rows [n, P] uint8 (they live in recv_x's memory)."""
-    c = buf.cfg
-    p = c.fp8_row_bytes
-    return buf.recv_x.view(torch.uint8).view(-1)[: c.capacity * p].view(c.capacity, p)[:n]
-
-
 def _check_call(runtime, buf, x, idx, w, res, mode, fp8, eff_scatter_all):
     """Check one dispatch (+ combine) against the references on the effective routing."""
     env = runtime.env
@@ -65,7 +58,7 @@ def _check_call(runtime, buf, x, idx, w, res, mode, fp8, eff_scatter_all):
     if fp8:
         q, s = quantize_fp8(x.cpu())
         rows = pack_fp8_rows(q, s, cfg.fp8_row_bytes)
-        recv_rows = _packed_rows(buf, res.num_recv)
+        recv_rows = buf.fp8_packed_rows(res.num_recv)
         assert res.recv_x.dtype == torch.float8_e4m3fn and res.recv_scales.dtype == torch.float32
     r = check_dispatch(
         rows, eff, w, recv_rows, res.recv_weights, res.recv_src, max_tokens=cfg.max_tokens,
