@@ -73,3 +73,33 @@ def test_the_cache_is_opt_in(monkeypatch, tmp_path):
     assert ModuleRegistry(register=False).disk is None
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     assert ModuleRegistry(register=False).disk.folder == tmp_path
+
+
+def _precompile_main():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "precompile.py"
+    spec = importlib.util.spec_from_file_location("precompile_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_precompile_script_stores_then_finds_the_module(stored, tmp_path, monkeypatch, capsys):
+    """scripts/precompile.py fills an empty cache folder and, run again, loads instead of compiling."""
+    _, _, first = stored
+    calls = []
+    monkeypatch.setattr(compile_mod, "compile_kernel", lambda fn, *args: calls.append(fn) or first)
+    main = _precompile_main()
+    assert main(["--cache", str(tmp_path), "--dtype", "float32"]) == 0
+    assert len(calls) == 1 and "float32: compiled" in capsys.readouterr().out
+    assert ObjectCache(tmp_path).path(CFG.compile_key()).stat().st_size > 100_000
+    assert main(["--cache", str(tmp_path), "--dtype", "float32"]) == 0
+    assert len(calls) == 1 and "float32: loaded (already there)" in capsys.readouterr().out
+
+
+def test_precompile_script_refuses_a_bad_dtype(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        _precompile_main()(["--cache", str(tmp_path), "--dtype", "int8"])
+    assert exc.value.code == 2
