@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if torch.cuda.is_available():
         if args.arch:
-            print(f"--arch {args.arch} is for hosts without a GPU; this one compiles for its GPU", file=sys.stderr)
+            print(f"--arch {args.arch} is for hosts without a GPU; this one compiles for its GPU",
+                  file=sys.stderr)
             return 2
     else:
         use_cpu_target(args.arch or CPU_TARGET_ARCH)
