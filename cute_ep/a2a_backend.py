@@ -29,7 +29,11 @@ Dispatch (one rank's view; every step is collective):
 Combine sends every y row back to its source (the inverse permutation, then ``all_to_all_single``
 with the split sizes swapped), and the source reduces in k order exactly as
 ``reference_combine``: ``acc = acc + (w * y.float())`` with the product its own fp32 op (no FMA),
-dropped pairs skipped, the cast to ``cfg.dtype`` at the end.
+dropped pairs skipped, the cast to ``cfg.dtype`` at the end. That is the "pull" combine algorithm;
+with "reduced" (``cfg.combine_algorithm``, or ``combine(..., algorithm="reduced")`` on such a config)
+the same rows come back and the source applies ``validators.reference.combine_reduced_rows``: per
+(token, expert rank) sums rounded to ``cfg.dtype``, summed in the order of each rank's first k,
+bit-identical to ``reference_combine_reduced`` (what the GPU kernels compute with partial rows).
 
 The handle (``A2aDispatchHandle``, a ``DispatchHandle`` with the same public fields) carries the
 routing of the dispatch that made it: split sizes, the receive permutation and where each (t, k)'s
@@ -78,14 +82,17 @@ from cute_ep.buffer import (
     check_dispatch_options,
 )
 from cute_ep.host_buffer import HostEpBuffer
-from cute_ep.kernels.config import MODES, EpConfig
+from cute_ep.kernels.config import COMBINE_ALGORITHMS, MODES, EpConfig
+from cute_ep.reference_backend import resolve_combine_algorithm
 from cute_ep.validators.capacity import kept_counts
 from cute_ep.validators.checks import all_gather_objects
 from cute_ep.validators.fp8 import pack_fp8_rows, quantize_fp8
+from cute_ep.validators.reference import combine_reduced_rows
 
 __all__ = ["A2aDispatchHandle", "A2aEpBuffer"]
 
 _MODE_NAMES = {code: name for name, code in MODES.items()}
+_COMBINE_NAMES = {code: name for name, code in COMBINE_ALGORITHMS.items()}
 _NO_MODE = -1
 
 
@@ -286,22 +293,27 @@ class A2aEpBuffer(HostEpBuffer):
         self.check_capacity(result)
         return result
 
-    def combine(self, y: Tensor, handle: DispatchHandle) -> Tensor:
+    def combine(self, y: Tensor, handle: DispatchHandle, algorithm: str | None = None) -> Tensor:
         """out[t] = sum over k ascending of topk_weights[t, k] * y_owner[slot(t, k)] (fp32, then
         cfg.dtype), as EpBuffer.combine. y [num_recv, H] cfg.dtype in recv_x's row order (rows past y's
         end, if y is shorter, are read from ``expert_output``'s buffer, as the other backends do).
-        ``handle`` comes from this buffer's dispatch. Collective. Returns a new [T, H] tensor."""
+        ``handle`` comes from this buffer's dispatch. algorithm: "pull" (that sum) or "reduced" (needs
+        ``cfg.combine_algorithm == "reduced"``; bit-identical to ``reference_combine_reduced``); None:
+        ``cfg.combine_algorithm``; the same on every rank. Collective. Returns a new [T, H] tensor."""
         self._check_open()
         c = self.cfg
         dev = self.device
         error: BaseException | None = None
         route: _Route | None = None
+        algo: str | None = None
         try:
+            algo = resolve_combine_algorithm(c, algorithm)
             check_combine_input(c, dev, y)
             route = self._route_of(handle)
         except Exception as exc:  # the peers must still learn of it in the same collective
             error = exc
-        head = torch.tensor([int(error is not None), route.call if route is not None else -1],
+        head = torch.tensor([int(error is not None), route.call if route is not None else -1,
+                             COMBINE_ALGORITHMS[algo] if algo is not None else -1],
                             dtype=torch.int64, device=dev)
         table = self._gather_rows(head)
         self._raise_gathered(table[:, 0].tolist(), error, "combine: invalid input on another rank")
@@ -310,6 +322,11 @@ class A2aEpBuffer(HostEpBuffer):
             raise ValueError(
                 f"combine: every rank must pass the handle of the same dispatch; the handles come from "
                 f"dispatch calls {calls} (by rank)"
+            )
+        algos = [_COMBINE_NAMES.get(v, v) for v in table[:, 2].tolist()]
+        if any(a != algo for a in algos):
+            raise ValueError(
+                f"combine: every rank must use the same combine algorithm, got {algos} (by rank)"
             )
         assert route is not None
 
@@ -329,6 +346,11 @@ class A2aEpBuffer(HostEpBuffer):
         idx = handle.topk_idx
         w = handle.topk_weights
         t = handle.num_tokens
+        if algo == "reduced":
+            # A pair dropped by capacity was never sent (back_pos == n_send): skipped like a -1 id.
+            eff = torch.where(route.back_pos < n_send, idx.to(torch.int64), -1)
+            rows3 = got.index_select(0, route.back_pos.reshape(-1)).view(t, c.topk, c.hidden)
+            return combine_reduced_rows(rows3, eff, w, experts_per_rank=c.experts_per_rank)
         acc = torch.zeros((t, c.hidden), dtype=torch.float32, device=dev)
         for k in range(c.topk):
             # A pair dropped by capacity was never sent (back_pos == n_send): skipped like a -1 id.

@@ -25,7 +25,9 @@ rounded to ``cfg.dtype`` where they cross ranks (they travel as rows of that typ
 factor, combine's backward dispatch of ``grad_out`` drops exactly the pairs the forward dropped (same
 routing, same rule) and counts them again: use ``on_overflow="drop"`` when training with a capacity
 factor, or the backward raises ``CapacityExceeded`` whenever the forward dropped rows. FP8 dispatch is
-not differentiable here (the forward rows are quantized).
+not differentiable here (the forward rows are quantized). Every combine here is the "pull" combine,
+also on a buffer built for the reduced one: its weights (and, in the backward, its ids) are not the
+ones the dispatch sent.
 
 Cost of a backward: combine's is one dispatch plus K + 1 combines, dispatch's one combine. A fused
 backward kernel (one pass for grad_y and grad_w) is the obvious next step.
@@ -70,7 +72,8 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx: Any, grad_recv: Tensor) -> tuple:
         buf, h = ctx.buf, ctx.handle
         ones = torch.ones_like(h.topk_weights)
-        grad_x = buf.combine(_rows(grad_recv, buf.cfg.dtype), replace(h, topk_weights=ones))
+        grad_rows = _rows(grad_recv, buf.cfg.dtype)
+        grad_x = buf.combine(grad_rows, replace(h, topk_weights=ones), algorithm="pull")
         return grad_x.to(ctx.x_dtype), None, None, None, None, None
 
 
@@ -78,7 +81,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, y: Tensor, topk_weights: Tensor, buf: Any, handle: DispatchHandle) -> Tensor:
         w = topk_weights.detach().to(torch.float32).contiguous()
-        out = buf.combine(_rows(y, buf.cfg.dtype), replace(handle, topk_weights=w))
+        out = buf.combine(_rows(y, buf.cfg.dtype), replace(handle, topk_weights=w), algorithm="pull")
         ctx.save_for_backward(y.detach(), w)
         ctx.buf, ctx.handle, ctx.y_dtype, ctx.w_dtype = buf, handle, y.dtype, topk_weights.dtype
         return out
@@ -96,7 +99,7 @@ class _Combine(torch.autograd.Function):
         for k in range(w.shape[1]):
             only_k = torch.full_like(h.topk_idx, -1)
             only_k[:, k] = h.topk_idx[:, k]
-            y_k = buf.combine(y_rows, replace(h, topk_idx=only_k, topk_weights=ones))
+            y_k = buf.combine(y_rows, replace(h, topk_idx=only_k, topk_weights=ones), algorithm="pull")
             grad_w[:, k] = (grad_out.float() * y_k.float()).sum(dim=1)
         # grad_y[slot(t, k)] = w[t, k] * grad_out[t]: the rows land where y's rows were.
         res = buf.dispatch(grad_out, h.topk_idx, w, mode="scatter")

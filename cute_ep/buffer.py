@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from cute_ep.kernels.config import (
+    COMBINE_ALGORITHMS,
     DISPATCH_ALGORITHMS,
     FAULT_WORDS,
     FP8_BLOCK,
@@ -181,6 +182,15 @@ class EpBuffer:
         self.stage = sym((c.stage_rows, c.hidden), c.dtype)
         self._symmetric = [self.recv_x, self.recv_y, self.recv_w, self.recv_src, self.recv_from, self.counts,
                            self.signals, self.stage]
+        if c.combine_algorithm == "reduced":
+            # The reduced combine (kernels/reduce_push.py, kernels/partial_sum.py): each primary slot's group
+            # members, written by dispatch, and one partial row per (token, source rank).
+            self.recv_group = sym((c.capacity * c.topk,), torch.int32)
+            self.partials = sym((c.partial_rows, c.hidden), c.dtype)
+            self._symmetric += [self.recv_group, self.partials]
+        else:  # never read or written: the kernels only need valid pointers
+            self.recv_group = torch.zeros(1, dtype=torch.int32, device=self.device)
+            self.partials = torch.zeros((1, c.hidden), dtype=c.dtype, device=self.device)
         # Packed FP8 rows of this rank's tokens (kernels/quantize.py): the source of its puts, symmetric.
         fp8_ok = c.hidden % FP8_BLOCK == 0
         self.packed = sym((c.max_tokens * c.fp8_row_bytes if fp8_ok else 16,), torch.uint8)
@@ -192,7 +202,7 @@ class EpBuffer:
         self.cursor = torch.zeros(c.num_experts, **i32)
         self.send_limit = torch.zeros(c.num_experts, **i32)
         self.tokens_per_expert = torch.zeros(c.experts_per_rank, **i32)
-        self.done = torch.zeros(2, **i32)
+        self.done = torch.zeros(3, **i32)
         # Everything the host reads after a call, in one block so that one copy (one sync) reads it:
         # epochs [3] int64 | fault [FAULT_WORDS] | num_recv [1] | padding | dropped [E].
         self._status = torch.zeros(STATUS_DROPPED + c.num_experts, **i32)
@@ -201,6 +211,7 @@ class EpBuffer:
         self.num_recv = self._status[STATUS_NUM_RECV:STATUS_NUM_RECV + 1]
         self.dropped = self._status[STATUS_DROPPED:]  # rows each expert dropped (capacity), accumulated
         self._calls = [0, 0, 0]  # expected epochs: layout, dispatch, combine
+        self._sent: tuple[torch.Tensor, torch.Tensor] | None = None  # routing of the latest dispatch
         self._drops = torch.zeros(c.num_experts, dtype=torch.int64)  # read from the device, not yet reported
         # Signals and counts start at zero on every rank before anyone may signal.
         self.counts.zero_()
@@ -261,6 +272,7 @@ class EpBuffer:
         scatter = self.scatter[: t * self.cfg.topk].view(t, self.cfg.topk).clone()
         # The handle owns its routing: a caller editing its tensors later cannot change combine.
         handle = DispatchHandle(idx.clone(), w.clone(), scatter, t, mode)
+        self._sent = (handle.topk_idx, handle.topk_weights)
         recv_x, recv_scales = self.recv_x[:num_recv], None
         if fp8:
             recv_x, recv_scales = self.fp8_views(num_recv)
@@ -300,19 +312,25 @@ class EpBuffer:
         t = x.shape[0]
         self._launch(OP_LAYOUT, 0, t, x=x, idx=topk_idx, w=topk_weights)
         algo = DISPATCH_ALGORITHMS[algorithm or self.algorithm]
-        self._launch(OP_DISPATCH, MODES[mode], t, x=x, idx=topk_idx, w=topk_weights, fp8=fp8, algo=algo)
+        groups = COMBINE_ALGORITHMS[self.cfg.combine_algorithm]  # record groups for the reduced combine
+        self._launch(OP_DISPATCH, MODES[mode], t, x=x, idx=topk_idx, w=topk_weights, fp8=fp8, algo=algo,
+                     calgo=groups)
         scatter = self.scatter[: t * self.cfg.topk].view(t, self.cfg.topk)
-        return DispatchHandle(topk_idx, topk_weights, scatter, t, mode)
+        handle = DispatchHandle(topk_idx, topk_weights, scatter, t, mode)
+        self._sent = (topk_idx, topk_weights)
+        return handle
 
-    def launch_combine(self, handle: DispatchHandle, out: torch.Tensor) -> None:
-        """Enqueue the combine kernel on the current stream: no checks, no host sync (capturable).
+    def launch_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None = None) -> None:
+        """Enqueue the combine kernel(s) on the current stream: no checks, no host sync (capturable).
 
         Reads the symmetric ``recv_y`` (see ``expert_output``); out [handle.num_tokens, H] cfg.dtype.
+        algorithm: "pull" or "reduced" (default: ``cfg.combine_algorithm``); see ``combine``.
         """
         t = handle.num_tokens
         if handle.scatter.data_ptr() != self.scatter.data_ptr():  # a handle from dispatch() owns a copy
             self.scatter[: t * self.cfg.topk].copy_(handle.scatter.view(-1))
-        self._launch(OP_COMBINE, 0, t, idx=handle.topk_idx, w=handle.topk_weights, out=out)
+        calgo = COMBINE_ALGORITHMS[algorithm or self.cfg.combine_algorithm]
+        self._launch(OP_COMBINE, 0, t, idx=handle.topk_idx, w=handle.topk_weights, out=out, calgo=calgo)
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
         """The symmetric [num_recv, H] buffer combine reads; experts writing here save a copy."""
@@ -320,17 +338,31 @@ class EpBuffer:
             raise ValueError(f"num_recv must be in [0, capacity={self.cfg.capacity}], got {num_recv}")
         return self.recv_y[:num_recv]
 
-    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """out[t] = sum over k ascending of topk_weights[t, k] * y_owner[scatter[t, k]] (fp32, then
-        cfg.dtype). y [num_recv, H] cfg.dtype: this rank's expert outputs, in recv_x's row order.
-        Collective. Returns a new [T, H] tensor."""
+    def combine(self, y: torch.Tensor, handle: DispatchHandle, algorithm: str | None = None) -> torch.Tensor:
+        """The top-k weighted sum of each token's expert outputs. Returns a new [T, H] cfg.dtype tensor.
+
+        y [num_recv, H] cfg.dtype: this rank's expert outputs, in recv_x's row order. handle: the
+        ``DispatchResult.handle`` of the dispatch whose rows y holds. algorithm (default
+        ``cfg.combine_algorithm``; every rank passes the same):
+          "pull":    out[t] = sum over k ascending of topk_weights[t, k] * y_owner[scatter[t, k]] (fp32,
+                     then cfg.dtype), bit-identical to ``validators.reference.reference_combine``; uses
+                     the handle's ids and weights (they may differ from the dispatch's, as in autograd).
+          "reduced": each rank first sums a token's rows it holds (ascending k, weights as sent by the
+                     dispatch) into one partial row rounded to cfg.dtype; the token's rank sums the
+                     partials in the order of each rank's first kept k (fp32, then cfg.dtype): one row
+                     per (token, rank) crosses the link. ``reference_combine_reduced`` is its bit-exact
+                     reference. Needs ``EpConfig(combine_algorithm="reduced")`` and the handle of this
+                     buffer's latest dispatch, unchanged.
+        Collective.
+        """
         self._check_open()
         c = self.cfg
         check_combine_input(c, self.device, y)
+        self._check_combine_algorithm(handle, algorithm)
         if y.data_ptr() != self.recv_y.data_ptr():
             self.recv_y[: y.shape[0]].copy_(y)
         out = torch.empty((handle.num_tokens, c.hidden), dtype=c.dtype, device=self.device)
-        self.launch_combine(handle, out)
+        self.launch_combine(handle, out, algorithm)
         self._check_ran(self._read_status(), OP_COMBINE)  # the read waits for the kernel (same stream)
         return out
 
@@ -361,12 +393,32 @@ class EpBuffer:
 
     # -- internals -------------------------------------------------------------------------------
 
+    def _check_combine_algorithm(self, handle: DispatchHandle, algorithm: str | None) -> None:
+        name = algorithm or self.cfg.combine_algorithm
+        if name not in COMBINE_ALGORITHMS:
+            raise ValueError(f"combine algorithm must be one of {sorted(COMBINE_ALGORITHMS)}, got {name!r}")
+        if name != "reduced":
+            return
+        if self.cfg.combine_algorithm != "reduced":
+            raise ValueError(
+                "combine algorithm 'reduced' needs EpConfig(combine_algorithm='reduced') (got "
+                f"{self.cfg.combine_algorithm!r}): only then do its partial rows and the dispatch's group "
+                "lists exist"
+            )
+        sent = self._sent
+        if sent is None or handle.topk_idx is not sent[0] or handle.topk_weights is not sent[1]:
+            raise ValueError(
+                "combine algorithm 'reduced' weights rows with the weights the latest dispatch sent: pass "
+                "that dispatch's handle unchanged (this one has other ids or weights, or comes from an "
+                "earlier dispatch), or use algorithm='pull'"
+            )
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this EpBuffer is closed")
 
     def _launch(self, op: int, mode: int, num_tokens: int, *, x=None, idx=None, w=None, out=None,
-                fp8: bool = False, algo: int = 0) -> None:
+                fp8: bool = False, algo: int = 0, calgo: int = 0) -> None:
         import cuda.bindings.driver as cuda
 
         from cute_ep.kernels.host import make_pointer
@@ -380,7 +432,8 @@ class EpBuffer:
                 "signals": self.signals, "stage": self.stage, "send_offsets": self.send_offsets,
                 "cursor": self.cursor, "send_limit": self.send_limit, "dropped": self.dropped,
                 "packed": self.packed, "tokens_per_expert": self.tokens_per_expert, "num_recv": self.num_recv,
-                "epochs": self.epochs, "done": self.done, "fault": self.fault,
+                "epochs": self.epochs, "done": self.done, "fault": self.fault, "recv_group": self.recv_group,
+                "partials": self.partials,
             }
             self._static_ptrs = {name: make_pointer(self.cfg, name, t.data_ptr()) for name, t in own.items()}
         call = {
@@ -392,7 +445,7 @@ class EpBuffer:
         ptrs = [self._static_ptrs[n] if n in self._static_ptrs else self._call_pointer(n, call[n])
                 for n in POINTER_ARGS]
         stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
-        self.module(op, mode, int(fp8), algo, self.rank, num_tokens, *self._shape_args, *ptrs, stream)
+        self.module(op, mode, int(fp8), algo, calgo, self.rank, num_tokens, *self._shape_args, *ptrs, stream)
         self._calls[op] += 1
 
     def _choose_algorithm(self, cache: Any = None, iters: int = 10, warmup: int = 3) -> str:

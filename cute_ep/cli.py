@@ -170,6 +170,14 @@ def add_fp8_capacity_args(p: argparse.ArgumentParser) -> None:
                         "the rest are dropped (0: none)")
 
 
+def add_combine_arg(p: argparse.ArgumentParser) -> None:
+    """--combine: the combine algorithm the script's buffer uses (``EpConfig.combine_algorithm``)."""
+    p.add_argument("--combine", choices=("pull", "reduced"), default="pull",
+                   help="pull: every (token, k) row to the token's rank, summed there (bit-identical to the "
+                        "fixed-order reference); reduced: rows summed per rank first, one partial row per "
+                        "(token, rank) moves (reference_combine_reduced)")
+
+
 def check_fp8_capacity_args(args: argparse.Namespace) -> None:
     """UsageError for a --fp8 whose --hidden is not a multiple of 128, or a bad --capacity-factor (for the
     scripts that have those arguments)."""
@@ -184,9 +192,9 @@ def check_fp8_capacity_args(args: argparse.Namespace) -> None:
 
 def config_from_args(args: argparse.Namespace, env: DistEnv, max_tokens: int) -> EpConfig:
     """The ``EpConfig`` of a script's common arguments (--num-experts, --topk, --hidden, --dtype, and
-    --num-sms / --timeout-s / --capacity-factor where the script has them and they are given) for the
-    launch ``env``. A script with --capacity-factor reports drops itself: its buffers count them
-    (on_overflow="drop") instead of raising."""
+    --num-sms / --timeout-s / --capacity-factor / --combine where the script has them and they are
+    given) for the launch ``env``. A script with --capacity-factor reports drops itself: its buffers
+    count them (on_overflow="drop") instead of raising."""
     from cute_ep.kernels.config import EpConfig
 
     extra: dict[str, Any] = {}
@@ -195,6 +203,10 @@ def config_from_args(args: argparse.Namespace, env: DistEnv, max_tokens: int) ->
             extra[name] = getattr(args, name)
     if extra.get("capacity_factor"):
         extra["on_overflow"] = "drop"
+    combine = getattr(args, "combine_list", None) or getattr(args, "combine", None)
+    if combine is not None:  # a script's --combine: one name, or a list whose members include "reduced"
+        names = combine if isinstance(combine, (list, tuple)) else [combine]
+        extra["combine_algorithm"] = "reduced" if "reduced" in names else "pull"
     return EpConfig(
         world_size=env.world_size,
         local_world_size=env.local_world_size,
@@ -209,12 +221,13 @@ def config_from_args(args: argparse.Namespace, env: DistEnv, max_tokens: int) ->
 
 def world_banner(script: str, backend: str, env: DistEnv, cfg: EpConfig, runtime: str | None = None) -> str:
     """First line a script prints: script, backend (and the Runtime's backend: ``runtime``, or the one
-    ``backend`` needs), world = nodes x ranks per node."""
+    ``backend`` needs), world = nodes x ranks per node, and the combine if it is not the default."""
     virtual = " (virtual nodes)" if env.is_virtual else ""
     via = runtime or runtime_backend(backend)
     return (
         f"cute-ep {script}: backend {backend} ({via}), world {env.world_size} = "
         f"{cfg.nnodes} node(s) x {cfg.local_world_size}{virtual}"
+        + (", reduced combine" if cfg.combine_algorithm == "reduced" else "")
     )
 
 

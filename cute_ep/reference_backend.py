@@ -27,6 +27,9 @@ dropped pairs get slot -1 in the handle and combine skips them. The drops are co
 FP8 (``dispatch(..., fp8=True)``): every rank quantizes its own rows and gathers the packed rows
 (:mod:`cute_ep.validators.fp8`); the receiver gets e4m3 ``recv_x`` and fp32 ``recv_scales``.
 
+Combine algorithm (``cfg.combine_algorithm``, or ``combine(..., algorithm=...)``): "pull" evaluates
+``reference_combine``, "reduced" ``reference_combine_reduced`` (allowed only on a "reduced" config).
+
 Only torch, ``cute_ep.validators`` and ``cute_ep.kernels.config`` are imported: no CUDA, CuTe DSL
 or NVSHMEM.
 """
@@ -48,21 +51,44 @@ from cute_ep.buffer import (
     check_dispatch_options,
 )
 from cute_ep.host_buffer import HostEpBuffer
-from cute_ep.kernels.config import EpConfig
+from cute_ep.kernels.config import COMBINE_ALGORITHMS, EpConfig
 from cute_ep.validators.capacity import apply_expert_capacity, effective_topk_from_scatter
 from cute_ep.validators.checks import all_gather_objects
 from cute_ep.validators.fp8 import pack_fp8_rows, quantize_fp8
 from cute_ep.validators.reference import (
     Layout,
     reference_combine,
+    reference_combine_reduced,
     reference_dispatch_rank,
     reference_layout,
 )
 
-__all__ = ["ReferenceEpBuffer"]
+__all__ = ["ReferenceEpBuffer", "resolve_combine_algorithm"]
 
 _ATOMIC_SEED_SALT = 0x5EED_A70
 
+
+
+def resolve_combine_algorithm(cfg: EpConfig, algorithm: str | None = None) -> str:
+    """The combine algorithm of one call: ``algorithm``, or ``cfg.combine_algorithm`` when None.
+
+    "pull" always works; "reduced" needs a buffer built for it (``EpConfig(combine_algorithm=
+    "reduced")``, which is what the GPU buffer allocates its partial rows for). Shared by the host
+    backends (``ReferenceEpBuffer``, ``A2aEpBuffer``).
+
+    Raises:
+        ValueError: an unknown name, or "reduced" on a "pull" configuration.
+    """
+    if algorithm is None:
+        return cfg.combine_algorithm
+    if not isinstance(algorithm, str) or algorithm not in COMBINE_ALGORITHMS:
+        raise ValueError(f"combine algorithm must be one of {sorted(COMBINE_ALGORITHMS)}, got {algorithm!r}")
+    if algorithm == "reduced" and cfg.combine_algorithm != "reduced":
+        raise ValueError(
+            "combine algorithm 'reduced' needs EpConfig(combine_algorithm='reduced') "
+            f"(got {cfg.combine_algorithm!r})"
+        )
+    return algorithm
 
 
 class ReferenceEpBuffer(HostEpBuffer):
@@ -168,22 +194,36 @@ class ReferenceEpBuffer(HostEpBuffer):
         self.check_capacity(result)
         return result
 
-    def combine(self, y: Tensor, handle: Any) -> Tensor:
+    def combine(self, y: Tensor, handle: Any, algorithm: str | None = None) -> Tensor:
         """out[t] = sum over k ascending of topk_weights[t, k] * y_owner[scatter[t, k]] (fp32, then
-        cfg.dtype), as EpBuffer.combine. Collective. Returns a new [T, H] tensor."""
+        cfg.dtype), as EpBuffer.combine. Collective. Returns a new [T, H] tensor.
+
+        algorithm: "pull" (that sum, ``reference_combine``) or "reduced" (per expert rank sums rounded
+        to cfg.dtype, then summed in the order of each rank's first k: ``reference_combine_reduced``;
+        needs ``cfg.combine_algorithm == "reduced"``); None: ``cfg.combine_algorithm``. Every rank
+        must use the same one."""
         self._check_open()
         c = self.cfg
+        algo = None
         try:
+            algo = resolve_combine_algorithm(c, algorithm)
             check_combine_input(c, self.device, y)
             bad_y = None
         except ValueError as exc:
             bad_y = str(exc)
-        # Every rank learns of a bad y before anyone waits in the gather of the outputs.
-        bad = [f"rank {r}: {e}" for r, e in enumerate(self._all_gather(bad_y)) if e is not None]
+        # Every rank learns of a bad y (or algorithm) before anyone waits in the gather of the outputs.
+        gathered = self._all_gather((bad_y, algo))
+        bad = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e is not None]
         if bad_y is not None:
             raise ValueError(bad_y)
         if bad:
             raise ValueError("combine: invalid expert outputs on another rank: " + "; ".join(bad))
+        algos = [a for _, a in gathered]
+        if any(a != algo for a in algos):
+            raise ValueError(
+                f"combine: every rank must use the same combine algorithm, got {algos} (by rank)"
+            )
+        combine_fn = reference_combine_reduced if algo == "reduced" else reference_combine
         rows = max(self._num_recv, y.shape[0])
         self._ensure_rows(rows)
         if y.numel() and y.data_ptr() != self.recv_y.data_ptr():
@@ -191,7 +231,7 @@ class ReferenceEpBuffer(HostEpBuffer):
         ys = self._all_gather(self.recv_y[:rows].detach().cpu().clone())
         out, error = None, None
         try:
-            out = reference_combine(
+            out = combine_fn(
                 ys,
                 # Pairs without a slot (dropped by capacity) are skipped like -1 ids.
                 [effective_topk_from_scatter(handle.topk_idx.cpu(), handle.scatter.cpu())],

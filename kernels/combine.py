@@ -1,8 +1,8 @@
-"""Combine kernel: out[t] = sum over k (ascending) of topk_w[t, k] * recv_y[owner][slot(t, k)].
+"""Combine kernel ("pull"): out[t] = sum over k (ascending) of topk_w[t, k] * recv_y[owner][slot(t, k)].
 
 Start: every rank's expert outputs (symmetric ``recv_y``) must be written before anyone reads them,
-so CTA 0 raises ``combine_signal[rank]`` on every peer to this call's epoch and every CTA waits until
-all peers have raised theirs.
+so CTA 0 raises ``combine_signal[rank]`` on every peer to 2 * epoch - 1 (``epoch``: this call's number)
+and every CTA waits until all peers have raised theirs (``kernels.ptx.signal_and_wait_peers``).
 
 A warp per (local token, part of the hidden dimension) (persistent grid-stride loop). A token's row is
 split into parts only when there are fewer tokens than warps and every peer is on this node (decode
@@ -16,8 +16,7 @@ batches), so that all warps work; otherwise a part is the whole row.
   4, then 1): a group's loads are all issued before the first is used (one remote load in flight per
   warp left combine latency-bound), and accumulated in fp32 in ascending k with separately rounded
   multiply and add — the order of ``validators.reference.reference_combine``, so the result is
-  bit-identical — and stored in the input dtype. Loads bypass L1 (``.cg``): a staging row is rewritten
-  for every token, and rows written by other GPUs must not be served from a stale L1 line.
+  bit-identical — and stored in the input dtype (``kernels.rowsum.weighted_sum_rows``).
 The last CTA to finish advances epochs[2].
 """
 
@@ -31,44 +30,8 @@ from cutlass import Float32, Int32, Int64
 from nvshmem.core.device.cute.mem import nvshmem_ptr
 
 from cute_ep.kernels.config import COMBINE_WARPS_PER_CTA, MAX_TOPK, OP_COMBINE, VECTOR_BYTES, WARP
-from cute_ep.kernels.ptx import (
-    SIGNAL_SET,
-    add_rn,
-    elem_view,
-    fence_sys,
-    gmem_tensor,
-    ld_volatile_i32,
-    mul_rn,
-    record_fault,
-    wait_signal_ge,
-)
-
-
-@cute.jit
-def accumulate_group(
-    dtype: cutlass.Constexpr,
-    group: cutlass.Constexpr,
-    acc: cute.Tensor,
-    row_addr: cute.Tensor,
-    weight: cute.Tensor,
-    first: Int32,
-    offset: Int64,
-):
-    """acc += weight[i] * row i's piece at ``offset``, for i in [first, first + group), ascending i;
-    all ``group`` loads are issued before the first multiply."""
-    V = VECTOR_BYTES // (dtype.width // 8)
-    layout = cute.make_layout(V)
-    load = cute.make_copy_atom(
-        cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=128, load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL
-    )
-    frags = [cute.make_rmem_tensor(layout, dtype) for _ in range(group)]
-    for j in cutlass.range_constexpr(group):
-        cute.copy(load, gmem_tensor(dtype, row_addr[first + j] + offset, layout, VECTOR_BYTES), frags[j])
-    for j in cutlass.range_constexpr(group):
-        vals = frags[j].load().to(Float32)
-        wj = weight[first + j]
-        for i in cutlass.range_constexpr(V):
-            acc[i] = add_rn(acc[i], mul_rn(wj, vals[i]))
+from cute_ep.kernels.ptx import elem_view, ld_volatile_i32, signal_and_wait_peers
+from cute_ep.kernels.rowsum import weighted_sum_rows
 
 
 class CombineKernel:
@@ -157,21 +120,12 @@ class CombineKernel:
         my_weight = cute.make_tensor(weight.iterator + warp * MAX_TOPK, cute.make_layout(MAX_TOPK))
 
         # Start barrier: all ranks' expert outputs are in place (each peer waited for at most
-        # timeout_ms; one that never arrives is recorded in ``fault`` and nothing is read).
+        # timeout_ms; one that never arrives is recorded in ``fault`` and nothing is read). Combine's
+        # signal row carries 2 * epoch - 1 at the start of call ``epoch`` (the reduced combine also
+        # raises 2 * epoch when its partial rows are out).
         fault_addr = fault.iterator.toint()
-        if ld_volatile_i32(fault_addr) == Int32(0):
-            if bid == 0:
-                if tid < R:
-                    fence_sys()
-                    nvshmem_cute.signal_op(
-                        cute.make_tensor(signals.iterator + (2 * R + rank), cute.make_layout(1)),
-                        epoch, SIGNAL_SET, tid,
-                    )
-            if tid < R:
-                addr = signals.iterator.toint() + Int64((2 * R + tid) * 8)
-                if wait_signal_ge(addr, epoch, Int64(timeout_ms) * 1000000) == 0:
-                    record_fault(fault, Int32(OP_COMBINE), tid, epoch)
-        cute.arch.sync_threads()
+        signal_and_wait_peers(signals, Int32(2), rank, R, epoch * 2 - 1, timeout_ms, Int32(OP_COMBINE), epoch,
+                              fault, Int32(1))
         live = ld_volatile_i32(fault_addr) == Int32(0)
         work = Int32(0)
         if live:
@@ -224,22 +178,8 @@ class CombineKernel:
                     n = n + 1
             cute.arch.sync_warp()
 
-            n8 = n // 8 * 8
-            n4 = n8 + (n - n8) // 4 * 4
-            for v in range(v_begin + lane, v_end, WARP):
-                offset = Int64(v * VECTOR_BYTES)
-                acc = cute.make_rmem_tensor(cute.make_layout(V), Float32)
-                acc.fill(0.0)
-                for c in range(0, n8, 8):
-                    accumulate_group(dtype, 8, acc, my_addr, my_weight, c, offset)
-                for c in range(n8, n4, 4):
-                    accumulate_group(dtype, 4, acc, my_addr, my_weight, c, offset)
-                for c in range(n4, n):
-                    accumulate_group(dtype, 1, acc, my_addr, my_weight, c, offset)
-                res = cute.make_rmem_tensor(cute.make_layout(V), dtype)
-                res.store(acc.load().to(dtype))
-                dst = out_base + Int64(t) * ROW_BYTES + offset
-                cute.autovec_copy(res, gmem_tensor(dtype, dst, cute.make_layout(V), VECTOR_BYTES))
+            weighted_sum_rows(dtype, my_addr, my_weight, n, v_begin, v_end, lane,
+                              out_base + Int64(t) * ROW_BYTES)
             cute.arch.sync_warp()
 
         cute.arch.sync_threads()

@@ -28,6 +28,15 @@ ALGO_PER_PAIR = 1
 ALGO_PUT_WARP = 2
 DISPATCH_ALGORITHMS = {"dedup": ALGO_DEDUP, "per_pair": ALGO_PER_PAIR, "put_warp": ALGO_PUT_WARP}
 
+# Combine algorithms (run-time argument of the combine op): "pull" reads every (token, k) row from its
+# expert's rank and sums them on the token's rank in ascending k (bit-identical to
+# validators.reference.reference_combine); "reduced" sums a token's rows on each expert rank first
+# (ascending k, rounded to the row dtype) and moves one partial row per (token, rank), summed on the
+# token's rank in the order of each rank's first kept k (validators.reference.reference_combine_reduced).
+COMBINE_PULL = 0
+COMBINE_REDUCED = 1
+COMBINE_ALGORITHMS = {"pull": COMBINE_PULL, "reduced": COMBINE_REDUCED}
+
 # Operations of the one compiled module (NVSHMEM tolerates few registered modules per process).
 OP_LAYOUT = 0
 OP_DISPATCH = 1
@@ -95,6 +104,9 @@ class EpConfig:
                        rows per dispatch (f times its share at full batch); rows beyond it are dropped
                        in a fixed order (an expert keeps source 0's rows first, each source's in (t, k)
                        order), counted on the device, and reported (see ``on_overflow``).
+    combine_algorithm: "pull" (default) or "reduced" (see COMBINE_ALGORITHMS): the buffer's default
+                       combine. "reduced" also allocates ``partial_rows`` x H symmetric rows and makes
+                       every dispatch record each (token, rank) group; "pull" stays available per call.
     on_overflow:       "raise" (default): the next host-visible check (``dispatch``, or
                        ``EpBuffer.check_capacity`` after ``launch_dispatch``) raises ``CapacityExceeded``
                        naming how many rows each expert dropped, on every rank alike; "drop": rows are
@@ -118,6 +130,7 @@ class EpConfig:
     timeout_s: float = 60.0
     capacity_factor: float = 0.0
     on_overflow: str = "raise"
+    combine_algorithm: str = "pull"
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -170,6 +183,10 @@ class EpConfig:
         need(
             self.on_overflow in OVERFLOW_POLICIES,
             f"on_overflow must be one of {OVERFLOW_POLICIES}, got {self.on_overflow!r}",
+        )
+        need(
+            self.combine_algorithm in COMBINE_ALGORITHMS,
+            f"combine_algorithm must be one of {sorted(COMBINE_ALGORITHMS)}, got {self.combine_algorithm!r}",
         )
         if self.capacity == 0:
             object.__setattr__(self, "capacity", self.required_capacity)
@@ -256,9 +273,15 @@ class EpConfig:
         """Rows of the combine staging buffer: one per (combine warp, k), only when other nodes exist."""
         return self.combine_warps * self.topk if self.nnodes > 1 else 1
 
+    @property
+    def partial_rows(self) -> int:
+        """Rows of the reduced combine's partial buffer: one per (token slot, source rank), M * R."""
+        return self.max_tokens * self.world_size if self.combine_algorithm == "reduced" else 0
+
     def key(self) -> tuple:
         """Everything that defines the configuration (compared across ranks at construction)."""
-        return (str(self.dtype), *self.shape_args(), self.capacity_factor, self.on_overflow)
+        return (str(self.dtype), *self.shape_args(), self.capacity_factor, self.on_overflow,
+                self.combine_algorithm)
 
     def compile_key(self) -> tuple:
         """The explicit compile-cache key: the kernels are specialized on the element type only."""
@@ -287,4 +310,8 @@ class EpConfig:
         counts = self.world_size * self.num_experts * 4
         signals = 3 * self.world_size * 8
         stage = self.stage_rows * self.row_bytes
-        return rows + meta + counts + signals + stage
+        packed = self.max_tokens * self.fp8_row_bytes if self.hidden % FP8_BLOCK == 0 else 16  # FP8 sources
+        reduced = 0
+        if self.combine_algorithm == "reduced":  # partial rows + each primary slot's group list
+            reduced = self.partial_rows * self.row_bytes + self.capacity * self.topk * 4
+        return rows + meta + counts + signals + stage + packed + reduced

@@ -16,6 +16,12 @@ overlap the peers' transfers instead of adding fan-out reads after them. A same-
 written with 128-bit stores through its NVSHMEM peer pointer (unrolled, see ``copy_row_warp``);
 another node's with ``put_warp``.
 
+Groups for the reduced combine (``groups`` != 0, when the buffer was built for it): the pairs of a
+token bound for one rank form a group; its primary is the first kept pair. The primary's
+``recv_from`` holds -1 - n (n: the group's pairs from the primary on, dropped ones included), and every
+later pair writes its slot (-1 if dropped for capacity) into ``recv_group[primary slot * K + m]``, m its
+place in the group. Without ``groups`` a primary's ``recv_from`` is -1.
+
 Completion: each thread ``quiet``s its puts and fences its stores; the last CTA to finish (a
 self-resetting arrival counter) raises ``dispatch_signal[rank]`` on every peer to this call's epoch,
 then waits until every peer has raised its own on this rank (at most ``timeout_ms`` per peer; a peer
@@ -66,6 +72,7 @@ class DispatchKernel:
         recv_w: cute.Tensor,
         recv_src: cute.Tensor,
         recv_from: cute.Tensor,
+        recv_group: cute.Tensor,
         signals: cute.Tensor,
         epochs: cute.Tensor,
         done: cute.Tensor,
@@ -75,6 +82,7 @@ class DispatchKernel:
         mode: Int32,
         fp8: Int32,
         algo: Int32,
+        groups: Int32,
         world_size: Int32,
         local_world_size: Int32,
         num_experts: Int32,
@@ -86,8 +94,8 @@ class DispatchKernel:
     ):
         self.kernel(
             x, topk_idx, topk_w, scatter, cursor, send_limit, packed, recv_x, recv_w, recv_src, recv_from,
-            signals, epochs, done, fault, rank, num_tokens, mode, fp8, algo, world_size, local_world_size,
-            num_experts, topk, max_tokens, timeout_ms,
+            recv_group, signals, epochs, done, fault, rank, num_tokens, mode, fp8, algo, groups, world_size,
+            local_world_size, num_experts, topk, max_tokens, timeout_ms,
         ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
@@ -104,6 +112,7 @@ class DispatchKernel:
         recv_w: cute.Tensor,
         recv_src: cute.Tensor,
         recv_from: cute.Tensor,
+        recv_group: cute.Tensor,
         signals: cute.Tensor,
         epochs: cute.Tensor,
         done: cute.Tensor,
@@ -113,6 +122,7 @@ class DispatchKernel:
         mode: Int32,
         fp8: Int32,
         algo: Int32,
+        groups: Int32,
         world_size: Int32,
         local_world_size: Int32,
         num_experts: Int32,
@@ -178,26 +188,61 @@ class DispatchKernel:
                         cute.arch.sync_warp()  # the vote of a later k reads this scatter entry
                     else:
                         slot = scatter[t * K + k]  # -1: dropped by the layout (capacity)
+                    # The group of (t, d): token t's pairs bound for rank d, ascending k. Its primary g is
+                    # the first kept one: dedup sends the row only there, and the reduced combine sums the
+                    # group on rank d into one partial row (the lists below are written only for it).
+                    g = k
+                    vote = Int32(0)
                     if slot >= 0:
-                        # The first kept k' < k bound for the same rank, if any; lanes split the k'.
-                        # (The per-pair primitives send every pair's row: no vote.)
-                        first = k
                         if algo == ALGO_DEDUP:
-                            for j0 in range(0, k, WARP):
-                                j = j0 + lane
-                                same = Int32(0)
-                                if j < k:
-                                    ej = topk_idx[t * K + j]
-                                    if ej >= 0:
-                                        if ej // El == d:
-                                            if scatter[t * K + j] >= 0:
-                                                same = Int32(1)
-                                ballot = cute.arch.vote_ballot_sync(same != 0)
-                                if first == k:
-                                    if ballot != 0:
-                                        first = j0 + Int32(cute.arch.clz(cute.arch.brev(ballot)))
+                            vote = Int32(1)
+                    if groups != 0:
+                        vote = Int32(1)
+                    if vote != 0:
+                        # The first kept k' < k bound for the same rank, if any; lanes split the k'.
+                        for j0 in range(0, k, WARP):
+                            j = j0 + lane
+                            same = Int32(0)
+                            if j < k:
+                                ej = topk_idx[t * K + j]
+                                if ej >= 0:
+                                    if ej // El == d:
+                                        if scatter[t * K + j] >= 0:
+                                            same = Int32(1)
+                            ballot = cute.arch.vote_ballot_sync(same != 0)
+                            if g == k:
+                                if ballot != 0:
+                                    g = j0 + Int32(cute.arch.clz(cute.arch.brev(ballot)))
+                    m = Int32(0)  # k's place in the group: pairs bound for d in [g, k), dropped ones too
+                    n = Int32(0)  # the primary's group size: pairs bound for d in [k, K)
+                    if groups != 0:
+                        lo = k
+                        hi = K
+                        if g != k:
+                            lo = g
+                            hi = k
+                        cnt = Int32(0)
+                        for j0 in range(lo, hi, WARP):
+                            j = j0 + lane
+                            same = Int32(0)
+                            if j < hi:
+                                ej = topk_idx[t * K + j]
+                                if ej >= 0:
+                                    if ej // El == d:
+                                        same = Int32(1)
+                            cnt = cnt + Int32(cute.arch.popc(cute.arch.vote_ballot_sync(same != 0)))
+                        if g != k:
+                            m = cnt
+                        else:
+                            n = cnt
+                    if slot >= 0:
+                        # The per-pair primitives send every pair's row; rows for this rank are local
+                        # writes (no fan-out needed).
+                        first = g
+                        if algo != ALGO_DEDUP:
+                            first = k
                         if d == rank:
-                            first = k  # rows for this rank are local writes: no fan-out needed
+                            first = k
                         if first == k:
                             # Peer-pointer stores on the node, except the put_warp primitive's remote rows.
                             store = Int32(0)
@@ -221,6 +266,9 @@ class DispatchKernel:
                             from_slot = Int32(-1)
                             if first != k:
                                 from_slot = scatter[t * K + first]  # atomic mode: written above by this lane
+                            if groups != 0:
+                                if g == k:
+                                    from_slot = Int32(-1) - n  # a primary: <= -2 encodes its group size
                             nvshmem_cute.p(
                                 cute.make_tensor(recv_w.iterator + slot, cute.make_layout(1)),
                                 topk_w[t * K + k],
@@ -234,6 +282,16 @@ class DispatchKernel:
                             nvshmem_cute.p(
                                 cute.make_tensor(recv_from.iterator + slot, cute.make_layout(1)), from_slot, d
                             )
+                    if groups != 0:
+                        if g != k:
+                            if lane == 0:
+                                # A later member (or a dropped pair: -1) enters the primary's list.
+                                nvshmem_cute.p(
+                                    cute.make_tensor(recv_group.iterator + scatter[t * K + g] * K + m,
+                                                     cute.make_layout(1)),
+                                    slot,
+                                    d,
+                                )
         nvshmem_cute.quiet()
         fence_sys()  # this thread's peer-pointer stores, before the CTA's arrival below
         cute.arch.sync_threads()

@@ -31,7 +31,7 @@ def example_args(cfg: EpConfig) -> tuple:
     from cutlass import Int32
 
     fake = {name: 1 << 20 for name in POINTER_ARGS}  # any aligned address: compile only
-    ints = (0, 0, 0, 0, 0, 1, *cfg.shape_args())  # op, mode, fp8, algo, rank, num_tokens, sizes
+    ints = (0, 0, 0, 0, 0, 0, 1, *cfg.shape_args())  # op, mode, fp8, algo, calgo, rank, num_tokens, sizes
     return (*(Int32(v) for v in ints), *make_pointers(cfg, fake), cuda.CUstream(0))
 
 

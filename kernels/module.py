@@ -1,4 +1,5 @@
-"""One compiled module holding the layout, dispatch (+ fan-out) and combine kernels of one element type.
+"""One compiled module holding the layout, dispatch (+ fan-out) and combine kernels (pull, or the
+reduced combine's two phases) of one element type.
 
 Why one module: each module that calls NVSHMEM must be registered with ``nvshmem.core.library_init``,
 and on the lent 4x H200 a process faulted ("illegal memory access") once a 4th registered module was
@@ -18,6 +19,7 @@ from cutlass import Int32
 
 from cute_ep.kernels.combine import CombineKernel
 from cute_ep.kernels.config import (
+    COMBINE_REDUCED,
     FAULT_WORDS,
     FP8_BLOCK,
     OP_COMBINE,
@@ -30,6 +32,8 @@ from cute_ep.kernels.config import (
 from cute_ep.kernels.dispatch import DispatchKernel
 from cute_ep.kernels.fanout import FanoutKernel
 from cute_ep.kernels.layout import LayoutKernel
+from cute_ep.kernels.partial_sum import PartialSumKernel
+from cute_ep.kernels.reduce_push import ReducePushKernel
 
 # Order of the pointer arguments of ``EpModule.__call__`` (the host side passes them in this order).
 POINTER_ARGS = (
@@ -42,10 +46,12 @@ POINTER_ARGS = (
     "recv_y",  # symmetric [C, H] dtype: expert outputs read by combine
     "recv_w",  # symmetric [C] fp32
     "recv_src",  # symmetric [C] int32
-    "recv_from",  # symmetric [C] int32: slot a de-duplicated row arrived in (-1: this one)
+    "recv_from",  # symmetric [C] int32: slot a de-duplicated row arrived in (-1: none; <= -2: group primary)
+    "recv_group",  # symmetric [C * K] int32: each primary slot's later group members (reduced combine)
     "counts",  # symmetric [R, E] int32
     "signals",  # symmetric [3, R] uint64: count, dispatch, combine
     "stage",  # symmetric [stage_rows, H] dtype
+    "partials",  # symmetric [M * R, H] dtype: reduced combine's partial rows (row t * R + source rank)
     "send_offsets",  # [E] int32
     "cursor",  # [E] int32
     "send_limit",  # [E] int32: end of each expert's kept slots (capacity)
@@ -54,7 +60,7 @@ POINTER_ARGS = (
     "tokens_per_expert",  # [E/R] int32
     "num_recv",  # [1] int32
     "epochs",  # [3] int64
-    "done",  # [2] int32
+    "done",  # [3] int32: arrival counters (dispatch, combine, reduced combine's phase 1)
     "fault",  # [4] int32: first timed-out wait (kernels.ptx.record_fault)
 )
 
@@ -68,6 +74,8 @@ class EpModule:
         self.dispatch = DispatchKernel(dtype)
         self.fanout = FanoutKernel(dtype)
         self.combine = CombineKernel(dtype)
+        self.reduce_push = ReducePushKernel(dtype)
+        self.partial_sum = PartialSumKernel(dtype)
 
     @cute.jit
     def __call__(
@@ -76,6 +84,7 @@ class EpModule:
         mode: Int32,
         fp8: Int32,
         algo: Int32,
+        calgo: Int32,
         rank: Int32,
         num_tokens: Int32,
         world_size: Int32,
@@ -99,9 +108,11 @@ class EpModule:
         recv_w: cute.Pointer,
         recv_src: cute.Pointer,
         recv_from: cute.Pointer,
+        recv_group: cute.Pointer,
         counts: cute.Pointer,
         signals: cute.Pointer,
         stage: cute.Pointer,
+        partials: cute.Pointer,
         send_offsets: cute.Pointer,
         cursor: cute.Pointer,
         send_limit: cute.Pointer,
@@ -129,9 +140,11 @@ class EpModule:
         t_recv_w = flat(recv_w, C)
         t_recv_src = flat(recv_src, C)
         t_recv_from = flat(recv_from, C)
+        t_recv_group = flat(recv_group, C * K)
         t_counts = flat(counts, R * E)
         t_signals = flat(signals, 3 * R)
         t_stage = rows(stage, stage_rows)
+        t_partials = rows(partials, max_tokens * R)
         t_send_offsets = flat(send_offsets, E)
         t_cursor = flat(cursor, E)
         t_send_limit = flat(send_limit, E)
@@ -144,7 +157,7 @@ class EpModule:
         t_tpe = flat(tokens_per_expert, E // R)
         t_num_recv = flat(num_recv, 1)
         t_epochs = flat(epochs, 3)
-        t_done = flat(done, 2)
+        t_done = flat(done, 3)
         t_fault = flat(fault, FAULT_WORDS)
 
         if op == OP_LAYOUT:
@@ -156,17 +169,30 @@ class EpModule:
         if op == OP_DISPATCH:
             self.dispatch(
                 t_x, t_idx, t_w, t_scatter, t_cursor, t_send_limit, t_packed, t_recv_x, t_recv_w, t_recv_src,
-                t_recv_from, t_signals, t_epochs, t_done, t_fault, rank, num_tokens, mode, fp8, algo,
-                world_size, local_world_size, num_experts, topk, max_tokens, num_ctas, timeout_ms, stream,
+                t_recv_from, t_recv_group, t_signals, t_epochs, t_done, t_fault, rank, num_tokens, mode, fp8,
+                algo, calgo, world_size, local_world_size, num_experts, topk, max_tokens, num_ctas,
+                timeout_ms, stream,
             )
             # Same stream, right after: copy the de-duplicated rows to their other slots.
             self.fanout(t_recv_x, t_recv_from, t_num_recv, t_fault, row_bytes, num_ctas, stream)
         if op == OP_COMBINE:
-            self.combine(
-                t_out, t_idx, t_w, t_scatter, t_recv_y, t_stage, t_signals, t_epochs, t_done, t_fault, rank,
-                num_tokens, world_size, local_world_size, num_experts, topk, hidden, num_ctas, timeout_ms,
-                stream,
-            )
+            if calgo == COMBINE_REDUCED:
+                # Two launches on one stream: every rank's partial rows are out before any is summed.
+                self.reduce_push(
+                    t_recv_y, t_recv_w, t_recv_src, t_recv_from, t_recv_group, t_partials, t_stage,
+                    t_signals, t_epochs, t_done, t_fault, t_num_recv, rank, world_size, local_world_size,
+                    topk, max_tokens, num_ctas, timeout_ms, stream,
+                )
+                self.partial_sum(
+                    t_out, t_idx, t_scatter, t_partials, t_signals, t_epochs, t_done, t_fault, rank,
+                    num_tokens, world_size, num_experts, topk, num_ctas, timeout_ms, stream,
+                )
+            else:
+                self.combine(
+                    t_out, t_idx, t_w, t_scatter, t_recv_y, t_stage, t_signals, t_epochs, t_done, t_fault,
+                    rank, num_tokens, world_size, local_world_size, num_experts, topk, hidden, num_ctas,
+                    timeout_ms, stream,
+                )
 
 
 def pointer_dtypes(cfg: EpConfig) -> dict:
@@ -183,9 +209,11 @@ def pointer_dtypes(cfg: EpConfig) -> dict:
         "recv_w": (cutlass.Float32, 4),
         "recv_src": (cutlass.Int32, 4),
         "recv_from": (cutlass.Int32, 4),
+        "recv_group": (cutlass.Int32, 4),
         "counts": (cutlass.Int32, 4),
         "signals": (cutlass.Uint64, 8),
         "stage": (row, 16),
+        "partials": (row, 16),
         "send_offsets": (cutlass.Int32, 4),
         "cursor": (cutlass.Int32, 4),
         "send_limit": (cutlass.Int32, 4),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import nvshmem.core as _nvshmem_core
+import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -232,3 +233,42 @@ def record_fault(fault: cute.Tensor, op: Int32, peer: Int32, epoch: Int64):
         fault[1] = op
         fault[2] = peer
         fault[3] = Int32(epoch)
+
+
+@cute.jit
+def signal_and_wait_peers(
+    signals: cute.Tensor,
+    row: Int32,
+    rank: Int32,
+    world_size: Int32,
+    value: Int64,
+    timeout_ms: Int32,
+    op: Int32,
+    epoch: Int64,
+    fault: cute.Tensor,
+    signal: Int32,
+):
+    """A barrier across ranks on signal row ``row`` (``signals`` is [rows, R] uint64, symmetric).
+
+    If ``signal`` != 0, CTA 0's first R threads first SET ``row[rank]`` on every peer to ``value``
+    (after a system fence: this rank's earlier writes are visible first). Then the first R threads of
+    every CTA wait until ``row[p] >= value`` for every peer p, each at most ``timeout_ms``; a peer that
+    never arrives is recorded in ``fault`` as (op, p, epoch). Nothing happens once a fault is recorded.
+    Ends with a CTA barrier.
+    """
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    if ld_volatile_i32(fault.iterator.toint()) == Int32(0):
+        if signal != 0:
+            if bid == 0:
+                if tid < world_size:
+                    fence_sys()
+                    nvshmem_cute.signal_op(
+                        cute.make_tensor(signals.iterator + (row * world_size + rank), cute.make_layout(1)),
+                        value, SIGNAL_SET, tid,
+                    )
+        if tid < world_size:
+            addr = signals.iterator.toint() + Int64((row * world_size + tid) * 8)
+            if wait_signal_ge(addr, value, Int64(timeout_ms) * 1000000) == 0:
+                record_fault(fault, op, tid, epoch)
+    cute.arch.sync_threads()

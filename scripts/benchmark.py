@@ -11,6 +11,10 @@ To run (one process per GPU; keep NVLink multicast off, as on the lent hosts):
     # FP8 dispatch as well (rows "scatter+fp8": packed e4m3 rows, NCCL moving the same packed rows)
     torchrun --nproc-per-node 2 scripts/benchmark.py --tokens 128,4096 --routing uniform --fp8
 
+    # the reduced combine as well (rows "scatter+reduced")
+    torchrun --nproc-per-node 2 scripts/benchmark.py --tokens 128,4096 --routing uniform \\
+        --combine pull,reduced
+
     # plot again from a saved report (CPU, no launch)
     python -c "from cute_ep import bench_report as b; b.plot(b.load_json('r.json'), 'r.png')"
 
@@ -48,6 +52,11 @@ What is measured, for every routing (--routing), tokens per rank T (--tokens) an
       against NCCL moving the same rows packed the same way (cfg.fp8_row_bytes each: e4m3 values plus
       fp32 scales, quantized outside the timed region); moved bytes and NCCL's rate use the packed
       size, the algorithmic bandwidth the input dtype's rows; combine is the mode's own (unchanged).
+    * --combine pull,reduced: the buffer is built for the reduced combine (so every dispatch also records
+      its group lists, and the dispatch times include that), and per mode one more row "<mode>+reduced"
+      times ``launch_combine(..., "reduced")`` on the latest dispatch's handle (the expert ranks' group
+      lists belong to it); moved bytes stay the pull formula's (pairs_off rows), so its "moved" rate
+      overstates what crosses the link (about rows_off rows of partials do).
 
 Output on rank 0: a table, one line per (routing, T, mode) as it completes; with --out-json the report
 (device, world and local world size, config, symmetric bytes per rank, package versions, git sha,
@@ -156,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-png", metavar="PATH", help="plot bandwidth vs tokens here at the end (rank 0)")
     p.add_argument("--seed", type=int, default=0, help="input set j uses seed + j")
     p.add_argument("--fp8", action="store_true", help="also time FP8 dispatch (--hidden a multiple of 128)")
+    p.add_argument("--combine", default="pull",
+                   help="comma-separated combine algorithms: pull, reduced (rows '<mode>+reduced')")
     p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
     return p
 
@@ -166,6 +177,7 @@ def validate_args(args: argparse.Namespace) -> None:
         args.token_list = br.parse_int_list(args.tokens, "--tokens")
         args.routing_list = br.parse_name_list(args.routing, "--routing", ROUTING_CHOICES)
         args.mode_list = br.parse_name_list(args.modes, "--modes", MODE_CHOICES)
+        args.combine_list = br.parse_name_list(args.combine, "--combine", ("pull", "reduced"))
     except br.BenchReportError as exc:
         raise UsageError(str(exc)) from None
     if max(args.token_list) > MAX_TOKENS_PER_RANK:
@@ -317,9 +329,10 @@ def exchange_splits(sets: list[InputSet], group: Any) -> None:
 
 
 def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag: str, say: Any,
-                  fp8: bool = False) -> None:
+                  fp8: bool = False, combines: tuple[str, ...] = ("pull",)) -> None:
     """Dispatch + test expert + combine on ``s``, checked bit for bit; raise CheckFailed on every rank.
-    fp8: the received packed rows against the senders' rows quantized by validators.fp8."""
+    fp8: the received packed rows against the senders' rows quantized by validators.fp8. combines: the
+    combine algorithms to run and check on the dispatch's handle."""
     from cute_ep.cli import expert_ids, report
     from cute_ep.validators.checks import check_combine, check_dispatch, check_layout
     from cute_ep.validators.fp8 import fp8_check_rows
@@ -348,11 +361,12 @@ def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag:
         y.fill_(float("nan"))
     else:
         y.copy_(apply_test_expert(expert_in, experts.to(runtime.device)))
-    out = buf.combine(y, res.handle)
-    results.append(("combine", check_combine(
-        out, s.idx, s.w, y, local_world_size=lws, num_experts=cfg.num_experts,
-        scatter=res.handle.scatter, require_coverage=False, group=group,
-    )))  # fmt: skip
+    for algorithm in combines:
+        out = buf.combine(y, res.handle, algorithm=algorithm)
+        results.append((f"{algorithm} combine", check_combine(
+            out, s.idx, s.w, y, local_world_size=lws, num_experts=cfg.num_experts,
+            scatter=res.handle.scatter, require_coverage=False, group=group, algorithm=algorithm,
+        )))  # fmt: skip
     failed = [name for name, r in results if not r.passed]  # verdicts are the same on every rank
     for name, r in results:
         if not r.passed:
@@ -428,7 +442,8 @@ def measure(
     for mode in args.mode_list:
         checked = tokens <= args.validate_max_tokens
         if checked:
-            checked_round(buf, cfg, runtime, sets[0], mode, f"[{routing} T={tokens} {mode}]", say)
+            checked_round(buf, cfg, runtime, sets[0], mode, f"[{routing} T={tokens} {mode}]", say,
+                          combines=tuple(args.combine_list))
 
         def our_dispatch(i: int, mode: str = mode) -> None:
             s = sets[i % n]
@@ -445,12 +460,24 @@ def measure(
 
         def our_combine(i: int) -> None:
             s = sets[i % n]
-            buf.launch_combine(s.handle, s.out)
+            buf.launch_combine(s.handle, s.out, "pull")
 
-        ours_c = br.median(timer.run(our_combine, args.warmup, args.iters))
-        buf.combine(buf.expert_output(sets[0].num_recv), sets[0].handle)  # raises if a launch did not run
+        variants = []
+        if "pull" in args.combine_list:
+            ours_c = br.median(timer.run(our_combine, args.warmup, args.iters))
+            buf.combine(buf.expert_output(sets[0].num_recv), sets[0].handle, algorithm="pull")  # all ran?
+            variants.append((mode, ours_d, nccl_d, 0, ours_c))
+        if "reduced" in args.combine_list:
+            # The group lists on the expert ranks are the latest dispatch's: every iteration combines
+            # that dispatch's handle (the last input set's).
+            last = sets[-1]
 
-        variants = [(mode, ours_d, nccl_d, 0)]
+            def our_reduced_combine(i: int, last: InputSet = last) -> None:
+                buf.launch_combine(last.handle, last.out, "reduced")
+
+            reduced_c = br.median(timer.run(our_reduced_combine, args.warmup, args.iters))
+            buf.combine(buf.expert_output(last.num_recv), last.handle, algorithm="reduced")  # all ran?
+            variants.append((f"{mode}+reduced", ours_d, nccl_d, 0, reduced_c))
         if args.fp8:
             if checked:
                 checked_round(buf, cfg, runtime, sets[0], mode, f"[{routing} T={tokens} {mode}+fp8]", say,
@@ -462,9 +489,9 @@ def measure(
 
             fp8_d = br.median(timer.run(our_fp8_dispatch, args.warmup, args.iters))
             buf.dispatch(sets[0].x, sets[0].idx, sets[0].w, mode=mode, fp8=True)  # raises if one did not run
-            variants.append((f"{mode}+fp8", fp8_d, nccl_fp8_dispatch(), cfg.fp8_row_bytes))
-        for label, t_d, t_nccl_d, d_row in variants:
-            per_rank = all_gather((pairs, rows_sent, t_d, ours_c, t_nccl_d, nccl_c), runtime.cpu_group)
+            variants.append((f"{mode}+fp8", fp8_d, nccl_fp8_dispatch(), cfg.fp8_row_bytes, variants[0][4]))
+        for label, t_d, t_nccl_d, d_row, t_c in variants:
+            per_rank = all_gather((pairs, rows_sent, t_d, t_c, t_nccl_d, nccl_c), runtime.cpu_group)
             if env.rank == 0:
                 row = br.BenchRow.from_measurements(
                     routing=routing, tokens=tokens, mode=label, checked=checked, row_bytes=cfg.row_bytes,
@@ -508,6 +535,7 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
             "tokens": args.token_list,
             "routings": args.routing_list,
             "modes": args.mode_list,
+            "combines": args.combine_list,
             "iters": args.iters,
             "warmup": args.warmup,
             "input_sets": args.input_sets,

@@ -77,6 +77,7 @@ from cute_ep.cli import (
     EXIT_USAGE,
     Printer,
     UsageError,
+    add_combine_arg,
     add_fp8_capacity_args,
     all_gather,
     broadcast_from_rank0,
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench-warmup", type=int, default=10, help="untimed iterations before them")
     p.add_argument("--no-coverage", action="store_true", help="do not fail when a route class gets no pair")
     add_fp8_capacity_args(p)
+    add_combine_arg(p)
     p.add_argument("--num-sms", type=int, default=None, help="CTAs of dispatch/combine (EpConfig default)")
     p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
     return p
@@ -202,6 +204,7 @@ def baseline_meta(args: argparse.Namespace) -> dict[str, Any]:
             # Only when used, so that baselines made before these options existed still match.
             **({"fp8": True} if args.fp8 else {}),
             **({"capacity_factor": args.capacity_factor} if args.capacity_factor else {}),
+            **({"combine": args.combine} if args.combine != "pull" else {}),
         },
         "seed": args.seed,
         "dtype": args.dtype,
@@ -267,9 +270,10 @@ def run_once(
     out = buffer.combine(y, res.handle)
     comb = check_combine(
         out, eff, w, y, local_world_size=cfg.local_world_size, num_experts=cfg.num_experts,
-        scatter=res.handle.scatter, require_coverage=coverage, group=group,
+        scatter=res.handle.scatter, require_coverage=coverage, group=group, algorithm=cfg.combine_algorithm,
     )  # fmt: skip
-    ok &= report(comb, f"{tag} combine", group, say)
+    ok &= report(comb, f"{tag} combine" + (" (reduced)" if cfg.combine_algorithm == "reduced" else ""), group,
+                 say)
 
     arrays = None
     if mode == BASELINE_MODE and it == 0:

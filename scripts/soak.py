@@ -113,6 +113,7 @@ from cute_ep.cli import (
     EXIT_PASS,
     Printer,
     UsageError,
+    add_combine_arg,
     add_fp8_capacity_args,
     all_gather,
     check_fp8_capacity_args,
@@ -138,6 +139,7 @@ from cute_ep.validators.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
 from cute_ep.validators.reference import (
     apply_test_expert,
     reference_combine,
+    reference_combine_reduced,
     reference_dispatch_rank,
     reference_layout,
 )
@@ -197,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cute: GPU kernels; reference: torch on CPU; a2a: all_to_all_single fallback")
     p.add_argument("--num-sms", type=int, default=None, help="CTAs of dispatch/combine (EpConfig default)")
     add_fp8_capacity_args(p)
+    add_combine_arg(p)
     p.add_argument(
         "--report-every", type=int, default=100, help="a progress line every K iterations (0: none)"
     )
@@ -392,7 +395,8 @@ def wrong_combine_rows(
     ys = all_gather(y.detach().cpu(), group)
     try:
         routing = [idx.detach().cpu()], [w.detach().cpu()], [scatter.detach().cpu()]
-        exp = reference_combine(ys, *routing, num_experts=cfg.num_experts)[0]
+        ref = reference_combine_reduced if cfg.combine_algorithm == "reduced" else reference_combine
+        exp = ref(ys, *routing, num_experts=cfg.num_experts)[0]
         if tuple(out.shape) != tuple(exp.shape) or out.dtype != exp.dtype:
             raise ValueError("shape")
         local = int((row_bits(out) != row_bits(exp)).any(dim=1).sum()) if exp.shape[0] else 0
@@ -489,7 +493,7 @@ class Soak:
         t.call_s += time.perf_counter() - t0
         comb = check_combine(
             out, eff, w, y, local_world_size=cfg.local_world_size, num_experts=cfg.num_experts,
-            scatter=res.handle.scatter, require_coverage=False, group=group,
+            scatter=res.handle.scatter, require_coverage=False, group=group, algorithm=cfg.combine_algorithm,
         )  # fmt: skip
 
         # Every verdict is the same on every rank, so the collectives below are entered by all or none.
@@ -595,6 +599,7 @@ class Soak:
                 "fp8": args.fp8,
                 "capacity_factor": cfg.capacity_factor,
                 "expert_capacity": cfg.expert_capacity,
+                "combine": cfg.combine_algorithm,
             },
             "iterations_run": t.iterations,
             "failed_iterations": t.failed,

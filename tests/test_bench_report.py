@@ -593,8 +593,8 @@ class Launching(ReferenceEpBuffer):
         assert idx.dtype.itemsize == 4  # the script converts topk_idx to int32 once
         self.dispatch(x, idx, w, mode, fp8=fp8)
 
-    def launch_combine(self, handle, out):
-        out.copy_(self.combine(self.expert_output(self.cfg.capacity), handle))
+    def launch_combine(self, handle, out, algorithm=None):
+        out.copy_(self.combine(self.expert_output(self.cfg.capacity), handle, algorithm=algorithm))
 
 
 class Corrupting(Launching):
@@ -622,7 +622,8 @@ env = DistEnv.from_environ(local_world_size=args.local_world_size)
 cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
                num_experts=args.num_experts, topk=args.topk, hidden=args.hidden,
                dtype=DTYPES[args.dtype],
-               max_tokens=max(args.token_list), num_sms=args.num_sms)
+               max_tokens=max(args.token_list), num_sms=args.num_sms,
+               combine_algorithm="reduced" if "reduced" in args.combine_list else "pull")
 buffer = Corrupting if sys.argv[1] == "corrupt" else Launching
 with Runtime(env, backend="gloo") as rt:
     code = bm.sweep(args, cfg, rt, Printer(env.rank), make_buffer=buffer, make_timer=StepTimer)
@@ -639,6 +640,23 @@ def _run_sweep(tmp_path: Path, kind: str, *args: str, world: int = 4) -> tuple[l
 SWEEP_ARGS = ("--hidden", "64", "--topk", "2", "--num-experts", "16", "--tokens", "8,24", "--routing",
               "uniform,dropped", "--modes", "scatter,atomic", "--iters", "3", "--warmup", "1",
               "--input-sets", "2", "--validate-max-tokens", "8", "--local-world-size", "2")  # fmt: skip
+
+
+def test_sweep_times_the_reduced_combine_as_its_own_rows(tmp_path):
+    out_json = tmp_path / "r.json"
+    args = ("--hidden", "64", "--topk", "4", "--num-experts", "16", "--tokens", "8,24", "--routing", "skewed",
+            "--modes", "scatter", "--iters", "2", "--warmup", "1", "--input-sets", "2",
+            "--validate-max-tokens", "24", "--local-world-size", "2",
+            "--combine", "pull,reduced")  # fmt: skip
+    codes, out = _run_sweep(tmp_path, "ok", *args, "--out-json", str(out_json))
+    assert codes == [0, 0, 0, 0], out[-6000:]
+    rows = br.load_json(out_json)["rows"]
+    assert [(r["tokens"], r["mode"], r["checked"]) for r in rows] == [
+        (8, "scatter", True), (8, "scatter+reduced", True),
+        (24, "scatter", True), (24, "scatter+reduced", True),
+    ]
+    assert "reduced combine: PASS" not in out  # checks print only on failure
+    assert br.load_json(out_json)["meta"]["config"]["combines"] == ["pull", "reduced"]
 
 
 def test_sweep_runs_over_gloo_and_writes_report_and_plot(tmp_path):

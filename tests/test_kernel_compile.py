@@ -24,12 +24,13 @@ DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "half", torch.float32: "flo
 
 
 def _kernels(ptx: str) -> dict[str, str]:
-    """PTX text of each entry point, keyed Layout / Dispatch / Fanout / Combine."""
+    """PTX text of each entry point, keyed Layout / Dispatch / Fanout / Combine / ReducePush / PartialSum."""
     out = {}
     for part in re.split(r"(?m)^(?=\.visible \.entry|\.func|\.visible \.func|\.weak \.func)", ptx):
         m = re.match(r"\.visible \.entry (\w+)", part)
         if m:
-            out[re.search(r"(Layout|Dispatch|Fanout|Combine)Kernel", m.group(1)).group(1)] = part
+            kind = re.search(r"(Layout|Dispatch|Fanout|Combine|ReducePush|PartialSum)Kernel", m.group(1))
+            out[kind.group(1)] = part
     return out
 
 
@@ -48,10 +49,10 @@ def compiled_ptx(request, tmp_path_factory):
     return request.param, compiled.artifacts.PTX
 
 
-def test_targets_sm90_with_four_kernels(compiled_ptx):
+def test_targets_sm90_with_six_kernels(compiled_ptx):
     _, ptx = compiled_ptx
     assert re.search(r"(?m)^\.target sm_90$", ptx)
-    assert sorted(_kernels(ptx)) == ["Combine", "Dispatch", "Fanout", "Layout"]
+    assert sorted(_kernels(ptx)) == ["Combine", "Dispatch", "Fanout", "Layout", "PartialSum", "ReducePush"]
 
 
 def test_links_the_nvshmem_calls_each_step_needs(compiled_ptx):
@@ -69,15 +70,28 @@ def test_links_the_nvshmem_calls_each_step_needs(compiled_ptx):
         assert re.search(rf"\b{fn}\b", ptx), f"{fn} not in the PTX"
 
 
-def test_combine_accumulates_without_fma_and_loads_128_bit_past_l1(compiled_ptx):
+@pytest.mark.parametrize("kernel", ["Combine", "ReducePush", "PartialSum"])
+def test_combine_accumulates_without_fma_and_loads_128_bit_past_l1(compiled_ptx, kernel):
+    """The pull combine and both phases of the reduced combine share kernels/rowsum.py."""
     _, ptx = compiled_ptx
-    ops = _ops(_kernels(ptx)["Combine"])
+    ops = _ops(_kernels(ptx)[kernel])
     assert ops["mul.rn.f32"] > 0 and ops["mul.rn.f32"] == ops["add.rn.f32"]
     assert ops["fma.rn.f32"] == 0
     loads = {op: n for op, n in ops.items() if op.startswith("ld.global") and ".v4." in op}
     assert loads and all(".cg" in op for op in loads), loads  # 8-, 4- and 1-row groups, all .cg
     assert not any(op.startswith("ld.global") and ".cg" not in op and ".v4" in op for op in ops)
     assert ops["st.global.v4.b32"] > 0
+
+
+def test_reduced_combine_pushes_partials_and_signals(compiled_ptx):
+    """Phase 1 moves partial rows to other nodes with put_warp and raises the combine signal; the
+    dispatch records group lists with single-element puts."""
+    dtype, ptx = compiled_ptx
+    kernels = _kernels(ptx)
+    assert re.search(rf"\bnvshmemx_{DTYPES[dtype]}_put_warp\b", kernels["ReducePush"])
+    assert "nvshmemx_signal_op" in kernels["ReducePush"]
+    assert "nvshmem_quiet" in kernels["ReducePush"] or "transfer_quiet" in kernels["ReducePush"]
+    assert "put_warp" not in kernels["PartialSum"]  # phase 2 reads local memory only
 
 
 def test_row_copies_are_128_bit(compiled_ptx):
@@ -93,11 +107,11 @@ def test_every_wait_for_a_peer_is_bounded(compiled_ptx):
     _, ptx = compiled_ptx
     assert "signal_wait_until" not in ptx  # NVSHMEM's wait has no timeout: one missing peer hangs all
     kernels = _kernels(ptx)
-    for name in ("Layout", "Dispatch", "Combine"):
+    for name in ("Layout", "Dispatch", "Combine", "ReducePush", "PartialSum"):
         text = kernels[name]
         assert "ld.acquire.sys.global.u64" in text, name  # polls the signal with acquire semantics
         assert text.count("%globaltimer") >= 2, name  # start time + a fresh read inside the loop
-    for name in ("Layout", "Dispatch", "Fanout", "Combine"):  # each checks the fault record first
+    for name in ("Layout", "Dispatch", "Fanout", "Combine", "ReducePush", "PartialSum"):  # fault record first
         assert "ld.volatile.global.b32" in kernels[name], name
 
 

@@ -26,6 +26,7 @@ from cute_ep.validators.reference import (
     Layout,
     pack_source,
     reference_combine,
+    reference_combine_reduced,
     reference_dispatch_rank,
     reference_layout,
     unpack_source,
@@ -570,6 +571,7 @@ def check_combine(
     atol: float = 0.0,
     require_coverage: bool = True,
     group: Any = None,
+    algorithm: str = "pull",
 ) -> CheckResult:
     """Check this rank's combine output against the reference (collective).
 
@@ -587,10 +589,14 @@ def check_combine(
         atol: 0.0 compares bits; > 0 allows |expected - got| <= atol (NaN never passes).
         require_coverage: fail unless every route class possible for (R, L) has at least one pair.
         group: the process group (None: the default group, or a world of 1 if none is initialised).
+        algorithm: the combine that made ``out``: "pull" (``reference_combine``) or "reduced"
+            (``reference_combine_reduced``: per-rank partial rows rounded to the row dtype).
 
     Returns:
         A :class:`CheckResult` with the verdict reduced over all ranks.
     """
+    if algorithm not in ("pull", "reduced"):
+        raise ValueError(f"algorithm must be 'pull' or 'reduced', got {algorithm!r}")
     rank, world = world_of(group)
     gathered = all_gather_objects((_cpu(topk_idx), _cpu(topk_weights), _cpu(scatter), _cpu(recv_y)), group)
     msgs: list[str] = []
@@ -604,7 +610,8 @@ def check_combine(
         slots = gathered[rank][2] if gathered[rank][2] is not None else layout.scatter[rank]
         ys = [g[3] for g in gathered]
         weights = gathered[rank][1]
-        expected = reference_combine(ys, [idxs[rank]], [weights], [slots], num_experts=num_experts)[0]
+        ref = reference_combine_reduced if algorithm == "reduced" else reference_combine
+        expected = ref(ys, [idxs[rank]], [weights], [slots], num_experts=num_experts)[0]
         msgs += _compare_combine(expected, _cpu(out), idxs[rank], slots, layout, rank, atol)
         msgs += gate
     except Exception as exc:  # every rank must still reach the verdict collective

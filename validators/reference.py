@@ -12,6 +12,8 @@ Conventions (R ranks, E experts, El = E // R experts per rank, K = top-k, M = ma
   Source tag: (src_rank * M + token) * K + k, as int32.
   Combine: fp32 acc = 0; for k ascending (skipping -1): acc = acc + (w * y.float()), the product
   rounded to fp32 first, then the add (no fused multiply-add); cast to the input dtype (RNE).
+  Reduced combine: the same sum per (token, expert rank) group, rounded to the input dtype, then the
+  partials summed in fp32 in the order of each group's first k, and cast (reference_combine_reduced).
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ __all__ = [
     "DispatchResult",
     "Layout",
     "apply_test_expert",
+    "combine_reduced_rows",
     "global_expert_of_rows",
     "local_expert_of_rows",
     "pack_source",
     "reference_combine",
+    "reference_combine_reduced",
     "reference_dispatch",
     "reference_dispatch_rank",
     "reference_expert_outputs",
@@ -483,36 +487,14 @@ def reference_expert_outputs(dispatched: Sequence[DispatchResult], layout: Layou
 # --------------------------------------------------------------------------------------------
 
 
-def reference_combine(
+def _check_combine_args(
     recv_y: Sequence[Tensor],
     topk_idx: Sequence[Tensor],
     topk_weights: Sequence[Tensor],
     scatter: Sequence[Tensor],
-    *,
     num_experts: int,
-) -> list[Tensor]:
-    """Weighted sum of each token's expert outputs, in the fixed fp32 order the kernels follow.
-
-    For each token: acc = zeros(H, fp32); for k ascending, skipping -1:
-    ``acc = acc + (w * y.float())`` (the product rounded to fp32, then the add; no FMA), where
-    y = recv_y[owner][slot]; finally cast to recv_y's dtype. All-dropped tokens give zeros.
-
-    Args:
-        recv_y: per rank d (all R ranks), [N_d, H] expert outputs (bf16 / fp16 / fp32); N_d may
-            exceed the rows received (only the slots read matter).
-        topk_idx: per source rank to combine for, [T_s, K] int64/int32 in [-1, E). May cover fewer
-            ranks than recv_y (e.g. only this rank's routing).
-        topk_weights: matching [T_s, K] float32.
-        scatter: matching [T_s, K] integer: the slot each (t, k) was written to (e.g. layout.scatter);
-            ignored where topk_idx is -1.
-        num_experts: E (owner(e) = e // (E // R) with R = len(recv_y)).
-
-    Returns:
-        Per entry of topk_idx, [T_s, H] in recv_y's dtype.
-
-    Raises:
-        ValueError: mismatched shapes/dtypes, E not divisible by R, a slot outside its owner's recv_y.
-    """
+) -> tuple[torch.dtype, int]:
+    """The checks shared by the combine references; returns (recv_y's dtype, H)."""
     world = len(recv_y)
     if world < 1:
         raise ValueError("recv_y must hold one tensor per rank (got an empty sequence)")
@@ -534,43 +516,217 @@ def reference_combine(
             )
     if not dtype.is_floating_point:
         raise ValueError(f"recv_y must be floating point, got {dtype}")
-    el = num_experts // world
+    return dtype, hidden
+
+
+def _combine_rank_args(
+    s: int, idx: Tensor, w: Tensor, slots: Tensor, num_experts: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Check source rank ``s``'s routing; return (ids int64, weights, slots int64) on ``device``."""
+    if idx.dim() != 2 or w.shape != idx.shape or slots.shape != idx.shape:
+        raise ValueError(
+            f"rank {s}: topk_idx {tuple(idx.shape)}, topk_weights {tuple(w.shape)}, scatter "
+            f"{tuple(slots.shape)} must all be the same [T, K]"
+        )
+    if w.dtype != torch.float32:
+        raise ValueError(f"rank {s}: topk_weights must be float32, got {w.dtype}")
+    if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= num_experts):
+        raise ValueError(f"rank {s}: topk_idx ids must be in [-1, {num_experts})")
+    return (
+        idx.to(device=device, dtype=torch.int64),
+        w.to(device),
+        slots.to(device=device, dtype=torch.int64),
+    )
+
+
+def _gather_combine_rows(
+    recv_y: Sequence[Tensor], s: int, k: int, ids: Tensor, slots: Tensor, experts_per_rank: int
+) -> Tensor:
+    """[T, H] in recv_y's dtype: row ``recv_y[owner(ids[t])][slots[t]]`` of every (t, k), zeros where the
+    id is -1. ``ids`` / ``slots``: column k of source rank ``s``'s routing (int64, [T])."""
+    y = torch.zeros(ids.shape[0], recv_y[0].shape[1], dtype=recv_y[0].dtype, device=recv_y[0].device)
+    valid = ids >= 0
+    owner = torch.div(ids, experts_per_rank, rounding_mode="floor")
+    for d in range(len(recv_y)):
+        m = valid & (owner == d)
+        if not bool(m.any()):
+            continue
+        sl = slots[m]
+        if int(sl.min()) < 0 or int(sl.max()) >= recv_y[d].shape[0]:
+            raise ValueError(
+                f"rank {s}, k {k}: slot range [{int(sl.min())}, {int(sl.max())}] outside recv_y[{d}] "
+                f"rows [0, {recv_y[d].shape[0]})"
+            )
+        y[m] = recv_y[d][sl]
+    return y
+
+
+def reference_combine(
+    recv_y: Sequence[Tensor],
+    topk_idx: Sequence[Tensor],
+    topk_weights: Sequence[Tensor],
+    scatter: Sequence[Tensor],
+    *,
+    num_experts: int,
+) -> list[Tensor]:
+    """Weighted sum of each token's expert outputs, in the fixed fp32 order the kernels follow.
+
+    For each token: acc = zeros(H, fp32); for k ascending, skipping -1:
+    ``acc = acc + (w * y.float())`` (the product rounded to fp32, then the add; no FMA), where
+    y = recv_y[owner][slot]; finally cast to recv_y's dtype. All-dropped tokens give zeros.
+    This is the "pull" combine algorithm (see :func:`reference_combine_reduced` for "reduced").
+
+    Args:
+        recv_y: per rank d (all R ranks), [N_d, H] expert outputs (bf16 / fp16 / fp32); N_d may
+            exceed the rows received (only the slots read matter).
+        topk_idx: per source rank to combine for, [T_s, K] int64/int32 in [-1, E). May cover fewer
+            ranks than recv_y (e.g. only this rank's routing).
+        topk_weights: matching [T_s, K] float32.
+        scatter: matching [T_s, K] integer: the slot each (t, k) was written to (e.g. layout.scatter);
+            ignored where topk_idx is -1.
+        num_experts: E (owner(e) = e // (E // R) with R = len(recv_y)).
+
+    Returns:
+        Per entry of topk_idx, [T_s, H] in recv_y's dtype.
+
+    Raises:
+        ValueError: mismatched shapes/dtypes, E not divisible by R, a slot outside its owner's recv_y.
+    """
+    dtype, hidden = _check_combine_args(recv_y, topk_idx, topk_weights, scatter, num_experts)
+    el = num_experts // len(recv_y)
     device = recv_y[0].device
     outs = []
     for s, (idx, w, slots) in enumerate(zip(topk_idx, topk_weights, scatter, strict=True)):
-        if idx.dim() != 2 or w.shape != idx.shape or slots.shape != idx.shape:
-            raise ValueError(
-                f"rank {s}: topk_idx {tuple(idx.shape)}, topk_weights {tuple(w.shape)}, scatter "
-                f"{tuple(slots.shape)} must all be the same [T, K]"
-            )
-        if w.dtype != torch.float32:
-            raise ValueError(f"rank {s}: topk_weights must be float32, got {w.dtype}")
+        idx, w, slots = _combine_rank_args(s, idx, w, slots, num_experts, device)
         n_tok, k_total = idx.shape
-        if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= num_experts):
-            raise ValueError(f"rank {s}: topk_idx ids must be in [-1, {num_experts})")
-        idx = idx.to(device=device, dtype=torch.int64)
-        w = w.to(device)
-        slots = slots.to(device=device, dtype=torch.int64)
         acc = torch.zeros(n_tok, hidden, dtype=torch.float32, device=device)
         for k in range(k_total):
-            e = idx[:, k]
-            valid = e >= 0
-            owner = torch.div(e, el, rounding_mode="floor")
-            y = torch.zeros(n_tok, hidden, dtype=dtype, device=device)
-            for d in range(world):
-                m = valid & (owner == d)
-                if not bool(m.any()):
-                    continue
-                sl = slots[:, k][m]
-                if int(sl.min()) < 0 or int(sl.max()) >= recv_y[d].shape[0]:
-                    raise ValueError(
-                        f"rank {s}, k {k}: slot range [{int(sl.min())}, {int(sl.max())}] outside recv_y[{d}] "
-                        f"rows [0, {recv_y[d].shape[0]})"
-                    )
-                y[m] = recv_y[d][sl]
+            valid = idx[:, k] >= 0
+            y = _gather_combine_rows(recv_y, s, k, idx[:, k], slots[:, k], el)
             # Two separate fp32 ops: the product is rounded before the add, as in the kernels.
             prod = w[:, k][:, None] * y.float()
             summed = acc + prod
             acc = torch.where(valid[:, None], summed, acc)
         outs.append(acc.to(dtype))
+    return outs
+
+
+def combine_reduced_rows(
+    rows: Tensor, topk_idx: Tensor, topk_weights: Tensor, *, experts_per_rank: int
+) -> Tensor:
+    """The "reduced" combine of one rank's tokens from their gathered expert outputs (both formulas of
+    :func:`reference_combine_reduced`): shared by that reference and ``A2aEpBuffer.combine``.
+
+    Group G(t, d): the k (ascending) with ``topk_idx[t, k] >= 0`` and owner ``topk_idx[t, k] //
+    experts_per_rank == d``. Partial: ``p = zeros(H, fp32)``; for k in G(t, d) ascending,
+    ``p = p + (w[t, k] * rows[t, k].float())`` (product rounded to fp32, then the add; no FMA); then p is
+    rounded to rows' dtype. Output: ``acc = zeros(H, fp32)``; for the groups of t in the order of their
+    smallest k, ``acc = acc + partial.float()``; finally cast to rows' dtype. Tokens without a valid id
+    give zeros. Rows and weights of pairs whose id is -1 are never read (they may hold NaN).
+
+    Works on any device without host syncs (no ``.item()``); loops over k0 <= k (K (K + 1) / 2 steps
+    of [T, H] element-wise ops), so it needs no [T, K, H] fp32 temporary.
+
+    Args:
+        rows: [T, K, H] floating (bf16 / fp16 / fp32): the expert output of each (t, k).
+        topk_idx: [T, K] integer (int32 / int64) global expert ids in [-1, E); -1 = dropped.
+        topk_weights: [T, K] float32.
+        experts_per_rank: El = E // R (>= 1): owner(e) = e // El.
+
+    Returns:
+        [T, H] in rows' dtype, on rows' device.
+
+    Raises:
+        ValueError: mismatched shapes, non-floating rows, non-integer ids, weights not float32, El < 1.
+    """
+    pairs = tuple(rows.shape[:2])
+    if rows.dim() != 3 or tuple(topk_idx.shape) != pairs or tuple(topk_weights.shape) != pairs:
+        raise ValueError(
+            f"rows must be [T, K, H] and topk_idx, topk_weights [T, K], got {tuple(rows.shape)}, "
+            f"{tuple(topk_idx.shape)}, {tuple(topk_weights.shape)}"
+        )
+    if not rows.dtype.is_floating_point:
+        raise ValueError(f"rows must be floating point, got {rows.dtype}")
+    if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
+        raise ValueError(f"topk_idx must be an integer tensor (int64/int32), got {topk_idx.dtype}")
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
+    if experts_per_rank < 1:
+        raise ValueError(f"experts_per_rank must be >= 1, got {experts_per_rank}")
+    n_tok, k_total, hidden = rows.shape
+    device = rows.device
+    ids = topk_idx.to(device=device, dtype=torch.int64)
+    w = topk_weights.to(device)
+    valid = ids >= 0
+    owner = torch.where(valid, torch.div(ids, experts_per_rank, rounding_mode="floor"), -1)
+    # lead[t, k]: (t, k) is the first valid pair of its owner (no valid k' < k with the same owner).
+    earlier = torch.ones(k_total, k_total, dtype=torch.bool, device=device).tril(-1)  # [k, k'], k' < k
+    seen = (owner[:, :, None] == owner[:, None, :]) & valid[:, None, :] & earlier
+    lead = valid & ~seen.any(dim=2)
+    acc = torch.zeros(n_tok, hidden, dtype=torch.float32, device=device)
+    for k0 in range(k_total):
+        # The partial of the group whose first k is k0 (computed for every t; used where lead).
+        part = torch.zeros(n_tok, hidden, dtype=torch.float32, device=device)
+        for k in range(k0, k_total):
+            member = valid[:, k] & (owner[:, k] == owner[:, k0])
+            # Two separate fp32 ops: the product is rounded before the add, as in the kernels.
+            prod = w[:, k][:, None] * rows[:, k].float()
+            summed = part + prod
+            part = torch.where(member[:, None], summed, part)
+        # The partial travels in the row dtype: round it before the token's rank adds it.
+        partial = part.to(rows.dtype).float()
+        acc = torch.where(lead[:, k0][:, None], acc + partial, acc)
+    return acc.to(rows.dtype)
+
+
+def reference_combine_reduced(
+    recv_y: Sequence[Tensor],
+    topk_idx: Sequence[Tensor],
+    topk_weights: Sequence[Tensor],
+    scatter: Sequence[Tensor],
+    *,
+    num_experts: int,
+) -> list[Tensor]:
+    """The "reduced" combine: each expert rank sums a token's rows first, the token's rank sums the partials.
+
+    For token t and rank d, the group G(t, d) holds the k (ascending) with topk_idx[t, k] >= 0 and
+    owner(topk_idx[t, k]) == d. The partial of (t, d) is the pull formula of :func:`reference_combine`
+    restricted to the group, rounded to recv_y's dtype: ``p = zeros(H, fp32)``; for k in G(t, d),
+    ``p = p + (w * y.float())`` (the product rounded to fp32, then the add; no FMA), y =
+    recv_y[d][slot]; partial = p cast to the dtype (RNE). Then ``acc = zeros(H, fp32)``; for the groups
+    of t in the order of their first (smallest) k, ``acc = acc + partial.float()``; finally cast to
+    recv_y's dtype. All-dropped tokens give zeros.
+
+    For fp32 rows the cast of a partial is exact, so the result differs from :func:`reference_combine`
+    only by association (a few ulp, not required to be equal); for bf16 / fp16 it also differs by the
+    rounding of the partials. A token whose valid ids all live on one rank (or K == 1) gives the same
+    result as the pull combine in fp32. Arguments, checks and errors are those of reference_combine.
+
+    Args:
+        recv_y: per rank d (all R ranks), [N_d, H] expert outputs (bf16 / fp16 / fp32); N_d may
+            exceed the rows received (only the slots read matter).
+        topk_idx: per source rank to combine for, [T_s, K] int64/int32 in [-1, E). May cover fewer
+            ranks than recv_y (e.g. only this rank's routing).
+        topk_weights: matching [T_s, K] float32.
+        scatter: matching [T_s, K] integer: the slot each (t, k) was written to (e.g. layout.scatter);
+            ignored where topk_idx is -1.
+        num_experts: E (owner(e) = e // (E // R) with R = len(recv_y)).
+
+    Returns:
+        Per entry of topk_idx, [T_s, H] in recv_y's dtype.
+
+    Raises:
+        ValueError: mismatched shapes/dtypes, E not divisible by R, a slot outside its owner's recv_y.
+    """
+    dtype, hidden = _check_combine_args(recv_y, topk_idx, topk_weights, scatter, num_experts)
+    el = num_experts // len(recv_y)
+    device = recv_y[0].device
+    outs = []
+    for s, (idx, w, slots) in enumerate(zip(topk_idx, topk_weights, scatter, strict=True)):
+        idx, w, slots = _combine_rank_args(s, idx, w, slots, num_experts, device)
+        n_tok, k_total = idx.shape
+        rows = torch.empty(n_tok, k_total, hidden, dtype=dtype, device=device)
+        for k in range(k_total):
+            rows[:, k] = _gather_combine_rows(recv_y, s, k, idx[:, k], slots[:, k], el)
+        outs.append(combine_reduced_rows(rows, idx, w, experts_per_rank=el))
     return outs
