@@ -166,7 +166,8 @@ def dispatch_moved_bytes(rows: float, pairs: float, row_bytes: int) -> float:
 
 
 def combine_moved_bytes(pairs: float, row_bytes: int) -> float:
-    """Bytes our combine moves off-rank: each off-rank pair's expert-output row."""
+    """Bytes our combine moves off-rank: each off-rank pair's expert-output row (the pull combine); for
+    the reduced combine pass the distinct (token, rank) groups off-rank (rows_off): one partial row each."""
     return pairs * row_bytes
 
 
@@ -255,12 +256,15 @@ class BenchRow:
         nccl_combine_us: Sequence[float],
         line_rate_gbps: float = NVLINK4_LINE_RATE_GBPS,
         dispatch_row_bytes: int = 0,
+        reduced_combine: bool = False,
     ) -> BenchRow:
         """Build a row from per-rank values (each sequence indexed by rank, all the same length).
 
         dispatch_row_bytes: bytes per row that dispatch and NCCL's dispatch baseline really move when
         they differ from ``row_bytes`` (FP8 packed rows); the algorithmic bandwidth keeps ``row_bytes``
-        (the rows the application hands over), the moved bytes and NCCL's rate use the packed size."""
+        (the rows the application hands over), the moved bytes and NCCL's rate use the packed size.
+        reduced_combine: the combine moved one partial row per off-rank (token, rank) group (rows_off),
+        not one row per off-rank pair."""
         per_rank = {
             "pairs_off": [float(v) for v in pairs_off],
             "rows_off": [float(v) for v in rows_off],
@@ -294,7 +298,8 @@ class BenchRow:
 
         d_row = dispatch_row_bytes or row_bytes
         d_moved = gbps(dispatch_moved_bytes(mean_rows, mean_pairs, d_row), "dispatch_us")
-        c_moved = gbps(combine_moved_bytes(mean_pairs, row_bytes), "combine_us")
+        c_rows = mean_rows if reduced_combine else mean_pairs
+        c_moved = gbps(combine_moved_bytes(c_rows, row_bytes), "combine_us")
         fields: dict[str, Any] = {
             "routing": routing,
             "tokens": int(tokens),

@@ -51,6 +51,9 @@ MAX_TOPK = 64  # per-warp routing of a token is staged in shared memory: [warps,
 LAYOUT_SMEM_INTS = 12288  # 48 KB of per-warp expert histograms in the layout kernel
 MAX_EXPERTS = LAYOUT_SMEM_INTS // 2  # the layout kernel needs one warp's histogram plus the column sums
 COMBINE_WARPS_PER_CTA = 8
+# The reduced combine's kernels read local memory only and launch this many CTAs per num_sms: more warps
+# in flight hide more memory latency (they need no per-(warp, k) staging rows, only one per warp).
+REDUCED_GRID_FACTOR = 2
 MAX_WORLD_SIZE = COMBINE_WARPS_PER_CTA * WARP  # combine signals and waits with one thread per peer
 
 
@@ -270,8 +273,9 @@ class EpConfig:
 
     @property
     def stage_rows(self) -> int:
-        """Rows of the combine staging buffer: one per (combine warp, k), only when other nodes exist."""
-        return self.combine_warps * self.topk if self.nnodes > 1 else 1
+        """Rows of the combine staging buffer, only when other nodes exist: one per (pull-combine warp, k),
+        and at least one per warp of the reduced combine's larger grid."""
+        return self.combine_warps * max(self.topk, REDUCED_GRID_FACTOR) if self.nnodes > 1 else 1
 
     @property
     def partial_rows(self) -> int:

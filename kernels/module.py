@@ -25,6 +25,7 @@ from cute_ep.kernels.config import (
     OP_COMBINE,
     OP_DISPATCH,
     OP_LAYOUT,
+    REDUCED_GRID_FACTOR,
     VECTOR_BYTES,
     EpConfig,
     cute_dtype,
@@ -181,11 +182,12 @@ class EpModule:
                 self.reduce_push(
                     t_recv_y, t_recv_w, t_recv_src, t_recv_from, t_recv_group, t_partials, t_stage,
                     t_signals, t_epochs, t_done, t_fault, t_num_recv, rank, world_size, local_world_size,
-                    topk, max_tokens, num_ctas, timeout_ms, stream,
+                    topk, max_tokens, num_ctas * REDUCED_GRID_FACTOR, timeout_ms, stream,
                 )
                 self.partial_sum(
                     t_out, t_idx, t_scatter, t_partials, t_signals, t_epochs, t_done, t_fault, rank,
-                    num_tokens, world_size, num_experts, topk, num_ctas, timeout_ms, stream,
+                    num_tokens, world_size, num_experts, topk, num_ctas * REDUCED_GRID_FACTOR, timeout_ms,
+                    stream,
                 )
             else:
                 self.combine(

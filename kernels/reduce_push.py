@@ -20,7 +20,8 @@ when there are fewer groups than warps and every peer is on this node): the memb
 ascending k go to a per-warp list; ``weighted_sum_rows`` computes the partial (fp32, ascending k, then
 the row dtype) and stores it into row t * R + rank of the token's rank's ``partials``: with 128-bit
 stores through the NVSHMEM peer pointer on the same node, else into this warp's staging row and then
-``put_warp``. The source tag ``recv_src[p]`` = (src_rank * M + t) * K + k names the token.
+``put_warp``. The grid is ``REDUCED_GRID_FACTOR`` x num_sms CTAs (kernels/module.py): more warps, more
+loads in flight. The source tag ``recv_src[p]`` = (src_rank * M + t) * K + k names the token.
 
 Completion: every thread ``quiet``s and fences; the last CTA to finish raises ``combine_signal[rank]``
 on every peer to 2 * epoch (phase 2, kernels/partial_sum.py, waits for it). The epoch is advanced by
@@ -150,7 +151,7 @@ class ReducePushKernel:
 
         recv_y_base = recv_y.iterator.toint()
         partials_base = partials.iterator.toint()
-        stage_row = stage.iterator.toint() + Int64(gwarp * K) * ROW_BYTES
+        stage_row = stage.iterator.toint() + Int64(gwarp) * ROW_BYTES  # one per warp (EpConfig.stage_rows)
         my_node = rank // L
 
         for u in range(gwarp, work * parts, NWARPS):

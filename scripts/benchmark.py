@@ -55,8 +55,8 @@ What is measured, for every routing (--routing), tokens per rank T (--tokens) an
     * --combine pull,reduced: the buffer is built for the reduced combine (so every dispatch also records
       its group lists, and the dispatch times include that), and per mode one more row "<mode>+reduced"
       times ``launch_combine(..., "reduced")`` on the latest dispatch's handle (the expert ranks' group
-      lists belong to it); moved bytes stay the pull formula's (pairs_off rows), so its "moved" rate
-      overstates what crosses the link (about rows_off rows of partials do).
+      lists belong to it); its moved bytes are rows_off partial rows (one per off-rank (token, rank)
+      group), its algorithmic bandwidth the pull formula's (pairs_off rows), as for NCCL.
 
 Output on rank 0: a table, one line per (routing, T, mode) as it completes; with --out-json the report
 (device, world and local world size, config, symmetric bytes per rank, package versions, git sha,
@@ -498,7 +498,7 @@ def measure(
                     pairs_off=[p[0] for p in per_rank], rows_off=[p[1] for p in per_rank],
                     dispatch_us=[p[2] for p in per_rank], combine_us=[p[3] for p in per_rank],
                     nccl_dispatch_us=[p[4] for p in per_rank], nccl_combine_us=[p[5] for p in per_rank],
-                    dispatch_row_bytes=d_row,
+                    dispatch_row_bytes=d_row, reduced_combine=label.endswith("+reduced"),
                 )  # fmt: skip
                 rows.append(row.to_dict())
                 say(br.format_row(row))

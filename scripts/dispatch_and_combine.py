@@ -48,8 +48,10 @@ bit-identical to the reference (in atomic mode, after sorting each (local expert
 with --fp8 the packed e4m3 rows and scales, against the senders' rows quantized by the reference);
 with --capacity-factor the references run on the routing left after the drops, every rank's drop
 counts per expert match them, and atomic mode keeps as many rows per (expert, source) as scatter mode;
-the combine output is bit-identical to the reference sum of the expert outputs; every route class
-possible in the topology carried at least one pair (unless --no-coverage); and, with
+the combine output is bit-identical to the reference sum of the expert outputs (with --combine
+reduced: to ``reference_combine_reduced``, and the pull combine of the same handle is checked as
+well); every route class possible in the topology carried at least one pair (unless --no-coverage);
+and, with
 --compare-baseline, every array is bit-identical to the baseline's. Rank 0 prints one line per check
 and a final PASS or FAIL line.
 
@@ -274,6 +276,13 @@ def run_once(
     )  # fmt: skip
     ok &= report(comb, f"{tag} combine" + (" (reduced)" if cfg.combine_algorithm == "reduced" else ""), group,
                  say)
+    if cfg.combine_algorithm == "reduced":  # the pull combine stays available on the same handle
+        out_pull = buffer.combine(y, res.handle, algorithm="pull")
+        pull = check_combine(
+            out_pull, eff, w, y, local_world_size=cfg.local_world_size, num_experts=cfg.num_experts,
+            scatter=res.handle.scatter, require_coverage=coverage, group=group,
+        )  # fmt: skip
+        ok &= report(pull, f"{tag} combine (pull)", group, say)
 
     arrays = None
     if mode == BASELINE_MODE and it == 0:

@@ -6,8 +6,10 @@
 #   bash scripts/gpu_session.sh tests-b     # GPU tests on 2 virtual nodes x N/2 and N GPUs  (~5 min)
 #   bash scripts/gpu_session.sh examples    # design-card example, baselines compared and saved,
 #                                           # --benchmark at T=4096 H=7168 K=8 E=256 bf16     (~4 min)
-#   bash scripts/gpu_session.sh bench       # the sweep against NCCL (JSON + PNG), FP8 rows  (~4 min)
-#   bash scripts/gpu_session.sh soak        # 1000 iterations twice with one seed, capacity+FP8 (~5 min)
+#   bash scripts/gpu_session.sh bench       # the sweep against NCCL (JSON + PNG; pull and reduced
+#                                           # combine), FP8 rows                                (~2 min)
+#   bash scripts/gpu_session.sh soak        # 1000 iterations twice with one seed, capacity+FP8,
+#                                           # the reduced combine                               (~3 min)
 #   bash scripts/gpu_session.sh sanitizer   # compute-sanitizer memcheck, one GPU, no torchrun
 #   N=2 bash scripts/gpu_session.sh tests-a # fewer GPUs than the host has
 #   DRY_RUN=1 N=4 bash scripts/gpu_session.sh examples   # print the commands only (any machine)
@@ -66,7 +68,8 @@ case $part in
       --num-experts 256 --topk 8 --dtype bfloat16 --no-coverage --benchmark --bench-iters 30 --bench-warmup 5
     ;;
   bench)
-    step bench-sweep 400 $T scripts/benchmark.py --out-json "$out/h200x$n.json" --out-png "$out/h200x$n.png"
+    step bench-sweep 400 $T scripts/benchmark.py --combine pull,reduced --out-json "$out/h200x$n.json" \
+      --out-png "$out/h200x$n.png"
     step bench-fp8 150 $T scripts/benchmark.py --tokens 128,4096 --routing uniform --fp8 --iters 20 \
       --out-json "$out/h200x${n}_fp8.json"
     ;;
@@ -78,11 +81,15 @@ case $part in
     grep -h "digest:" "$out/soak-1.log" "$out/soak-2.log"
     step soak-capacity-fp8 170 $T scripts/soak.py --iters 1000 --max-tokens 64 --hidden 256 --seed 7 \
       --fp8 --capacity-factor 0.75 --out-json "$out/soak-capacity-fp8.json"
+    step soak-reduced 170 $T scripts/soak.py --iters 1000 --max-tokens 128 --hidden 1024 --seed 7 \
+      --combine reduced --out-json "$out/soak-reduced.json"
     ;;
   sanitizer)
     # One process, no torchrun: only the script is instrumented (a world of one: self route only).
-    step sanitizer 580 /usr/local/cuda/bin/compute-sanitizer --tool memcheck python3 scripts/dispatch_and_combine.py \
-      $A --modes scatter,atomic --no-coverage
+    # API errors are not counted: NVSHMEM's initialization probes the driver and hits some by design.
+    # --combine reduced runs both combines (reduced, then pull on the same handle).
+    step sanitizer 580 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --report-api-errors no \
+      --print-limit 100 python3 scripts/dispatch_and_combine.py $A --modes scatter,atomic --no-coverage --combine reduced
     ;;
   *)
     echo "unknown part: $part" >&2

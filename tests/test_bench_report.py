@@ -259,6 +259,16 @@ def test_fp8_row_moves_packed_rows_but_keeps_the_algorithmic_formula():
     assert fp8.combine_moved_gbps == pytest.approx(plain.combine_moved_gbps)  # combine is unchanged
 
 
+def test_reduced_combine_row_moves_one_partial_row_per_group():
+    plain = _row()
+    red = br.BenchRow.from_measurements(**{**_ROW_KW, "mode": "scatter+reduced"}, reduced_combine=True)
+    mean_rows = 4096 * 2.5 + 3.0
+    assert red.combine_moved_gbps == pytest.approx(mean_rows * 7168 * 2 / 156e3)
+    assert red.combine_moved_gbps < red.combine_alg_gbps == pytest.approx(plain.combine_alg_gbps)
+    assert red.combine_line_pct == pytest.approx(100 * red.combine_moved_gbps / 450.0)
+    assert red.dispatch_moved_gbps == pytest.approx(plain.dispatch_moved_gbps)  # dispatch is unchanged
+
+
 def test_reports_without_optional_row_keys_still_load(tmp_path):
     report = br.write_json(tmp_path / "r.json", _meta(), _rows())
     for row in report["rows"]:

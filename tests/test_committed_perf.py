@@ -22,7 +22,10 @@ def test_there_are_committed_reports():
 def test_report_holds_every_configuration_of_its_sweep(path):
     report = br.load_json(path)  # schema and required keys
     cfg = report["meta"]["config"]
-    want = set(itertools.product(cfg["routings"], cfg["tokens"], cfg["modes"]))
+    # Per mode, one row per combine (pull: the mode's own name; reduced: "<mode>+reduced").
+    labels = [m for m in cfg["modes"] if "pull" in cfg.get("combines", ["pull"])]
+    labels += [f"{m}+reduced" for m in cfg["modes"] if "reduced" in cfg.get("combines", [])]
+    want = set(itertools.product(cfg["routings"], cfg["tokens"], labels))
     got = [(r["routing"], r["tokens"], r["mode"]) for r in report["rows"]]
     assert len(got) == len(set(got)), f"{path.name}: a configuration appears twice"
     missing, extra = sorted(want - set(got)), sorted(set(got) - want)
@@ -34,4 +37,8 @@ def test_report_holds_every_configuration_of_its_sweep(path):
         assert 0 <= row["rows_off_mean"] <= row["pairs_off_mean"]
         # The ratio column is NCCL time over ours, as the table says.
         assert row["dispatch_ratio"] == pytest.approx(row["nccl_dispatch_us"] / row["dispatch_us"])
+        # Moved bytes: one row per off-rank pair (pull), one partial row per off-rank group (reduced).
+        moved_rows = row["rows_off_mean"] if row["mode"].endswith("+reduced") else row["pairs_off_mean"]
+        expected = row["combine_alg_gbps"] * moved_rows / row["pairs_off_mean"]
+        assert row["combine_moved_gbps"] == pytest.approx(expected)
     assert path.with_suffix(".png").is_file(), f"{path.name} has no plot beside it"

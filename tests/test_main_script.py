@@ -96,6 +96,23 @@ def test_fp32_passes():
     assert "float32, routing dropped" in out
 
 
+def test_reduced_combine_passes_and_is_its_own_baseline_config(baseline, tmp_path):
+    """--combine reduced checks the reduced combine against reference_combine_reduced and the pull
+    combine of the same handle; its baseline holds another combine output, so the pull baseline is a
+    config mismatch, and an a2a run reproduces a reduced baseline made with the reference backend."""
+    path, _ = baseline
+    red = tmp_path / "reduced.npz"
+    out = _assert_passed(_torchrun(*BASE, "--combine", "reduced", "--save-baseline-to", str(red)))
+    assert "world 4 = 2 node(s) x 2 (virtual nodes), reduced combine" in out
+    for mode in ("scatter", "atomic"):
+        assert f"[{mode} #0] combine (reduced): PASS" in out and f"[{mode} #0] combine (pull): PASS" in out
+    args = [a if a != "reference" else "a2a" for a in BASE]
+    out = _assert_passed(_torchrun(*args, "--combine", "reduced", "--compare-baseline", str(red)))
+    assert "arrays, all identical" in out
+    codes, out = _launch_ranks(*BASE, "--combine", "reduced", "--compare-baseline", str(path))
+    assert codes == [2] * WORLD and "baseline config mismatch" in out, out[-6000:]
+
+
 def test_same_config_is_identical_to_its_baseline(baseline):
     path, _ = baseline
     out = _assert_passed(_torchrun(*BASE, "--compare-baseline", str(path)))
