@@ -84,12 +84,14 @@ class ProfileResult:
 
 
 def shape_key(runtime: Any, cfg: EpConfig, tokens: int) -> str:
-    """What a choice depends on: the device, the placement and the shape."""
+    """What a choice depends on: the device, the placement and the shape (and the combine algorithm
+    when it is not the default: the reduced combine's buffers are other candidates)."""
     dev = getattr(runtime, "device", None)
     on_gpu = dev is not None and torch.device(dev).type == "cuda"
     device = torch.cuda.get_device_name(dev) if on_gpu else "cpu"
+    combine = "|reduced" if cfg.combine_algorithm == "reduced" else ""
     return (f"{device}|R{cfg.world_size}|L{cfg.local_world_size}|T{tokens}|H{cfg.hidden}|K{cfg.topk}|"
-            f"E{cfg.num_experts}|{str(cfg.dtype).removeprefix('torch.')}")
+            f"E{cfg.num_experts}|{str(cfg.dtype).removeprefix('torch.')}{combine}")
 
 
 def _sync(device: torch.device) -> None:

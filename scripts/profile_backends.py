@@ -10,6 +10,9 @@ To run (one process per GPU; every rank prints nothing but rank 0's tables):
 The cute backend is one candidate per dispatch primitive (--cute-algorithms: "cute:dedup" sends a
 row once per destination rank, "cute:per_pair" every (token, k) row, "cute:put_warp" every row with
 put_warp), so the table also says which primitive to build ``EpBuffer(algorithm=...)`` with.
+``--combine reduced`` builds every candidate for the reduced combine (all backends implement it bit
+for bit alike); the profiler never switches between pull and reduced by itself, because their
+results differ in the last bits: profile each and choose.
 
 For each tokens-per-rank value, every backend runs the same inputs once to be checked bit for bit
 against the first backend listed, then ``--warmup`` + ``--iters`` timed dispatch and combine calls
@@ -39,6 +42,7 @@ from cute_ep.cli import (
     EXIT_PASS,
     Printer,
     UsageError,
+    add_combine_arg,
     config_from_args,
     exit_process,
     make_buffer,
@@ -76,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-world-size", type=int, default=None, help="ranks per (virtual) node")
     p.add_argument("--num-sms", type=int, default=None, help="CTAs of the cute kernels")
     p.add_argument("--timeout-s", type=float, default=None, help="longest wait for a peer (cute)")
+    add_combine_arg(p)
     p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
     return p
 

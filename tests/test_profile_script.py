@@ -34,6 +34,16 @@ def test_profiles_every_shape_and_writes_the_table(tmp_path):
         assert all(c["error"] is None and c["dispatch_us"] > 0 for c in t["candidates"])
 
 
+def test_the_reduced_combine_is_profiled_under_its_own_key(tmp_path):
+    cache = tmp_path / "choices.json"
+    _ok(torchrun(SCRIPT, 2, *SMALL, "--tokens", "8", "--cache", cache, timeout=180))
+    out = _ok(torchrun(SCRIPT, 2, *SMALL, "--tokens", "8", "--cache", cache, "--combine", "reduced",
+                       timeout=180))
+    assert "reduced combine" in out and "<- chosen" in out and "excluded" not in out
+    keys = sorted(json.loads(cache.read_text()))
+    assert len(keys) == 2 and keys[1] == keys[0] + "|reduced", keys
+
+
 def test_the_cache_answers_the_second_run(tmp_path):
     cache = tmp_path / "choices.json"
     _ok(torchrun(SCRIPT, 2, *SMALL, "--tokens", "8", "--cache", cache, timeout=180))

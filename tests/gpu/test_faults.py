@@ -21,14 +21,15 @@ pytestmark = pytest.mark.gpu
 TIMEOUT_S = 2.0
 
 
-def _setup(runtime):
+def _setup(runtime, combine: str = "pull"):
     env = runtime.env
     if env.world_size < 2:
         pytest.skip("needs at least 2 ranks")
     R, rank = env.world_size, env.rank
     T, H, K, E = 32, 256, 4, 8 * R
     cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=K, hidden=H,
-                   dtype=torch.bfloat16, max_tokens=T, num_sms=8, timeout_s=TIMEOUT_S)
+                   dtype=torch.bfloat16, max_tokens=T, num_sms=8, timeout_s=TIMEOUT_S,
+                   combine_algorithm=combine)
     x, idx, w = make_inputs(rank, T, H, E, K, torch.bfloat16, 99, routing="uniform")
     dev = runtime.device
     return cfg, rank, R - 1, (x.to(dev), idx.to(dev).to(torch.int32), w.to(dev))
@@ -44,9 +45,9 @@ def _expect_timeout(call, op: str, skipper: int) -> None:
     assert elapsed < TIMEOUT_S + 15, f"took {elapsed:.1f} s to report"
 
 
-@pytest.mark.parametrize("skipped", ["dispatch", "layout-only", "combine"])
+@pytest.mark.parametrize("skipped", ["dispatch", "layout-only", "combine", "reduced-combine"])
 def test_a_rank_that_skips_a_step_is_named(runtime, skipped):
-    cfg, rank, skipper, (x, idx, w) = _setup(runtime)
+    cfg, rank, skipper, (x, idx, w) = _setup(runtime, "reduced" if skipped == "reduced-combine" else "pull")
     with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
         if skipped == "dispatch":  # the skipper never calls: the others' layout waits for its counts
             if rank != skipper:
@@ -57,7 +58,7 @@ def test_a_rank_that_skips_a_step_is_named(runtime, skipped):
                 torch.cuda.synchronize()
             else:
                 _expect_timeout(lambda: buf.dispatch(x, idx, w), "dispatch", skipper)
-        else:  # everyone dispatches; the skipper never combines
+        else:  # everyone dispatches; the skipper never combines (either combine algorithm)
             res = buf.dispatch(x, idx, w)
             if rank != skipper:
                 y = buf.expert_output(res.num_recv)

@@ -5,7 +5,8 @@ sizes and slots on the device, so replaying the graph is a whole new call. Every
 routing and rows into the captured input tensors, poisons the receive buffers and the output, may
 start late on some ranks (a random ``torch.cuda._sleep`` straggler), and is validated exactly:
 dispatch bit for bit in its deterministic order, the expert outputs, combine bit-identical to the
-fixed-order reference, and each kernel's epoch advanced by exactly one.
+fixed-order reference (pull) or to ``reference_combine_reduced`` (the reduced combine, its partial rows
+poisoned too), and each kernel's epoch advanced by exactly one.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ def _expert_into(buf: EpBuffer, rank: int) -> None:
     buf.recv_y.copy_(apply_test_expert(buf.recv_x, rank * c.experts_per_rank + local))
 
 
-def test_graph_replay_with_new_inputs_and_stragglers(runtime):
+@pytest.mark.parametrize("combine", ["pull", "reduced"])
+def test_graph_replay_with_new_inputs_and_stragglers(runtime, combine):
     env = runtime.env
     R, rank, L = env.world_size, env.rank, env.local_world_size
     T, H, K, E, dtype = 48, 256, 4, 8 * R, torch.bfloat16
     cfg = EpConfig(world_size=R, local_world_size=L, num_experts=E, topk=K, hidden=H, dtype=dtype,
-                   max_tokens=T, num_sms=16)
+                   max_tokens=T, num_sms=16, combine_algorithm=combine)
     dev = runtime.device
     rng = random.Random(1000 + rank)
     with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
@@ -73,7 +75,7 @@ def test_graph_replay_with_new_inputs_and_stragglers(runtime):
             assert torch.equal(buf.recv_y[:n], apply_test_expert(buf.recv_x[:n], experts)), f"replay {i}"
             rc = check_combine(out, idx, w, buf.recv_y[:n], local_world_size=L, num_experts=E,
                                scatter=buf.scatter[: T * K].view(T, K), require_coverage=False,
-                               group=runtime.cpu_group)
+                               group=runtime.cpu_group, algorithm=combine)
             assert rc.passed, f"replay {i}: combine {rc.message}"
 
         # One eager call first: loads everything lazily loaded, and proves the same steps work uncaptured.
@@ -92,6 +94,8 @@ def test_graph_replay_with_new_inputs_and_stragglers(runtime):
             load(i)
             buf.poison()
             out.fill_(float("nan"))
+            if combine == "reduced":
+                buf.partials.fill_(float("nan"))  # a partial row nobody wrote this replay fails
             if rng.random() < 0.5:
                 torch.cuda._sleep(rng.randrange(1, 2_000_000))  # a straggler: up to ~1 ms late
             graph.replay()
