@@ -1,6 +1,7 @@
 """Dispatch kernel: every (token, k) row goes to the rank that owns expert topk_idx[t, k].
 
-A warp per token (persistent grid-stride loop). For each k: skip -1; find the slot (precomputed
+A warp per token (persistent grid-stride loop; with fewer tokens than warps, in scatter mode without
+FP8, a warp per (token, k) pair). For each k: skip -1; find the slot (precomputed
 ``scatter`` in MODE_SCATTER, or an atomic add on this rank's per-expert cursor in MODE_ATOMIC, written
 back into ``scatter`` for combine); lane 0 ``p``-puts the fp32 weight into ``recv_w[slot]``, the source
 tag (rank * max_tokens + t) * K + k into ``recv_src[slot]`` and ``recv_from[slot]``.
@@ -164,7 +165,26 @@ class DispatchKernel:
         if live:
             work = num_tokens
 
-        for t in range(bid * WPC + warp, work, NCTA * WPC):
+        # Fewer tokens than warps (decode): a warp per (token, k) pair instead of per token, so that all
+        # warps work. Only in scatter mode without FP8: there a pair needs nothing an earlier pair of
+        # its token computes (slots are precomputed; atomic mode allocates them in k order, and FP8
+        # quantizes each token once).
+        split = Int32(0)
+        if mode != MODE_ATOMIC:
+            if fp8 == 0:
+                if work < NCTA * WPC:
+                    split = Int32(1)
+        items = work
+        if split != 0:
+            items = work * K
+        for u in range(bid * WPC + warp, items, NCTA * WPC):
+            t = u
+            k_begin = Int32(0)
+            k_end = K
+            if split != 0:
+                t = u // K
+                k_begin = u % K
+                k_end = k_begin + 1
             src_addr = x_base + Int64(t) * X_ROW_BYTES
             if fp8 != 0:
                 # Quantize once per token; every destination gets the same packed bytes.
@@ -172,7 +192,7 @@ class DispatchKernel:
                 quantize_row_warp(dtype, src_addr, dst, H, row_bytes, lane)
                 cute.arch.sync_warp()  # lanes copy bytes other lanes wrote
                 src_addr = dst
-            for k in range(K):
+            for k in range(k_begin, k_end):
                 e = topk_idx[t * K + k]
                 if e >= 0:
                     d = e // El
