@@ -36,6 +36,8 @@ BASE = dict(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256
         (dict(world_size=512, local_world_size=8, num_experts=512), r"world_size must be in \[1, 256\]"),
         (dict(timeout_s=0), r"timeout_s must be in \[0.001, 2147483\] seconds, got 0"),
         (dict(timeout_s=1e7), r"timeout_s must be in \[0.001, 2147483\] seconds, got 10000000.0"),
+        (dict(combine_algorithm="push"),
+         r"combine_algorithm must be one of \['pull', 'reduced'\], got 'push'"),
     ],
 )
 def test_config_constraints(change, message):
@@ -65,6 +67,24 @@ def test_capacity_factor_sizes_experts_and_buffers():
     assert big.expert_capacity == 4 * 64 and big.capacity == big.worst_case_capacity
     assert cfg.key() != EpConfig(**BASE).key() != EpConfig(**{**BASE, "on_overflow": "drop"}).key()
     assert cfg.shape_args()[7] == 16  # expert_capacity travels to the kernels
+
+
+def test_reduced_combine_sizes_its_buffers():
+    """The reduced combine allocates M * R partial rows and a group list of K slots per receive slot;
+    its phase 1 runs REDUCED_GRID_FACTOR times the CTAs and needs a staging row per warp on other nodes."""
+    from cute_ep.kernels.config import REDUCED_GRID_FACTOR
+
+    pull = EpConfig(**BASE)
+    red = EpConfig(**{**BASE, "combine_algorithm": "reduced"})
+    assert pull.partial_rows == 0 and red.partial_rows == 64 * 4
+    extra = red.partial_rows * red.row_bytes + red.capacity * red.topk * 4
+    assert red.symmetric_bytes() - pull.symmetric_bytes() == extra
+    assert red.key() != pull.key()  # ranks that disagree fail at construction
+    for topk in (1, 2, 8):  # nnodes == 2 here: staging rows exist
+        cfg = EpConfig(**{**BASE, "topk": topk, "combine_algorithm": "reduced"})
+        assert cfg.stage_rows >= cfg.combine_warps * REDUCED_GRID_FACTOR  # one per phase-1 warp
+        assert cfg.stage_rows >= cfg.combine_warps * topk  # one per (pull warp, k)
+    assert EpConfig(**{**BASE, "local_world_size": 4}).stage_rows == 1  # one node: no staging
 
 
 def test_fp8_row_layout():
