@@ -80,10 +80,10 @@ from cute_ep.buffer import (
     check_combine_input,
     check_dispatch_inputs,
     check_dispatch_options,
+    resolve_combine_algorithm,
 )
 from cute_ep.host_buffer import HostEpBuffer
 from cute_ep.kernels.config import COMBINE_ALGORITHMS, MODES, EpConfig
-from cute_ep.reference_backend import resolve_combine_algorithm
 from cute_ep.validators.capacity import kept_counts
 from cute_ep.validators.checks import all_gather_objects
 from cute_ep.validators.fp8 import pack_fp8_rows, quantize_fp8

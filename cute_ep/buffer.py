@@ -394,17 +394,8 @@ class EpBuffer:
     # -- internals -------------------------------------------------------------------------------
 
     def _check_combine_algorithm(self, handle: DispatchHandle, algorithm: str | None) -> None:
-        name = algorithm or self.cfg.combine_algorithm
-        if name not in COMBINE_ALGORITHMS:
-            raise ValueError(f"combine algorithm must be one of {sorted(COMBINE_ALGORITHMS)}, got {name!r}")
-        if name != "reduced":
+        if resolve_combine_algorithm(self.cfg, algorithm) != "reduced":
             return
-        if self.cfg.combine_algorithm != "reduced":
-            raise ValueError(
-                "combine algorithm 'reduced' needs EpConfig(combine_algorithm='reduced') (got "
-                f"{self.cfg.combine_algorithm!r}): only then do its partial rows and the dispatch's group "
-                "lists exist"
-            )
         sent = self._sent
         if sent is None or handle.topk_idx is not sent[0] or handle.topk_weights is not sent[1]:
             raise ValueError(
@@ -575,6 +566,29 @@ def pick_fastest_algorithm(medians_per_rank: list[dict[str, float]], key: str) -
     for n in names:
         lines.append(f"  {n:>9} {slowest[n]:10.1f} us" + ("  <- chosen" if n == best else ""))
     return best, "\n".join(lines)
+
+
+def resolve_combine_algorithm(cfg: EpConfig, algorithm: str | None = None) -> str:
+    """The combine algorithm of one call: ``algorithm``, or ``cfg.combine_algorithm`` when None.
+
+    "pull" always works; "reduced" needs a buffer built for it (``EpConfig(combine_algorithm=
+    "reduced")``: only then does the GPU buffer allocate its partial rows and its dispatches record
+    group lists). Shared by ``EpBuffer`` and the host backends (``ReferenceEpBuffer``, ``A2aEpBuffer``).
+
+    Raises:
+        ValueError: an unknown name, or "reduced" on a "pull" configuration.
+    """
+    if algorithm is None:
+        return cfg.combine_algorithm
+    if not isinstance(algorithm, str) or algorithm not in COMBINE_ALGORITHMS:
+        raise ValueError(f"combine algorithm must be one of {sorted(COMBINE_ALGORITHMS)}, got {algorithm!r}")
+    if algorithm == "reduced" and cfg.combine_algorithm != "reduced":
+        raise ValueError(
+            "combine algorithm 'reduced' needs EpConfig(combine_algorithm='reduced') "
+            f"(got {cfg.combine_algorithm!r}): only then do its partial rows and the dispatch's group "
+            "lists exist"
+        )
+    return algorithm
 
 
 def check_dispatch_options(cfg: EpConfig, mode: str, fp8: Any) -> None:

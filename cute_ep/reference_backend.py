@@ -49,16 +49,16 @@ from cute_ep.buffer import (
     check_combine_input,
     check_dispatch_inputs,
     check_dispatch_options,
+    resolve_combine_algorithm,
 )
 from cute_ep.host_buffer import HostEpBuffer
-from cute_ep.kernels.config import COMBINE_ALGORITHMS, EpConfig
+from cute_ep.kernels.config import EpConfig
 from cute_ep.validators.capacity import apply_expert_capacity, effective_topk_from_scatter
 from cute_ep.validators.checks import all_gather_objects
 from cute_ep.validators.fp8 import pack_fp8_rows, quantize_fp8
 from cute_ep.validators.reference import (
+    COMBINE_REFERENCES,
     Layout,
-    reference_combine,
-    reference_combine_reduced,
     reference_dispatch_rank,
     reference_layout,
 )
@@ -67,28 +67,6 @@ __all__ = ["ReferenceEpBuffer", "resolve_combine_algorithm"]
 
 _ATOMIC_SEED_SALT = 0x5EED_A70
 
-
-
-def resolve_combine_algorithm(cfg: EpConfig, algorithm: str | None = None) -> str:
-    """The combine algorithm of one call: ``algorithm``, or ``cfg.combine_algorithm`` when None.
-
-    "pull" always works; "reduced" needs a buffer built for it (``EpConfig(combine_algorithm=
-    "reduced")``, which is what the GPU buffer allocates its partial rows for). Shared by the host
-    backends (``ReferenceEpBuffer``, ``A2aEpBuffer``).
-
-    Raises:
-        ValueError: an unknown name, or "reduced" on a "pull" configuration.
-    """
-    if algorithm is None:
-        return cfg.combine_algorithm
-    if not isinstance(algorithm, str) or algorithm not in COMBINE_ALGORITHMS:
-        raise ValueError(f"combine algorithm must be one of {sorted(COMBINE_ALGORITHMS)}, got {algorithm!r}")
-    if algorithm == "reduced" and cfg.combine_algorithm != "reduced":
-        raise ValueError(
-            "combine algorithm 'reduced' needs EpConfig(combine_algorithm='reduced') "
-            f"(got {cfg.combine_algorithm!r})"
-        )
-    return algorithm
 
 
 class ReferenceEpBuffer(HostEpBuffer):
@@ -223,7 +201,7 @@ class ReferenceEpBuffer(HostEpBuffer):
             raise ValueError(
                 f"combine: every rank must use the same combine algorithm, got {algos} (by rank)"
             )
-        combine_fn = reference_combine_reduced if algo == "reduced" else reference_combine
+        combine_fn = COMBINE_REFERENCES[algo]
         rows = max(self._num_recv, y.shape[0])
         self._ensure_rows(rows)
         if y.numel() and y.data_ptr() != self.recv_y.data_ptr():

@@ -269,20 +269,19 @@ def run_once(
         y.fill_(float("nan"))
     else:
         y.copy_(apply_test_expert(expert_in, experts.to(device)))
-    out = buffer.combine(y, res.handle)
-    comb = check_combine(
-        out, eff, w, y, local_world_size=cfg.local_world_size, num_experts=cfg.num_experts,
-        scatter=res.handle.scatter, require_coverage=coverage, group=group, algorithm=cfg.combine_algorithm,
-    )  # fmt: skip
-    ok &= report(comb, f"{tag} combine" + (" (reduced)" if cfg.combine_algorithm == "reduced" else ""), group,
-                 say)
-    if cfg.combine_algorithm == "reduced":  # the pull combine stays available on the same handle
-        out_pull = buffer.combine(y, res.handle, algorithm="pull")
-        pull = check_combine(
-            out_pull, eff, w, y, local_world_size=cfg.local_world_size, num_experts=cfg.num_experts,
-            scatter=res.handle.scatter, require_coverage=coverage, group=group,
+    # The buffer's combine (its output goes into the baseline); on a buffer built for the reduced
+    # combine, the pull combine of the same handle too (it stays available there).
+    algorithms = ["reduced", "pull"] if cfg.combine_algorithm == "reduced" else ["pull"]
+    outs = {}
+    for algorithm in algorithms:
+        outs[algorithm] = buffer.combine(y, res.handle, algorithm=algorithm)
+        comb = check_combine(
+            outs[algorithm], eff, w, y, local_world_size=cfg.local_world_size, num_experts=cfg.num_experts,
+            scatter=res.handle.scatter, require_coverage=coverage, group=group, algorithm=algorithm,
         )  # fmt: skip
-        ok &= report(pull, f"{tag} combine (pull)", group, say)
+        label = f" ({algorithm})" if len(algorithms) > 1 else ""
+        ok &= report(comb, f"{tag} combine{label}", group, say)
+    out = outs[cfg.combine_algorithm]
 
     arrays = None
     if mode == BASELINE_MODE and it == 0:

@@ -62,10 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = EpConfig(world_size=1, local_world_size=1, num_experts=8, topk=2, hidden=128,
                        dtype=DTYPES[name], max_tokens=16, num_sms=4)
         key = cfg.compile_key()
-        t0 = time.perf_counter()
+        t0, loads = time.perf_counter(), registry.loads
         registry.get(key, lambda cfg=cfg: build(cfg))
-        how = "loaded (already there)" if registry.loads else "compiled"
-        registry.loads = 0
+        how = "loaded (already there)" if registry.loads > loads else "compiled"
         print(f"{name}: {how} in {time.perf_counter() - t0:.1f} s -> {cache.path(key)}", flush=True)
     return 0
 

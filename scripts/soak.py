@@ -137,9 +137,8 @@ from cute_ep.validators.checks import (
 from cute_ep.validators.fp8 import fp8_check_rows
 from cute_ep.validators.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
 from cute_ep.validators.reference import (
+    COMBINE_REFERENCES,
     apply_test_expert,
-    reference_combine,
-    reference_combine_reduced,
     reference_dispatch_rank,
     reference_layout,
 )
@@ -395,8 +394,7 @@ def wrong_combine_rows(
     ys = all_gather(y.detach().cpu(), group)
     try:
         routing = [idx.detach().cpu()], [w.detach().cpu()], [scatter.detach().cpu()]
-        ref = reference_combine_reduced if cfg.combine_algorithm == "reduced" else reference_combine
-        exp = ref(ys, *routing, num_experts=cfg.num_experts)[0]
+        exp = COMBINE_REFERENCES[cfg.combine_algorithm](ys, *routing, num_experts=cfg.num_experts)[0]
         if tuple(out.shape) != tuple(exp.shape) or out.dtype != exp.dtype:
             raise ValueError("shape")
         local = int((row_bits(out) != row_bits(exp)).any(dim=1).sum()) if exp.shape[0] else 0

@@ -109,3 +109,38 @@ def test_unknown_algorithm_is_refused_before_anything_is_built():
     with pytest.raises(ValueError, match=r"algorithm must be 'auto' or one of \['dedup', 'per_pair', "
                                          r"'put_warp'\], got 'fastest'"):
         EpBuffer(object(), cfg, algorithm="fastest")
+
+
+@pytest.mark.parametrize("configured", ["pull", "reduced"])
+def test_combine_algorithm_checks_of_the_gpu_buffer(configured):
+    """EpBuffer.combine's algorithm check (resolve_combine_algorithm, shared with the host backends):
+    pull always; reduced only on a reduced buffer and with the latest dispatch's handle, unchanged."""
+    from dataclasses import replace
+
+    from cute_ep.buffer import DispatchHandle
+
+    cfg = EpConfig(world_size=2, local_world_size=2, num_experts=8, topk=2, hidden=128, dtype=torch.bfloat16,
+                   max_tokens=16, combine_algorithm=configured)
+    buf = object.__new__(EpBuffer)
+    buf.cfg = cfg
+    idx, w = torch.zeros(4, 2, dtype=torch.int32), torch.ones(4, 2)
+    handle = DispatchHandle(idx, w, torch.zeros(4, 2, dtype=torch.int32), 4, "scatter")
+    buf._sent = (idx, w)
+    buf._check_combine_algorithm(handle, "pull")
+    unknown = r"combine algorithm must be one of \['pull', 'reduced'\], got 'push'"
+    with pytest.raises(ValueError, match=unknown):
+        buf._check_combine_algorithm(handle, "push")
+    if configured == "pull":
+        buf._check_combine_algorithm(handle, None)
+        with pytest.raises(ValueError, match=r"needs EpConfig\(combine_algorithm='reduced'\) \(got 'pull'\)"):
+            buf._check_combine_algorithm(handle, "reduced")
+        return
+    buf._check_combine_algorithm(handle, None)
+    buf._check_combine_algorithm(handle, "reduced")
+    for other in (replace(handle, topk_weights=w.clone()), replace(handle, topk_idx=idx.clone())):
+        with pytest.raises(ValueError, match="weights the latest dispatch sent"):
+            buf._check_combine_algorithm(other, None)
+        buf._check_combine_algorithm(other, "pull")  # the pull combine takes any ids and weights
+    buf._sent = None  # no dispatch yet
+    with pytest.raises(ValueError, match="weights the latest dispatch sent"):
+        buf._check_combine_algorithm(handle, "reduced")

@@ -23,10 +23,9 @@ from torch import Tensor
 
 from cute_ep.bootstrap.dist_env import ROUTE_CLASSES, possible_route_classes, route_class
 from cute_ep.validators.reference import (
+    COMBINE_REFERENCES,
     Layout,
     pack_source,
-    reference_combine,
-    reference_combine_reduced,
     reference_dispatch_rank,
     reference_layout,
     unpack_source,
@@ -595,7 +594,7 @@ def check_combine(
     Returns:
         A :class:`CheckResult` with the verdict reduced over all ranks.
     """
-    if algorithm not in ("pull", "reduced"):
+    if algorithm not in COMBINE_REFERENCES:
         raise ValueError(f"algorithm must be 'pull' or 'reduced', got {algorithm!r}")
     rank, world = world_of(group)
     gathered = all_gather_objects((_cpu(topk_idx), _cpu(topk_weights), _cpu(scatter), _cpu(recv_y)), group)
@@ -610,7 +609,7 @@ def check_combine(
         slots = gathered[rank][2] if gathered[rank][2] is not None else layout.scatter[rank]
         ys = [g[3] for g in gathered]
         weights = gathered[rank][1]
-        ref = reference_combine_reduced if algorithm == "reduced" else reference_combine
+        ref = COMBINE_REFERENCES[algorithm]
         expected = ref(ys, [idxs[rank]], [weights], [slots], num_experts=num_experts)[0]
         msgs += _compare_combine(expected, _cpu(out), idxs[rank], slots, layout, rank, atol)
         msgs += gate

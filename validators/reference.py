@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "COMBINE_REFERENCES",
     "INT32_MAX",
     "DispatchResult",
     "Layout",
@@ -730,3 +731,7 @@ def reference_combine_reduced(
             rows[:, k] = _gather_combine_rows(recv_y, s, k, idx[:, k], slots[:, k], el)
         outs.append(combine_reduced_rows(rows, idx, w, experts_per_rank=el))
     return outs
+
+
+# The reference of each combine algorithm (kernels.config.COMBINE_ALGORITHMS), by name.
+COMBINE_REFERENCES = {"pull": reference_combine, "reduced": reference_combine_reduced}
