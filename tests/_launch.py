@@ -133,6 +133,30 @@ def exit_without_teardown() -> None:
     os._exit(0)
 
 
+def bit_diff(name: str, a, b) -> str | None:
+    """None if tensors ``a`` and ``b`` are equal bit for bit (same dtype and shape), else a short
+    description (torchrun workers report it)."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{name}: {a.dtype} {list(a.shape)} vs {b.dtype} {list(b.shape)}"
+    if a.dtype == torch.float8_e4m3fn:  # torch.equal has no float8 kernel: compare the bytes
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    if torch.equal(a, b):
+        return None
+    bad = a != b
+    first = torch.nonzero(bad)[0].tolist()
+    return f"{name}: {int(bad.sum())} of {a.numel()} elements differ (first at {first})"
+
+
+def assert_cases_match(ranks: list[dict], cases: int) -> None:
+    """Every rank's worker (``worker_results``) ran ``cases`` cases and found no mismatch in any."""
+    for r, res in enumerate(ranks):
+        assert len(res["cases"]) == cases, (r, len(res["cases"]))
+        for case in res["cases"]:
+            assert case["mismatches"] == [], (r, case["name"], case["mismatches"])
+
+
 def outcome(fn) -> dict:
     """What calling fn() did on this rank (torchrun workers report it): the exception's type and
     message, or nothing."""

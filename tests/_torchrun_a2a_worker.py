@@ -20,7 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from _launch import exit_without_teardown, outcome  # tests/ is this script's sys.path[0]
+from _launch import bit_diff, exit_without_teardown, outcome  # tests/ is this script's sys.path[0]
 
 from cute_ep.a2a_backend import A2aDispatchHandle, A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
@@ -49,17 +49,6 @@ CASES = [
     ("skewed-bf16-k1-el3-expert-output", "skewed", BF16, 1, 96, 3, (11, 0, 4, 8), 16, {"expert_output": 1}),
 ]
 FIELDS = ("recv_x", "recv_weights", "recv_src", "tokens_per_expert")
-
-
-def diff(name: str, a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """None if equal bit for bit (same dtype and shape), else a short description."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return f"{name}: {a.dtype} {list(a.shape)} vs {b.dtype} {list(b.shape)}"
-    if torch.equal(a, b):
-        return None
-    bad = a != b
-    first = torch.nonzero(bad)[0].tolist()
-    return f"{name}: {int(bad.sum())} of {a.numel()} elements differ (first at {first})"
 
 
 def inputs(rank: int, tokens: int, case: tuple, seed: int) -> tuple:
@@ -92,14 +81,14 @@ def run_case(rt: Runtime, number: int, case: tuple) -> dict:
             rr = ref.dispatch(x, idx, w)  # the reference layout (the reference's own atomic mode shuffles)
             where = f"round {rnd}"
             for f in FIELDS:
-                d = diff(f, getattr(ra, f), getattr(rr, f))
+                d = bit_diff(f, getattr(ra, f), getattr(rr, f))
                 if d:
                     found.append(f"{where}: {d}")
             if ra.num_recv != rr.num_recv:
                 found.append(f"{where}: num_recv {ra.num_recv} vs {rr.num_recv}")
             ha, hr = ra.handle, rr.handle
             for f in ("scatter", "topk_idx", "topk_weights"):
-                d = diff(f"handle.{f}", getattr(ha, f), getattr(hr, f))
+                d = bit_diff(f"handle.{f}", getattr(ha, f), getattr(hr, f))
                 if d:
                     found.append(f"{where}: {d}")
             if (ha.num_tokens, ha.mode) != (t, mode) or not isinstance(ha, DispatchHandle):
@@ -114,7 +103,7 @@ def run_case(rt: Runtime, number: int, case: tuple) -> dict:
                 ya = buf_y
             oa = a2a.combine(ya, ha)
             orr = ref.combine(yr, hr)
-            d = diff("combine", oa, orr)
+            d = bit_diff("combine", oa, orr)
             if d:
                 found.append(f"{where}: {d}")
 

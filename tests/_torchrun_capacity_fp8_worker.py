@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from _launch import exit_without_teardown, outcome  # tests/ is this script's sys.path[0]
+from _launch import bit_diff, exit_without_teardown, outcome  # tests/ is this script's sys.path[0]
 
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
@@ -58,19 +58,6 @@ FP8_CASES = [
     ("dropped-fp32-k2-el3-h384-atomic", "dropped", FP32, 2, 384, 3, (10, 4, 0, 13), 16, 0.0, "atomic"),
     ("skewed-bf16-k2-el2-h128-capacity", "skewed", BF16, 2, 128, 2, (16, 16, 9, 3), 16, 0.4, "scatter"),
 ]
-
-
-def diff(name: str, a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """None if equal bit for bit (same dtype and shape), else a short description."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return f"{name}: {a.dtype} {list(a.shape)} vs {b.dtype} {list(b.shape)}"
-    if a.dtype == torch.float8_e4m3fn:  # torch.equal has no float8 kernel: compare the bytes
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    if torch.equal(a, b):
-        return None
-    bad = a != b
-    first = torch.nonzero(bad)[0].tolist()
-    return f"{name}: {int(bad.sum())} of {a.numel()} elements differ (first at {first})"
 
 
 def config(env: DistEnv, case: tuple, **extra) -> EpConfig:
@@ -123,20 +110,20 @@ def compare(
     recv = exp["recv"]
     if fp8:
         got = pack_fp8_rows(res.recv_x, res.recv_scales, cfg.fp8_row_bytes)
-        d = diff("packed fp8 rows", got, recv.recv_x)
+        d = bit_diff("packed fp8 rows", got, recv.recv_x)
     else:
-        d = diff("recv_x", res.recv_x, recv.recv_x)
+        d = bit_diff("recv_x", res.recv_x, recv.recv_x)
     tpe = exp["layout"].tokens_per_expert[rank].to(torch.int32)
     for dd in (
         d,
-        diff("recv_weights", res.recv_weights, recv.recv_w),
-        diff("recv_src", res.recv_src, recv.recv_src),
-        diff("tokens_per_expert", res.tokens_per_expert, tpe),
+        bit_diff("recv_weights", res.recv_weights, recv.recv_w),
+        bit_diff("recv_src", res.recv_src, recv.recv_src),
+        bit_diff("tokens_per_expert", res.tokens_per_expert, tpe),
     ):
         if dd:
             found.append(f"{where}: {dd}")
     if check_scatter:
-        dd = diff("handle.scatter", res.handle.scatter, exp["layout"].scatter[rank].to(torch.int32))
+        dd = bit_diff("handle.scatter", res.handle.scatter, exp["layout"].scatter[rank].to(torch.int32))
         if dd:
             found.append(f"{where}: {dd}")
 
@@ -169,7 +156,7 @@ def compare_combines(found: list, where: str, rt, cfg: EpConfig, a2a_run: tuple,
     ya, yr = expert_rows(ra, rank, cfg, fp8), expert_rows(rr, rank, cfg, fp8)
     want = combine_expected(rt, cfg, ya, exp["eff"], w, exp["layout"].scatter[rank])
     for name, out in (("a2a", a2a.combine(ya, ra.handle)), ("reference", ref.combine(yr, rr.handle))):
-        dd = diff(f"{name} combine", out, want)
+        dd = bit_diff(f"{name} combine", out, want)
         if dd:
             found.append(f"{where}: {dd}")
     return want
@@ -201,12 +188,12 @@ def capacity_case(rt: Runtime, number: int, case: tuple) -> dict:
             at = ref.dispatch(x, idx, w, mode="atomic")
             eff_at = all_gather_objects(effective_topk_from_scatter(idx, at.handle.scatter), rt.cpu_group)
             found += [f"{where} atomic: {p}" for p in check_atomic_drops(eff_at, exp["eff"], cfg.num_experts)]
-            dd = diff("atomic combine", ref.combine(expert_rows(at, rank, cfg, False), at.handle), want)
+            dd = bit_diff("atomic combine", ref.combine(expert_rows(at, rank, cfg, False), at.handle), want)
             if dd:
                 found.append(f"{where}: {dd}")
             dropped_total += int(exp["dropped"].sum())
         for name, buf, scale in (("a2a", a2a, 1), ("reference", ref, 2)):  # ref dispatched twice a round
-            dd = diff(f"{name} dropped_rows", buf.dropped_rows(), expect_dropped * scale)
+            dd = bit_diff(f"{name} dropped_rows", buf.dropped_rows(), expect_dropped * scale)
             if dd:
                 found.append(dd)
             if bool(buf.dropped_rows().any()):
@@ -241,7 +228,7 @@ def capacity_raise(rt: Runtime) -> dict:
                 compare(found, name, exc.result, exp, rank, False, cfg)
                 y = expert_rows(exc.result, rank, cfg, False)
                 want = combine_expected(rt, cfg, y, exp["eff"], w, exp["layout"].scatter[rank])
-                dd = diff("combine after the raise", buf.combine(y, exc.result.handle), want)
+                dd = bit_diff("combine after the raise", buf.combine(y, exc.result.handle), want)
                 if dd:
                     found.append(dd)
             got["mismatches"] = found
@@ -281,10 +268,10 @@ def fp8_case(rt: Runtime, number: int, case: tuple) -> dict:
             kept = {f: getattr(ra, f).clone() for f in ("recv_weights", "recv_src", "tokens_per_expert")}
             plain = a2a.dispatch(x, idx, w, mode=mode)
             for f, v in kept.items():
-                dd = diff(f"non-fp8 {f}", getattr(plain, f), v)
+                dd = bit_diff(f"non-fp8 {f}", getattr(plain, f), v)
                 if dd:
                     found.append(f"{where}: {dd}")
-            dd = diff("non-fp8 handle.scatter", plain.handle.scatter, ra.handle.scatter)
+            dd = bit_diff("non-fp8 handle.scatter", plain.handle.scatter, ra.handle.scatter)
             if dd:
                 found.append(f"{where}: {dd}")
             if plain.recv_scales is not None or plain.recv_x.dtype != cfg.dtype:

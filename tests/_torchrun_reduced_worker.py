@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from _launch import exit_without_teardown, outcome  # tests/ is this script's sys.path[0]
+from _launch import bit_diff, exit_without_teardown, outcome  # tests/ is this script's sys.path[0]
 
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
@@ -51,17 +51,6 @@ CASES = [
     ("dropped-bf16-k4-el4-alldrop", "dropped", BF16, 4, 48, 4, (20, 9, 0, 14), 24, {"all_dropped": 1}),
     ("uniform-bf16-k2-el2-empty", "uniform", BF16, 2, 32, 2, (0, 0, 0, 0), 8, {}),
 ]  # fmt: skip
-
-
-def diff(name: str, a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """None if equal bit for bit (same dtype and shape), else a short description."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return f"{name}: {a.dtype} {list(a.shape)} vs {b.dtype} {list(b.shape)}"
-    if torch.equal(a, b):
-        return None
-    bad = a != b
-    first = torch.nonzero(bad)[0].tolist()
-    return f"{name}: {int(bad.sum())} of {a.numel()} elements differ (first at {first})"
 
 
 def run_case(rt: Runtime, number: int, case: tuple) -> dict:
@@ -110,7 +99,7 @@ def run_case(rt: Runtime, number: int, case: tuple) -> dict:
                 ("reference reduced", ref.combine(yr, rr.handle, algorithm="reduced"), want),
                 ("reference pull", ref.combine(yr, rr.handle, algorithm="pull"), want_pull),
             ):
-                d = diff(label, got, exp)
+                d = bit_diff(label, got, exp)
                 if d:
                     found.append(f"{where}: {d}")
     return {"name": name, "mismatches": found, "differs_from_pull": differs_from_pull,

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import worker_results
+from _launch import assert_cases_match, worker_results
 
 from cute_ep.a2a_backend import A2aDispatchHandle, A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
@@ -44,10 +44,7 @@ def ranks(request, tmp_path_factory) -> list[dict]:
 
 @needs_gloo
 def test_every_field_matches_the_reference_backend_bit_for_bit(ranks):
-    for r, res in enumerate(ranks):
-        assert len(res["cases"]) == 10
-        for case in res["cases"]:
-            assert case["mismatches"] == [], (r, case["name"], case["mismatches"])
+    assert_cases_match(ranks, 10)
 
 
 @needs_gloo

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import worker_results
+from _launch import assert_cases_match, worker_results
 
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
@@ -366,10 +366,7 @@ def ranks(request, tmp_path_factory) -> list[dict]:
 
 @needs_gloo
 def test_distributed_backends_match_the_effective_routing(ranks):
-    for r, res in enumerate(ranks):
-        assert len(res["cases"]) == 4
-        for case in res["cases"]:
-            assert case["mismatches"] == [], (r, case["name"], case["mismatches"])
+    assert_cases_match(ranks, 4)
     assert sum(c["dropped"] for c in ranks[0]["cases"]) > 50  # the cases do drop rows
 
 

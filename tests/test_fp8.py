@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import worker_results
+from _launch import assert_cases_match, worker_results
 
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
@@ -325,10 +325,7 @@ def ranks(request, tmp_path_factory) -> list[dict]:
 
 @needs_gloo
 def test_distributed_fp8_dispatch_delivers_the_senders_packed_rows(ranks):
-    for r, res in enumerate(ranks):
-        assert len(res["cases"]) == 4
-        for case in res["cases"]:
-            assert case["mismatches"] == [], (r, case["name"], case["mismatches"])
+    assert_cases_match(ranks, 4)
     assert sum(n for res in ranks for case in res["cases"] for n in case["num_recv"]) > 100
 
 

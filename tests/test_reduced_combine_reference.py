@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import worker_results
+from _launch import assert_cases_match, worker_results
 
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
@@ -354,10 +354,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 @needs_gloo
 def test_backends_match_reference_combine_reduced_bit_for_bit(ranks):
-    for r, res in enumerate(ranks):
-        assert len(res["cases"]) == 7
-        for case in res["cases"]:
-            assert case["mismatches"] == [], (r, case["name"], case["mismatches"])
+    assert_cases_match(ranks, 7)
 
 
 @needs_gloo
