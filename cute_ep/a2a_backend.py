@@ -8,7 +8,7 @@
 
 The fallback / baseline primitive: plain collectives on the runtime's process group (NCCL for CUDA
 tensors under the "nvshmem" runtime, gloo on the CPU), no symmetric memory, no custom kernels. Its
-results are bit-identical to :mod:`cute_ep.validators.reference` (and so to ``ReferenceEpBuffer`` and
+results are bit-identical to :mod:`cute_ep.reference` (and so to ``ReferenceEpBuffer`` and
 a correct ``EpBuffer``): the same expert-major receive layout, weights, source tags, counts and slots,
 and the same fp32 combine order.
 
@@ -31,7 +31,7 @@ with the split sizes swapped), and the source reduces in k order exactly as
 ``reference_combine``: ``acc = acc + (w * y.float())`` with the product its own fp32 op (no FMA),
 dropped pairs skipped, the cast to ``cfg.dtype`` at the end. That is the "pull" combine algorithm;
 with "reduced" (``cfg.combine_algorithm``, or ``combine(..., algorithm="reduced")`` on such a config)
-the same rows come back and the source applies ``validators.reference.combine_reduced_rows``: per
+the same rows come back and the source applies ``cute_ep.reference.combine_reduced_rows``: per
 (token, expert rank) sums rounded to ``cfg.dtype``, summed in the order of each rank's first k,
 bit-identical to ``reference_combine_reduced`` (what the GPU kernels compute with partial rows).
 
@@ -47,14 +47,14 @@ layout is computed from the gathered counts), so both modes give the reference l
 keeps the mode it was given.
 
 Expert capacity (``cfg.capacity_factor`` > 0): the gathered count rows say how many pairs every source
-keeps per expert (:func:`cute_ep.validators.capacity.kept_counts`: rank order, then (t, k) order), and
+keeps per expert (:func:`cute_ep.capacity.kept_counts`: rank order, then (t, k) order), and
 a source's kept pairs of an expert are its first ones in (t, k) order, so each rank drops its own
 pairs without seeing the others' routing. Dropped pairs get slot -1 and are skipped by combine; the
 drops are counted (``dropped_rows``) and, with ``cfg.on_overflow == "raise"``, raised after the
 result is complete (every rank computes the same counts, so every rank raises).
 
 FP8 (``dispatch(..., fp8=True)``): the sender quantizes its rows and packs them
-(:mod:`cute_ep.validators.fp8`), the all-to-all moves the packed uint8 rows, and the receiver's
+(:mod:`cute_ep.fp8`), the all-to-all moves the packed uint8 rows, and the receiver's
 ``recv_x`` (float8_e4m3fn) and ``recv_scales`` (fp32) are views of its packed receive rows.
 
 Errors: an invalid input on any rank raises on every rank (the rank at fault gets the shared
@@ -82,12 +82,12 @@ from cute_ep.buffer import (
     check_dispatch_options,
     resolve_combine_algorithm,
 )
+from cute_ep.capacity import kept_counts
+from cute_ep.collectives import all_gather_objects
+from cute_ep.fp8 import pack_fp8_rows, quantize_fp8
 from cute_ep.host_buffer import HostEpBuffer
 from cute_ep.kernels.config import COMBINE_ALGORITHMS, MODES, EpConfig
-from cute_ep.validators.capacity import kept_counts
-from cute_ep.validators.checks import all_gather_objects
-from cute_ep.validators.fp8 import pack_fp8_rows, quantize_fp8
-from cute_ep.validators.reference import combine_reduced_rows
+from cute_ep.reference import combine_reduced_rows
 
 __all__ = ["A2aDispatchHandle", "A2aEpBuffer"]
 

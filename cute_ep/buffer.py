@@ -293,7 +293,7 @@ class EpBuffer:
     def fp8_views(self, num_recv: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The received FP8 rows and scales after an FP8 dispatch: (q [n, H] float8_e4m3fn, scales
         [n, H / 128] fp32), strided views of ``fp8_packed_rows`` (rows ``cfg.fp8_row_bytes`` apart)."""
-        from cute_ep.validators.fp8 import unpack_fp8_rows
+        from cute_ep.fp8 import unpack_fp8_rows
 
         return unpack_fp8_rows(self.fp8_packed_rows(num_recv), self.cfg.hidden)
 
@@ -345,7 +345,7 @@ class EpBuffer:
         ``DispatchResult.handle`` of the dispatch whose rows y holds. algorithm (default
         ``cfg.combine_algorithm``; every rank passes the same):
           "pull":    out[t] = sum over k ascending of topk_weights[t, k] * y_owner[scatter[t, k]] (fp32,
-                     then cfg.dtype), bit-identical to ``validators.reference.reference_combine``; uses
+                     then cfg.dtype), bit-identical to ``cute_ep.reference.reference_combine``; uses
                      the handle's ids and weights (they may differ from the dispatch's, as in autograd).
           "reduced": each rank first sums a token's rows it holds (ascending k, weights as sent by the
                      dispatch) into one partial row rounded to cfg.dtype; the token's rank sums the
@@ -442,9 +442,9 @@ class EpBuffer:
     def _choose_algorithm(self, cache: Any = None, iters: int = 10, warmup: int = 3) -> str:
         """Time every dispatch primitive at cfg.max_tokens tokens (uniform routing, CUDA events around
         ``launch_dispatch``), gather every rank's medians and return the fastest (collective)."""
+        from cute_ep.collectives import all_gather_objects
+        from cute_ep.inputs import make_inputs
         from cute_ep.profiler import cached_choice, shape_key
-        from cute_ep.validators.checks import all_gather_objects
-        from cute_ep.validators.inputs import make_inputs
 
         c, group = self.cfg, self.runtime.cpu_group
         key = shape_key(self.runtime, c, c.max_tokens) + "|dispatch-primitive"

@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cute_ep.validators.checks import CheckResult, format_summary
-from cute_ep.validators.checks import all_gather_objects as all_gather
-from cute_ep.validators.checks import broadcast_from_root as broadcast_from_rank0
-from cute_ep.validators.reference import global_expert_of_rows
+from cute_ep.collectives import all_gather_objects as all_gather
+from cute_ep.collectives import broadcast_from_root as broadcast_from_rank0
+from cute_ep.reference import global_expert_of_rows
 
 if TYPE_CHECKING:
     from cute_ep.bootstrap.dist_env import DistEnv
@@ -48,7 +47,6 @@ __all__ = [
     "leave",
     "make_buffer",
     "print_run_error",
-    "report",
     "run_guarded",
     "runtime_backend",
     "script_main",
@@ -104,20 +102,6 @@ class Printer:
         if self.on:
             for line in lines:
                 print(line, flush=True)
-
-
-def report(result: CheckResult, name: str, group: Any, say: Printer) -> bool:
-    """Print the check's line on rank 0 and, if it failed, every failing rank's own message.
-
-    Collective when the check failed (the verdict is the same on every rank). Returns result.passed.
-    """
-    say(format_summary(result, name))
-    if not result.passed:  # the same on every rank, so the gather below is collective-safe
-        messages = all_gather(None if result.local_passed else result.message, group)
-        for r, m in enumerate(messages):
-            if m is not None:
-                say(f"    rank {r}: {m}")
-    return result.passed
 
 
 def expert_ids(res: Any, rank: int) -> torch.Tensor | None:

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cute_ep.buffer import capacity_error, check_buffer_config
+from cute_ep.fp8 import unpack_fp8_rows
 from cute_ep.kernels.config import EpConfig
-from cute_ep.validators.fp8 import unpack_fp8_rows
 
 __all__ = ["HostEpBuffer"]
 

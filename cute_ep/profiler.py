@@ -5,7 +5,7 @@
     print(format_table(choice))          # rank 0
     buf = choice.build(cfg)              # the winner's buffer
 
-Every candidate runs the same inputs (``validators.inputs.make_inputs``, this rank's seed) through
+Every candidate runs the same inputs (``cute_ep.inputs.make_inputs``, this rank's seed) through
 dispatch -> the test expert -> combine: first once to check it against the first candidate bit for
 bit (receive rows, slots, tokens per expert, combine output; the scatter-mode layout is the same on
 every backend), then ``warmup`` + ``iters`` timed times. A rank's time for a call is its median; a
@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
+from cute_ep.collectives import all_gather_objects, broadcast_from_root
+from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
-from cute_ep.validators.checks import all_gather_objects, broadcast_from_root
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import apply_test_expert, global_expert_of_rows
+from cute_ep.reference import apply_test_expert, global_expert_of_rows
 
 __all__ = ["CandidateResult", "ProfileCache", "ProfileResult", "choose", "format_table", "profile"]
 

@@ -9,7 +9,7 @@
 
 Every call all-gathers the inputs of all ranks (``all_gather_object`` on ``runtime.cpu_group``, or
 nothing in a world of one without a process group) and evaluates the pure-torch references of
-:mod:`cute_ep.validators.reference` for this rank. The results are the references themselves, so a
+:mod:`cute_ep.reference` for this rank. The results are the references themselves, so a
 run with this backend passes the checks by construction: it exists to exercise the whole flow of a
 script (arguments, launch, checks, baselines) without GPUs, and to make baselines on a CPU that a
 GPU run must match bit for bit.
@@ -20,12 +20,12 @@ source) group the rows are shuffled with a generator seeded by the number of dis
 slots where each (token, k) really went, so combine still finds its rows.
 
 Expert capacity (``cfg.capacity_factor`` > 0): the gathered routing is first reduced to the effective
-routing of :func:`cute_ep.validators.capacity.apply_expert_capacity` (both modes keep the same pairs);
+routing of :func:`cute_ep.capacity.apply_expert_capacity` (both modes keep the same pairs);
 dropped pairs get slot -1 in the handle and combine skips them. The drops are counted
 (``dropped_rows``) and, with ``cfg.on_overflow == "raise"``, raised after the result is complete.
 
 FP8 (``dispatch(..., fp8=True)``): every rank quantizes its own rows and gathers the packed rows
-(:mod:`cute_ep.validators.fp8`); the receiver gets e4m3 ``recv_x`` and fp32 ``recv_scales``.
+(:mod:`cute_ep.fp8`); the receiver gets e4m3 ``recv_x`` and fp32 ``recv_scales``.
 
 Combine algorithm (``cfg.combine_algorithm``, or ``combine(..., algorithm=...)``): "pull" evaluates
 ``reference_combine``, "reduced" ``reference_combine_reduced`` (allowed only on a "reduced" config).
@@ -51,12 +51,12 @@ from cute_ep.buffer import (
     check_dispatch_options,
     resolve_combine_algorithm,
 )
+from cute_ep.capacity import apply_expert_capacity, effective_topk_from_scatter
+from cute_ep.collectives import all_gather_objects
+from cute_ep.fp8 import pack_fp8_rows, quantize_fp8
 from cute_ep.host_buffer import HostEpBuffer
 from cute_ep.kernels.config import EpConfig
-from cute_ep.validators.capacity import apply_expert_capacity, effective_topk_from_scatter
-from cute_ep.validators.checks import all_gather_objects
-from cute_ep.validators.fp8 import pack_fp8_rows, quantize_fp8
-from cute_ep.validators.reference import (
+from cute_ep.reference import (
     COMBINE_REFERENCES,
     Layout,
     reference_dispatch_rank,

@@ -15,7 +15,7 @@ batches), so that all warps work; otherwise a part is the whole row.
 - then, 128 bits per lane at a time along the hidden dimension, the list is walked in groups of 8 (then
   4, then 1): a group's loads are all issued before the first is used (one remote load in flight per
   warp left combine latency-bound), and accumulated in fp32 in ascending k with separately rounded
-  multiply and add — the order of ``validators.reference.reference_combine``, so the result is
+  multiply and add — the order of ``cute_ep.reference.reference_combine``, so the result is
   bit-identical — and stored in the input dtype (``kernels.rowsum.weighted_sum_rows``).
 The last CTA to finish advances epochs[2].
 """

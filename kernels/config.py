@@ -30,9 +30,9 @@ DISPATCH_ALGORITHMS = {"dedup": ALGO_DEDUP, "per_pair": ALGO_PER_PAIR, "put_warp
 
 # Combine algorithms (run-time argument of the combine op): "pull" reads every (token, k) row from its
 # expert's rank and sums them on the token's rank in ascending k (bit-identical to
-# validators.reference.reference_combine); "reduced" sums a token's rows on each expert rank first
+# cute_ep.reference.reference_combine); "reduced" sums a token's rows on each expert rank first
 # (ascending k, rounded to the row dtype) and moves one partial row per (token, rank), summed on the
-# token's rank in the order of each rank's first kept k (validators.reference.reference_combine_reduced).
+# token's rank in the order of each rank's first kept k (cute_ep.reference.reference_combine_reduced).
 COMBINE_PULL = 0
 COMBINE_REDUCED = 1
 COMBINE_ALGORITHMS = {"pull": COMBINE_PULL, "reduced": COMBINE_REDUCED}

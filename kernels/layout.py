@@ -8,7 +8,7 @@ One CTA per rank (the work is a few histogram passes over T*K expert ids):
    call does not advance its epoch, so the host raises instead of hanging;
 3. expert-major offsets: the slot range of (dst rank d, local expert l, source s) starts at the sum of
    count[s'][d*El + l'] over (l', s') before (l, s) in l-major order — identical to
-   ``validators.reference.reference_layout``;
+   ``cute_ep.reference.reference_layout``;
 4. scatter slots: each warp walks its contiguous range of pairs in row-major order, 32 at a time; a
    lane's slot is its warp's running base for the expert plus the number of earlier lanes with the
    same expert (found with shuffles), so the order inside an (expert, source) group is the (t, k)

@@ -6,7 +6,7 @@ warp per (token, part of the row) (parts only when there are fewer tokens than w
 is local) lists the partial rows ``partials[t * R + d]`` of the ranks d holding at least one kept pair
 of the token, in the order of each rank's first kept k, and sums them in fp32 with weight 1
 (``weighted_sum_rows``: 1 * p is exact, so this is the plain fp32 sum in that order), then stores the
-row dtype — the order of ``validators.reference.reference_combine_reduced``. A token with no kept pair
+row dtype — the order of ``cute_ep.reference.reference_combine_reduced``. A token with no kept pair
 gets zeros. The last CTA to finish advances epochs[2].
 """
 

@@ -4,7 +4,7 @@ The row's H elements (H a multiple of FP8_BLOCK = 128) become a packed row of ``
 [H bytes of float8_e4m3fn | H / 128 fp32 scales | zero padding to a multiple of 16 bytes], which the
 dispatch kernel then moves like any other row (same-node peer stores, ``put_warp``, the fan-out).
 
-Per block of 128 columns, exactly as ``validators.fp8.quantize_fp8`` computes it in torch:
+Per block of 128 columns, exactly as ``cute_ep.fp8.quantize_fp8`` computes it in torch:
     amax  = max(max |x|, FP8_AMAX_FLOOR)
     scale = amax / 448          (IEEE division, rounded to nearest)
     inv   = 448 / amax          (a second division, not 1 / scale: two roundings would differ)

@@ -4,7 +4,7 @@ row and push it to the token's rank.
 Why: the pull combine moves every (token, k) row across the link. Summing a token's rows on the rank
 that holds them first moves one row per (token, rank) instead: with top-8 over 2 ranks, about 1 row per
 token crosses the link instead of 4. Each partial is rounded to the row dtype, so the result differs
-from the pull combine's by that rounding (``validators.reference.reference_combine_reduced`` is the
+from the pull combine's by that rounding (``cute_ep.reference.reference_combine_reduced`` is the
 bit-exact reference).
 
 Input: the groups dispatch recorded (kernels/dispatch.py, ``groups``): a received slot p whose

@@ -3,7 +3,7 @@ the reduced combine), so the three round identically.
 
 ``weighted_sum_rows``: a warp computes, for the 128-bit pieces [v_begin, v_end) of a row,
 dst = dtype(sum over i ascending of weight[i] * row_i) with fp32 products and sums rounded separately
-(``mul_rn``/``add_rn``: the order and roundings of ``validators.reference``), starting from +0.
+(``mul_rn``/``add_rn``: the order and roundings of ``cute_ep.reference``), starting from +0.
 
 Why it is shaped this way: a warp that loads one piece of one row, uses it and moves on waits a full
 memory latency per load, so the time goes to latency, not bandwidth. Each lane therefore works on

@@ -21,7 +21,7 @@ To run (one process per GPU; keep NVLink multicast off, as on the lent hosts):
 What is measured, for every routing (--routing), tokens per rank T (--tokens) and dispatch mode
 (--modes), with hidden H, top-k K, E experts (defaults: DeepSeek-V3's 7168, 8, 256) in --dtype:
     * One Runtime and ONE EpBuffer sized for the largest T serve the whole sweep (one compiled module).
-    * --input-sets deterministic input sets (validators.inputs.make_inputs, seeds --seed + j) live on
+    * --input-sets deterministic input sets (cute_ep.inputs.make_inputs, seeds --seed + j) live on
       the GPU and are rotated across iterations, so that the caches do not flatter repeated inputs.
     * T <= --validate-max-tokens: first one bit-exact round on input set 0 (dispatch layout, rows,
       weights, tags; a non-identity test expert; combine), checked on every rank; a mismatch aborts.
@@ -92,7 +92,7 @@ from typing import Any
 from cute_ep import bench_report as br  # pure Python + numpy: safe before parsing
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-ROUTING_CHOICES = ("uniform", "skewed", "dropped")  # validators.inputs.ROUTINGS (checked at run time)
+ROUTING_CHOICES = ("uniform", "skewed", "dropped")  # cute_ep.inputs.ROUTINGS (checked at run time)
 MODE_CHOICES = ("scatter", "atomic")  # kernels.config.MODES (checked at run time)
 DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 MAX_TOKENS_PER_RANK = 256 * 256  # make_inputs' limit
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--routing",
         default="uniform,skewed",
-        help=f"comma-separated routings of validators.inputs: {', '.join(ROUTING_CHOICES)}",
+        help=f"comma-separated routings of cute_ep.inputs: {', '.join(ROUTING_CHOICES)}",
     )
     p.add_argument(
         "--modes", default="scatter", help=f"comma-separated dispatch modes: {', '.join(MODE_CHOICES)}"
@@ -294,7 +294,7 @@ class InputSet:
     ) -> None:
         import torch
 
-        from cute_ep.validators.inputs import make_inputs
+        from cute_ep.inputs import make_inputs
 
         self.x, self.idx, self.w = make_inputs(
             rank, tokens, cfg.hidden, cfg.num_experts, cfg.topk, cfg.dtype, seed, routing=routing,
@@ -331,12 +331,12 @@ def exchange_splits(sets: list[InputSet], group: Any) -> None:
 def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag: str, say: Any,
                   fp8: bool = False, combines: tuple[str, ...] = ("pull",)) -> None:
     """Dispatch + test expert + combine on ``s``, checked bit for bit; raise CheckFailed on every rank.
-    fp8: the received packed rows against the senders' rows quantized by validators.fp8. combines: the
+    fp8: the received packed rows against the senders' rows quantized by cute_ep.fp8. combines: the
     combine algorithms to run and check on the dispatch's handle."""
-    from cute_ep.cli import expert_ids, report
-    from cute_ep.validators.checks import check_combine, check_dispatch, check_layout
-    from cute_ep.validators.fp8 import fp8_check_rows
-    from cute_ep.validators.reference import apply_test_expert
+    from cute_ep.cli import expert_ids
+    from cute_ep.fp8 import fp8_check_rows
+    from cute_ep.reference import apply_test_expert
+    from cute_ep.validators.checks import check_combine, check_dispatch, check_layout, report
 
     group, rank = runtime.cpu_group, runtime.env.rank
     lws = cfg.local_world_size
@@ -422,7 +422,7 @@ def measure(
     def nccl_fp8_dispatch() -> float:
         """NCCL moving the same rows packed as FP8 (quantized here, outside the timed region); once."""
         if not nccl_fp8:
-            from cute_ep.validators.fp8 import pack_fp8_rows, quantize_fp8
+            from cute_ep.fp8 import pack_fp8_rows, quantize_fp8
 
             packed = [pack_fp8_rows(*quantize_fp8(s.send), cfg.fp8_row_bytes) for s in sets]
             recv8 = torch.empty((recv.shape[0], cfg.fp8_row_bytes), dtype=torch.uint8, device=device)
@@ -562,8 +562,8 @@ def run(args: argparse.Namespace) -> int:
     from cute_ep.bootstrap.dist_env import DistEnv, DistEnvError
     from cute_ep.bootstrap.runtime import Runtime
     from cute_ep.cli import Printer, config_from_args, launch_rank, run_guarded
+    from cute_ep.inputs import ROUTINGS
     from cute_ep.kernels.config import MODES, ConfigError
-    from cute_ep.validators.inputs import ROUTINGS
 
     rank_hint = launch_rank()
     try:

@@ -2,7 +2,7 @@
 
 Every rank makes deterministic inputs (a function of the seed and its rank), dispatches its tokens to
 the ranks owning their top-k experts, applies a test expert (y = x * (expert + 1)) to the received
-rows, combines them back and checks every step against :mod:`cute_ep.validators.reference`.
+rows, combines them back and checks every step against :mod:`cute_ep.reference`.
 
 To run:
     # 4 GPUs of one host (backend "cute": the CuTe DSL kernels on NVSHMEM)
@@ -89,12 +89,14 @@ from cute_ep.cli import (
     expert_ids,
     leave,
     make_buffer,
-    report,
     runtime_backend,
     script_main,
     world_banner,
 )
+from cute_ep.fp8 import fp8_check_rows
+from cute_ep.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
 from cute_ep.kernels.config import MODES, EpConfig
+from cute_ep.reference import apply_test_expert
 from cute_ep.validators.baseline import (
     BaselineConfigError,
     BaselineFormatError,
@@ -104,10 +106,13 @@ from cute_ep.validators.baseline import (
     make_baseline,
     save_baseline,
 )
-from cute_ep.validators.checks import check_capacity_drops, check_combine, check_dispatch, check_layout
-from cute_ep.validators.fp8 import fp8_check_rows
-from cute_ep.validators.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
-from cute_ep.validators.reference import apply_test_expert
+from cute_ep.validators.checks import (
+    check_capacity_drops,
+    check_combine,
+    check_dispatch,
+    check_layout,
+    report,
+)
 
 MAX_TOKENS_PER_RANK = 256 * 256  # make_inputs writes the token id into two bf16-exact columns
 BASELINE_MODE = "scatter"  # the only mode with a deterministic receive order

@@ -60,9 +60,9 @@ tokens whose row differs in any bit from the reference combine of the expert out
 
 With --capacity-factor every check runs on the routing left after the drops, and a "capacity" check
 compares the buffer's per-expert drop counts (and, in scatter mode, exactly which pairs were dropped;
-in atomic mode how many per (expert, source)) with validators.capacity. With --fp8 the received rows
+in atomic mode how many per (expert, source)) with cute_ep.capacity. With --fp8 the received rows
 are compared as packed rows (e4m3 values, fp32 scales, padding) with the senders' rows quantized by
-validators.fp8, and the test expert runs on the dequantized rows.
+cute_ep.fp8, and the test expert runs on the dequantized rows.
 
 Digest: SHA-256 over every scatter-mode iteration, per rank, of (iteration, tokens, rows received),
 recv_x[:num_recv] (the packed rows with --fp8), recv_weights, recv_src, tokens_per_expert and the
@@ -121,26 +121,26 @@ from cute_ep.cli import (
     exit_process,
     expert_ids,
     make_buffer,
-    report,
     runtime_backend,
     script_main,
     world_banner,
 )
+from cute_ep.fp8 import fp8_check_rows
+from cute_ep.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
 from cute_ep.kernels.config import MODES, EpConfig
+from cute_ep.reference import (
+    COMBINE_REFERENCES,
+    apply_test_expert,
+    reference_dispatch_rank,
+    reference_layout,
+)
 from cute_ep.validators.checks import (
     CheckResult,
     check_capacity_drops,
     check_combine,
     check_dispatch,
     check_layout,
-)
-from cute_ep.validators.fp8 import fp8_check_rows
-from cute_ep.validators.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
-from cute_ep.validators.reference import (
-    COMBINE_REFERENCES,
-    apply_test_expert,
-    reference_dispatch_rank,
-    reference_layout,
+    report,
 )
 
 MODE_CHOICES = tuple(MODES)

@@ -26,12 +26,12 @@ from cute_ep.a2a_backend import A2aDispatchHandle, A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
 from cute_ep.buffer import DispatchHandle
+from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
+from cute_ep.reference import apply_test_expert, global_expert_of_rows
 from cute_ep.reference_backend import ReferenceEpBuffer
 from cute_ep.validators.autograd_checks import gradient_check
 from cute_ep.validators.checks import check_combine, check_dispatch, check_layout
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import apply_test_expert, global_expert_of_rows
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

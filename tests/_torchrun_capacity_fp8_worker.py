@@ -27,19 +27,19 @@ from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
 from cute_ep.buffer import CapacityExceeded
+from cute_ep.capacity import apply_expert_capacity, check_atomic_drops, effective_topk_from_scatter
+from cute_ep.collectives import all_gather_objects
+from cute_ep.fp8 import dequantize_fp8, pack_fp8_rows, quantize_fp8
+from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
-from cute_ep.reference_backend import ReferenceEpBuffer
-from cute_ep.validators.capacity import apply_expert_capacity, check_atomic_drops, effective_topk_from_scatter
-from cute_ep.validators.checks import all_gather_objects
-from cute_ep.validators.fp8 import dequantize_fp8, pack_fp8_rows, quantize_fp8
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import (
+from cute_ep.reference import (
     apply_test_expert,
     global_expert_of_rows,
     reference_combine,
     reference_dispatch_rank,
     reference_layout,
 )
+from cute_ep.reference_backend import ReferenceEpBuffer
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 FIELDS = ("recv_x", "recv_weights", "recv_src", "tokens_per_expert")

@@ -20,15 +20,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cute_ep.validators.checks import check_combine, check_dispatch, format_summary
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import (
+from cute_ep.inputs import make_inputs
+from cute_ep.reference import (
     reference_combine,
     reference_dispatch,
     reference_expert_outputs,
     reference_layout,
     unpack_source,
 )
+from cute_ep.validators.checks import check_combine, check_dispatch, format_summary
 
 LOCAL_WORLD_SIZE = 2
 EXPERTS, TOPK, HIDDEN, SEED = 8, 3, 24, 5

@@ -26,17 +26,17 @@ from _launch import bit_diff, exit_without_teardown, outcome  # tests/ is this s
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
+from cute_ep.capacity import effective_topk_from_scatter
+from cute_ep.collectives import all_gather_objects
+from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
-from cute_ep.reference_backend import ReferenceEpBuffer
-from cute_ep.validators.capacity import effective_topk_from_scatter
-from cute_ep.validators.checks import all_gather_objects
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import (
+from cute_ep.reference import (
     apply_test_expert,
     global_expert_of_rows,
     reference_combine,
     reference_combine_reduced,
 )
+from cute_ep.reference_backend import ReferenceEpBuffer
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

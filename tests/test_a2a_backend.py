@@ -21,11 +21,11 @@ from _launch import assert_cases_match, worker_results
 from cute_ep.a2a_backend import A2aDispatchHandle, A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.buffer import DispatchHandle
+from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
+from cute_ep.reference import apply_test_expert, global_expert_of_rows
 from cute_ep.reference_backend import ReferenceEpBuffer
 from cute_ep.validators.checks import check_combine, check_dispatch, check_layout
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import apply_test_expert, global_expert_of_rows
 
 WORKER = Path(__file__).with_name("_torchrun_a2a_worker.py")
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")

@@ -15,9 +15,7 @@ from _launch import assert_cases_match, worker_results
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.buffer import CapacityExceeded, capacity_error
-from cute_ep.kernels.config import ConfigError, EpConfig
-from cute_ep.reference_backend import ReferenceEpBuffer
-from cute_ep.validators.capacity import (
+from cute_ep.capacity import (
     apply_expert_capacity,
     capacity_keep,
     check_atomic_drops,
@@ -25,14 +23,16 @@ from cute_ep.validators.capacity import (
     expert_counts,
     kept_counts,
 )
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import (
+from cute_ep.inputs import make_inputs
+from cute_ep.kernels.config import ConfigError, EpConfig
+from cute_ep.reference import (
     apply_test_expert,
     global_expert_of_rows,
     reference_combine,
     reference_dispatch_rank,
     reference_layout,
 )
+from cute_ep.reference_backend import ReferenceEpBuffer
 
 WORKER = Path(__file__).with_name("_torchrun_capacity_fp8_worker.py")
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
@@ -389,7 +389,7 @@ def test_distributed_raise_is_the_same_on_every_rank(ranks):
 
 
 def _one_rank_case():
-    from cute_ep.validators.reference import reference_layout
+    from cute_ep.reference import reference_layout
 
     idx = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]], dtype=torch.int32)  # expert 0 gets 4 pairs
     eff, dropped = apply_expert_capacity([idx], 4, 2)

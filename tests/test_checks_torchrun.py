@@ -13,14 +13,14 @@ import torch
 import torch.distributed as dist
 from _launch import worker_results
 
-from cute_ep.validators.checks import check_combine, check_dispatch, format_summary
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import (
+from cute_ep.inputs import make_inputs
+from cute_ep.reference import (
     reference_combine,
     reference_dispatch,
     reference_expert_outputs,
     reference_layout,
 )
+from cute_ep.validators.checks import check_combine, check_dispatch, format_summary
 
 WORLD = 4
 WORKER = Path(__file__).with_name("_torchrun_checks_worker.py")

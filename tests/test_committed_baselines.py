@@ -3,7 +3,7 @@
 Each baselines/*.npz holds every rank's inputs and outputs of one run of
 scripts/dispatch_and_combine.py (scatter mode, first iteration). Here the inputs are regenerated from
 the recorded seed and configuration, and layout, dispatch, the test expert and combine are recomputed
-with cute_ep.validators.reference; every stored array must match exactly.
+with cute_ep.reference; every stored array must match exactly.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from cute_ep.validators.baseline import load_baseline
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import (
+from cute_ep.inputs import make_inputs
+from cute_ep.reference import (
     reference_combine,
     reference_dispatch,
     reference_expert_outputs,
     reference_layout,
 )
+from cute_ep.validators.baseline import load_baseline
 
 BASELINES = sorted((Path(__file__).resolve().parents[1] / "baselines").glob("*.npz"))
 

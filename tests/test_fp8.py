@@ -16,18 +16,18 @@ from _launch import assert_cases_match, worker_results
 
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
+from cute_ep.capacity import apply_expert_capacity
+from cute_ep.fp8 import dequantize_fp8, fp8_row_bytes, pack_fp8_rows, quantize_fp8, unpack_fp8_rows
+from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
-from cute_ep.reference_backend import ReferenceEpBuffer
-from cute_ep.validators.capacity import apply_expert_capacity
-from cute_ep.validators.fp8 import dequantize_fp8, fp8_row_bytes, pack_fp8_rows, quantize_fp8, unpack_fp8_rows
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import (
+from cute_ep.reference import (
     apply_test_expert,
     global_expert_of_rows,
     reference_combine,
     reference_dispatch_rank,
     reference_layout,
 )
+from cute_ep.reference_backend import ReferenceEpBuffer
 
 WORKER = Path(__file__).with_name("_torchrun_capacity_fp8_worker.py")
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")

@@ -124,7 +124,7 @@ def test_dispatch_has_the_atomic_slot_path(compiled_ptx):
 def test_dispatch_quantizes_fp8_like_the_reference(compiled_ptx):
     """FP8 dispatch (kernels/quantize.py): e4m3 conversion with rounding to nearest and saturation,
     true IEEE divisions for scale and inverse (an approximate reciprocal would break bit-identity with
-    validators.fp8), a butterfly max inside each 128-column block, and no fused multiply-add."""
+    cute_ep.fp8), a butterfly max inside each 128-column block, and no fused multiply-add."""
     _, ptx = compiled_ptx
     text = _kernels(ptx)["Dispatch"]
     assert "cvt.rn.satfinite.e4m3x2.f32" in text

@@ -21,10 +21,10 @@ import torch.distributed as dist
 from _launch import REPO, launch_ranks, run_single, torchrun
 
 from cute_ep.bootstrap.dist_env import DistEnv
+from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import ConfigError, EpConfig
+from cute_ep.reference import reference_layout
 from cute_ep.reference_backend import ReferenceEpBuffer
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import reference_layout
 
 SCRIPT = REPO / "scripts" / "dispatch_and_combine.py"
 TIMEOUT = 120

@@ -1,4 +1,4 @@
-"""The "reduced" combine: validators.reference.reference_combine_reduced / combine_reduced_rows, and the
+"""The "reduced" combine: cute_ep.reference.reference_combine_reduced / combine_reduced_rows, and the
 host backends' ``combine(..., algorithm=...)`` under ``EpConfig(combine_algorithm="reduced")``.
 
 Reduced: per (token, expert rank) group, the pull formula of reference_combine over the group's k
@@ -22,10 +22,9 @@ from _launch import assert_cases_match, worker_results
 
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
+from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
-from cute_ep.reference_backend import ReferenceEpBuffer, resolve_combine_algorithm
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import (
+from cute_ep.reference import (
     apply_test_expert,
     combine_reduced_rows,
     global_expert_of_rows,
@@ -35,6 +34,7 @@ from cute_ep.validators.reference import (
     reference_expert_outputs,
     reference_layout,
 )
+from cute_ep.reference_backend import ReferenceEpBuffer, resolve_combine_algorithm
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 WORKER = Path(__file__).with_name("_torchrun_reduced_worker.py")

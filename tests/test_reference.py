@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from cute_ep.validators.inputs import decode_sender, make_inputs, sender_check_ok
-from cute_ep.validators.reference import (
+from cute_ep.inputs import decode_sender, make_inputs, sender_check_ok
+from cute_ep.reference import (
     INT32_MAX,
     apply_test_expert,
     global_expert_of_rows,

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cute_ep.replication import ReplicaMap
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import (
+from cute_ep.inputs import make_inputs
+from cute_ep.reference import (
     apply_test_expert,
     global_expert_of_rows,
     reference_combine,
     reference_dispatch,
     reference_layout,
 )
+from cute_ep.replication import ReplicaMap
 
 R, E, K, H, T = 4, 32, 4, 64, 256
 

@@ -26,10 +26,10 @@ import torch.distributed as dist
 from _launch import REPO, run_single, torchrun
 
 from cute_ep.bootstrap.dist_env import DistEnv
+from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
+from cute_ep.reference import apply_test_expert, global_expert_of_rows
 from cute_ep.reference_backend import ReferenceEpBuffer
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import apply_test_expert, global_expert_of_rows
 
 SCRIPT = REPO / "scripts" / "soak.py"
 TIMEOUT = 120

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from cute_ep import autograd as ep
+from cute_ep.collectives import all_gather_objects
 from cute_ep.kernels.config import EpConfig
-from cute_ep.validators.checks import all_gather_objects
-from cute_ep.validators.reference import local_expert_of_rows
+from cute_ep.reference import local_expert_of_rows
 
 __all__ = ["gradient_check", "train"]
 

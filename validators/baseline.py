@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cute_ep._version import git_sha, package_versions
-from cute_ep.validators.checks import broadcast_from_root, world_of
+from cute_ep.collectives import broadcast_from_root, world_of
 
 __all__ = [
     "IDENTITY_KEYS",

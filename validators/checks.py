@@ -2,7 +2,7 @@
 
 Every rank passes its own inputs and its own output buffers; the inputs (and, for combine, the expert
 outputs) are all-gathered to CPU, each rank computes the reference for itself with
-:mod:`cute_ep.validators.reference`, and compares bit for bit. The verdict is reduced over all ranks
+:mod:`cute_ep.reference`, and compares bit for bit. The verdict is reduced over all ranks
 (all_reduce MIN) so that one failing rank cannot leave the others passing, and errors while comparing
 are turned into failures instead of exceptions so that no rank skips the final collective (which
 would hang the others).
@@ -13,7 +13,7 @@ an initialised process group, world size 1 is assumed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cute_ep.bootstrap.dist_env import ROUTE_CLASSES, possible_route_classes, route_class
-from cute_ep.validators.reference import (
+from cute_ep.collectives import all_gather_objects, collective_device, world_of
+from cute_ep.reference import (
     COMBINE_REFERENCES,
     Layout,
     pack_source,
@@ -38,6 +39,7 @@ __all__ = [
     "check_dispatch",
     "check_layout",
     "format_summary",
+    "report",
     "route_counts_of",
 ]
 
@@ -65,52 +67,10 @@ class CheckResult:
     failed_ranks: list[int] = field(default_factory=list)
 
 
-# --------------------------------------------------------------------------------------------
-# Collective helpers (group=None and no initialised process group: world of 1)
-# --------------------------------------------------------------------------------------------
-
-
-def world_of(group: Any) -> tuple[int, int]:
-    """(rank, world size) in ``group``; (0, 1) without an initialised process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise RuntimeError("a process group was given but torch.distributed is not initialised")
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _collective_device(group: Any) -> torch.device:
-    # A pure NCCL group cannot reduce CPU tensors; mixed "cpu:gloo,cuda:nccl" and gloo can.
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_gather_objects(obj: Any, group: Any) -> list[Any]:
-    """Every rank's ``obj`` (picklable), in rank order, on every rank of ``group`` (collective);
-    ``[obj]`` without an initialised process group."""
-    _, world = world_of(group)
-    if world == 1 and not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def broadcast_from_root(obj: Any, group: Any) -> Any:
-    """The ``obj`` of ``group``'s rank 0 (a value or an exception) on every rank (collective);
-    ``obj`` itself without an initialised process group."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
-    return box[0]
-
-
 def _reduce_verdict(local_ok: bool, group: Any) -> list[int]:
     """Failing ranks, known on every rank: one all_reduce MIN over a per-rank flag vector."""
     rank, world = world_of(group)
-    flags = torch.ones(world, dtype=torch.int32, device=_collective_device(group))
+    flags = torch.ones(world, dtype=torch.int32, device=collective_device(group))
     flags[rank] = int(local_ok)
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
@@ -130,7 +90,7 @@ def route_counts_of(layout: Layout, local_world_size: int) -> dict[str, int]:
     """Non-dropped pairs per route class (source rank -> expert owner), over all ranks.
 
     Args:
-        layout: the routing's :class:`~cute_ep.validators.reference.Layout`.
+        layout: the routing's :class:`~cute_ep.reference.Layout`.
         local_world_size: L, ranks per (possibly virtual) node.
 
     Returns:
@@ -367,7 +327,7 @@ def check_capacity_drops(
 ) -> tuple[CheckResult, Tensor]:
     """Check a dispatch's capacity drops and return this rank's routing after them (collective).
 
-    Every rank of ``group`` must call it with its own tensors. The rule (validators.capacity): each
+    Every rank of ``group`` must call it with its own tensors. The rule (cute_ep.capacity): each
     expert keeps its first ``expert_capacity`` pairs, sources in rank order, each source's in (t, k)
     order. Checked: the per-expert drop counts the buffer reported equal the rule's (the same on every
     rank); ordered (scatter mode): exactly the rule's pairs were dropped (slot -1); not ordered (atomic
@@ -387,7 +347,7 @@ def check_capacity_drops(
         and device) with every pair this dispatch dropped set to -1: pass it to check_layout,
         check_dispatch and check_combine in place of topk_idx.
     """
-    from cute_ep.validators.capacity import (
+    from cute_ep.capacity import (
         apply_expert_capacity,
         check_atomic_drops,
         effective_topk_from_scatter,
@@ -670,3 +630,18 @@ def format_summary(result: CheckResult, name: str) -> str:
     if not result.passed:
         line += f" -- {result.message}"
     return line
+
+
+def report(result: CheckResult, name: str, group: Any, say: Callable[[str], None]) -> bool:
+    """Print the check's line with ``say`` (e.g. ``cute_ep.cli.Printer``: rank 0 only) and, if it
+    failed, every failing rank's own message.
+
+    Collective when the check failed (the verdict is the same on every rank). Returns result.passed.
+    """
+    say(format_summary(result, name))
+    if not result.passed:  # the same on every rank, so the gather below is collective-safe
+        messages = all_gather_objects(None if result.local_passed else result.message, group)
+        for r, m in enumerate(messages):
+            if m is not None:
+                say(f"    rank {r}: {m}")
+    return result.passed

@@ -9,7 +9,7 @@ them through ``dropped_rows``, "raise" raises ``CapacityExceeded`` on every rank
 result.
 
 FP8: the received packed rows (e4m3 values, fp32 scales, zero padding) must equal the senders' rows
-quantized by ``validators.fp8`` byte for byte, in both modes and with capacity drops; combine of the
+quantized by ``cute_ep.fp8`` byte for byte, in both modes and with capacity drops; combine of the
 dequantized rows through a non-identity expert is checked against the reference as usual.
 """
 
@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from cute_ep.buffer import CapacityExceeded, EpBuffer
+from cute_ep.capacity import apply_expert_capacity, check_atomic_drops, effective_topk_from_scatter
+from cute_ep.fp8 import dequantize_fp8, pack_fp8_rows, quantize_fp8
+from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
-from cute_ep.validators.capacity import apply_expert_capacity, check_atomic_drops, effective_topk_from_scatter
+from cute_ep.reference import apply_test_expert, global_expert_of_rows, reference_layout
 from cute_ep.validators.checks import check_combine, check_dispatch
-from cute_ep.validators.fp8 import dequantize_fp8, pack_fp8_rows, quantize_fp8
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import apply_test_expert, global_expert_of_rows, reference_layout
 
 pytestmark = pytest.mark.gpu
 

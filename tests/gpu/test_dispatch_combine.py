@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from cute_ep.buffer import EpBuffer
+from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
+from cute_ep.reference import apply_test_expert, global_expert_of_rows, reference_layout
 from cute_ep.validators.checks import check_combine, check_dispatch
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import apply_test_expert, global_expert_of_rows, reference_layout
 
 pytestmark = pytest.mark.gpu
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from cute_ep.buffer import EpBuffer, PeerTimeout
+from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import OP_LAYOUT, EpConfig
-from cute_ep.validators.inputs import make_inputs
 
 pytestmark = pytest.mark.gpu
 

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from cute_ep.buffer import EpBuffer
+from cute_ep.capacity import apply_expert_capacity, effective_topk_from_scatter
+from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
-from cute_ep.validators.capacity import apply_expert_capacity, effective_topk_from_scatter
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import (
+from cute_ep.reference import (
     apply_test_expert,
     global_expert_of_rows,
     reference_combine,

@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.buffer import EpBuffer
+from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
 from cute_ep.profiler import ProfileCache, choose
+from cute_ep.reference import apply_test_expert, global_expert_of_rows
 from cute_ep.replication import ReplicaMap
-from cute_ep.validators.inputs import make_inputs
-from cute_ep.validators.reference import apply_test_expert, global_expert_of_rows
 
 pytestmark = pytest.mark.gpu
 

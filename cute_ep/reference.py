@@ -28,7 +28,7 @@ from torch import Tensor
 __all__ = [
     "COMBINE_REFERENCES",
     "INT32_MAX",
-    "DispatchResult",
+    "ExpectedRecv",
     "Layout",
     "apply_test_expert",
     "combine_reduced_rows",
@@ -297,7 +297,7 @@ def reference_layout(topk_idx: Sequence[Tensor], num_experts: int) -> Layout:
 
 
 @dataclass
-class DispatchResult:
+class ExpectedRecv:
     """Expected receive buffers of one destination rank (exactly num_recv rows, no tail).
 
     Attributes:
@@ -358,7 +358,7 @@ def reference_dispatch_rank(
     layout: Layout,
     max_tokens: int,
     dst: int,
-) -> DispatchResult:
+) -> ExpectedRecv:
     """Expected receive buffers of destination rank ``dst`` (see :func:`reference_dispatch`)."""
     _validate_dispatch_inputs(x, topk_idx, topk_weights, layout, max_tokens)
     if not 0 <= dst < layout.world_size:
@@ -383,7 +383,7 @@ def reference_dispatch_rank(
         recv_x[slot] = x[s][tok.to(x[s].device)].to(device)
         recv_w[slot] = topk_weights[s].reshape(-1)[pair.to(topk_weights[s].device)].to(device)
         recv_src[slot] = pack_source(torch.full_like(tok, s), tok, kk, max_tokens, k_total).to(device)
-    return DispatchResult(recv_x=recv_x, recv_w=recv_w, recv_src=recv_src)
+    return ExpectedRecv(recv_x=recv_x, recv_w=recv_w, recv_src=recv_src)
 
 
 def reference_dispatch(
@@ -392,7 +392,7 @@ def reference_dispatch(
     topk_weights: Sequence[Tensor],
     layout: Layout,
     max_tokens: int,
-) -> list[DispatchResult]:
+) -> list[ExpectedRecv]:
     """Expected receive buffers of every destination rank.
 
     Args:
@@ -403,7 +403,7 @@ def reference_dispatch(
         max_tokens: M, the most tokens per rank (>= every T_s); used for the source tags.
 
     Returns:
-        One :class:`DispatchResult` per destination rank d with recv_x [num_recv_d, H] (x's dtype),
+        One :class:`ExpectedRecv` per destination rank d with recv_x [num_recv_d, H] (x's dtype),
         recv_w [num_recv_d] float32, recv_src [num_recv_d] int32.
     """
     return [
@@ -467,11 +467,11 @@ def global_expert_of_rows(tokens_per_expert: Tensor, rank: int) -> Tensor:
     return rank * tokens_per_expert.numel() + local_expert_of_rows(tokens_per_expert)
 
 
-def reference_expert_outputs(dispatched: Sequence[DispatchResult], layout: Layout) -> list[Tensor]:
+def reference_expert_outputs(dispatched: Sequence[ExpectedRecv], layout: Layout) -> list[Tensor]:
     """Apply :func:`apply_test_expert` to every rank's expected receive rows.
 
     Args:
-        dispatched: per destination rank, its :class:`DispatchResult`.
+        dispatched: per destination rank, its :class:`ExpectedRecv`.
         layout: the routing's :class:`Layout`.
 
     Returns:
