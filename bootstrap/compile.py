@@ -14,8 +14,8 @@ registration with a bound on how many are alive, and a CPU mode that compiles fo
   few ms) instead of compiling again (tens of seconds per dtype, NVSHMEM's device library is linked
   in). Files are named by the key and a fingerprint of everything that shapes the code: the kernel
   sources, the DSL and nvshmem4py versions and the target architecture, so a stale file is never
-  loaded. Loading a cached module on a GPU host (and registering it with NVSHMEM) has not been run
-  yet: the cache is off unless asked for.
+  loaded. Verified on 2x H200: object files compiled on a CPU-only host by ``scripts/precompile.py``
+  were loaded and registered there (``EpBuffer ready in 2.0-2.8 s``). The cache is off unless asked for.
 """
 
 from __future__ import annotations

@@ -2,15 +2,16 @@
 
 The front door (imported on first use, so ``import cute_ep`` stays light):
   cute_ep.EpConfig, cute_ep.EpBuffer, cute_ep.DispatchResult, cute_ep.DispatchHandle,
-  cute_ep.PeerTimeout, cute_ep.CapacityExceeded, cute_ep.KernelDidNotRun,
+  cute_ep.EpBackend (the interface the three backends implement, cute_ep/api.py),
+  cute_ep.PeerTimeout, cute_ep.CapacityExceeded, cute_ep.KernelDidNotRun, cute_ep.ConfigError,
   cute_ep.ReferenceEpBuffer (same API on the CPU),
   cute_ep.A2aEpBuffer (same API on all_to_all_single: NCCL or gloo),
   cute_ep.ReplicaMap (hot-expert replication), cute_ep.autograd (differentiable dispatch / combine).
 
 Subpackages (installed from the top-level folders of the repository):
   cute_ep.bootstrap   -- launcher environment, torch.distributed + NVSHMEM init, kernel compile cache
-  cute_ep.kernels     -- the CuTe DSL kernels (layout, dispatch, fan-out, combine)
-  cute_ep.validators  -- torch references, distributed checks, .npz baselines
+  cute_ep.kernels     -- the CuTe DSL kernels (layout, dispatch, fan-out, combine) and the table of buffers
+  cute_ep.validators  -- distributed checks against the torch references (cute_ep.reference), .npz baselines
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from cute_ep._version import __version__
 _EXPORTS = {
     "EpConfig": "cute_ep.kernels.config",
     "EpBuffer": "cute_ep.buffer",
-    "DispatchResult": "cute_ep.buffer",
-    "DispatchHandle": "cute_ep.buffer",
-    "PeerTimeout": "cute_ep.buffer",
-    "CapacityExceeded": "cute_ep.buffer",
-    "KernelDidNotRun": "cute_ep.buffer",
+    "EpBackend": "cute_ep.api",
+    "DispatchResult": "cute_ep.api",
+    "DispatchHandle": "cute_ep.api",
+    "PeerTimeout": "cute_ep.status",
+    "CapacityExceeded": "cute_ep.status",
+    "KernelDidNotRun": "cute_ep.status",
+    "ConfigError": "cute_ep.kernels.config",
     "ReferenceEpBuffer": "cute_ep.reference_backend",
     "A2aEpBuffer": "cute_ep.a2a_backend",
     "ReplicaMap": "cute_ep.replication",

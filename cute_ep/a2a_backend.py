@@ -74,18 +74,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cute_ep.buffer import (
-    DispatchHandle,
-    DispatchResult,
-    check_combine_input,
-    check_dispatch_inputs,
-    check_dispatch_options,
-    resolve_combine_algorithm,
-)
+from cute_ep.api import DispatchHandle, DispatchResult
 from cute_ep.capacity import kept_counts
 from cute_ep.collectives import all_gather_objects
 from cute_ep.fp8 import pack_fp8_rows, quantize_fp8
 from cute_ep.host_buffer import HostEpBuffer
+from cute_ep.input_checks import (
+    check_combine_input,
+    check_dispatch_algorithm,
+    check_dispatch_inputs,
+    check_dispatch_options,
+    resolve_combine_algorithm,
+)
 from cute_ep.kernels.config import COMBINE_ALGORITHMS, MODES, EpConfig
 from cute_ep.reference import combine_reduced_rows
 
@@ -157,18 +157,19 @@ class A2aEpBuffer(HostEpBuffer):
 
     # -- public API ------------------------------------------------------------------------------
 
-    def dispatch(
-        self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter", fp8: bool = False
-    ) -> DispatchResult:
-        """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (see EpBuffer.dispatch).
+    def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter",
+                 fp8: bool = False, algorithm: str | None = None) -> DispatchResult:
+        """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (arguments:
+        ``cute_ep.api.EpBackend.dispatch``).
 
-        x [T, H] cfg.dtype, topk_idx [T, K] int32/int64 in [-1, E), topk_weights [T, K] fp32, on this
-        rank's device. mode "scatter" | "atomic"; fp8: send block-scaled e4m3 rows (H % 128 == 0, the
-        same flag on every rank). Returns a ``cute_ep.buffer.DispatchResult`` whose handle is an
-        ``A2aDispatchHandle``; recv_x / recv_weights / recv_src (and recv_scales with fp8) are views
-        valid until the next dispatch. Collective: every rank calls it; invalid inputs on any rank raise
-        on every rank. Rows dropped beyond ``cfg.expert_capacity`` raise ``CapacityExceeded`` (carrying
-        the result) if ``cfg.on_overflow == "raise"``.
+        x [T, H] cfg.dtype, topk_idx [T, K] int32/int64 in [-1, E), topk_weights [T, K] fp32, on this rank's
+        device. mode "scatter" | "atomic"; fp8: send block-scaled e4m3 rows (H % 128 == 0, the same flag on
+        every rank); algorithm: a GPU dispatch primitive's name, checked and otherwise ignored (primitives
+        differ only in how rows travel). Returns a ``cute_ep.api.DispatchResult`` whose handle is an
+        ``A2aDispatchHandle``; recv_x / recv_weights / recv_src (and recv_scales with fp8) are views valid
+        until the next dispatch. Collective: every rank calls it; invalid inputs on any rank raise on every
+        rank. Rows dropped beyond ``cfg.expert_capacity`` raise ``CapacityExceeded`` (carrying the result) if
+        ``cfg.on_overflow == "raise"``.
         """
         self._check_open()
         c = self.cfg
@@ -177,6 +178,7 @@ class A2aEpBuffer(HostEpBuffer):
         error: BaseException | None = None
         try:
             check_dispatch_options(c, mode, fp8)
+            check_dispatch_algorithm(algorithm)  # a GPU primitive: the same result, so nothing to imitate
             x, idx, w = check_dispatch_inputs(c, dev, x, topk_idx, topk_weights)
             idx = idx.clone()  # the handle owns its routing: later edits by the caller change nothing
             w = w.clone()

@@ -29,7 +29,7 @@ not differentiable here (the forward rows are quantized). Every combine here is 
 also on a buffer built for the reduced one: its weights (and, in the backward, its ids) are not the
 ones the dispatch sent.
 
-Cost of a backward: combine's is one dispatch plus K + 1 combines, dispatch's one combine. A fused
+Cost of a backward: combine's is one dispatch plus K combines, dispatch's one combine. A fused
 backward kernel (one pass for grad_y and grad_w) is the obvious next step.
 """
 
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cute_ep.buffer import DispatchHandle, DispatchResult
+from cute_ep.api import DispatchHandle, DispatchResult
 
 __all__ = ["combine", "dispatch"]
 

@@ -1,6 +1,6 @@
 """Metrics, JSON report, table and plot of ``scripts/benchmark.py`` (pure Python + numpy; CPU-testable).
 
-The one bandwidth formula (``/work/shared/design.md``, "Measuring"):
+The one bandwidth formula (``docs/design.md``, "Measuring"):
 
 * ``pairs_off`` = this rank's non-dropped (token, k) pairs whose expert lives on another rank.
 * ``rows_off`` = this rank's distinct (token, destination rank) pairs over those: the rows dispatch
@@ -22,6 +22,7 @@ matplotlib is imported inside :func:`plot` only.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as _dt
 import json
@@ -45,6 +46,7 @@ __all__ = [
     "BenchReportError",
     "BenchRow",
     "bandwidth_gbps",
+    "check_writable",
     "combine_moved_bytes",
     "dispatch_moved_bytes",
     "format_row",
@@ -58,6 +60,7 @@ __all__ = [
     "parse_name_list",
     "plot",
     "rows_off",
+    "script_parser",
     "split_sizes",
     "table_header",
     "utc_timestamp",
@@ -531,8 +534,41 @@ def plot(report: Mapping[str, Any], png_path: str | os.PathLike) -> Path:
 
 
 # --------------------------------------------------------------------------------------------------
-# small helpers for the script's metadata and arguments
+# small helpers for the script's metadata and arguments (also used by the other scripts in scripts/:
+# these need no torch, so a script can parse and check its arguments before importing it)
 # --------------------------------------------------------------------------------------------------
+
+
+def script_parser(doc: str, epilog: str) -> argparse.ArgumentParser:
+    """The argument parser of a script: the first paragraph of its docstring ``doc`` as the description,
+    ``epilog`` after the options, and every option's default shown in --help."""
+    return argparse.ArgumentParser(
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=epilog,
+    )
+
+
+def check_writable(flag: str, value: str) -> None:
+    """Raise BenchReportError unless ``value`` (the argument of ``flag``) can be written as a file: not a
+    directory, not a read-only file, and its nearest existing ancestor (the writers create missing
+    parents) a writable directory. For outputs rank 0 writes after or during a run, when a write error
+    could no longer stop the run early."""
+    path = Path(value)
+    try:
+        if path.is_dir():
+            raise BenchReportError(f"{flag} {value} is a directory")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise BenchReportError(f"{flag} {value} is not writable")
+        folder = path.absolute().parent
+        while not folder.exists():
+            folder = folder.parent
+        if not folder.is_dir():
+            raise BenchReportError(f"{flag} {value}: {folder} is not a directory")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise BenchReportError(f"{flag} {value}: directory {folder} is not writable")
+    except OSError as exc:
+        raise BenchReportError(f"{flag} {value}: {exc.strerror or exc}") from None
 
 
 def utc_timestamp() -> str:

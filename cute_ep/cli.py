@@ -1,10 +1,10 @@
 """Helpers shared by the scripts in scripts/ (dispatch_and_combine.py, soak.py, benchmark.py).
 
 Small collectives on the Runtime's CPU (gloo) group, rank-0 printing, the report of a failed check,
-the expert of each received row, the buffer of a backend, the run's banner line, the exit statuses
-and the ``main`` every launched script shares, and the collective way out of a run after an error
-every rank got alike. Importing this module imports torch: scripts that must answer ``--help``
-without torch import it after parsing.
+the expert of each received row, the arguments the launched scripts share, the buffer of a backend
+and its run, the run's banner line, the exit statuses and the ``main`` every launched script shares,
+and the collective way out of a run after an error every rank got alike. Importing this module
+imports torch: scripts that must answer ``--help`` without torch import it after parsing.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ __all__ = [
     "all_gather",
     "broadcast_from_rank0",
     "add_fp8_capacity_args",
+    "add_launch_args",
+    "add_shape_args",
     "check_fp8_capacity_args",
+    "check_run_args",
     "config_from_args",
     "exit_process",
     "expert_ids",
@@ -47,6 +50,7 @@ __all__ = [
     "leave",
     "make_buffer",
     "print_run_error",
+    "run_buffer",
     "run_guarded",
     "runtime_backend",
     "script_main",
@@ -143,6 +147,59 @@ def make_buffer(backend: str, runtime: Runtime, cfg: EpConfig) -> Any:
     from cute_ep.reference_backend import ReferenceEpBuffer
 
     return ReferenceEpBuffer(runtime, cfg)
+
+
+def run_buffer(backend: str, runtime: Runtime, cfg: EpConfig, body: Callable[[Any], int]) -> int:
+    """Build the buffer of ``backend`` (``make_buffer``), return ``body(buffer)``'s exit status and close
+    the buffer (collective). An exception from ``body`` leaves without closing it: it goes on through the
+    Runtime's ``with``, so no collective teardown runs after an error that not every rank may have got."""
+    buffer = make_buffer(backend, runtime, cfg)
+    code = body(buffer)
+    buffer.close()  # collective: every rank gets here unless an exception left the run
+    return code
+
+
+# --------------------------------------------------------------------------------------------------
+# arguments shared by the launched scripts
+# --------------------------------------------------------------------------------------------------
+
+
+def add_shape_args(p: argparse.ArgumentParser, *, topk: int) -> None:
+    """--hidden, --num-experts, --topk (default ``topk``) and --dtype, in this order: the shape of the
+    buffers (``config_from_args``)."""
+    p.add_argument("--hidden", type=int, default=256, help="elements per row (H)")
+    p.add_argument(
+        "--num-experts", type=int, default=32, help="experts in total (E), divisible by the world size"
+    )
+    p.add_argument("--topk", type=int, default=topk, help="experts per token (K)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="rows and combine output")
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    """--local-world-size (virtual nodes; ``script_main`` reads it) and --backend (``BACKENDS``)."""
+    from cute_ep.bootstrap.dist_env import LOCAL_WORLD_SIZE_OVERRIDE_VAR
+
+    p.add_argument(
+        "--local-world-size", type=int, default=None,
+        help=f"ranks per (virtual) node; default ${LOCAL_WORLD_SIZE_OVERRIDE_VAR}, else the ranks per host",
+    )  # fmt: skip
+    p.add_argument("--backend", choices=BACKENDS, default="cute",
+                   help="cute: GPU kernels; reference: torch on CPU; a2a: all_to_all_single fallback")
+
+
+def check_run_args(args: argparse.Namespace, tokens_flag: str, tokens: int) -> None:
+    """UsageError for --iters < 1, tokens per rank (``tokens``, given as ``tokens_flag``) outside [1,
+    ``cute_ep.inputs.MAX_TOKENS``], or a --hidden too narrow for the columns that name the sender."""
+    from cute_ep.inputs import MAX_TOKENS, SENDER_COLUMNS
+
+    if args.iters < 1:
+        raise UsageError(f"--iters must be >= 1, got {args.iters}")
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise UsageError(f"{tokens_flag} must be in [1, {MAX_TOKENS}], got {tokens}")
+    if args.hidden < SENDER_COLUMNS:
+        raise UsageError(
+            f"--hidden must be >= {SENDER_COLUMNS} (the first columns name the sender), got {args.hidden}"
+        )
 
 
 def add_fp8_capacity_args(p: argparse.ArgumentParser) -> None:

@@ -15,14 +15,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cute_ep.buffer import capacity_error, check_buffer_config
+from cute_ep.api import BackendBase
 from cute_ep.fp8 import unpack_fp8_rows
+from cute_ep.input_checks import check_buffer_config
 from cute_ep.kernels.config import EpConfig
+from cute_ep.status import capacity_error
 
 __all__ = ["HostEpBuffer"]
 
 
-class HostEpBuffer:
+class HostEpBuffer(BackendBase):
     """Base of ``ReferenceEpBuffer`` and ``A2aEpBuffer`` (see the module docstring).
 
     runtime: anything with ``env``, ``device`` and ``cpu_group`` attributes (a started Runtime, or a
@@ -47,12 +49,10 @@ class HostEpBuffer:
     # -- public API (shared) ---------------------------------------------------------------------
 
     def poison(self) -> None:
-        """Fill the receive buffers with NaN / -1 so that a row nobody wrote cannot pass a check."""
-        self.recv_x.fill_(float("nan"))
-        self.recv_y.fill_(float("nan"))
-        self.recv_w.fill_(float("nan"))
-        self.recv_src.fill_(-1)
-        self.recv_fp8.fill_(0xFF)  # e4m3 NaN values and NaN scales
+        """Fill the receive buffers with NaN / -1 (and the packed FP8 rows with e4m3 / fp32 NaN) so that
+        a row nobody wrote cannot pass a check."""
+        super().poison()
+        self.recv_fp8.fill_(0xFF)
 
     def dropped_rows(self) -> Tensor:
         """[E] int64 on the CPU: rows dropped per global expert (beyond ``cfg.expert_capacity``) since
@@ -64,7 +64,7 @@ class HostEpBuffer:
 
     def check_capacity(self, result: Any = None) -> None:
         """With ``cfg.on_overflow == "raise"``: if rows were dropped since the last report, reset the
-        count and raise ``cute_ep.buffer.CapacityExceeded`` (carrying ``result``, the DispatchResult of
+        count and raise ``cute_ep.status.CapacityExceeded`` (carrying ``result``, the DispatchResult of
         the call that dropped them, or None). Every rank raises alike. With "drop": nothing happens (the
         drops stay counted for ``dropped_rows``)."""
         if self.cfg.on_overflow != "raise" or not bool(self._dropped.any()):
@@ -77,17 +77,13 @@ class HostEpBuffer:
     def expert_output(self, num_recv: int) -> Tensor:
         """The [num_recv, H] buffer combine reads; experts writing here save a copy."""
         self._check_open()
-        if not 0 <= num_recv <= self.cfg.capacity:
-            raise ValueError(f"num_recv must be in [0, capacity={self.cfg.capacity}], got {num_recv}")
+        self._check_num_recv(num_recv)
         self._ensure_rows(num_recv)
         return self.recv_y[:num_recv]
 
     def close(self) -> None:
         """Release the buffers (collective, like EpBuffer.close). Safe to call twice."""
         self._close(collective=True)
-
-    def __enter__(self) -> Any:
-        return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         # After an error the peers may never arrive: no barrier then.
@@ -101,7 +97,7 @@ class HostEpBuffer:
         self.recv_y = torch.full((rows, c.hidden), float("nan"), dtype=c.dtype, device=dev)
         self.recv_w = torch.full((rows,), float("nan"), dtype=torch.float32, device=dev)
         self.recv_src = torch.full((rows,), -1, dtype=torch.int32, device=dev)
-        # Packed FP8 rows (validators/fp8.py format), allocated by the first FP8 dispatch.
+        # Packed FP8 rows (the cute_ep/fp8.py format), allocated by the first FP8 dispatch.
         self.recv_fp8 = torch.full((0, c.fp8_row_bytes), 0xFF, dtype=torch.uint8, device=dev)
 
     def _add_dropped(self, dropped: Tensor) -> None:

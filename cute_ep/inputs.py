@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "MAX_TOKENS",
     "ROUTINGS",
     "SENDER_COLUMNS",
     "decode_sender",
@@ -24,7 +25,7 @@ __all__ = [
 ROUTINGS = ("uniform", "skewed", "dropped")
 SENDER_COLUMNS = 4
 _MAX_RANK = 256  # col0 must stay exact in bf16
-_MAX_TOKENS = 256 * 256  # col1 = token // 256 must stay <= 255
+MAX_TOKENS = 256 * 256  # tokens per rank at most: col1 = token // 256 must stay <= 255
 _SKEW_FRACTION = 0.9  # share of tokens sent to the hot experts 0..K-1 in "skewed"
 _DROP_FRACTION = 0.25  # share of (t, k) entries set to -1 in "dropped"
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -93,8 +94,8 @@ def make_inputs(
         raise ValueError(f"idx_dtype must be torch.int64 or torch.int32, got {idx_dtype}")
     if not 0 <= rank <= _MAX_RANK:
         raise ValueError(f"rank must be in [0, {_MAX_RANK}] (exact in bf16), got {rank}")
-    if not 0 <= num_tokens <= _MAX_TOKENS:
-        raise ValueError(f"num_tokens must be in [0, {_MAX_TOKENS}], got {num_tokens}")
+    if not 0 <= num_tokens <= MAX_TOKENS:
+        raise ValueError(f"num_tokens must be in [0, {MAX_TOKENS}], got {num_tokens}")
     if hidden < SENDER_COLUMNS:
         raise ValueError(f"hidden must be >= {SENDER_COLUMNS} (columns 0..3 name the sender), got {hidden}")
     if num_experts < 1:

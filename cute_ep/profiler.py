@@ -37,7 +37,16 @@ from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
 from cute_ep.reference import apply_test_expert, global_expert_of_rows
 
-__all__ = ["CandidateResult", "ProfileCache", "ProfileResult", "choose", "format_table", "profile"]
+__all__ = [
+    "CandidateResult",
+    "ProfileCache",
+    "ProfileResult",
+    "choose",
+    "choose_dispatch_algorithm",
+    "format_table",
+    "pick_fastest_algorithm",
+    "profile",
+]
 
 BufferFactory = Callable[[EpConfig], Any]
 
@@ -270,3 +279,54 @@ def choose(runtime: Any, cfg: EpConfig, candidates: Mapping[str, BufferFactory],
     if cache is not None and runtime.env.rank == 0 and result.winner is not None:
         cache.put(result)
     return result.winner, result.build(cfg)
+
+
+# --------------------------------------------------------------------------------------------------
+# EpBuffer(algorithm="auto"): the dispatch primitive of one buffer
+# --------------------------------------------------------------------------------------------------
+
+
+def pick_fastest_algorithm(medians_per_rank: list[dict[str, float]], key: str) -> tuple[str, str]:
+    """The dispatch primitive whose slowest rank's median (microseconds) is least, and a short table.
+
+    medians_per_rank: one {primitive: median us} per rank (all with the same primitives)."""
+    names = list(medians_per_rank[0])
+    slowest = {n: max(m[n] for m in medians_per_rank) for n in names}
+    best = min(names, key=lambda n: slowest[n])
+    lines = [f"dispatch primitive {key} (slowest rank's median of the dispatch launch)"]
+    for n in names:
+        lines.append(f"  {n:>9} {slowest[n]:10.1f} us" + ("  <- chosen" if n == best else ""))
+    return best, "\n".join(lines)
+
+
+def choose_dispatch_algorithm(buf: Any, cache: ProfileCache | None = None, iters: int = 10,
+                              warmup: int = 3) -> tuple[str, str]:
+    """(primitive, table): time every dispatch primitive of the GPU buffer ``buf`` at cfg.max_tokens
+    tokens (CUDA events around ``launch_dispatch``), gather every rank's medians and pick the fastest;
+    or take the choice ``cache`` holds for this shape. Collective."""
+    from cute_ep.kernels.config import DISPATCH_ALGORITHMS
+
+    c, runtime = buf.cfg, buf.runtime
+    key = shape_key(runtime, c, c.max_tokens) + "|dispatch-primitive"
+    cached = cached_choice(runtime, cache, key)
+    if cached in DISPATCH_ALGORITHMS:
+        return cached, f"dispatch primitive {key}: {cached} (cached in {cache.path})"
+    x, idx, w = make_inputs(buf.rank, c.max_tokens, c.hidden, c.num_experts, c.topk, c.dtype, 0,
+                            device=buf.device, idx_dtype=torch.int32)
+    medians = {}
+    for name in DISPATCH_ALGORITHMS:
+        times = []
+        for i in range(warmup + iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            buf.launch_dispatch(x, idx, w, algorithm=name)
+            end.record()
+            end.synchronize()
+            if i >= warmup:
+                times.append(start.elapsed_time(end) * 1e3)
+        buf.check_ran()
+        medians[name] = sorted(times)[len(times) // 2]
+    name, table = pick_fastest_algorithm(all_gather_objects(medians, runtime.cpu_group), key)
+    if cache is not None and buf.rank == 0:
+        cache.put_choice(key, name, table)
+    return name, table

@@ -1,6 +1,6 @@
 """Pure-torch references for the expert-parallel dispatch and combine (all ranks' data at once).
 
-These functions define what the kernels must produce (see docs in /work/shared/design.md,
+These functions define what the kernels must produce (docs/design.md,
 "Receive layout"). They run on CPU (or any device the inputs live on) over the inputs of every rank,
 so a test or a distributed check can compute any rank's expected receive buffers.
 
@@ -18,7 +18,7 @@ Conventions (R ranks, E experts, El = E // R experts per rank, K = top-k, M = ma
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
@@ -562,6 +562,58 @@ def _gather_combine_rows(
     return y
 
 
+@dataclass(frozen=True)
+class _RankCombine:
+    """One source rank's checked combine inputs (:func:`_combine_ranks`), on recv_y's device.
+
+    Attributes:
+        idx: [T_s, K] int64 global expert ids in [-1, E).
+        w: [T_s, K] float32 weights.
+        slots: [T_s, K] int64 slots on the owners (ignored where the id is -1).
+        s: the source rank (for error messages).
+        recv_y: every rank's expert outputs, as given to the reference.
+        experts_per_rank: El = E // R.
+        hidden: H.
+        dtype: recv_y's dtype (that of the output).
+    """
+
+    idx: Tensor
+    w: Tensor
+    slots: Tensor
+    s: int
+    recv_y: Sequence[Tensor]
+    experts_per_rank: int
+    hidden: int
+    dtype: torch.dtype
+
+    def column(self, k: int) -> Tensor:
+        """[T_s, H] in recv_y's dtype: the expert output of each (t, k) of column k, zeros where the id
+        is -1 (:func:`_gather_combine_rows`)."""
+        return _gather_combine_rows(
+            self.recv_y, self.s, k, self.idx[:, k], self.slots[:, k], self.experts_per_rank
+        )
+
+
+def _combine_ranks(
+    recv_y: Sequence[Tensor],
+    topk_idx: Sequence[Tensor],
+    topk_weights: Sequence[Tensor],
+    scatter: Sequence[Tensor],
+    num_experts: int,
+) -> Iterator[_RankCombine]:
+    """The argument handling both combine references share: check the arguments (their ``Raises``),
+    then yield each entry of topk_idx's checked routing, in order.
+
+    Lazy: rank s's routing is checked after rank s - 1's combine has run, as the caller consumes it.
+    """
+    dtype, hidden = _check_combine_args(recv_y, topk_idx, topk_weights, scatter, num_experts)
+    el = num_experts // len(recv_y)
+    device = recv_y[0].device
+    for s, (idx, w, slots) in enumerate(zip(topk_idx, topk_weights, scatter, strict=True)):
+        idx, w, slots = _combine_rank_args(s, idx, w, slots, num_experts, device)
+        yield _RankCombine(idx, w, slots, s, recv_y, el, hidden, dtype)
+
+
 def reference_combine(
     recv_y: Sequence[Tensor],
     topk_idx: Sequence[Tensor],
@@ -593,22 +645,17 @@ def reference_combine(
     Raises:
         ValueError: mismatched shapes/dtypes, E not divisible by R, a slot outside its owner's recv_y.
     """
-    dtype, hidden = _check_combine_args(recv_y, topk_idx, topk_weights, scatter, num_experts)
-    el = num_experts // len(recv_y)
-    device = recv_y[0].device
     outs = []
-    for s, (idx, w, slots) in enumerate(zip(topk_idx, topk_weights, scatter, strict=True)):
-        idx, w, slots = _combine_rank_args(s, idx, w, slots, num_experts, device)
-        n_tok, k_total = idx.shape
-        acc = torch.zeros(n_tok, hidden, dtype=torch.float32, device=device)
+    for r in _combine_ranks(recv_y, topk_idx, topk_weights, scatter, num_experts):
+        n_tok, k_total = r.idx.shape
+        acc = torch.zeros(n_tok, r.hidden, dtype=torch.float32, device=r.idx.device)
         for k in range(k_total):
-            valid = idx[:, k] >= 0
-            y = _gather_combine_rows(recv_y, s, k, idx[:, k], slots[:, k], el)
+            valid = r.idx[:, k] >= 0
             # Two separate fp32 ops: the product is rounded before the add, as in the kernels.
-            prod = w[:, k][:, None] * y.float()
+            prod = r.w[:, k][:, None] * r.column(k).float()
             summed = acc + prod
             acc = torch.where(valid[:, None], summed, acc)
-        outs.append(acc.to(dtype))
+        outs.append(acc.to(r.dtype))
     return outs
 
 
@@ -701,35 +748,17 @@ def reference_combine_reduced(
     For fp32 rows the cast of a partial is exact, so the result differs from :func:`reference_combine`
     only by association (a few ulp, not required to be equal); for bf16 / fp16 it also differs by the
     rounding of the partials. A token whose valid ids all live on one rank (or K == 1) gives the same
-    result as the pull combine in fp32. Arguments, checks and errors are those of reference_combine.
+    result as the pull combine in fp32.
 
-    Args:
-        recv_y: per rank d (all R ranks), [N_d, H] expert outputs (bf16 / fp16 / fp32); N_d may
-            exceed the rows received (only the slots read matter).
-        topk_idx: per source rank to combine for, [T_s, K] int64/int32 in [-1, E). May cover fewer
-            ranks than recv_y (e.g. only this rank's routing).
-        topk_weights: matching [T_s, K] float32.
-        scatter: matching [T_s, K] integer: the slot each (t, k) was written to (e.g. layout.scatter);
-            ignored where topk_idx is -1.
-        num_experts: E (owner(e) = e // (E // R) with R = len(recv_y)).
-
-    Returns:
-        Per entry of topk_idx, [T_s, H] in recv_y's dtype.
-
-    Raises:
-        ValueError: mismatched shapes/dtypes, E not divisible by R, a slot outside its owner's recv_y.
+    Args, Returns and Raises: those of :func:`reference_combine` (the same argument handling).
     """
-    dtype, hidden = _check_combine_args(recv_y, topk_idx, topk_weights, scatter, num_experts)
-    el = num_experts // len(recv_y)
-    device = recv_y[0].device
     outs = []
-    for s, (idx, w, slots) in enumerate(zip(topk_idx, topk_weights, scatter, strict=True)):
-        idx, w, slots = _combine_rank_args(s, idx, w, slots, num_experts, device)
-        n_tok, k_total = idx.shape
-        rows = torch.empty(n_tok, k_total, hidden, dtype=dtype, device=device)
+    for r in _combine_ranks(recv_y, topk_idx, topk_weights, scatter, num_experts):
+        n_tok, k_total = r.idx.shape
+        rows = torch.empty(n_tok, k_total, r.hidden, dtype=r.dtype, device=r.idx.device)
         for k in range(k_total):
-            rows[:, k] = _gather_combine_rows(recv_y, s, k, idx[:, k], slots[:, k], el)
-        outs.append(combine_reduced_rows(rows, idx, w, experts_per_rank=el))
+            rows[:, k] = r.column(k)
+        outs.append(combine_reduced_rows(rows, r.idx, r.w, experts_per_rank=r.experts_per_rank))
     return outs
 
 

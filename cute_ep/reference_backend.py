@@ -30,8 +30,9 @@ FP8 (``dispatch(..., fp8=True)``): every rank quantizes its own rows and gathers
 Combine algorithm (``cfg.combine_algorithm``, or ``combine(..., algorithm=...)``): "pull" evaluates
 ``reference_combine``, "reduced" ``reference_combine_reduced`` (allowed only on a "reduced" config).
 
-Only torch, ``cute_ep.validators`` and ``cute_ep.kernels.config`` are imported: no CUDA, CuTe DSL
-or NVSHMEM.
+It imports torch and plain-Python parts of the library only (the references, ``cute_ep.api``,
+``cute_ep.input_checks``, ``cute_ep.kernels.config``): no CUDA, CuTe DSL, NVSHMEM or GPU buffer
+(``tests/test_backend_protocol.py`` checks it).
 """
 
 from __future__ import annotations
@@ -43,18 +44,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cute_ep.buffer import (
-    DispatchHandle,
-    DispatchResult,
-    check_combine_input,
-    check_dispatch_inputs,
-    check_dispatch_options,
-    resolve_combine_algorithm,
-)
+from cute_ep.api import DispatchHandle, DispatchResult
 from cute_ep.capacity import apply_expert_capacity, effective_topk_from_scatter
 from cute_ep.collectives import all_gather_objects
 from cute_ep.fp8 import pack_fp8_rows, quantize_fp8
 from cute_ep.host_buffer import HostEpBuffer
+from cute_ep.input_checks import (
+    check_combine_input,
+    check_dispatch_algorithm,
+    check_dispatch_inputs,
+    check_dispatch_options,
+    resolve_combine_algorithm,
+)
 from cute_ep.kernels.config import EpConfig
 from cute_ep.reference import (
     COMBINE_REFERENCES,
@@ -63,7 +64,7 @@ from cute_ep.reference import (
     reference_layout,
 )
 
-__all__ = ["ReferenceEpBuffer", "resolve_combine_algorithm"]
+__all__ = ["ReferenceEpBuffer"]
 
 _ATOMIC_SEED_SALT = 0x5EED_A70
 
@@ -88,24 +89,25 @@ class ReferenceEpBuffer(HostEpBuffer):
 
     # -- public API ------------------------------------------------------------------------------
 
-    def dispatch(
-        self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter", fp8: bool = False
-    ) -> Any:
-        """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (see EpBuffer.dispatch).
+    def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter",
+                 fp8: bool = False, algorithm: str | None = None) -> DispatchResult:
+        """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (arguments:
+        ``cute_ep.api.EpBackend.dispatch``).
 
-        x [T, H] cfg.dtype, topk_idx [T, K] int32/int64 in [-1, E), topk_weights [T, K] fp32. mode
-        "scatter" | "atomic"; fp8: send block-scaled e4m3 rows (needs H % 128 == 0; same on every rank).
-        Returns a ``cute_ep.buffer.DispatchResult`` (recv_x float8_e4m3fn and recv_scales [num_recv,
-        H / 128] fp32 with fp8). Collective: every rank calls it. Invalid inputs on any rank raise on
-        every rank (the rank at fault gets the EpBuffer message). Rows dropped beyond
-        ``cfg.expert_capacity`` raise ``CapacityExceeded`` (carrying the result) if
-        ``cfg.on_overflow == "raise"``.
+        x [T, H] cfg.dtype, topk_idx [T, K] int32/int64 in [-1, E), topk_weights [T, K] fp32. mode "scatter" |
+        "atomic"; fp8: send block-scaled e4m3 rows (needs H % 128 == 0; same on every rank); algorithm: a GPU
+        dispatch primitive's name, checked and otherwise ignored (primitives differ only in how rows travel).
+        Returns a ``cute_ep.api.DispatchResult`` (recv_x float8_e4m3fn and recv_scales [num_recv, H / 128]
+        fp32 with fp8). Collective: every rank calls it. Invalid inputs on any rank raise on every rank (the
+        rank at fault gets the EpBuffer message). Rows dropped beyond ``cfg.expert_capacity`` raise
+        ``CapacityExceeded`` (carrying the result) if ``cfg.on_overflow == "raise"``.
         """
         self._check_open()
         c = self.cfg
         error = None
         try:
             check_dispatch_options(c, mode, fp8)
+            check_dispatch_algorithm(algorithm)  # a GPU primitive: the same result, so nothing to imitate
             x, idx, w = check_dispatch_inputs(c, self.device, x, topk_idx, topk_weights)
             # With fp8 the sender quantizes and only the packed rows travel (as on the GPU).
             rows = pack_fp8_rows(*quantize_fp8(x.detach()), c.fp8_row_bytes) if fp8 else x.detach()

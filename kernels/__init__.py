@@ -1,1 +1,28 @@
-"""See the module docstrings."""
+"""The CuTe DSL kernels and what describes them.
+
+Importing this package imports no GPU library: ``EpConfig`` (sizes and constraints, kernels/config.py)
+and ``BUFFERS`` (the one table of buffers, kernels/buffers.py) are plain Python. The kernels themselves
+(one file each: layout, dispatch, fanout, combine, reduce_push, partial_sum) are imported by
+``kernels/module.py`` when a buffer compiles them.
+"""
+
+from cute_ep.kernels.buffers import BUFFERS, Buffer
+from cute_ep.kernels.config import (
+    COMBINE_ALGORITHMS,
+    DISPATCH_ALGORITHMS,
+    MODES,
+    ConfigError,
+    EpConfig,
+    packed_fp8_row_bytes,
+)
+
+__all__ = [
+    "BUFFERS",
+    "COMBINE_ALGORITHMS",
+    "DISPATCH_ALGORITHMS",
+    "MODES",
+    "Buffer",
+    "ConfigError",
+    "EpConfig",
+    "packed_fp8_row_bytes",
+]

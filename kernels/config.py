@@ -57,9 +57,6 @@ REDUCED_GRID_FACTOR = 2
 MAX_WORLD_SIZE = COMBINE_WARPS_PER_CTA * WARP  # combine signals and waits with one thread per peer
 
 
-# Run-time sizes every kernel receives (see EpConfig.shape_args).
-SHAPE_ARGS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
-              "expert_capacity", "stage_rows", "num_ctas", "timeout_ms")
 OVERFLOW_POLICIES = ("raise", "drop")  # what the host does after rows were dropped beyond expert capacity
 
 # FP8 dispatch (per-call option): e4m3 rows with one fp32 scale per FP8_BLOCK columns, packed per row as
@@ -69,11 +66,15 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_AMAX_FLOOR = 2.0**-14  # a block's amax is at least this (an all-zero block gets a finite scale)
 
 
-def packed_fp8_row_bytes(hidden: int) -> int:
-    """Bytes of one packed FP8 row of ``hidden`` columns: e4m3 values, fp32 scales, zeros to 16 bytes."""
+MAX_TIMEOUT_S = 2**31 // 1000  # the timeout travels as int32 milliseconds
+
+
+def packed_fp8_row_bytes(hidden):
+    """Bytes of one packed FP8 row of ``hidden`` columns: e4m3 values, fp32 scales, zeros to 16 bytes.
+
+    Plain integer arithmetic, so the kernels evaluate the same formula on a run-time Int32."""
     raw = hidden + 4 * (hidden // FP8_BLOCK)
     return (raw + VECTOR_BYTES - 1) // VECTOR_BYTES * VECTOR_BYTES
-MAX_TIMEOUT_S = 2**31 // 1000  # the timeout travels as int32 milliseconds
 
 
 def cute_dtype(dtype: torch.dtype):
@@ -284,38 +285,18 @@ class EpConfig:
 
     def key(self) -> tuple:
         """Everything that defines the configuration (compared across ranks at construction)."""
-        return (str(self.dtype), *self.shape_args(), self.capacity_factor, self.on_overflow,
-                self.combine_algorithm)
+        from cute_ep.kernels.buffers import SIZE_SCALARS
+
+        return (str(self.dtype), *(getattr(self, n) for n in SIZE_SCALARS), self.capacity_factor,
+                self.on_overflow, self.combine_algorithm)
 
     def compile_key(self) -> tuple:
         """The explicit compile-cache key: the kernels are specialized on the element type only."""
         return ("ep_module", str(self.dtype))
 
-    def shape_args(self) -> tuple[int, ...]:
-        """Run-time sizes passed to the kernels, in ``SHAPE_ARGS`` order."""
-        return (
-            self.world_size,
-            self.local_world_size,
-            self.num_experts,
-            self.topk,
-            self.hidden,
-            self.max_tokens,
-            self.capacity,
-            self.expert_capacity,
-            self.stage_rows,
-            self.num_sms,
-            self.timeout_ms,
-        )
-
     def symmetric_bytes(self) -> int:
-        """Bytes of NVSHMEM symmetric memory one rank allocates for this configuration."""
-        rows = 2 * self.capacity * self.row_bytes  # recv_x and recv_y
-        meta = self.capacity * (4 + 4 + 4)  # recv_w, recv_src, recv_from
-        counts = self.world_size * self.num_experts * 4
-        signals = 3 * self.world_size * 8
-        stage = self.stage_rows * self.row_bytes
-        packed = self.max_tokens * self.fp8_row_bytes if self.hidden % FP8_BLOCK == 0 else 16  # FP8 sources
-        reduced = 0
-        if self.combine_algorithm == "reduced":  # partial rows + each primary slot's group list
-            reduced = self.partial_rows * self.row_bytes + self.capacity * self.topk * 4
-        return rows + meta + counts + signals + stage + packed + reduced
+        """Bytes of NVSHMEM symmetric memory one rank allocates for this configuration (the symmetric
+        buffers of ``kernels.buffers.BUFFERS``)."""
+        from cute_ep.kernels.buffers import symmetric_bytes
+
+        return symmetric_bytes(self)

@@ -24,9 +24,10 @@ later pair writes its slot (-1 if dropped for capacity) into ``recv_group[primar
 place in the group. Without ``groups`` a primary's ``recv_from`` is -1.
 
 Completion: each thread ``quiet``s its puts and fences its stores; the last CTA to finish (a
-self-resetting arrival counter) raises ``dispatch_signal[rank]`` on every peer to this call's epoch,
-then waits until every peer has raised its own on this rank (at most ``timeout_ms`` per peer; a peer
-that never arrives is recorded in ``fault`` and the epoch is not advanced). So when the kernel ends
+self-resetting arrival counter, ``done[DONE_DISPATCH]``) raises ``signals[SIGNAL_DISPATCH, rank]`` on
+every peer to this call's epoch and waits until every peer has raised its own on this rank
+(``signal_and_wait_peers``: at most ``timeout_ms`` per peer; a peer that never arrives is recorded in
+``fault`` and the epoch is not advanced). So when the kernel ends
 with its epoch advanced, this rank's receive buffer is complete, and everything later on the stream
 may read it.
 """
@@ -34,117 +35,60 @@ may read it.
 from __future__ import annotations
 
 import cutlass.cute as cute
+import cutlass.memory
 import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Int32, Int64
 from nvshmem.core.device.cute.mem import nvshmem_ptr
 
+from cute_ep.kernels.base import EpKernel
+from cute_ep.kernels.buffers import DONE_DISPATCH, SIGNAL_DISPATCH, EpParams
 from cute_ep.kernels.config import ALGO_DEDUP, ALGO_PUT_WARP, MODE_ATOMIC, OP_DISPATCH, VECTOR_BYTES, WARP
 from cute_ep.kernels.ptx import (
-    SIGNAL_SET,
     copy_row_warp,
+    element,
+    fault_free,
     fence_sys,
-    ld_volatile_i32,
-    record_fault,
+    last_cta_arrives,
     row_view,
-    wait_signal_ge,
+    signal_and_wait_peers,
 )
 from cute_ep.kernels.quantize import quantize_row_warp
 
 
-class DispatchKernel:
-    """Compile-time configuration plus the dispatch kernel (see the module docstring)."""
+@cute.jit
+def bound_for(p: EpParams, t: Int32, j: Int32, end: Int32, d: Int32, kept_only: Int32) -> Int32:
+    """1 if token t's pair j (j < end) has an expert on rank d and, with ``kept_only``, a slot (it was
+    not dropped for capacity); else 0. A lane's vote in the group scans of the dispatch kernel."""
+    same = Int32(0)
+    if j < end:
+        e = p.topk_idx[t, j]
+        if e >= 0:
+            if e // p.experts_per_rank == d:
+                same = Int32(1)
+                if kept_only != 0:
+                    if p.scatter[t, j] < 0:
+                        same = Int32(0)
+    return same
 
-    threads = 256
 
-    def __init__(self, dtype) -> None:
-        self.dtype = dtype
-
-    @cute.jit
-    def __call__(
-        self,
-        x: cute.Tensor,
-        topk_idx: cute.Tensor,
-        topk_w: cute.Tensor,
-        scatter: cute.Tensor,
-        cursor: cute.Tensor,
-        send_limit: cute.Tensor,
-        packed: cute.Tensor,
-        recv_x: cute.Tensor,
-        recv_w: cute.Tensor,
-        recv_src: cute.Tensor,
-        recv_from: cute.Tensor,
-        recv_group: cute.Tensor,
-        signals: cute.Tensor,
-        epochs: cute.Tensor,
-        done: cute.Tensor,
-        fault: cute.Tensor,
-        rank: Int32,
-        num_tokens: Int32,
-        mode: Int32,
-        fp8: Int32,
-        algo: Int32,
-        groups: Int32,
-        world_size: Int32,
-        local_world_size: Int32,
-        num_experts: Int32,
-        topk: Int32,
-        max_tokens: Int32,
-        num_ctas: Int32,
-        timeout_ms: Int32,
-        stream,
-    ):
-        self.kernel(
-            x, topk_idx, topk_w, scatter, cursor, send_limit, packed, recv_x, recv_w, recv_src, recv_from,
-            recv_group, signals, epochs, done, fault, rank, num_tokens, mode, fp8, algo, groups, world_size,
-            local_world_size, num_experts, topk, max_tokens, timeout_ms,
-        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+class DispatchKernel(EpKernel):
+    """The dispatch kernel (see the module docstring); every size is a run-time argument."""
 
     @cute.kernel
-    def kernel(
-        self,
-        x: cute.Tensor,
-        topk_idx: cute.Tensor,
-        topk_w: cute.Tensor,
-        scatter: cute.Tensor,
-        cursor: cute.Tensor,
-        send_limit: cute.Tensor,
-        packed: cute.Tensor,
-        recv_x: cute.Tensor,
-        recv_w: cute.Tensor,
-        recv_src: cute.Tensor,
-        recv_from: cute.Tensor,
-        recv_group: cute.Tensor,
-        signals: cute.Tensor,
-        epochs: cute.Tensor,
-        done: cute.Tensor,
-        fault: cute.Tensor,
-        rank: Int32,
-        num_tokens: Int32,
-        mode: Int32,
-        fp8: Int32,
-        algo: Int32,
-        groups: Int32,
-        world_size: Int32,
-        local_world_size: Int32,
-        num_experts: Int32,
-        topk: Int32,
-        max_tokens: Int32,
-        timeout_ms: Int32,
-    ):
-        R = world_size
-        L = local_world_size
-        K = topk
-        El = num_experts // world_size
-        M = max_tokens
+    def kernel(self, p: EpParams):
+        L, K, El, M, rank = p.local_world_size, p.topk, p.experts_per_rank, p.max_tokens, p.rank
+        mode, algo = p.mode, p.algo
+        groups = p.combine_algo  # a reduced-combine buffer: record each (token, rank) group
+        topk_idx, scatter = p.topk_idx, p.scatter  # [T, K], [M, K]
         WPC = self.threads // WARP
         NCTA, _, _ = cute.arch.grid_dim()
-        dtype = x.element_type
-        H = x.shape[1]
+        dtype = p.x.element_type
+        H = p.hidden
         X_ROW_BYTES = Int64(H) * (dtype.width // 8)
         # Bytes that travel per row: the row itself, or its packed FP8 form (kernels/quantize.py).
         row_bytes = H * (dtype.width // 8)
-        if fp8 != 0:
-            row_bytes = packed.shape[1]
+        if p.fp8 != 0:
+            row_bytes = p.fp8_row_bytes
         ROW_BYTES = Int64(row_bytes)
         NV = row_bytes // VECTOR_BYTES  # 128-bit pieces per row
         ROW_ELEMS = row_bytes // (dtype.width // 8)  # the moved bytes as elements, for put_warp
@@ -153,17 +97,15 @@ class DispatchKernel:
         bid, _, _ = cute.arch.block_idx()
         warp = tid // WARP
         lane = tid % WARP
-        epoch = epochs[1] + Int64(1)
+        epoch = p.epochs[OP_DISPATCH] + Int64(1)
         my_node = rank // L
-        x_base = x.iterator.toint()
-        packed_base = packed.iterator.toint()
-        recv_x_base = recv_x.iterator.toint()
-        fault_addr = fault.iterator.toint()
+        x_base = p.x.iterator.toint()
+        packed_base = p.packed.iterator.toint()
+        recv_x_base = p.recv_x.iterator.toint()
         # After a fault (a timed-out wait here or in the layout) this buffer moves no more data.
-        live = ld_volatile_i32(fault_addr) == Int32(0)
         work = Int32(0)
-        if live:
-            work = num_tokens
+        if fault_free(p.fault):
+            work = p.num_tokens
 
         # Fewer tokens than warps (decode): a warp per (token, k) pair instead of per token, so that all
         # warps work. Only in scatter mode without FP8: there a pair needs nothing an earlier pair of
@@ -171,7 +113,7 @@ class DispatchKernel:
         # quantizes each token once).
         split = Int32(0)
         if mode != MODE_ATOMIC:
-            if fp8 == 0:
+            if p.fp8 == 0:
                 if work < NCTA * WPC:
                     split = Int32(1)
         items = work
@@ -186,28 +128,28 @@ class DispatchKernel:
                 k_begin = u % K
                 k_end = k_begin + 1
             src_addr = x_base + Int64(t) * X_ROW_BYTES
-            if fp8 != 0:
+            if p.fp8 != 0:
                 # Quantize once per token; every destination gets the same packed bytes.
                 dst = packed_base + Int64(t) * ROW_BYTES
                 quantize_row_warp(dtype, src_addr, dst, H, row_bytes, lane)
                 cute.arch.sync_warp()  # lanes copy bytes other lanes wrote
                 src_addr = dst
             for k in range(k_begin, k_end):
-                e = topk_idx[t * K + k]
+                e = topk_idx[t, k]
                 if e >= 0:
                     d = e // El
                     slot = Int32(-1)
                     if mode == MODE_ATOMIC:
                         got = Int32(0)
                         if lane == 0:
-                            got = cute.arch.atomic_add(cursor.iterator + e, Int32(1))
-                            if got >= send_limit[e]:
+                            got = cute.arch.atomic_add(p.cursor.iterator + e, Int32(1))
+                            if got >= p.send_limit[e]:
                                 got = Int32(-1)  # beyond the expert's capacity: dropped
-                            scatter[t * K + k] = got
+                            scatter[t, k] = got
                         slot = cute.arch.shuffle_sync(got, 0)
                         cute.arch.sync_warp()  # the vote of a later k reads this scatter entry
                     else:
-                        slot = scatter[t * K + k]  # -1: dropped by the layout (capacity)
+                        slot = scatter[t, k]  # -1: dropped by the layout (capacity)
                     # The group of (t, d): token t's pairs bound for rank d, ascending k. Its primary g is
                     # the first kept one: dedup sends the row only there, and the reduced combine sums the
                     # group on rank d into one partial row (the lists below are written only for it).
@@ -221,15 +163,8 @@ class DispatchKernel:
                     if vote != 0:
                         # The first kept k' < k bound for the same rank, if any; lanes split the k'.
                         for j0 in range(0, k, WARP):
-                            j = j0 + lane
-                            same = Int32(0)
-                            if j < k:
-                                ej = topk_idx[t * K + j]
-                                if ej >= 0:
-                                    if ej // El == d:
-                                        if scatter[t * K + j] >= 0:
-                                            same = Int32(1)
-                            ballot = cute.arch.vote_ballot_sync(same != 0)
+                            kept = bound_for(p, t, j0 + lane, k, d, Int32(1))
+                            ballot = cute.arch.vote_ballot_sync(kept != 0)
                             if g == k:
                                 if ballot != 0:
                                     g = j0 + Int32(cute.arch.clz(cute.arch.brev(ballot)))
@@ -243,14 +178,8 @@ class DispatchKernel:
                             hi = k
                         cnt = Int32(0)
                         for j0 in range(lo, hi, WARP):
-                            j = j0 + lane
-                            same = Int32(0)
-                            if j < hi:
-                                ej = topk_idx[t * K + j]
-                                if ej >= 0:
-                                    if ej // El == d:
-                                        same = Int32(1)
-                            cnt = cnt + Int32(cute.arch.popc(cute.arch.vote_ballot_sync(same != 0)))
+                            member = bound_for(p, t, j0 + lane, hi, d, Int32(0))
+                            cnt = cnt + Int32(cute.arch.popc(cute.arch.vote_ballot_sync(member != 0)))
                         if g != k:
                             m = cnt
                         else:
@@ -285,55 +214,30 @@ class DispatchKernel:
                         if lane == 0:
                             from_slot = Int32(-1)
                             if first != k:
-                                from_slot = scatter[t * K + first]  # atomic mode: written above by this lane
+                                from_slot = scatter[t, first]  # atomic mode: written above by this lane
                             if groups != 0:
                                 if g == k:
                                     from_slot = Int32(-1) - n  # a primary: <= -2 encodes its group size
-                            nvshmem_cute.p(
-                                cute.make_tensor(recv_w.iterator + slot, cute.make_layout(1)),
-                                topk_w[t * K + k],
-                                d,
-                            )
-                            nvshmem_cute.p(
-                                cute.make_tensor(recv_src.iterator + slot, cute.make_layout(1)),
-                                (rank * M + t) * K + k,
-                                d,
-                            )
-                            nvshmem_cute.p(
-                                cute.make_tensor(recv_from.iterator + slot, cute.make_layout(1)), from_slot, d
-                            )
+                            nvshmem_cute.p(element(p.recv_w, slot), p.topk_w[t, k], d)
+                            nvshmem_cute.p(element(p.recv_src, slot), (rank * M + t) * K + k, d)
+                            nvshmem_cute.p(element(p.recv_from, slot), from_slot, d)
                     if groups != 0:
                         if g != k:
                             if lane == 0:
                                 # A later member (or a dropped pair: -1) enters the primary's list.
-                                nvshmem_cute.p(
-                                    cute.make_tensor(recv_group.iterator + scatter[t * K + g] * K + m,
-                                                     cute.make_layout(1)),
-                                    slot,
-                                    d,
-                                )
+                                nvshmem_cute.p(element(p.recv_group, (scatter[t, g], m)), slot, d)
         nvshmem_cute.quiet()
         fence_sys()  # this thread's peer-pointer stores, before the CTA's arrival below
-        cute.arch.sync_threads()
 
+        # The last CTA to finish announces every CTA's rows to the peers, then waits for theirs.
+        smem = cutlass.memory.SmemAllocator()
+        last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+        cute.arch.sync_threads()
         if tid == 0:
-            fence_sys()
-            arrived = cute.arch.atomic_add(done.iterator, Int32(1))
-            if arrived == NCTA - 1:
-                # Last CTA: every CTA's puts are complete; announce them, then wait for the peers'.
-                done[0] = Int32(0)
-                if live:
-                    fence_sys()
-                    my_signal = cute.make_tensor(signals.iterator + (R + rank), cute.make_layout(1))
-                    for p in range(R):
-                        nvshmem_cute.signal_op(my_signal, epoch, SIGNAL_SET, p)
-                    signals_base = signals.iterator.toint()
-                    arrived_all = Int32(1)
-                    for p in range(R):
-                        if arrived_all == Int32(1):
-                            addr = signals_base + Int64((R + p) * 8)
-                            if wait_signal_ge(addr, epoch, Int64(timeout_ms) * 1000000) == 0:
-                                record_fault(fault, Int32(OP_DISPATCH), p, epoch)
-                                arrived_all = Int32(0)
-                    if arrived_all == Int32(1):
-                        epochs[1] = epoch
+            last[0] = last_cta_arrives(p.done, DONE_DISPATCH)
+        cute.arch.sync_threads()
+        if last[0] != 0:
+            signal_and_wait_peers(p, Int32(SIGNAL_DISPATCH), epoch, Int32(OP_DISPATCH), epoch, Int32(1))
+            if tid == 0:
+                if fault_free(p.fault):
+                    p.epochs[OP_DISPATCH] = epoch

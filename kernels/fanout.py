@@ -14,47 +14,39 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
+from cute_ep.kernels.base import EpKernel
+from cute_ep.kernels.buffers import EpParams
 from cute_ep.kernels.config import VECTOR_BYTES, WARP
-from cute_ep.kernels.ptx import copy_row_warp, ld_volatile_i32
+from cute_ep.kernels.ptx import copy_row_warp, fault_free
 
 
-class FanoutKernel:
+class FanoutKernel(EpKernel):
     """The fan-out kernel (see the module docstring); every size is a run-time argument."""
 
-    threads = 256
-
-    def __init__(self, dtype) -> None:
-        self.dtype = dtype
-
-    @cute.jit
-    def __call__(self, recv_x: cute.Tensor, recv_from: cute.Tensor, num_recv: cute.Tensor, fault: cute.Tensor,
-                 row_bytes: Int32, num_ctas: Int32, stream):
-        self.kernel(recv_x, recv_from, num_recv, fault, row_bytes).launch(
-            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream
-        )
-
     @cute.kernel
-    def kernel(self, recv_x: cute.Tensor, recv_from: cute.Tensor, num_recv: cute.Tensor, fault: cute.Tensor,
-               row_bytes: Int32):
-        dtype = recv_x.element_type
-        ROW_BYTES = Int64(row_bytes)  # rows are row_bytes apart: a full row, or a packed FP8 row
+    def kernel(self, p: EpParams):
+        dtype = p.recv_x.element_type
+        row_bytes = p.hidden * (dtype.width // 8)
+        if p.fp8 != 0:
+            row_bytes = p.fp8_row_bytes  # packed FP8 rows in the same memory
+        ROW_BYTES = Int64(row_bytes)
         NV = row_bytes // VECTOR_BYTES
         WPC = self.threads // WARP
         NCTA, _, _ = cute.arch.grid_dim()
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         lane = tid % WARP
-        base = recv_x.iterator.toint()
-        C = recv_x.shape[0]
+        base = p.recv_x.iterator.toint()
+        C = p.capacity
         # After a fault num_recv and recv_from may be stale or partial: copy nothing. The bounds are
         # checked anyway, so no value read here can send a copy outside the buffer.
         n = Int32(0)
-        if ld_volatile_i32(fault.iterator.toint()) == Int32(0):
-            n = num_recv[0]
+        if fault_free(p.fault):
+            n = p.num_recv[0]
             if n > C:
                 n = C
         for s in range(bid * WPC + tid // WARP, n, NCTA * WPC):
-            f = recv_from[s]
+            f = p.recv_from[s]
             if f >= Int32(0):
                 if f < C:
                     copy_row_warp(dtype, base + Int64(f) * ROW_BYTES, base + Int64(s) * ROW_BYTES, NV, lane)

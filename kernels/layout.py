@@ -2,7 +2,8 @@
 
 One CTA per rank (the work is a few histogram passes over T*K expert ids):
 1. per-warp histograms of this rank's (t, k) pairs per expert (shared-memory atomics);
-2. the rank's count row goes into every peer's symmetric ``counts[R, E]`` with ``put_signal_warp``,
+2. the rank's count row goes into row ``rank`` of every peer's symmetric ``counts[R, E]`` with
+   ``put_signal_warp``, raising ``signals[SIGNAL_COUNT, rank]`` there,
    and the kernel waits until every peer's row has arrived (signal >= this call's epoch), at most
    ``timeout_ms`` per peer: a peer that never arrives is recorded in ``fault`` (kernels.ptx) and the
    call does not advance its epoch, so the host raises instead of hanging;
@@ -22,7 +23,7 @@ every count, so every rank counts the same; the host reads and resets it).
 Outputs (device): scatter [T*K] int32 (-1: id -1 or dropped), send_offsets [E] and cursor [E] int32
 (first slot of this rank's rows for each expert; cursor is the atomic-mode allocator), send_limit [E]
 int32 (end of each expert's kept slots), dropped [E] int32 (accumulated), tokens_per_expert [E/R] and
-num_recv [1] int32 (rows this rank receives), epochs[0] advanced by one.
+num_recv [1] int32 (rows this rank receives), epochs[OP_LAYOUT] advanced by one.
 """
 
 from __future__ import annotations
@@ -33,76 +34,37 @@ import cutlass.memory
 import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Int32, Int64
 
+from cute_ep.kernels.base import EpKernel
+from cute_ep.kernels.buffers import SIGNAL_COUNT, EpParams
 from cute_ep.kernels.config import LAYOUT_SMEM_INTS, OP_LAYOUT, WARP
-from cute_ep.kernels.ptx import SIGNAL_SET, ld_volatile_i32, record_fault, wait_signal_ge
+from cute_ep.kernels.ptx import (
+    SIGNAL_SET,
+    element,
+    element_addr,
+    fault_free,
+    ld_volatile_i32,
+    record_fault,
+    wait_signal_ge,
+)
 
 
-class LayoutKernel:
+class LayoutKernel(EpKernel):
     """The layout kernel (see the module docstring); every size is a run-time argument."""
 
     threads = 32 * WARP
 
-    def __init__(self, dtype) -> None:
-        self.dtype = dtype
-
-    @cute.jit
-    def __call__(
-        self,
-        topk_idx: cute.Tensor,
-        scatter: cute.Tensor,
-        counts: cute.Tensor,
-        signals: cute.Tensor,
-        send_offsets: cute.Tensor,
-        cursor: cute.Tensor,
-        send_limit: cute.Tensor,
-        dropped: cute.Tensor,
-        tokens_per_expert: cute.Tensor,
-        num_recv: cute.Tensor,
-        epochs: cute.Tensor,
-        fault: cute.Tensor,
-        rank: Int32,
-        num_tokens: Int32,
-        world_size: Int32,
-        num_experts: Int32,
-        topk: Int32,
-        expert_capacity: Int32,
-        timeout_ms: Int32,
-        stream,
-    ):
-        self.kernel(
-            topk_idx, scatter, counts, signals, send_offsets, cursor, send_limit, dropped, tokens_per_expert,
-            num_recv, epochs, fault, rank, num_tokens, world_size, num_experts, topk, expert_capacity,
-            timeout_ms,
-        ).launch(grid=(1, 1, 1), block=(self.threads, 1, 1), stream=stream)
+    def grid_ctas(self, p: EpParams):
+        return 1  # one CTA: a few histogram passes over T * K ids
 
     @cute.kernel
-    def kernel(
-        self,
-        topk_idx: cute.Tensor,
-        scatter: cute.Tensor,
-        counts: cute.Tensor,
-        signals: cute.Tensor,
-        send_offsets: cute.Tensor,
-        cursor: cute.Tensor,
-        send_limit: cute.Tensor,
-        dropped: cute.Tensor,
-        tokens_per_expert: cute.Tensor,
-        num_recv: cute.Tensor,
-        epochs: cute.Tensor,
-        fault: cute.Tensor,
-        rank: Int32,
-        num_tokens: Int32,
-        world_size: Int32,
-        num_experts: Int32,
-        topk: Int32,
-        expert_capacity: Int32,
-        timeout_ms: Int32,
-    ):
-        R = world_size
-        E = num_experts
-        K = topk
-        El = E // R
+    def kernel(self, p: EpParams):
+        R, E, K, El, rank = p.world_size, p.num_experts, p.topk, p.experts_per_rank, p.rank
         NT = self.threads
+        counts = p.counts  # [R, E]: row s is source rank s's count row
+        # The pairs in row-major (t, k) order: the histogram and slot walks split them into ranges.
+        num_pairs = p.num_tokens * K
+        pair_ids = cute.make_tensor(p.topk_idx.iterator, cute.make_layout(num_pairs))
+        pair_slots = cute.make_tensor(p.scatter.iterator, cute.make_layout(num_pairs))
 
         tid, _, _ = cute.arch.thread_idx()
         warp = tid // WARP
@@ -118,13 +80,12 @@ class LayoutKernel:
         if NW > NT // WARP:
             NW = NT // WARP
 
-        epoch = epochs[0] + Int64(1)
+        epoch = p.epochs[OP_LAYOUT] + Int64(1)
 
         for i in range(tid, NW * E, NT):
             hist[i] = Int32(0)
         cute.arch.sync_threads()
 
-        num_pairs = num_tokens * K
         chunk = (num_pairs + NW - 1) // NW
         start = warp * chunk
         end = start + chunk
@@ -135,33 +96,32 @@ class LayoutKernel:
 
         # 1. per-warp histograms
         for i in range(start + lane, end, WARP):
-            e = topk_idx[i]
+            e = pair_ids[i]
             if e >= 0:
                 cute.arch.atomic_add(hist.iterator + (warp * E + e), Int32(1))
         cute.arch.sync_threads()
         # 2. this rank's count row, then the exchange
-        counts_base = counts.iterator.toint()
         for e in range(tid, E, NT):
             total = Int32(0)
             for w in range(NW):
                 total = total + hist[w * E + e]
-            counts[rank * E + e] = total
+            counts[rank, e] = total
         cute.arch.sync_threads()
 
-        my_row = cute.make_tensor(counts.iterator + rank * E, cute.make_layout(E))
+        my_row = counts[rank, None]
         NWT = NT // WARP
-        my_signal = cute.make_tensor(signals.iterator + rank, cute.make_layout(1))
-        signals_base = signals.iterator.toint()
-        fault_addr = fault.iterator.toint()
+        my_signal = element(p.signals, (SIGNAL_COUNT, rank))
         # After a fault (an earlier timed-out wait) this buffer exchanges nothing more.
-        if ld_volatile_i32(fault_addr) == Int32(0):
-            for p in range(warp, R, NWT):
-                if p != rank:
-                    nvshmem_cute.put_signal_warp(my_row, my_row, my_signal, epoch, SIGNAL_SET, p)
-            for p in range(tid, R, NT):
-                if p != rank:
-                    if wait_signal_ge(signals_base + Int64(p * 8), epoch, Int64(timeout_ms) * 1000000) == 0:
-                        record_fault(fault, Int32(OP_LAYOUT), p, epoch)
+        if fault_free(p.fault):
+            for q in range(warp, R, NWT):
+                if q != rank:
+                    nvshmem_cute.put_signal_warp(my_row, my_row, my_signal, epoch, SIGNAL_SET, q)
+            for q in range(tid, R, NT):
+                if q != rank:
+                    arrived = wait_signal_ge(element_addr(p.signals, (SIGNAL_COUNT, q)), epoch,
+                                             Int64(p.timeout_ms) * 1000000)
+                    if arrived == 0:
+                        record_fault(p.fault, Int32(OP_LAYOUT), q, epoch)
         cute.arch.sync_threads()
 
         # 3. offsets. Each column sum over sources (count[s][e], written by peers: volatile loads) is
@@ -169,21 +129,21 @@ class LayoutKernel:
         # (Reading the peers' counts inside those walks cost ~100 us per call at E=256.)
         # Capacity: expert e keeps its first expert_capacity rows (sources in rank order); the column
         # sum is clamped, and every rank counts the same drops (all ranks see all counts).
-        live = ld_volatile_i32(fault_addr) == Int32(0)
+        live = fault_free(p.fault)
         for e in range(tid, E, NT):
             tot = Int32(0)
             mine_before = Int32(0)
             for s in range(R):
-                c = ld_volatile_i32(counts_base + Int64((s * E + e) * 4))
+                c = ld_volatile_i32(element_addr(counts, (s, e)))
                 if s < rank:
                     mine_before = mine_before + c
                 tot = tot + c
-            if tot > expert_capacity:
+            if tot > p.expert_capacity:
                 if live:
-                    dropped[e] = dropped[e] + (tot - expert_capacity)  # one writer per e; the host resets
-                tot = expert_capacity
+                    p.dropped[e] = p.dropped[e] + (tot - p.expert_capacity)  # one writer per e; host resets
+                tot = p.expert_capacity
             colsum[e] = tot
-            send_offsets[e] = mine_before  # this rank's start inside the (expert, source) groups
+            p.send_offsets[e] = mine_before  # this rank's start inside the (expert, source) groups
         cute.arch.sync_threads()
         for e in range(tid, E, NT):
             d = e // El
@@ -191,22 +151,22 @@ class LayoutKernel:
             first_slot = Int32(0)  # the expert's first slot on its owner (`start` is this warp's pairs)
             for l2 in range(le):
                 first_slot = first_slot + colsum[d * El + l2]
-            off = first_slot + send_offsets[e]
-            send_offsets[e] = off
-            cursor[e] = off
-            send_limit[e] = first_slot + colsum[e]  # slots >= this are beyond the expert's capacity
+            off = first_slot + p.send_offsets[e]
+            p.send_offsets[e] = off
+            p.cursor[e] = off
+            p.send_limit[e] = first_slot + colsum[e]  # slots >= this are beyond the expert's capacity
             run = off
             for w in range(NW):
                 c = hist[w * E + e]
                 hist[w * E + e] = run
                 run = run + c
         for le in range(tid, El, NT):
-            tokens_per_expert[le] = colsum[rank * El + le]
+            p.tokens_per_expert[le] = colsum[rank * El + le]
         if tid == 0:
             tot_all = Int32(0)
             for le in range(El):
                 tot_all = tot_all + colsum[rank * El + le]
-            num_recv[0] = tot_all
+            p.num_recv[0] = tot_all
         cute.arch.sync_threads()
 
         # 4. scatter slots, 32 pairs per step in row-major order
@@ -214,7 +174,7 @@ class LayoutKernel:
             i = base + lane
             e = Int32(-1)
             if i < end:
-                e = topk_idx[i]
+                e = pair_ids[i]
             before = Int32(0)
             later = Int32(0)
             for j in cutlass.range_constexpr(WARP):
@@ -227,10 +187,10 @@ class LayoutKernel:
             slot = Int32(-1)
             if e >= 0:
                 slot = hist[warp * E + e] + before
-                if slot >= send_limit[e]:
+                if slot >= p.send_limit[e]:
                     slot = Int32(-1)  # dropped: beyond the expert's capacity
             if i < end:
-                scatter[i] = slot
+                pair_slots[i] = slot
             cute.arch.sync_warp()
             if e >= 0:
                 if later == 0:
@@ -238,5 +198,5 @@ class LayoutKernel:
             cute.arch.sync_warp()
 
         if tid == 0:
-            if ld_volatile_i32(fault_addr) == Int32(0):  # a timed-out call does not count as run
-                epochs[0] = epoch
+            if fault_free(p.fault):  # a timed-out call does not count as run
+                p.epochs[OP_LAYOUT] = epoch

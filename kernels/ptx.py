@@ -21,6 +21,8 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from cute_ep.kernels.buffers import FAULT_COUNT, FAULT_EPOCH, FAULT_OP, FAULT_PEER
+
 # NVSHMEM enum values used on the device (taken from nvshmem4py so they can never drift).
 SIGNAL_SET = int(_nvshmem_core.SignalOp.SIGNAL_SET)
 
@@ -37,49 +39,30 @@ def _asm(ret, args, text: str, constraints: str, side_effects: bool = False):
     )
 
 
-@dsl_user_op
-def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """a * b rounded to nearest even, never fused with a following add."""
-    return Float32(
-        _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-             "mul.rn.f32 $0, $1, $2;", "=f,f,f")
-    )
+def _f32_binary(name: str, ptx: str, doc: str):
+    """A device op ``name(a, b) -> Float32`` that is exactly the PTX ``ptx`` ($0 = result, $1 = a,
+    $2 = b), so the compiler can neither fuse nor approximate it."""
+
+    @dsl_user_op
+    def op(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+        args = [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)]
+        return Float32(_asm(T.f32(), args, ptx, "=f,f,f"))
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = doc
+    return op
 
 
-@dsl_user_op
-def add_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """a + b rounded to nearest even, never fused with a preceding multiply."""
-    return Float32(
-        _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-             "add.rn.f32 $0, $1, $2;", "=f,f,f")
-    )
-
-
-@dsl_user_op
-def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """a / b, IEEE division rounded to nearest even (what torch computes; no approximate reciprocal)."""
-    return Float32(
-        _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-             "div.rn.f32 $0, $1, $2;", "=f,f,f")
-    )
-
-
-@dsl_user_op
-def abs_max(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """max(a, |b|) for finite values."""
-    return Float32(
-        _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-             "{ .reg .f32 t; abs.f32 t, $2; max.f32 $0, $1, t; }", "=f,f,f")
-    )
-
-
-@dsl_user_op
-def max_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """max(a, b) for finite values."""
-    return Float32(
-        _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-             "max.f32 $0, $1, $2;", "=f,f,f")
-    )
+mul_rn = _f32_binary("mul_rn", "mul.rn.f32 $0, $1, $2;",
+                     "a * b rounded to nearest even, never fused with a following add.")
+add_rn = _f32_binary("add_rn", "add.rn.f32 $0, $1, $2;",
+                     "a + b rounded to nearest even, never fused with a preceding multiply.")
+div_rn = _f32_binary("div_rn", "div.rn.f32 $0, $1, $2;",
+                     "a / b, IEEE division rounded to nearest even (what torch computes; no approximate "
+                     "reciprocal).")
+abs_max = _f32_binary("abs_max", "{ .reg .f32 t; abs.f32 t, $2; max.f32 $0, $1, t; }",
+                      "max(a, |b|) for finite values.")
+max_f32 = _f32_binary("max_f32", "max.f32 $0, $1, $2;", "max(a, b) for finite values.")
 
 
 @dsl_user_op
@@ -92,18 +75,23 @@ def cvt_e4m3x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
     )
 
 
-@dsl_user_op
-def st_global_u32(addr: Int64, value: Int32, *, loc=None, ip=None) -> None:
-    """32-bit global store to a raw address."""
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
-         "st.global.b32 [$0], $1;", "l,r", side_effects=True)
+def _global_store(name: str, kind, ptx: str, constraint: str, doc: str):
+    """A device op ``name(addr, value)`` storing one ``kind`` value to a raw global address."""
+
+    @dsl_user_op
+    def op(addr: Int64, value, *, loc=None, ip=None) -> None:
+        args = [Int64(addr).ir_value(loc=loc, ip=ip), kind(value).ir_value(loc=loc, ip=ip)]
+        _asm(None, args, ptx, constraint, side_effects=True)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = doc
+    return op
 
 
-@dsl_user_op
-def st_global_f32(addr: Int64, value: Float32, *, loc=None, ip=None) -> None:
-    """32-bit float global store to a raw address."""
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
-         "st.global.f32 [$0], $1;", "l,f", side_effects=True)
+st_global_u32 = _global_store("st_global_u32", Int32, "st.global.b32 [$0], $1;", "l,r",
+                              "32-bit global store to a raw address.")
+st_global_f32 = _global_store("st_global_f32", Float32, "st.global.f32 [$0], $1;", "l,f",
+                              "32-bit float global store to a raw address.")
 
 
 @dsl_user_op
@@ -183,8 +171,6 @@ def copy_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, nu
 
 # -- bounded waits -----------------------------------------------------------------------------------
 
-
-
 @dsl_user_op
 def global_timer_ns(*, loc=None, ip=None) -> Int64:
     """%globaltimer (nanoseconds), read afresh on every call (a side-effecting asm is never hoisted)."""
@@ -222,53 +208,71 @@ def wait_signal_ge(addr: Int64, target: Int64, timeout_ns: Int64) -> Int32:
 
 
 @cute.jit
-def record_fault(fault: cute.Tensor, op: Int32, peer: Int32, epoch: Int64):
-    """Record (op, peer, epoch) in ``fault`` ([FAULT_WORDS] int32: faults recorded, operation, peer,
-    epoch's low 32 bits) unless an earlier fault is recorded (the first one wins).
-
-    Every kernel checks ``fault[0]`` when it starts and does nothing if it is set, so after a timeout
-    no kernel of this buffer moves data until the host has read the record and raised."""
-    old = cute.arch.atomic_add(fault.iterator, Int32(1))
-    if old == Int32(0):
-        fault[1] = op
-        fault[2] = peer
-        fault[3] = Int32(epoch)
+def element(t: cute.Tensor, coord) -> cute.Tensor:
+    """A one-element view of ``t`` at ``coord`` (NVSHMEM's single-value FFIs take a tensor)."""
+    return cute.make_tensor(t.iterator + cute.crd2idx(coord, t.layout), cute.make_layout(1))
 
 
 @cute.jit
-def signal_and_wait_peers(
-    signals: cute.Tensor,
-    row: Int32,
-    rank: Int32,
-    world_size: Int32,
-    value: Int64,
-    timeout_ms: Int32,
-    op: Int32,
-    epoch: Int64,
-    fault: cute.Tensor,
-    signal: Int32,
-):
-    """A barrier across ranks on signal row ``row`` (``signals`` is [rows, R] uint64, symmetric).
+def element_addr(t: cute.Tensor, coord) -> Int64:
+    """The address of ``t``'s element at ``coord`` (for the raw loads above)."""
+    return (t.iterator + cute.crd2idx(coord, t.layout)).toint()
 
-    If ``signal`` != 0, CTA 0's first R threads first SET ``row[rank]`` on every peer to ``value``
-    (after a system fence: this rank's earlier writes are visible first). Then the first R threads of
-    every CTA wait until ``row[p] >= value`` for every peer p, each at most ``timeout_ms``; a peer that
-    never arrives is recorded in ``fault`` as (op, p, epoch). Nothing happens once a fault is recorded.
-    Ends with a CTA barrier.
+
+@cute.jit
+def fault_free(fault: cute.Tensor) -> cutlass.Boolean:
+    """No wait of this buffer has timed out yet (a volatile read: other CTAs and kernels record faults)."""
+    return ld_volatile_i32(element_addr(fault, FAULT_COUNT)) == Int32(0)
+
+
+@cute.jit
+def record_fault(fault: cute.Tensor, op: Int32, peer: Int32, epoch: Int64):
+    """Record (op, peer, epoch) in ``fault`` (the FAULT_* words) unless an earlier fault is recorded
+    (the first one wins).
+
+    Every kernel checks ``fault_free`` when it starts and moves no data once a fault is recorded, so
+    after a timeout no kernel of this buffer moves data until the host has read the record and raised."""
+    old = cute.arch.atomic_add(fault.iterator + FAULT_COUNT, Int32(1))
+    if old == Int32(0):
+        fault[FAULT_OP] = op
+        fault[FAULT_PEER] = peer
+        fault[FAULT_EPOCH] = Int32(epoch)
+
+
+@cute.jit
+def signal_and_wait_peers(p, row: Int32, value: Int64, op: Int32, epoch: Int64, signal: Int32):
+    """A barrier across ranks on ``p.signals[row, :]`` (one SIGNAL_* row; symmetric, [rows, R] uint64).
+
+    If ``signal`` != 0, this CTA's first R threads first SET ``signals[row, rank]`` on every peer to
+    ``value`` (after a system fence: this rank's earlier writes are visible first). Then this CTA's first
+    R threads wait until ``signals[row, q] >= value`` for every peer q, each at most ``p.timeout_ms``; a
+    peer that never arrives is recorded in ``p.fault`` as (op, q, epoch). Nothing happens once a fault is
+    recorded. Ends with a CTA barrier. Every thread of the CTA must call it.
     """
     tid, _, _ = cute.arch.thread_idx()
-    bid, _, _ = cute.arch.block_idx()
-    if ld_volatile_i32(fault.iterator.toint()) == Int32(0):
+    R = p.world_size
+    if fault_free(p.fault):
         if signal != 0:
-            if bid == 0:
-                if tid < world_size:
-                    fence_sys()
-                    nvshmem_cute.signal_op(
-                        cute.make_tensor(signals.iterator + (row * world_size + rank), cute.make_layout(1)),
-                        value, SIGNAL_SET, tid,
-                    )
-        if tid < world_size:
-            addr = signals.iterator.toint() + Int64((row * world_size + tid) * 8)
-            if wait_signal_ge(addr, value, Int64(timeout_ms) * 1000000) == 0:
-                record_fault(fault, op, tid, epoch)
+            if tid < R:
+                fence_sys()
+                nvshmem_cute.signal_op(element(p.signals, (row, p.rank)), value, SIGNAL_SET, tid)
+        if tid < R:
+            if wait_signal_ge(element_addr(p.signals, (row, tid)), value, Int64(p.timeout_ms) * 1000000) == 0:
+                record_fault(p.fault, op, tid, epoch)
     cute.arch.sync_threads()
+
+
+@cute.jit
+def last_cta_arrives(done: cute.Tensor, slot: Int32) -> Int32:
+    """Called by one thread per CTA after the CTA's work: 1 in the last CTA of the grid to arrive (the
+    counter ``done[slot]`` is then reset for the next launch), else 0.
+
+    The fence first makes this CTA's writes visible before its arrival is counted, so the last CTA may
+    announce everyone's work."""
+    NCTA, _, _ = cute.arch.grid_dim()
+    fence_sys()
+    last = Int32(0)
+    if cute.arch.atomic_add(done.iterator + slot, Int32(1)) == NCTA - 1:
+        done[slot] = Int32(0)
+        last = Int32(1)
+    return last

@@ -9,11 +9,11 @@ bit-exact reference).
 
 Input: the groups dispatch recorded (kernels/dispatch.py, ``groups``): a received slot p whose
 ``recv_from[p]`` is -1 - n (n >= 1) is the primary of a group of n pairs of one token, whose later
-members are ``recv_group[p * K + m]`` (m in [1, n), -1 where the pair was dropped for capacity).
+members are ``recv_group[p, m]`` (m in [1, n), -1 where the pair was dropped for capacity).
 
 Start barrier: a rank writes partial rows into its peers' ``partials``, which a peer may still be
-reading in its previous combine's phase 2, so every rank first raises ``combine_signal[rank]`` on every
-peer to 2 * epoch - 1 and waits for all of theirs (``signal_and_wait_peers``, bounded).
+reading in its previous combine's phase 2, so every rank first raises ``signals[SIGNAL_COMBINE, rank]``
+on every peer to 2 * epoch - 1 and waits for all of theirs (``signal_and_wait_peers``, bounded).
 
 A warp per group (persistent grid-stride loop over the received slots; the row is split over idle warps
 when there are fewer groups than warps and every peer is on this node): the members' (row, weight) in
@@ -23,145 +23,67 @@ stores through the NVSHMEM peer pointer on the same node, else into this warp's 
 ``put_warp``. The grid is ``REDUCED_GRID_FACTOR`` x num_sms CTAs (kernels/module.py): more warps, more
 loads in flight. The source tag ``recv_src[p]`` = (src_rank * M + t) * K + k names the token.
 
-Completion: every thread ``quiet``s and fences; the last CTA to finish raises ``combine_signal[rank]``
-on every peer to 2 * epoch (phase 2, kernels/partial_sum.py, waits for it). The epoch is advanced by
-phase 2.
+Completion: every thread ``quiet``s and fences; the last CTA to finish raises
+``signals[SIGNAL_COMBINE, rank]`` on every peer to 2 * epoch (phase 2, kernels/partial_sum.py, waits
+for it). The epoch is advanced by phase 2.
 """
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
-import cutlass.memory
 import nvshmem.core.device.cute as nvshmem_cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Int32, Int64
 from nvshmem.core.device.cute.mem import nvshmem_ptr
 
-from cute_ep.kernels.config import COMBINE_WARPS_PER_CTA, MAX_TOPK, OP_COMBINE, VECTOR_BYTES, WARP
-from cute_ep.kernels.ptx import SIGNAL_SET, fence_sys, ld_volatile_i32, row_view, signal_and_wait_peers
+from cute_ep.kernels.base import CombineFamily
+from cute_ep.kernels.buffers import DONE_PUSH, SIGNAL_COMBINE, EpParams
+from cute_ep.kernels.config import OP_COMBINE, REDUCED_GRID_FACTOR
+from cute_ep.kernels.ptx import (
+    SIGNAL_SET,
+    element,
+    fault_free,
+    fence_sys,
+    last_cta_arrives,
+    row_view,
+    signal_and_wait_peers,
+)
 from cute_ep.kernels.rowsum import weighted_sum_rows
 
 
-class ReducePushKernel:
+class ReducePushKernel(CombineFamily):
     """Phase 1 of the reduced combine (see the module docstring); every size is a run-time argument."""
 
-    threads = COMBINE_WARPS_PER_CTA * WARP
-
-    def __init__(self, dtype) -> None:
-        self.dtype = dtype
-
-    @cute.jit
-    def __call__(
-        self,
-        recv_y: cute.Tensor,
-        recv_w: cute.Tensor,
-        recv_src: cute.Tensor,
-        recv_from: cute.Tensor,
-        recv_group: cute.Tensor,
-        partials: cute.Tensor,
-        stage: cute.Tensor,
-        signals: cute.Tensor,
-        epochs: cute.Tensor,
-        done: cute.Tensor,
-        fault: cute.Tensor,
-        num_recv: cute.Tensor,
-        rank: Int32,
-        world_size: Int32,
-        local_world_size: Int32,
-        topk: Int32,
-        max_tokens: Int32,
-        num_ctas: Int32,
-        timeout_ms: Int32,
-        stream,
-    ):
-        self.kernel(
-            recv_y, recv_w, recv_src, recv_from, recv_group, partials, stage, signals, epochs, done, fault,
-            num_recv, rank, world_size, local_world_size, topk, max_tokens, timeout_ms,
-        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+    grid_factor = REDUCED_GRID_FACTOR
+    ctas_per_sm = REDUCED_GRID_FACTOR  # the grid is REDUCED_GRID_FACTOR CTAs per SM of the budget
 
     @cute.kernel
-    def kernel(
-        self,
-        recv_y: cute.Tensor,
-        recv_w: cute.Tensor,
-        recv_src: cute.Tensor,
-        recv_from: cute.Tensor,
-        recv_group: cute.Tensor,
-        partials: cute.Tensor,
-        stage: cute.Tensor,
-        signals: cute.Tensor,
-        epochs: cute.Tensor,
-        done: cute.Tensor,
-        fault: cute.Tensor,
-        num_recv: cute.Tensor,
-        rank: Int32,
-        world_size: Int32,
-        local_world_size: Int32,
-        topk: Int32,
-        max_tokens: Int32,
-        timeout_ms: Int32,
-    ):
-        R = world_size
-        L = local_world_size
-        K = topk
-        M = max_tokens
-        dtype = recv_y.element_type
-        H = recv_y.shape[1]
-        C = recv_y.shape[0]
-        V = VECTOR_BYTES // (dtype.width // 8)
-        NV = H // V
-        ROW_BYTES = Int64(H) * (dtype.width // 8)
-        WPC = COMBINE_WARPS_PER_CTA
-        NCTA, _, _ = cute.arch.grid_dim()
-        NWARPS = NCTA * WPC
-
+    def kernel(self, p: EpParams):
+        R, L, K, M, rank = p.world_size, p.local_world_size, p.topk, p.max_tokens, p.rank
+        C, H = p.capacity, p.hidden
+        recv_y, dtype = p.recv_y, self.dtype
+        # my_addr / my_weight: the members of the current group, ascending k
+        lane, gwarp, NWARPS, my_addr, my_weight, NV, ROW_BYTES, epoch = self.begin(p)
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
-        warp = tid // WARP
-        lane = tid % WARP
-        gwarp = bid * WPC + warp
-        epoch = epochs[2] + Int64(1)
 
-        smem = cutlass.memory.SmemAllocator()
-        row_addr = smem.allocate_tensor(Int64, cute.make_layout(WPC * MAX_TOPK), 16)
-        weight = smem.allocate_tensor(Float32, cute.make_layout(WPC * MAX_TOPK), 16)
-        my_addr = cute.make_tensor(row_addr.iterator + warp * MAX_TOPK, cute.make_layout(MAX_TOPK))
-        my_weight = cute.make_tensor(weight.iterator + warp * MAX_TOPK, cute.make_layout(MAX_TOPK))
-
-        fault_addr = fault.iterator.toint()
-        signal_and_wait_peers(signals, Int32(2), rank, R, epoch * 2 - 1, timeout_ms, Int32(OP_COMBINE), epoch,
-                              fault, Int32(1))
-        live = ld_volatile_i32(fault_addr) == Int32(0)
+        signal_and_wait_peers(p, Int32(SIGNAL_COMBINE), epoch * 2 - 1, Int32(OP_COMBINE), epoch,
+                              Int32(bid == 0))  # CTA 0 signals, every CTA waits
         work = Int32(0)
-        if live:
-            work = num_recv[0]
+        if fault_free(p.fault):
+            work = p.num_recv[0]
             if work > C:
                 work = C
-
-        parts = Int32(1)
-        if R == L:
-            if work > 0:
-                parts = NWARPS // work
-            max_parts = (NV + WARP - 1) // WARP
-            if parts > max_parts:
-                parts = max_parts
-            if parts < 1:
-                parts = Int32(1)
-        span = (NV + parts - 1) // parts
+        parts, span = self.row_split(work, NV, NWARPS, Int32(R == L))
 
         recv_y_base = recv_y.iterator.toint()
-        partials_base = partials.iterator.toint()
-        stage_row = stage.iterator.toint() + Int64(gwarp) * ROW_BYTES  # one per warp (EpConfig.stage_rows)
+        partials_base = p.partials.iterator.toint()
+        stage_row = p.stage.iterator.toint() + Int64(gwarp) * ROW_BYTES  # one per warp (EpConfig.stage_rows)
         my_node = rank // L
 
         for u in range(gwarp, work * parts, NWARPS):
-            p = u // parts
-            v_begin = (u % parts) * span
-            v_end = v_begin + span
-            if v_end > NV:
-                v_end = NV
-            f = recv_from[p]
-            src = recv_src[p]
+            q, v_begin, v_end = self.part_of(u, parts, span, NV)  # q: a received slot
+            f = p.recv_from[q]
+            src = p.recv_src[q]
             owner = src // (M * K)
             if f <= Int32(-2):
                 if owner < R:
@@ -172,14 +94,14 @@ class ReducePushKernel:
                     # The group's kept rows, ascending k: the primary, then the later members.
                     cnt = Int32(0)
                     for mm in range(n):
-                        s = p
+                        s = q
                         if mm > 0:
-                            s = recv_group[p * K + mm]
+                            s = p.recv_group[q, mm]
                         if s >= 0:
                             if s < C:
                                 if lane == 0:
                                     my_addr[cnt] = recv_y_base + Int64(s) * ROW_BYTES
-                                    my_weight[cnt] = recv_w[s]
+                                    my_weight[cnt] = p.recv_w[s]
                                 cnt = cnt + 1
                     cute.arch.sync_warp()
                     row = Int64(t * R + rank) * ROW_BYTES  # this rank's partial of token t
@@ -198,12 +120,9 @@ class ReducePushKernel:
         fence_sys()  # this thread's peer-pointer stores, before the CTA's arrival below
         cute.arch.sync_threads()
         if tid == 0:
-            fence_sys()
-            arrived = cute.arch.atomic_add(done.iterator + 2, Int32(1))
-            if arrived == NCTA - 1:
-                done[2] = Int32(0)
-                if ld_volatile_i32(fault_addr) == Int32(0):
+            if last_cta_arrives(p.done, Int32(DONE_PUSH)) != 0:
+                if fault_free(p.fault):
                     fence_sys()
-                    my_signal = cute.make_tensor(signals.iterator + (2 * R + rank), cute.make_layout(1))
-                    for q in range(R):
-                        nvshmem_cute.signal_op(my_signal, epoch * 2, SIGNAL_SET, q)
+                    my_signal = element(p.signals, (SIGNAL_COMBINE, rank))
+                    for peer in range(R):
+                        nvshmem_cute.signal_op(my_signal, epoch * 2, SIGNAL_SET, peer)

@@ -123,11 +123,7 @@ class CheckFailed(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="See the module docstring (To run / what is measured / Constraints).",
-    )
+    p = br.script_parser(__doc__, "See the module docstring (To run / what is measured / Constraints).")
     p.add_argument("--hidden", type=int, default=7168, help="elements per row (H)")
     p.add_argument("--topk", type=int, default=8, help="experts per token (K)")
     p.add_argument("--num-experts", type=int, default=256, help="experts in total (E)")
@@ -207,23 +203,12 @@ def validate_args(args: argparse.Namespace) -> None:
 
 
 def check_writable(flag: str, value: str) -> None:
-    """Raise UsageError unless ``value`` can be written: not a directory, not a read-only file, and
-    its nearest existing ancestor (write_json and plot create missing parents) a writable directory."""
-    path = Path(value)
+    """Raise UsageError unless ``value`` can be written (``bench_report.check_writable``; write_json and
+    plot create missing parents)."""
     try:
-        if path.is_dir():
-            raise UsageError(f"{flag} {value} is a directory")
-        if path.exists() and not os.access(path, os.W_OK):
-            raise UsageError(f"{flag} {value} is not writable")
-        folder = path.absolute().parent
-        while not folder.exists():
-            folder = folder.parent
-        if not folder.is_dir():
-            raise UsageError(f"{flag} {value}: {folder} is not a directory")
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise UsageError(f"{flag} {value}: directory {folder} is not writable")
-    except OSError as exc:
-        raise UsageError(f"{flag} {value}: {exc.strerror or exc}") from None
+        br.check_writable(flag, value)
+    except br.BenchReportError as exc:
+        raise UsageError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------------------------------

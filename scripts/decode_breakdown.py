@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             res = buf.dispatch(s.x, s.idx, s.w)
             buf.expert_output(res.num_recv).copy_(res.recv_x)
             steps: dict[str, Any] = {
-                "layout": lambda i, s=s, t=t: buf._launch(OP_LAYOUT, 0, t, x=s.x, idx=s.idx, w=s.w),
+                "layout": lambda i, s=s, t=t: buf._launch(OP_LAYOUT, t, idx=s.idx),
                 "dispatch": lambda i, s=s: buf.launch_dispatch(s.x, s.idx, s.w),
             }
             med = {name: br.median(timer.run(step, args.warmup, args.iters)) for name, step in steps.items()}

@@ -69,11 +69,10 @@ from typing import Any
 import torch
 
 from cute_ep.bench_report import pairs_off as count_pairs_off
-from cute_ep.bootstrap.dist_env import LOCAL_WORLD_SIZE_OVERRIDE_VAR, DistEnv
+from cute_ep.bench_report import script_parser
+from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
 from cute_ep.cli import (
-    BACKENDS,
-    DTYPES,
     EXIT_FAIL,
     EXIT_PASS,
     EXIT_USAGE,
@@ -81,29 +80,30 @@ from cute_ep.cli import (
     UsageError,
     add_combine_arg,
     add_fp8_capacity_args,
+    add_launch_args,
+    add_shape_args,
     all_gather,
     broadcast_from_rank0,
     check_fp8_capacity_args,
+    check_run_args,
     config_from_args,
     exit_process,
     expert_ids,
     leave,
-    make_buffer,
+    run_buffer,
     runtime_backend,
     script_main,
     world_banner,
 )
 from cute_ep.fp8 import fp8_check_rows
-from cute_ep.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
+from cute_ep.inputs import ROUTINGS, make_inputs
 from cute_ep.kernels.config import MODES, EpConfig
 from cute_ep.reference import apply_test_expert
 from cute_ep.validators.baseline import (
     BaselineConfigError,
     BaselineFormatError,
-    compare_baselines,
+    check_baseline_config,
     compare_to_baseline,
-    load_baseline,
-    make_baseline,
     save_baseline,
 )
 from cute_ep.validators.checks import (
@@ -114,7 +114,6 @@ from cute_ep.validators.checks import (
     report,
 )
 
-MAX_TOKENS_PER_RANK = 256 * 256  # make_inputs writes the token id into two bf16-exact columns
 BASELINE_MODE = "scatter"  # the only mode with a deterministic receive order
 
 
@@ -124,31 +123,15 @@ BASELINE_MODE = "scatter"  # the only mode with a deterministic receive order
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="See the module docstring (To run / Constraints) for examples.",
-    )
+    p = script_parser(__doc__, "See the module docstring (To run / Constraints) for examples.")
     p.add_argument("--num-tokens", type=int, default=64, help="tokens per rank (also max_tokens)")
-    p.add_argument("--hidden", type=int, default=256, help="elements per row (H)")
-    p.add_argument(
-        "--num-experts", type=int, default=32, help="experts in total (E), divisible by the world size"
-    )
-    p.add_argument("--topk", type=int, default=2, help="experts per token (K)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="rows and combine output")
+    add_shape_args(p, topk=2)
     p.add_argument(
         "--modes", default="scatter,atomic", help="comma-separated dispatch modes: scatter, atomic"
     )
     p.add_argument("--routing", choices=ROUTINGS, default="uniform", help="how inputs pick their experts")
     p.add_argument("--seed", type=int, default=0, help="input seed (iteration i uses seed + i)")
-    p.add_argument(
-        "--local-world-size",
-        type=int,
-        default=None,
-        help=f"ranks per (virtual) node; default ${LOCAL_WORLD_SIZE_OVERRIDE_VAR}, else the ranks per host",
-    )
-    p.add_argument("--backend", choices=BACKENDS, default="cute",
-                   help="cute: GPU kernels; reference: torch on CPU; a2a: all_to_all_single fallback")
+    add_launch_args(p)
     p.add_argument("--iters", type=int, default=1, help="validation iterations per mode")
     p.add_argument("--save-baseline-to", metavar="PATH", help="write every rank's arrays to this .npz")
     p.add_argument("--compare-baseline", metavar="PATH", help="compare every rank's arrays with this .npz")
@@ -170,14 +153,7 @@ def validate_args(args: argparse.Namespace) -> None:
     if not modes or unknown:
         raise UsageError(f"--modes must be a comma-separated list of {sorted(MODES)}, got {args.modes!r}")
     args.mode_list = list(dict.fromkeys(modes))
-    if args.iters < 1:
-        raise UsageError(f"--iters must be >= 1, got {args.iters}")
-    if not 1 <= args.num_tokens <= MAX_TOKENS_PER_RANK:
-        raise UsageError(f"--num-tokens must be in [1, {MAX_TOKENS_PER_RANK}], got {args.num_tokens}")
-    if args.hidden < SENDER_COLUMNS:
-        raise UsageError(
-            f"--hidden must be >= {SENDER_COLUMNS} (the first columns name the sender), got {args.hidden}"
-        )
+    check_run_args(args, "--num-tokens", args.num_tokens)
     if args.benchmark and args.backend != "cute":
         raise UsageError("--benchmark needs --backend cute (it times the GPU kernels with CUDA events)")
     if args.bench_iters < 1 or args.bench_warmup < 0:
@@ -318,10 +294,8 @@ def precheck_baseline(path: str, meta: dict[str, Any], env: DistEnv, group: Any)
     outcome: Any = None
     if env.rank == 0:
         try:
-            empty = make_baseline(
-                [{} for _ in range(env.world_size)], meta, local_world_size=env.local_world_size
-            )
-            compare_baselines(load_baseline(path), empty)  # raises BaselineConfigError on a mismatch
+            lws = env.local_world_size
+            check_baseline_config(path, meta, world_size=env.world_size, local_world_size=lws)
         except OSError as exc:
             outcome = unreadable_baseline(path, exc)
         except Exception as exc:
@@ -444,10 +418,7 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
             if problem is not None:
                 return leave(runtime, problem, EXIT_USAGE)
 
-        buffer = make_buffer(args.backend, runtime, cfg)
-        code = validate(buffer, args, cfg, runtime, say)
-        buffer.close()  # collective: every rank gets here unless an exception left the run
-    return code
+        return run_buffer(args.backend, runtime, cfg, lambda buf: validate(buf, args, cfg, runtime, say))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,34 +99,30 @@ import torch
 
 from cute_ep import bench_report as br
 from cute_ep._version import git_sha, package_versions
-from cute_ep.bootstrap.dist_env import (
-    LOCAL_WORLD_SIZE_OVERRIDE_VAR,
-    ROUTE_CLASSES,
-    DistEnv,
-    possible_route_classes,
-)
+from cute_ep.bootstrap.dist_env import ROUTE_CLASSES, DistEnv, possible_route_classes
 from cute_ep.bootstrap.runtime import Runtime
 from cute_ep.cli import (
-    BACKENDS,
-    DTYPES,
     EXIT_FAIL,
     EXIT_PASS,
     Printer,
     UsageError,
     add_combine_arg,
     add_fp8_capacity_args,
+    add_launch_args,
+    add_shape_args,
     all_gather,
     check_fp8_capacity_args,
+    check_run_args,
     config_from_args,
     exit_process,
     expert_ids,
-    make_buffer,
+    run_buffer,
     runtime_backend,
     script_main,
     world_banner,
 )
 from cute_ep.fp8 import fp8_check_rows
-from cute_ep.inputs import ROUTINGS, SENDER_COLUMNS, make_inputs
+from cute_ep.inputs import ROUTINGS, make_inputs
 from cute_ep.kernels.config import MODES, EpConfig
 from cute_ep.reference import (
     COMBINE_REFERENCES,
@@ -145,7 +141,6 @@ from cute_ep.validators.checks import (
 
 MODE_CHOICES = tuple(MODES)
 ROUTING_ORDERS = ("cycle", "random")
-MAX_TOKENS_PER_RANK = 256 * 256  # make_inputs writes the token id into two bf16-exact columns
 CYCLES_PER_US = 1500  # torch.cuda._sleep counts SM clock cycles: ~1.5 GHz assumed
 ZERO_TOKENS_P = 0.05  # share of (iteration, rank) draws with no token at all
 FULL_TOKENS_P = 0.05  # ... and with exactly --max-tokens
@@ -160,22 +155,13 @@ _SALT_INPUTS, _SALT_TOKENS, _SALT_ROUTING, _SALT_STRAGGLE = 0x1A, 0x2B, 0x3C, 0x
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="See the module docstring (To run / Constraints) for examples.",
-    )
+    p = br.script_parser(__doc__, "See the module docstring (To run / Constraints) for examples.")
     p.add_argument("--iters", type=int, default=1000, help="dispatch + combine iterations")
     p.add_argument(
         "--max-tokens", type=int, default=128,
         help="most tokens per rank (also the buffers' max_tokens); each iteration draws [0, max] per rank",
     )  # fmt: skip
-    p.add_argument("--hidden", type=int, default=256, help="elements per row (H)")
-    p.add_argument(
-        "--num-experts", type=int, default=32, help="experts in total (E), divisible by the world size"
-    )
-    p.add_argument("--topk", type=int, default=4, help="experts per token (K)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="rows and combine output")
+    add_shape_args(p, topk=4)
     p.add_argument("--modes", default="scatter,atomic", help="comma-separated dispatch modes, alternated")
     p.add_argument("--routings", default=",".join(ROUTINGS), help=f"comma-separated routings of {ROUTINGS}")
     p.add_argument(
@@ -190,12 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout-s", type=float, default=None, help="longest wait for a peer, EpConfig.timeout_s (60)"
     )
-    p.add_argument(
-        "--local-world-size", type=int, default=None,
-        help=f"ranks per (virtual) node; default ${LOCAL_WORLD_SIZE_OVERRIDE_VAR}, else the ranks per host",
-    )  # fmt: skip
-    p.add_argument("--backend", choices=BACKENDS, default="cute",
-                   help="cute: GPU kernels; reference: torch on CPU; a2a: all_to_all_single fallback")
+    add_launch_args(p)
     p.add_argument("--num-sms", type=int, default=None, help="CTAs of dispatch/combine (EpConfig default)")
     add_fp8_capacity_args(p)
     add_combine_arg(p)
@@ -215,14 +196,7 @@ def validate_args(args: argparse.Namespace) -> None:
         args.routing_list = br.parse_name_list(args.routings, "--routings", ROUTINGS)
     except br.BenchReportError as exc:
         raise UsageError(str(exc)) from None
-    if args.iters < 1:
-        raise UsageError(f"--iters must be >= 1, got {args.iters}")
-    if not 1 <= args.max_tokens <= MAX_TOKENS_PER_RANK:
-        raise UsageError(f"--max-tokens must be in [1, {MAX_TOKENS_PER_RANK}], got {args.max_tokens}")
-    if args.hidden < SENDER_COLUMNS:
-        raise UsageError(
-            f"--hidden must be >= {SENDER_COLUMNS} (the first columns name the sender), got {args.hidden}"
-        )
+    check_run_args(args, "--max-tokens", args.max_tokens)
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
     if not 0.0 <= args.straggler_prob <= 1.0:
@@ -234,24 +208,11 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--report-every and --show-failures must be >= 0, got {args.report_every}, {args.show_failures}"
         )
-    if args.out_json:
-        check_writable("--out-json", args.out_json)
-
-
-def check_writable(flag: str, value: str) -> None:
-    """UsageError unless ``value`` can be written as a file (rank 0 writes it after the run, when a
-    write error could no longer stop the soak early): not a directory, not read-only, and its nearest
-    existing ancestor (missing parents are made) a writable directory."""
-    path = Path(value)
-    if path.is_dir():
-        raise UsageError(f"{flag} {value} is a directory")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise UsageError(f"{flag} {value} is not writable")
-    folder = path.absolute().parent
-    while not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {value}: {folder} is not a writable directory")
+    if args.out_json:  # rank 0 writes it after the run, when a write error could no longer stop the soak
+        try:
+            br.check_writable("--out-json", args.out_json)
+        except br.BenchReportError as exc:
+            raise UsageError(str(exc)) from None
 
 
 def make_config(args: argparse.Namespace, env: DistEnv) -> EpConfig:
@@ -707,18 +668,19 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
             f"({sleeper})",
             "receive buffers poisoned once; never re-zeroed or re-poisoned between iterations",
         )
-        buffer = make_buffer(args.backend, runtime, cfg)
-        buffer.poison()  # once; EpBuffer also poisons at construction
-        runtime.barrier()
-        soak = Soak(buffer, args, cfg, runtime)
-        try:
-            soak.loop()
-        except Exception as exc:
-            soak.stopped(exc)
-            raise  # through the Runtime's `with`: no collective teardown after an error
-        code = soak.finish()
-        buffer.close()  # collective: every rank gets here unless an exception left the run
-    return code
+
+        def body(buffer: Any) -> int:
+            buffer.poison()  # once; EpBuffer also poisons at construction
+            runtime.barrier()
+            soak = Soak(buffer, args, cfg, runtime)
+            try:
+                soak.loop()
+            except Exception as exc:
+                soak.stopped(exc)
+                raise  # through the Runtime's `with`: no collective teardown after an error
+            return soak.finish()
+
+        return run_buffer(args.backend, runtime, cfg, body)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +82,20 @@ def run_single(*argv: Arg, timeout: float, **env: str) -> subprocess.CompletedPr
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env, cwd=REPO)
 
 
+RANK0_OF_FOUR = dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1")
+"""The launch variables of rank 0 of a 4-rank world (for ``run_single``: an argument error must stop a
+launched script before any rendezvous, so the lone rank never waits for the other three)."""
+
+
+def assert_argument_error(proc: subprocess.CompletedProcess, message: str) -> None:
+    """A script's run stopped by a bad argument: exit status 2, ``error: message`` on stderr, and no
+    traceback."""
+    text = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 2, text
+    assert f"error: {message}" in proc.stderr, text
+    assert "Traceback" not in proc.stderr + proc.stdout, text
+
+
 def launch_ranks(*argv: Arg, world: int, timeout: float, **env: str) -> tuple[list[int], str]:
     """Start ``python argv...`` as ``world`` ranks with torchrun's variables set by hand.
 
@@ -122,6 +137,25 @@ def worker_results(worker: Arg, world: int, out_dir: Path, *args: Arg, timeout: 
     tail = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{tail}"
     return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def gloo_worker_main(results: Callable[..., dict]) -> None:
+    """The ``__main__`` of a torchrun worker that ``worker_results`` runs: in a gloo Runtime of the launch
+    (60 s timeout), ``results(rt, *args)`` with ``args`` the command-line arguments after OUT_DIR; then
+    meet the other ranks, write the result to OUT_DIR/rank{r}.json and end without teardown."""
+    import json
+    from datetime import timedelta
+
+    from cute_ep.bootstrap.dist_env import DistEnv
+    from cute_ep.bootstrap.runtime import Runtime
+
+    out_dir, *args = sys.argv[1:]
+    env = DistEnv.from_environ()
+    with Runtime(env, backend="gloo", timeout=timedelta(seconds=60)) as rt:
+        result = results(rt, *args)
+        rt.barrier()
+    Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(result))
+    exit_without_teardown()
 
 
 def exit_without_teardown() -> None:

@@ -14,18 +14,13 @@ live in the test.
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
-from datetime import timedelta
-from pathlib import Path
 
 import torch
-from _launch import bit_diff, exit_without_teardown, outcome  # tests/ is this script's sys.path[0]
+from _launch import bit_diff, gloo_worker_main, outcome  # tests/ is this script's sys.path[0]
 
 from cute_ep.a2a_backend import A2aDispatchHandle, A2aEpBuffer
-from cute_ep.bootstrap.dist_env import DistEnv
+from cute_ep.api import DispatchHandle
 from cute_ep.bootstrap.runtime import Runtime
-from cute_ep.buffer import DispatchHandle
 from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
 from cute_ep.reference import apply_test_expert, global_expert_of_rows
@@ -227,17 +222,14 @@ def bad_inputs(rt: Runtime) -> dict:
     return out
 
 
-def main(out_dir: str) -> None:
-    env = DistEnv.from_environ()
-    with Runtime(env, backend="gloo", timeout=timedelta(seconds=60)) as rt:
-        result = {"cases": [run_case(rt, i, case) for i, case in enumerate(CASES)]}
-        result["bad"] = bad_inputs(rt)
-        make = lambda cfg: A2aEpBuffer(rt, cfg)  # noqa: E731
-        result["gradients"] = gradient_check(rt, make, torch.device("cpu"))
-        rt.barrier()
-    Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(result))
+def results(rt: Runtime) -> dict:
+    """This rank's findings (``gloo_worker_main`` writes them to OUT_DIR/rank{r}.json)."""
+    result = {"cases": [run_case(rt, i, case) for i, case in enumerate(CASES)]}
+    result["bad"] = bad_inputs(rt)
+    make = lambda cfg: A2aEpBuffer(rt, cfg)  # noqa: E731
+    result["gradients"] = gradient_check(rt, make, torch.device("cpu"))
+    return result
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
-    exit_without_teardown()
+    gloo_worker_main(results)

@@ -10,36 +10,27 @@ reference backend on the CPU, and the mode constraint, then writes OUT_DIR/rank{
 
 from __future__ import annotations
 
-import json
-import sys
-from datetime import timedelta
-from pathlib import Path
-
 import torch
-from _launch import exit_without_teardown  # tests/ is this script's sys.path[0]
+from _launch import gloo_worker_main  # tests/ is this script's sys.path[0]
 
 from cute_ep import autograd as ep
-from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
 from cute_ep.reference_backend import ReferenceEpBuffer
 from cute_ep.validators.autograd_checks import gradient_check, train
 
 
-def main(out_dir: str) -> None:
-    env = DistEnv.from_environ()
-    with Runtime(env, backend="gloo", timeout=timedelta(seconds=60)) as rt:
-        cpu = torch.device("cpu")
-        make = lambda cfg: ReferenceEpBuffer(rt, cfg)  # noqa: E731
-        result = {"gradients": gradient_check(rt, make, cpu), "training": train(rt, make, cpu)}
-        try:  # the mode constraint, on every rank alike
-            ep.dispatch(None, torch.zeros(1, 16), torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2),
-                        mode="atomic")
-        except ValueError as exc:
-            result["atomic_error"] = str(exc)
-        rt.barrier()
-    Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(result))
+def results(rt: Runtime) -> dict:
+    """This rank's findings (``gloo_worker_main`` writes them to OUT_DIR/rank{r}.json)."""
+    cpu = torch.device("cpu")
+    make = lambda cfg: ReferenceEpBuffer(rt, cfg)  # noqa: E731
+    result = {"gradients": gradient_check(rt, make, cpu), "training": train(rt, make, cpu)}
+    try:  # the mode constraint, on every rank alike
+        ep.dispatch(None, torch.zeros(1, 16), torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2),
+                    mode="atomic")
+    except ValueError as exc:
+        result["atomic_error"] = str(exc)
+    return result
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
-    exit_without_teardown()
+    gloo_worker_main(results)

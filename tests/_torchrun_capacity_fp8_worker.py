@@ -15,18 +15,12 @@ the tests.
 
 from __future__ import annotations
 
-import json
-import sys
-from datetime import timedelta
-from pathlib import Path
-
 import torch
-from _launch import bit_diff, exit_without_teardown, outcome  # tests/ is this script's sys.path[0]
+from _launch import bit_diff, gloo_worker_main, outcome  # tests/ is this script's sys.path[0]
 
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
-from cute_ep.buffer import CapacityExceeded
 from cute_ep.capacity import apply_expert_capacity, check_atomic_drops, effective_topk_from_scatter
 from cute_ep.collectives import all_gather_objects
 from cute_ep.fp8 import dequantize_fp8, pack_fp8_rows, quantize_fp8
@@ -40,6 +34,7 @@ from cute_ep.reference import (
     reference_layout,
 )
 from cute_ep.reference_backend import ReferenceEpBuffer
+from cute_ep.status import CapacityExceeded
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 FIELDS = ("recv_x", "recv_weights", "recv_src", "tokens_per_expert")
@@ -304,22 +299,17 @@ def fp8_bad(rt: Runtime) -> dict:
     return out
 
 
-def main(out_dir: str, part: str) -> None:
-    env = DistEnv.from_environ()
-    with Runtime(env, backend="gloo", timeout=timedelta(seconds=60)) as rt:
-        if part == "capacity":
-            result = {
-                "cases": [capacity_case(rt, i, c) for i, c in enumerate(CAPACITY_CASES)],
-                "raise": capacity_raise(rt),
-            }
-        elif part == "fp8":
-            result = {"cases": [fp8_case(rt, i, c) for i, c in enumerate(FP8_CASES)], "bad": fp8_bad(rt)}
-        else:
-            raise SystemExit(f"unknown part {part!r} (capacity or fp8)")
-        rt.barrier()
-    Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(result))
+def results(rt: Runtime, part: str) -> dict:
+    """This rank's findings for PART (``gloo_worker_main`` writes them to OUT_DIR/rank{r}.json)."""
+    if part == "capacity":
+        return {
+            "cases": [capacity_case(rt, i, c) for i, c in enumerate(CAPACITY_CASES)],
+            "raise": capacity_raise(rt),
+        }
+    if part == "fp8":
+        return {"cases": [fp8_case(rt, i, c) for i, c in enumerate(FP8_CASES)], "bad": fp8_bad(rt)}
+    raise SystemExit(f"unknown part {part!r} (capacity or fp8)")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
-    exit_without_teardown()
+    gloo_worker_main(results)

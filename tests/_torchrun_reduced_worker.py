@@ -15,16 +15,10 @@ assertions live in the test.
 
 from __future__ import annotations
 
-import json
-import sys
-from datetime import timedelta
-from pathlib import Path
-
 import torch
-from _launch import bit_diff, exit_without_teardown, outcome  # tests/ is this script's sys.path[0]
+from _launch import bit_diff, gloo_worker_main, outcome  # tests/ is this script's sys.path[0]
 
 from cute_ep.a2a_backend import A2aEpBuffer
-from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
 from cute_ep.capacity import effective_topk_from_scatter
 from cute_ep.collectives import all_gather_objects
@@ -150,15 +144,10 @@ def bad_algorithms_of(rt: Runtime, backend: str, pull_buf, red_buf) -> dict:
     return out
 
 
-def main(out_dir: str) -> None:
-    env = DistEnv.from_environ()
-    with Runtime(env, backend="gloo", timeout=timedelta(seconds=60)) as rt:
-        result = {"cases": [run_case(rt, i, case) for i, case in enumerate(CASES)]}
-        result["bad"] = bad_algorithms(rt)
-        rt.barrier()
-    Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(result))
+def results(rt: Runtime) -> dict:
+    """This rank's findings (``gloo_worker_main`` writes them to OUT_DIR/rank{r}.json)."""
+    return {"cases": [run_case(rt, i, case) for i, case in enumerate(CASES)], "bad": bad_algorithms(rt)}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
-    exit_without_teardown()
+    gloo_worker_main(results)

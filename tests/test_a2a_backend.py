@@ -16,11 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import assert_cases_match, worker_results
+from _launch import assert_cases_match
+from _worlds import gloo_worlds_fixture, needs_gloo, world_of_one
 
 from cute_ep.a2a_backend import A2aDispatchHandle, A2aEpBuffer
-from cute_ep.bootstrap.dist_env import DistEnv
-from cute_ep.buffer import DispatchHandle
+from cute_ep.api import DispatchHandle
 from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
 from cute_ep.reference import apply_test_expert, global_expert_of_rows
@@ -28,7 +28,6 @@ from cute_ep.reference_backend import ReferenceEpBuffer
 from cute_ep.validators.checks import check_combine, check_dispatch, check_layout
 
 WORKER = Path(__file__).with_name("_torchrun_a2a_worker.py")
-needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -36,10 +35,7 @@ needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
-def ranks(request, tmp_path_factory) -> list[dict]:
-    world = request.param
-    return worker_results(WORKER, world, tmp_path_factory.mktemp(f"a2a{world}"), timeout=120)
+ranks = gloo_worlds_fixture(WORKER, "a2a", timeout=120)
 
 
 @needs_gloo
@@ -118,10 +114,6 @@ def test_the_buffer_stays_usable_and_honours_replaced_handles(ranks, after):
 # --------------------------------------------------------------------------------------------------
 
 
-def _runtime() -> SimpleNamespace:
-    return SimpleNamespace(env=DistEnv.from_environ({}), device=None, cpu_group=None)
-
-
 def _cfg(dtype=torch.bfloat16, topk=2, hidden=32, experts=8, max_tokens=16) -> EpConfig:
     return EpConfig(world_size=1, local_world_size=1, num_experts=experts, topk=topk, hidden=hidden,
                     dtype=dtype, max_tokens=max_tokens)
@@ -136,7 +128,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("topk", [1, 3])
 def test_world_of_one_matches_the_reference(dtype, routing, topk):
     cfg = _cfg(dtype, topk, hidden=48)
-    rt = _runtime()
+    rt = world_of_one()
     with A2aEpBuffer(rt, cfg) as a2a, ReferenceEpBuffer(rt, cfg) as ref:
         for seed, tokens in ((1, 13), (2, 0), (3, 16)):
             x, idx, w = make_inputs(0, tokens, 48, 8, topk, dtype, seed, routing=routing)
@@ -160,7 +152,7 @@ def test_world_of_one_matches_the_reference(dtype, routing, topk):
 
 def test_world_of_one_atomic_mode_is_the_deterministic_layout():
     cfg = _cfg()
-    with A2aEpBuffer(_runtime(), cfg, preallocate=True) as a2a:
+    with A2aEpBuffer(world_of_one(), cfg, preallocate=True) as a2a:
         assert a2a.recv_x.shape[0] == cfg.capacity
         x, idx, w = make_inputs(0, 11, 32, 8, 2, torch.bfloat16, 9, routing="dropped")
         at = a2a.dispatch(x, idx, w, mode="atomic")
@@ -172,7 +164,7 @@ def test_world_of_one_atomic_mode_is_the_deterministic_layout():
 
 def test_world_of_one_handle_expert_output_and_poison():
     cfg = _cfg()
-    with A2aEpBuffer(_runtime(), cfg) as a2a, ReferenceEpBuffer(_runtime(), cfg) as ref:
+    with A2aEpBuffer(world_of_one(), cfg) as a2a, ReferenceEpBuffer(world_of_one(), cfg) as ref:
         x, idx, w = make_inputs(0, 10, 32, 8, 2, torch.bfloat16, 4)
         ra, rr = a2a.dispatch(x, idx, w), ref.dispatch(x, idx, w)
         h = ra.handle
@@ -197,7 +189,7 @@ def test_world_of_one_handle_expert_output_and_poison():
 
 def test_world_of_one_bad_inputs_raise_and_leave_the_buffer_usable():
     cfg = _cfg()
-    with A2aEpBuffer(_runtime(), cfg) as a2a:
+    with A2aEpBuffer(world_of_one(), cfg) as a2a:
         x, idx, w = make_inputs(0, 6, 32, 8, 2, torch.bfloat16, 2)
         with pytest.raises(ValueError, match=r"x must be \[T, 32\]"):
             a2a.dispatch(x.float(), idx, w)
@@ -211,7 +203,7 @@ def test_world_of_one_bad_inputs_raise_and_leave_the_buffer_usable():
         with pytest.raises(ValueError, match="must come from this A2aEpBuffer"):
             a2a.combine(res.recv_x, DispatchHandle(res.handle.topk_idx, res.handle.topk_weights,
                                                    res.handle.scatter, 6, "scatter"))
-        with A2aEpBuffer(_runtime(), cfg) as other:
+        with A2aEpBuffer(world_of_one(), cfg) as other:
             with pytest.raises(ValueError, match="must come from this A2aEpBuffer"):
                 other.combine(res.recv_x, res.handle)
         with pytest.raises(ValueError, match="topk_weights must be"):

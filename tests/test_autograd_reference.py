@@ -10,18 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
-from _launch import worker_results
+from _worlds import gloo_worlds_fixture, needs_gloo
 
 WORKER = Path(__file__).with_name("_torchrun_autograd_worker.py")
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
-def ranks(request, tmp_path_factory) -> list[dict]:
-    world = request.param
-    return worker_results(WORKER, world, tmp_path_factory.mktemp(f"autograd{world}"), timeout=240)
+pytestmark = needs_gloo
+ranks = gloo_worlds_fixture(WORKER, "autograd", timeout=240)
 
 
 def test_forward_matches_the_dense_moe(ranks):

@@ -16,6 +16,7 @@ from cute_ep.validators.baseline import (
     Baseline,
     BaselineConfigError,
     BaselineFormatError,
+    check_baseline_config,
     compare_baselines,
     compare_to_baseline,
     load_baseline,
@@ -128,6 +129,18 @@ def test_config_mismatch_raises(tmp_path):
     assert result.passed and any("device differs" in line for line in result.lines)
     with pytest.raises(ValueError, match="missing"):
         make_baseline([sample_arrays()], {"seed": 1})
+
+
+def test_check_baseline_config_reads_only_the_configuration(tmp_path):
+    path = tmp_path / "base.npz"
+    save_baseline(path, sample_arrays(), META, local_world_size=1)
+    check_baseline_config(path, META, world_size=1)  # no arrays: only the metadata is compared
+    with pytest.raises(BaselineConfigError, match="seed"):
+        check_baseline_config(path, {**META, "seed": 8}, world_size=1)
+    with pytest.raises(BaselineConfigError, match="world_size.*expected 1, got 2"):
+        check_baseline_config(path, META, world_size=2)
+    with pytest.raises(FileNotFoundError):
+        check_baseline_config(tmp_path / "absent.npz", META, world_size=1)
 
 
 def test_round_trip_in_gloo_world_of_one(tmp_path):

@@ -10,16 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cute_ep.buffer import (
-    STATUS_DROPPED,
-    STATUS_FAULT,
-    STATUS_NUM_RECV,
-    CapacityExceeded,
-    EpBuffer,
-    PeerTimeout,
-    pick_fastest_algorithm,
-)
+from cute_ep.api import DispatchHandle
+from cute_ep.buffer import EpBuffer
+from cute_ep.kernels.buffers import BUFFERS, STATUS, status_layout
 from cute_ep.kernels.config import FAULT_WORDS, EpConfig
+from cute_ep.profiler import pick_fastest_algorithm
+from cute_ep.status import CapacityExceeded, PeerTimeout, StatusBlock
 
 
 def _buffer(on_overflow: str = "raise") -> EpBuffer:
@@ -27,11 +23,10 @@ def _buffer(on_overflow: str = "raise") -> EpBuffer:
                    max_tokens=16, capacity_factor=0.5, on_overflow=on_overflow)
     buf = object.__new__(EpBuffer)
     buf.cfg, buf.rank = cfg, 0
-    buf._status = torch.zeros(STATUS_DROPPED + cfg.num_experts, dtype=torch.int32)
-    buf.epochs = buf._status[0:6].view(torch.int64)
-    buf.fault = buf._status[STATUS_FAULT:STATUS_FAULT + FAULT_WORDS]
-    buf.num_recv = buf._status[STATUS_NUM_RECV:STATUS_NUM_RECV + 1]
-    buf.dropped = buf._status[STATUS_DROPPED:]
+    buf.status = StatusBlock(cfg, "cpu")
+    for name, view in buf.status.views.items():  # what EpBuffer.__init__ does for the STATUS buffers
+        setattr(buf, name, view)
+    buf._empty = {}
     buf._drops = torch.zeros(cfg.num_experts, dtype=torch.int64)
     buf._call_ptrs = {}
     buf._calls = [0, 0, 0]
@@ -43,7 +38,7 @@ def test_status_block_reads_every_field_in_one_copy():
     buf.epochs.copy_(torch.tensor([3, 2, 1]))
     buf.num_recv.fill_(41)
     buf.dropped[5] = 7
-    st = buf._read_status()
+    st = buf.status.read()
     assert st["epochs"] == [3, 2, 1] and st["num_recv"] == 41 and st["fault"] == [0] * FAULT_WORDS
     assert st["dropped"].tolist() == [0, 0, 0, 0, 0, 7, 0, 0]
     buf._calls = [3, 2, 1]
@@ -81,15 +76,31 @@ def test_drop_policy_counts_until_read():
     assert buf.dropped_rows().tolist() == [0] * 8  # read resets
 
 
+def test_status_block_members_do_not_overlap_and_cover_the_status_buffers():
+    cfg = _buffer().cfg
+    where, words = status_layout(cfg)
+    assert set(where) == {b.name for b in BUFFERS if b.place == STATUS}
+    spans = sorted(where.values())
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:], strict=False))  # disjoint
+    assert spans[-1][0] + spans[-1][1] <= words
+    assert where["epochs"][0] % 2 == 0  # int64 words start on an 8-byte boundary
+    assert where["fault"][1] == FAULT_WORDS and where["dropped"][1] == cfg.num_experts
+
+
 def test_per_call_pointers_are_cached_by_address_and_bounded(monkeypatch):
     made = []
     monkeypatch.setattr("cute_ep.kernels.host.make_pointer", lambda cfg, n, a: made.append((n, a)) or (n, a))
     buf = _buffer()
-    assert buf._call_pointer("x", 4096) == ("x", 4096)
-    assert buf._call_pointer("x", 4096) == ("x", 4096) and len(made) == 1  # remembered
-    assert buf._call_pointer("out", 4096) == ("out", 4096) and len(made) == 2  # keyed by name too
-    for i in range(70):
-        buf._call_pointer("x", 8192 + 16 * i)
+    buf._empty = {"x": torch.empty(1, 128)}
+    x, out = torch.empty(4, 128), torch.empty(4, 128)
+    assert buf._call_pointer("x", x) == ("x", x.data_ptr())
+    assert buf._call_pointer("x", x) == ("x", x.data_ptr()) and len(made) == 1  # remembered
+    assert buf._call_pointer("out", out) == ("out", out.data_ptr()) and len(made) == 2
+    assert buf._call_pointer("x", None) == ("x", buf._empty["x"].data_ptr())  # absent: the stand-in
+    assert buf._call_pointer("x", x[:0]) == ("x", buf._empty["x"].data_ptr())  # zero tokens too
+    keep = [torch.empty(16) for _ in range(70)]
+    for t in keep:
+        buf._call_pointer("x", t)
     assert len(buf._call_ptrs) <= 64
 
 
@@ -116,8 +127,6 @@ def test_combine_algorithm_checks_of_the_gpu_buffer(configured):
     """EpBuffer.combine's algorithm check (resolve_combine_algorithm, shared with the host backends):
     pull always; reduced only on a reduced buffer and with the latest dispatch's handle, unchanged."""
     from dataclasses import replace
-
-    from cute_ep.buffer import DispatchHandle
 
     cfg = EpConfig(world_size=2, local_world_size=2, num_experts=8, topk=2, hidden=128, dtype=torch.bfloat16,
                    max_tokens=16, combine_algorithm=configured)

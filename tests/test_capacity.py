@@ -5,16 +5,20 @@ ranks; tests/_torchrun_capacity_fp8_worker.py records, the assertions live here)
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-from _launch import assert_cases_match, worker_results
+from _launch import assert_cases_match
+from _worlds import (
+    HOST_BACKENDS,
+    expected_dispatch,
+    expert_outputs,
+    gloo_worlds_fixture,
+    host_config,
+    needs_gloo,
+    world_of_one,
+)
 
-from cute_ep.a2a_backend import A2aEpBuffer
-from cute_ep.bootstrap.dist_env import DistEnv
-from cute_ep.buffer import CapacityExceeded, capacity_error
 from cute_ep.capacity import (
     apply_expert_capacity,
     capacity_keep,
@@ -25,17 +29,11 @@ from cute_ep.capacity import (
 )
 from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import ConfigError, EpConfig
-from cute_ep.reference import (
-    apply_test_expert,
-    global_expert_of_rows,
-    reference_combine,
-    reference_dispatch_rank,
-    reference_layout,
-)
+from cute_ep.reference import reference_combine, reference_layout
 from cute_ep.reference_backend import ReferenceEpBuffer
+from cute_ep.status import CapacityExceeded, capacity_error
 
 WORKER = Path(__file__).with_name("_torchrun_capacity_fp8_worker.py")
-needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
 def naive_capacity(topk_idx, num_experts, capacity):
@@ -194,17 +192,7 @@ def test_check_atomic_drops_accepts_other_pairs_but_not_other_counts():
 
 
 def _config(**kw) -> EpConfig:
-    base = dict(
-        world_size=2,
-        local_world_size=2,
-        num_experts=8,
-        topk=2,
-        hidden=32,
-        dtype=torch.bfloat16,
-        max_tokens=20,
-    )
-    base.update(kw)
-    return EpConfig(**base)
+    return host_config(**{**dict(world_size=2, local_world_size=2, num_experts=8, max_tokens=20), **kw})
 
 
 def test_expert_capacity_and_required_capacity():
@@ -243,33 +231,12 @@ def test_capacity_error_message_names_experts_and_counts():
 # --------------------------------------------------------------------------------------------------
 
 
-def _runtime() -> SimpleNamespace:
-    return SimpleNamespace(env=DistEnv.from_environ({}), device=None, cpu_group=None)
-
-
 def _cfg1(factor: float, overflow: str, dtype=torch.bfloat16, topk=2) -> EpConfig:
-    return EpConfig(
-        world_size=1,
-        local_world_size=1,
-        num_experts=4,
-        topk=topk,
-        hidden=32,
-        dtype=dtype,
-        max_tokens=16,
-        capacity_factor=factor,
-        on_overflow=overflow,
-    )
-
-
-def _expected(cfg, x, idx, w):
-    eff, dropped = apply_expert_capacity([idx], cfg.num_experts, cfg.expert_capacity)
-    layout = reference_layout(eff, cfg.num_experts)
-    recv = reference_dispatch_rank([x], eff, [w], layout, cfg.max_tokens, 0)
-    return eff[0], dropped, layout, recv
+    return host_config(topk=topk, dtype=dtype, capacity_factor=factor, on_overflow=overflow)
 
 
 def _check_result(res, cfg, x, idx, w, buf, check_scatter=True):
-    eff, dropped, layout, recv = _expected(cfg, x, idx, w)
+    eff, dropped, layout, recv = expected_dispatch(cfg, x, idx, w)
     assert res.num_recv == recv.num_recv
     assert torch.equal(res.recv_x, recv.recv_x)
     assert torch.equal(res.recv_weights, recv.recv_w) and torch.equal(res.recv_src, recv.recv_src)
@@ -279,21 +246,18 @@ def _check_result(res, cfg, x, idx, w, buf, check_scatter=True):
         assert torch.equal(res.handle.scatter, layout.scatter[0].to(torch.int32))
     assert torch.equal(effective_topk_from_scatter(idx, res.handle.scatter), eff)
     assert torch.equal(res.handle.topk_idx, idx.to(torch.int32))  # the caller's routing, kept
-    y = apply_test_expert(res.recv_x, global_expert_of_rows(res.tokens_per_expert, 0))
+    y = expert_outputs(res)
     want = reference_combine([y], [eff], [w], [res.handle.scatter], num_experts=cfg.num_experts)[0]
     assert torch.equal(buf.combine(y, res.handle), want)
     return dropped
 
 
-BACKENDS = {"reference": ReferenceEpBuffer, "a2a": A2aEpBuffer}
-
-
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", sorted(HOST_BACKENDS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_drop_policy_returns_the_effective_routing_and_counts(backend, dtype):
     cfg = _cfg1(0.5, "drop", dtype)  # expert_capacity = ceil(0.5 * 16 * 2 / 4) = 4
     assert cfg.expert_capacity == 4
-    with BACKENDS[backend](_runtime(), cfg) as buf:
+    with HOST_BACKENDS[backend](world_of_one(), cfg) as buf:
         total = torch.zeros(4, dtype=torch.int64)
         for seed, tokens in ((1, 16), (2, 9), (3, 0)):
             x, idx, w = make_inputs(0, tokens, 32, 4, 2, dtype, seed, routing="skewed")
@@ -305,12 +269,12 @@ def test_drop_policy_returns_the_effective_routing_and_counts(backend, dtype):
         assert torch.equal(buf.dropped_rows(), torch.zeros(4, dtype=torch.int64))  # reset
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", sorted(HOST_BACKENDS))
 def test_raise_policy_raises_with_a_complete_result(backend):
     cfg = _cfg1(0.25, "raise")  # expert_capacity 2
     x, idx, w = make_inputs(0, 16, 32, 4, 2, torch.bfloat16, 5, routing="skewed")
-    _, dropped, _, _ = _expected(cfg, x, idx, w)
-    with BACKENDS[backend](_runtime(), cfg) as buf:
+    _, dropped, _, _ = expected_dispatch(cfg, x, idx, w)
+    with HOST_BACKENDS[backend](world_of_one(), cfg) as buf:
         with pytest.raises(CapacityExceeded) as info:
             buf.dispatch(x, idx, w)
         exc = info.value
@@ -330,24 +294,24 @@ def test_raise_policy_raises_with_a_complete_result(backend):
 
 def test_reference_atomic_mode_keeps_the_scatter_rows():
     cfg = _cfg1(0.5, "drop")
-    with ReferenceEpBuffer(_runtime(), cfg) as buf:
+    with ReferenceEpBuffer(world_of_one(), cfg) as buf:
         x, idx, w = make_inputs(0, 16, 32, 4, 2, torch.bfloat16, 6, routing="skewed")
         sc = buf.dispatch(x, idx, w)
         eff_sc = effective_topk_from_scatter(idx, sc.handle.scatter)
-        y_sc = apply_test_expert(sc.recv_x, global_expert_of_rows(sc.tokens_per_expert, 0))
+        y_sc = expert_outputs(sc)
         out_sc = buf.combine(y_sc, sc.handle)
         at = buf.dispatch(x, idx, w, mode="atomic")
         eff_at = effective_topk_from_scatter(idx, at.handle.scatter)
         assert torch.equal(eff_at, eff_sc) and check_atomic_drops([eff_at], [eff_sc], 4) == []
         assert torch.equal(at.tokens_per_expert, sc.tokens_per_expert)
-        y_at = apply_test_expert(at.recv_x, global_expert_of_rows(at.tokens_per_expert, 0))
+        y_at = expert_outputs(at)
         assert torch.equal(buf.combine(y_at, at.handle), out_sc)
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", sorted(HOST_BACKENDS))
 def test_no_factor_never_drops(backend):
     cfg = _cfg1(0.0, "raise", topk=4)
-    with BACKENDS[backend](_runtime(), cfg) as buf:
+    with HOST_BACKENDS[backend](world_of_one(), cfg) as buf:
         x, idx, w = make_inputs(0, 16, 32, 4, 4, torch.bfloat16, 8, routing="skewed")
         res = buf.dispatch(x, idx, w)  # every expert gets all 16 tokens: R * M = expert_capacity
         assert res.num_recv == 64 and not bool(buf.dropped_rows().any())
@@ -358,10 +322,7 @@ def test_no_factor_never_drops(backend):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
-def ranks(request, tmp_path_factory) -> list[dict]:
-    world = request.param
-    return worker_results(WORKER, world, tmp_path_factory.mktemp(f"cap{world}"), "capacity", timeout=120)
+ranks = gloo_worlds_fixture(WORKER, "cap", "capacity", timeout=120)
 
 
 @needs_gloo

@@ -1,4 +1,4 @@
-"""FP8 dispatch: validators/fp8.py against an independent numpy formulation (its own e4m3 encoder), the
+"""FP8 dispatch: cute_ep/fp8.py against an independent numpy formulation (its own e4m3 encoder), the
 packed row format, the dequantization error bound, and the host backends' FP8 dispatch in a world of
 one and under torchrun (gloo, 2 and 4 ranks; tests/_torchrun_capacity_fp8_worker.py records, the
 assertions live here)."""
@@ -6,31 +6,27 @@ assertions live here)."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from _launch import assert_cases_match, worker_results
+from _launch import assert_cases_match
+from _worlds import (
+    HOST_BACKENDS,
+    expected_dispatch,
+    expert_outputs,
+    gloo_worlds_fixture,
+    host_config,
+    needs_gloo,
+    world_of_one,
+)
 
-from cute_ep.a2a_backend import A2aEpBuffer
-from cute_ep.bootstrap.dist_env import DistEnv
-from cute_ep.capacity import apply_expert_capacity
 from cute_ep.fp8 import dequantize_fp8, fp8_row_bytes, pack_fp8_rows, quantize_fp8, unpack_fp8_rows
 from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
-from cute_ep.reference import (
-    apply_test_expert,
-    global_expert_of_rows,
-    reference_combine,
-    reference_dispatch_rank,
-    reference_layout,
-)
-from cute_ep.reference_backend import ReferenceEpBuffer
+from cute_ep.reference import reference_combine
 
 WORKER = Path(__file__).with_name("_torchrun_capacity_fp8_worker.py")
-needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 E4M3 = torch.float8_e4m3fn
 
@@ -166,15 +162,7 @@ def test_pack_unpack_round_trip_and_byte_layout():
     q, scales = quantize_fp8(x)
     p = fp8_row_bytes(256)
     assert p == 272 and fp8_row_bytes(128) == 144 and fp8_row_bytes(384) == 400
-    assert EpConfig(
-        world_size=1,
-        local_world_size=1,
-        num_experts=2,
-        topk=1,
-        hidden=384,
-        dtype=torch.bfloat16,
-        max_tokens=4,
-    ).fp8_row_bytes == fp8_row_bytes(384)
+    assert host_config(num_experts=2, topk=1, hidden=384, max_tokens=4).fp8_row_bytes == fp8_row_bytes(384)
     packed = pack_fp8_rows(q, scales, p)
     assert packed.dtype == torch.uint8 and packed.shape == (5, p) and packed.is_contiguous()
     raw = packed.numpy()
@@ -229,41 +217,22 @@ def test_fp8_argument_errors():
 # --------------------------------------------------------------------------------------------------
 
 
-def _runtime() -> SimpleNamespace:
-    return SimpleNamespace(env=DistEnv.from_environ({}), device=None, cpu_group=None)
-
-
 def _cfg(dtype=torch.bfloat16, hidden=256, factor=0.0) -> EpConfig:
-    return EpConfig(
-        world_size=1,
-        local_world_size=1,
-        num_experts=4,
-        topk=2,
-        hidden=hidden,
-        dtype=dtype,
-        max_tokens=16,
-        capacity_factor=factor,
-        on_overflow="drop",
-    )
+    return host_config(hidden=hidden, dtype=dtype, capacity_factor=factor, on_overflow="drop")
 
 
-BACKENDS = {"reference": ReferenceEpBuffer, "a2a": A2aEpBuffer}
-
-
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", sorted(HOST_BACKENDS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("factor", [0.0, 0.5])
 def test_fp8_dispatch_delivers_the_senders_packed_rows(backend, dtype, factor):
     cfg = _cfg(dtype, factor=factor)
-    with BACKENDS[backend](_runtime(), cfg) as buf:
+    with HOST_BACKENDS[backend](world_of_one(), cfg) as buf:
         for seed, tokens in ((1, 16), (2, 0), (3, 11)):
             x, idx, w = make_inputs(0, tokens, 256, 4, 2, dtype, seed, routing="skewed")
             x[:, 200:] *= 1000  # blocks of very different magnitudes in one row
             res = buf.dispatch(x, idx, w, fp8=True)
-            eff, _ = apply_expert_capacity([idx], 4, cfg.expert_capacity)
-            layout = reference_layout(eff, 4)
             sent = pack_fp8_rows(*quantize_fp8(x), cfg.fp8_row_bytes)
-            want = reference_dispatch_rank([sent], eff, [w], layout, cfg.max_tokens, 0)
+            eff, _, layout, want = expected_dispatch(cfg, sent, idx, w)
             assert res.recv_x.dtype == E4M3 and res.recv_x.shape == (res.num_recv, 256)
             assert res.recv_scales.dtype == torch.float32 and res.recv_scales.shape == (res.num_recv, 2)
             got = pack_fp8_rows(res.recv_x, res.recv_scales, cfg.fp8_row_bytes)
@@ -279,13 +248,10 @@ def test_fp8_dispatch_delivers_the_senders_packed_rows(backend, dtype, factor):
                 res.tokens_per_expert.clone(),
                 res.handle.scatter.clone(),
             )
-            y = apply_test_expert(
-                dequantize_fp8(res.recv_x, res.recv_scales).to(dtype),
-                global_expert_of_rows(res.tokens_per_expert, 0),
-            )
+            y = expert_outputs(res, dequantize_fp8(res.recv_x, res.recv_scales).to(dtype))
             out = buf.combine(y, res.handle)
             assert out.dtype == dtype
-            assert torch.equal(out, reference_combine([y], eff, [w], layout.scatter, num_experts=4)[0])
+            assert torch.equal(out, reference_combine([y], [eff], [w], layout.scatter, num_experts=4)[0])
             plain = buf.dispatch(x, idx, w)
             assert plain.recv_scales is None and plain.recv_x.dtype == dtype
             for a, b in zip(
@@ -296,14 +262,14 @@ def test_fp8_dispatch_delivers_the_senders_packed_rows(backend, dtype, factor):
                 assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", sorted(HOST_BACKENDS))
 def test_fp8_dispatch_errors_leave_the_buffer_usable(backend):
-    with BACKENDS[backend](_runtime(), _cfg(hidden=64)) as buf:
+    with HOST_BACKENDS[backend](world_of_one(), _cfg(hidden=64)) as buf:
         x, idx, w = make_inputs(0, 4, 64, 4, 2, torch.bfloat16, 1)
         with pytest.raises(ValueError, match="multiple of 128"):  # a ConfigError on the a2a backend
             buf.dispatch(x, idx, w, fp8=True)
         assert buf.dispatch(x, idx, w).num_recv == 8
-    with BACKENDS[backend](_runtime(), _cfg()) as buf:
+    with HOST_BACKENDS[backend](world_of_one(), _cfg()) as buf:
         x, idx, w = make_inputs(0, 4, 256, 4, 2, torch.bfloat16, 1)
         with pytest.raises(ValueError, match="fp8 must be True or False"):
             buf.dispatch(x, idx, w, fp8=1)
@@ -317,10 +283,7 @@ def test_fp8_dispatch_errors_leave_the_buffer_usable(backend):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
-def ranks(request, tmp_path_factory) -> list[dict]:
-    world = request.param
-    return worker_results(WORKER, world, tmp_path_factory.mktemp(f"fp8_{world}"), "fp8", timeout=120)
+ranks = gloo_worlds_fixture(WORKER, "fp8_", "fp8", timeout=120)
 
 
 @needs_gloo

@@ -19,24 +19,20 @@ def test_import_does_not_pull_torch():
 
 def test_public_names_resolve():
     from cute_ep.a2a_backend import A2aEpBuffer
-    from cute_ep.buffer import (
-        CapacityExceeded,
-        DispatchHandle,
-        DispatchResult,
-        EpBuffer,
-        KernelDidNotRun,
-        PeerTimeout,
-    )
-    from cute_ep.kernels.config import EpConfig
+    from cute_ep.api import DispatchHandle, DispatchResult, EpBackend
+    from cute_ep.buffer import EpBuffer
+    from cute_ep.kernels.config import ConfigError, EpConfig
     from cute_ep.reference_backend import ReferenceEpBuffer
     from cute_ep.replication import ReplicaMap
+    from cute_ep.status import CapacityExceeded, KernelDidNotRun, PeerTimeout
 
     assert cute_ep.EpBuffer is EpBuffer and cute_ep.EpConfig is EpConfig
     assert cute_ep.DispatchResult is DispatchResult and cute_ep.DispatchHandle is DispatchHandle
     assert cute_ep.PeerTimeout is PeerTimeout and cute_ep.KernelDidNotRun is KernelDidNotRun
     assert cute_ep.CapacityExceeded is CapacityExceeded
     assert cute_ep.ReferenceEpBuffer is ReferenceEpBuffer and cute_ep.ReplicaMap is ReplicaMap
-    assert cute_ep.A2aEpBuffer is A2aEpBuffer
+    assert cute_ep.A2aEpBuffer is A2aEpBuffer and cute_ep.EpBackend is EpBackend
+    assert cute_ep.ConfigError is ConfigError
     assert callable(cute_ep.autograd.dispatch) and callable(cute_ep.autograd.combine)
     assert set(cute_ep.__all__) >= {"EpBuffer", "EpConfig", "autograd", "__version__"}
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from _launch import torchrun
 
-from cute_ep.buffer import check_dispatch_inputs
+from cute_ep.input_checks import check_dispatch_inputs
+from cute_ep.kernels.buffers import SIZE_SCALARS
 from cute_ep.kernels.config import ConfigError, EpConfig
 
 BASE = dict(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256, dtype=torch.bfloat16,
@@ -47,7 +48,8 @@ def test_config_constraints(change, message):
 
 def test_timeout_travels_as_milliseconds():
     assert EpConfig(**BASE).timeout_ms == 60_000
-    assert EpConfig(**{**BASE, "timeout_s": 2.5}).shape_args()[-1] == 2500
+    assert EpConfig(**{**BASE, "timeout_s": 2.5}).timeout_ms == 2500
+    assert "timeout_ms" in SIZE_SCALARS  # every launch passes it to the kernels
 
 
 def test_config_defaults_to_worst_case_capacity():
@@ -66,7 +68,7 @@ def test_capacity_factor_sizes_experts_and_buffers():
     big = EpConfig(**{**BASE, "capacity_factor": 100.0})  # never more than the worst case
     assert big.expert_capacity == 4 * 64 and big.capacity == big.worst_case_capacity
     assert cfg.key() != EpConfig(**BASE).key() != EpConfig(**{**BASE, "on_overflow": "drop"}).key()
-    assert cfg.shape_args()[7] == 16  # expert_capacity travels to the kernels
+    assert "expert_capacity" in SIZE_SCALARS  # travels to the kernels
 
 
 def test_reduced_combine_sizes_its_buffers():
@@ -154,7 +156,7 @@ def test_more_tokens_than_the_buffer_was_built_for():
 
 
 def test_combine_input_is_checked():
-    from cute_ep.buffer import check_combine_input
+    from cute_ep.input_checks import check_combine_input
 
     cfg = EpConfig(**BASE)
     cpu = torch.device("cpu")

@@ -94,6 +94,17 @@ def test_reduced_combine_pushes_partials_and_signals(compiled_ptx):
     assert "put_warp" not in kernels["PartialSum"]  # phase 2 reads local memory only
 
 
+def test_reduced_combine_kernels_declare_their_ctas_per_sm(compiled_ptx):
+    """Both phases of the reduced combine launch 2 CTAs per SM of the budget and say so (.minnctapersm),
+    so ptxas may give them up to 128 registers instead of spilling in the row sum (kernels/base.py)."""
+    _, ptx = compiled_ptx
+    kernels = _kernels(ptx)
+    for name in ("ReducePush", "PartialSum"):
+        assert re.search(r"\.minnctapersm 2\b", kernels[name]), name
+    for name in ("Layout", "Dispatch", "Fanout", "Combine"):
+        assert ".minnctapersm" not in kernels[name], name
+
+
 def test_row_copies_are_128_bit(compiled_ptx):
     _, ptx = compiled_ptx
     kernels = _kernels(ptx)

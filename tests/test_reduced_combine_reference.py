@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from _launch import assert_cases_match, worker_results
+from _worlds import needs_gloo, world_of_one
 
 from cute_ep.a2a_backend import A2aEpBuffer
-from cute_ep.bootstrap.dist_env import DistEnv
+from cute_ep.input_checks import resolve_combine_algorithm
 from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
 from cute_ep.reference import (
@@ -34,11 +33,10 @@ from cute_ep.reference import (
     reference_expert_outputs,
     reference_layout,
 )
-from cute_ep.reference_backend import ReferenceEpBuffer, resolve_combine_algorithm
+from cute_ep.reference_backend import ReferenceEpBuffer
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 WORKER = Path(__file__).with_name("_torchrun_reduced_worker.py")
-needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 PULL_ONLY = "combine algorithm 'reduced' needs EpConfig\\(combine_algorithm='reduced'\\) \\(got 'pull'\\)"
 
 
@@ -306,10 +304,6 @@ def test_resolve_combine_algorithm():
 # --------------------------------------------------------------------------------------------------
 
 
-def _runtime() -> SimpleNamespace:
-    return SimpleNamespace(env=DistEnv.from_environ({}), device=None, cpu_group=None)
-
-
 @pytest.mark.parametrize("cls", [A2aEpBuffer, ReferenceEpBuffer], ids=["a2a", "reference"])
 def test_world_of_one_backends(cls):
     # One rank: every token's group is on rank 0, so reduced equals pull; this checks the plumbing
@@ -317,7 +311,7 @@ def test_world_of_one_backends(cls):
     shape = dict(world_size=1, local_world_size=1, num_experts=8, topk=3, hidden=32, dtype=BF16,
                  max_tokens=16)
     x, idx, w = make_inputs(0, 13, 32, 8, 3, BF16, 11, routing="dropped")
-    with cls(_runtime(), EpConfig(**shape, combine_algorithm="reduced")) as buf:
+    with cls(world_of_one(), EpConfig(**shape, combine_algorithm="reduced")) as buf:
         res = buf.dispatch(x, idx, w)
         y = apply_test_expert(res.recv_x, global_expert_of_rows(res.tokens_per_expert, 0))
         args = ([y], [idx], [w], [res.handle.scatter])
@@ -332,7 +326,7 @@ def test_world_of_one_backends(cls):
         assert _same(buf.combine(y, h), want0)
         with pytest.raises(ValueError, match="combine algorithm must be one of"):
             buf.combine(y, res.handle, algorithm="push")
-    with cls(_runtime(), EpConfig(**shape)) as buf:
+    with cls(world_of_one(), EpConfig(**shape)) as buf:
         res = buf.dispatch(x, idx, w)
         y = apply_test_expert(res.recv_x, global_expert_of_rows(res.tokens_per_expert, 0))
         with pytest.raises(ValueError, match=PULL_ONLY):

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import REPO, run_single, torchrun
+from _launch import RANK0_OF_FOUR, REPO, assert_argument_error, run_single, torchrun
 
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.inputs import make_inputs
@@ -200,12 +200,7 @@ def test_capacity_drops_and_fp8_under_soak_match_across_backends(tmp_path):
     ],
 )
 def test_argument_errors_exit_2_with_the_constraint_and_no_traceback(args, message):
-    # The launch variables of a 4-rank world, but the error comes before any rendezvous.
-    env = dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1")
-    proc = _single(*SIZES, *args, **env)
-    assert proc.returncode == 2, _text(proc)
-    assert f"error: {message}" in proc.stderr, _text(proc)
-    assert "Traceback" not in proc.stderr + proc.stdout
+    assert_argument_error(_single(*SIZES, *args, **RANK0_OF_FOUR), message)
 
 
 # python -c _PATCHED SCRIPT PATCH ARGS...: the script's main(ARGS) with ReferenceEpBuffer patched.
@@ -216,7 +211,7 @@ _PATCHED = textwrap.dedent(
     """
     import atexit, importlib.util, sys
     import torch
-    from cute_ep.buffer import PeerTimeout
+    from cute_ep.status import PeerTimeout
     from cute_ep.reference_backend import ReferenceEpBuffer
 
     patch = sys.argv[2]

@@ -19,7 +19,7 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ __all__ = [
     "BaselineConfigError",
     "BaselineFormatError",
     "Comparison",
+    "check_baseline_config",
     "compare_baselines",
     "compare_to_baseline",
     "load_baseline",
@@ -386,6 +387,26 @@ def compare_baselines(expected: Baseline, actual: Baseline) -> Comparison:
     )
 
 
+def check_baseline_config(
+    path: str | os.PathLike[str],
+    meta: Mapping[str, Any],
+    *,
+    world_size: int,
+    local_world_size: int | None = None,
+) -> None:
+    """Raise unless the baseline at ``path`` was made with the configuration of a run of ``world_size``
+    ranks that ``meta`` describes (as given to :func:`save_baseline`): a check from the metadata alone,
+    before anything runs.
+
+    Raises:
+        OSError: the file cannot be read.
+        BaselineFormatError: the file is not a baseline.
+        BaselineConfigError: the baseline was made with another configuration.
+    """
+    empty = make_baseline([{} for _ in range(world_size)], meta, local_world_size=local_world_size)
+    compare_baselines(load_baseline(path), empty)
+
+
 # --------------------------------------------------------------------------------------------
 # Distributed entry points
 # --------------------------------------------------------------------------------------------
@@ -407,6 +428,30 @@ def _gather_to_root(arrays: Mapping[str, Any], group: Any) -> list[dict[str, Any
     out: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(local, out, dst=_root(group), group=group)
     return out
+
+
+def _at_root(
+    arrays: Mapping[str, Tensor],
+    meta: Mapping[str, Any],
+    group: Any,
+    local_world_size: int | None,
+    action: Callable[[Baseline], Any],
+) -> Any:
+    """Gather every rank's arrays to rank 0, make their baseline there and return ``action(baseline)``
+    on every rank (collective): its result, or the exception it (or making the baseline) raised on
+    rank 0, is broadcast, so every rank returns the same result or raises the same exception."""
+    rank, _ = world_of(group)
+    gathered = _gather_to_root(arrays, group)
+    outcome: Any = None
+    if rank == 0:
+        try:
+            outcome = action(make_baseline(gathered, meta, local_world_size=local_world_size))
+        except Exception as exc:  # shared with every rank, then raised everywhere
+            outcome = exc
+    outcome = broadcast_from_root(outcome, group)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
 
 
 def save_baseline(
@@ -431,17 +476,7 @@ def save_baseline(
     Raises:
         On every rank, whatever failed on rank 0 (bad arguments, write errors).
     """
-    rank, _ = world_of(group)
-    gathered = _gather_to_root(arrays, group)
-    outcome: Any = None
-    if rank == 0:
-        try:
-            _write(path, make_baseline(gathered, meta, local_world_size=local_world_size))
-        except Exception as exc:  # shared with every rank, then raised everywhere
-            outcome = exc
-    outcome = broadcast_from_root(outcome, group)
-    if isinstance(outcome, BaseException):
-        raise outcome
+    _at_root(arrays, meta, group, local_world_size, lambda baseline: _write(path, baseline))
 
 
 def compare_to_baseline(
@@ -468,16 +503,6 @@ def compare_to_baseline(
     Raises:
         BaselineConfigError: the baseline was made with another configuration.
     """
-    rank, _ = world_of(group)
-    gathered = _gather_to_root(arrays, group)
-    outcome: Any = None
-    if rank == 0:
-        try:
-            actual = make_baseline(gathered, meta, local_world_size=local_world_size)
-            outcome = compare_baselines(load_baseline(path), actual)
-        except Exception as exc:
-            outcome = exc
-    outcome = broadcast_from_root(outcome, group)
-    if isinstance(outcome, BaseException):
-        raise outcome
-    return outcome
+    return _at_root(
+        arrays, meta, group, local_world_size, lambda actual: compare_baselines(load_baseline(path), actual)
+    )

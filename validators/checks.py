@@ -158,6 +158,37 @@ def _finish(
     )
 
 
+def _check_against_layout(
+    local: tuple,
+    compare: Callable[[list[tuple], Layout, int], list[str]],
+    error: str,
+    num_experts: int,
+    local_world_size: int,
+    require_coverage: bool,
+    group: Any,
+) -> CheckResult:
+    """The frame of the checks against the reference layout (collective): all-gather every rank's
+    ``local`` (its routing first), build the layout of all the routings and its route counts, and
+    reduce this rank's messages over the group: ``compare(gathered, layout, rank)``'s, then the
+    coverage gate's (``require_coverage``). An exception while checking becomes this rank's message
+    (``error`` formatted with ``rank``, then the exception) instead of skipping the verdict collective.
+    """
+    rank, world = world_of(group)
+    gathered = all_gather_objects(local, group)
+    msgs: list[str] = []
+    counts = dict.fromkeys(ROUTE_CLASSES, 0)
+    coverage_ok = False
+    try:
+        layout = reference_layout([g[0] for g in gathered], num_experts)
+        counts = route_counts_of(layout, local_world_size)
+        coverage_ok, gate = _coverage_gate(counts, world, local_world_size, require_coverage)
+        msgs += compare(gathered, layout, rank)
+        msgs += gate
+    except Exception as exc:  # every rank must still reach the verdict collective
+        msgs.append(f"{error.format(rank=rank)}: {type(exc).__name__}: {exc}")
+    return _finish(msgs, counts, coverage_ok, group)
+
+
 # --------------------------------------------------------------------------------------------
 # Dispatch
 # --------------------------------------------------------------------------------------------
@@ -288,26 +319,19 @@ def check_dispatch(
     Returns:
         A :class:`CheckResult` with the verdict reduced over all ranks.
     """
-    rank, world = world_of(group)
-    gathered = all_gather_objects((_cpu(x), _cpu(topk_idx), _cpu(topk_weights)), group)
-    msgs: list[str] = []
-    counts = dict.fromkeys(ROUTE_CLASSES, 0)
-    coverage_ok = False
-    try:
-        xs = [g[0] for g in gathered]
-        idxs = [g[1] for g in gathered]
-        ws = [g[2] for g in gathered]
-        layout = reference_layout(idxs, num_experts)
-        counts = route_counts_of(layout, local_world_size)
-        coverage_ok, gate = _coverage_gate(counts, world, local_world_size, require_coverage)
+
+    def compare(gathered: list[tuple], layout: Layout, rank: int) -> list[str]:
+        idxs, xs, ws = ([g[i] for g in gathered] for i in range(3))
         expected = reference_dispatch_rank(xs, idxs, ws, layout, max_tokens, rank)
-        msgs += _compare_dispatch(
+        return _compare_dispatch(
             layout, expected, _cpu(recv_x), _cpu(recv_w), _cpu(recv_src), idxs, max_tokens, rank, ordered
         )
-        msgs += gate
-    except Exception as exc:  # every rank must still reach the verdict collective
-        msgs.append(f"dest rank {rank}: error while checking dispatch: {type(exc).__name__}: {exc}")
-    return _finish(msgs, counts, coverage_ok, group)
+
+    local = (_cpu(topk_idx), _cpu(x), _cpu(topk_weights))
+    error = "dest rank {rank}: error while checking dispatch"
+    return _check_against_layout(
+        local, compare, error, num_experts, local_world_size, require_coverage, group
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -491,7 +515,6 @@ def check_layout(
     Returns:
         A :class:`CheckResult` with the verdict reduced over all ranks.
     """
-    rank, world = world_of(group)
     local = (
         _cpu(topk_idx),
         _cpu(res.recv_src),
@@ -499,18 +522,13 @@ def check_layout(
         int(res.num_recv),
         _cpu(res.handle.scatter),
     )
-    gathered = all_gather_objects(local, group)
-    msgs: list[str] = []
-    counts = dict.fromkeys(ROUTE_CLASSES, 0)
-    coverage_ok = False
-    try:
-        layout = reference_layout([g[0] for g in gathered], num_experts)
-        counts = route_counts_of(layout, local_world_size)
-        coverage_ok, _ = _coverage_gate(counts, world, local_world_size, require=False)
-        msgs = _layout_problems(gathered, layout, max_tokens, rank)
-    except Exception as exc:  # every rank must still reach the verdict collective
-        msgs.append(f"rank {rank}: error while checking the layout: {type(exc).__name__}: {exc}")
-    return _finish(msgs, counts, coverage_ok, group)
+
+    def compare(gathered: list[tuple], layout: Layout, rank: int) -> list[str]:
+        return _layout_problems(gathered, layout, max_tokens, rank)
+
+    # Coverage never fails this check (require_coverage False): it is only reported.
+    error = "rank {rank}: error while checking the layout"
+    return _check_against_layout(local, compare, error, num_experts, local_world_size, False, group)
 
 
 # --------------------------------------------------------------------------------------------
@@ -556,26 +574,20 @@ def check_combine(
     """
     if algorithm not in COMBINE_REFERENCES:
         raise ValueError(f"algorithm must be 'pull' or 'reduced', got {algorithm!r}")
-    rank, world = world_of(group)
-    gathered = all_gather_objects((_cpu(topk_idx), _cpu(topk_weights), _cpu(scatter), _cpu(recv_y)), group)
-    msgs: list[str] = []
-    counts = dict.fromkeys(ROUTE_CLASSES, 0)
-    coverage_ok = False
-    try:
-        idxs = [g[0] for g in gathered]
-        layout = reference_layout(idxs, num_experts)
-        counts = route_counts_of(layout, local_world_size)
-        coverage_ok, gate = _coverage_gate(counts, world, local_world_size, require_coverage)
-        slots = gathered[rank][2] if gathered[rank][2] is not None else layout.scatter[rank]
+
+    def compare(gathered: list[tuple], layout: Layout, rank: int) -> list[str]:
+        idx, weights, slots, _ = gathered[rank]
+        slots = slots if slots is not None else layout.scatter[rank]
         ys = [g[3] for g in gathered]
-        weights = gathered[rank][1]
         ref = COMBINE_REFERENCES[algorithm]
-        expected = ref(ys, [idxs[rank]], [weights], [slots], num_experts=num_experts)[0]
-        msgs += _compare_combine(expected, _cpu(out), idxs[rank], slots, layout, rank, atol)
-        msgs += gate
-    except Exception as exc:  # every rank must still reach the verdict collective
-        msgs.append(f"rank {rank}: error while checking combine: {type(exc).__name__}: {exc}")
-    return _finish(msgs, counts, coverage_ok, group)
+        expected = ref(ys, [idx], [weights], [slots], num_experts=num_experts)[0]
+        return _compare_combine(expected, _cpu(out), idx, slots, layout, rank, atol)
+
+    local = (_cpu(topk_idx), _cpu(topk_weights), _cpu(scatter), _cpu(recv_y))
+    error = "rank {rank}: error while checking combine"
+    return _check_against_layout(
+        local, compare, error, num_experts, local_world_size, require_coverage, group
+    )
 
 
 def _compare_combine(

@@ -19,12 +19,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cute_ep.buffer import CapacityExceeded, EpBuffer
+from cute_ep.buffer import EpBuffer
 from cute_ep.capacity import apply_expert_capacity, check_atomic_drops, effective_topk_from_scatter
 from cute_ep.fp8 import dequantize_fp8, pack_fp8_rows, quantize_fp8
 from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
 from cute_ep.reference import apply_test_expert, global_expert_of_rows, reference_layout
+from cute_ep.status import CapacityExceeded
 from cute_ep.validators.checks import check_combine, check_dispatch
 
 pytestmark = pytest.mark.gpu

@@ -1,0 +1,142 @@
+"""Backend-neutral checks of the public calls' arguments and of a buffer's configuration.
+
+Every backend (``EpBuffer``, ``ReferenceEpBuffer``, ``A2aEpBuffer``) validates with these, so a bad
+argument gets the same message everywhere; messages name the constraint and the value. Importing
+this module imports no GPU library.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cute_ep.kernels.config import COMBINE_ALGORITHMS, DISPATCH_ALGORITHMS, MODES, ConfigError, EpConfig
+
+__all__ = [
+    "check_buffer_config",
+    "check_combine_input",
+    "check_dispatch_algorithm",
+    "check_dispatch_inputs",
+    "check_dispatch_options",
+    "resolve_combine_algorithm",
+]
+
+
+def check_dispatch_algorithm(algorithm: str | None, *, allow_auto: bool = False) -> None:
+    """A dispatch primitive name (``kernels.config.DISPATCH_ALGORITHMS``), None (the buffer's own), or
+    with ``allow_auto`` also "auto" (a buffer's constructor: time them and keep the fastest)."""
+    if algorithm is None or algorithm in DISPATCH_ALGORITHMS or (allow_auto and algorithm == "auto"):
+        return
+    auto = "'auto' or " if allow_auto else ""
+    raise ValueError(f"algorithm must be {auto}one of {sorted(DISPATCH_ALGORITHMS)}, got {algorithm!r}")
+
+
+def resolve_combine_algorithm(cfg: EpConfig, algorithm: str | None = None) -> str:
+    """The combine algorithm of one call: ``algorithm``, or ``cfg.combine_algorithm`` when None.
+
+    "pull" always works; "reduced" needs a buffer built for it (``EpConfig(combine_algorithm=
+    "reduced")``: only then does the GPU buffer allocate its partial rows and its dispatches record
+    group lists). Shared by ``EpBuffer`` and the host backends (``ReferenceEpBuffer``, ``A2aEpBuffer``).
+
+    Raises:
+        ValueError: an unknown name, or "reduced" on a "pull" configuration.
+    """
+    if algorithm is None:
+        return cfg.combine_algorithm
+    if not isinstance(algorithm, str) or algorithm not in COMBINE_ALGORITHMS:
+        raise ValueError(f"combine algorithm must be one of {sorted(COMBINE_ALGORITHMS)}, got {algorithm!r}")
+    if algorithm == "reduced" and cfg.combine_algorithm != "reduced":
+        raise ValueError(
+            "combine algorithm 'reduced' needs EpConfig(combine_algorithm='reduced') "
+            f"(got {cfg.combine_algorithm!r}): only then do its partial rows and the dispatch's group "
+            "lists exist"
+        )
+    return algorithm
+
+
+def check_dispatch_options(cfg: EpConfig, mode: str, fp8: Any) -> None:
+    """Validate dispatch's mode ("scatter" | "atomic") and fp8 flag (a bool; True needs H % 128 == 0)
+    for ``cfg`` (the host backends share it). Errors name the constraint and the value."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    if not isinstance(fp8, bool):
+        raise ValueError(f"fp8 must be True or False, got {fp8!r}")
+    if fp8:
+        cfg.check_fp8()
+
+
+def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x: torch.Tensor, topk_idx: torch.Tensor,
+                          topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate dispatch inputs against ``cfg`` (every backend uses this); returns (x, topk_idx as
+    contiguous int32, topk_weights). Errors name the constraint and the value."""
+    c = cfg
+    for name, ten in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if ten.device != device:
+            raise ValueError(f"{name} must be on {device}, got {ten.device}")
+        if not ten.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (stride {ten.stride()})")
+    if x.dim() != 2 or x.shape[1] != c.hidden or x.dtype != c.dtype:
+        raise ValueError(f"x must be [T, {c.hidden}] {c.dtype}, got {list(x.shape)} {x.dtype}")
+    t = x.shape[0]
+    if t > c.max_tokens:
+        raise ValueError(f"x has {t} tokens, more than max_tokens={c.max_tokens}")
+    if tuple(topk_idx.shape) != (t, c.topk) or topk_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"topk_idx must be [{t}, {c.topk}] int32/int64, got {list(topk_idx.shape)} {topk_idx.dtype}"
+        )
+    if tuple(topk_weights.shape) != (t, c.topk) or topk_weights.dtype != torch.float32:
+        raise ValueError(
+            f"topk_weights must be [{t}, {c.topk}] float32, got {list(topk_weights.shape)} "
+            f"{topk_weights.dtype}"
+        )
+    if t:
+        # One host sync for all value checks: min, max and the first token naming an expert twice.
+        ids = topk_idx.sort(dim=1).values
+        repeated = ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any(dim=1)
+        tokens = torch.arange(t, device=ids.device)
+        first_rep = torch.where(repeated, tokens, t).min()
+        stats = torch.stack([ids[:, 0].min().long(), ids[:, -1].max().long(), first_rep.long()])
+        lo, hi, tok = stats.tolist()
+        if lo < -1 or hi >= c.num_experts:
+            raise ValueError(f"topk_idx values must be in [-1, {c.num_experts}), got min {lo}, max {hi}")
+        # Distinct experts per token bound the rows a rank can receive (the buffers' capacity).
+        if tok < t:
+            raise ValueError(
+                f"topk_idx must name distinct experts per token (-1 may repeat): token {tok} has "
+                f"{topk_idx[tok].tolist()}"
+            )
+    return x, topk_idx.to(torch.int32).contiguous(), topk_weights
+
+
+def check_combine_input(cfg: EpConfig, device: torch.device, y: torch.Tensor) -> None:
+    """Validate combine's expert outputs y [num_recv, H] cfg.dtype on ``device`` (every backend)."""
+    if y.dtype != cfg.dtype or y.dim() != 2 or y.shape[1] != cfg.hidden or y.device != device:
+        raise ValueError(
+            f"y must be [num_recv, {cfg.hidden}] {cfg.dtype} on {device}, got "
+            f"{list(y.shape)} {y.dtype} on {y.device}"
+        )
+    if y.shape[0] > cfg.capacity:
+        raise ValueError(f"y has {y.shape[0]} rows, more than the capacity {cfg.capacity}")
+
+
+def check_buffer_config(runtime: Any, cfg: EpConfig) -> None:
+    """A buffer's configuration must fit the launch and be the same on every rank (collective).
+
+    A mismatch between ranks would otherwise hang in the first kernel; the error names the ranks.
+    """
+    import torch.distributed as dist
+
+    env = runtime.env
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Gather before raising anything, so that every rank raises (none waits alone).
+        group = getattr(runtime, "cpu_group", None)
+        keys: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(keys, cfg.key(), group=group)
+    else:
+        keys = [cfg.key()]
+    if cfg.world_size != env.world_size:
+        raise ConfigError(f"cfg.world_size={cfg.world_size} but the launch has world_size={env.world_size}")
+    if any(k != keys[0] for k in keys):
+        diff = {r: k for r, k in enumerate(keys) if k != keys[0]}
+        raise ConfigError(f"ranks built different EpConfigs: rank 0 has {keys[0]}, others {diff}")

@@ -1,0 +1,123 @@
+"""What a call reports: the exceptions every backend raises, and the GPU buffer's status block.
+
+The status block is every value the host reads after a kernel call (the ``STATUS`` buffers of
+``kernels.buffers.BUFFERS``: epochs, fault record, num_recv, drop counts) in one int32 tensor, so that
+one device-to-host copy (one sync) reads them all. Importing this module imports no GPU library.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cute_ep.kernels.buffers import FAULT_COUNT, FAULT_EPOCH, FAULT_OP, FAULT_PEER, OPS, status_layout
+from cute_ep.kernels.config import EpConfig
+
+__all__ = ["CapacityExceeded", "KernelDidNotRun", "PeerTimeout", "StatusBlock", "capacity_error"]
+
+
+class KernelDidNotRun(RuntimeError):
+    """A launch returned without its kernel running (its epoch did not advance)."""
+
+
+class PeerTimeout(RuntimeError):
+    """A kernel waited longer than ``cfg.timeout_s`` for a peer's signal.
+
+    op: "layout" | "dispatch" | "combine"; peer: the rank that never signalled; call: the call's number
+    (epoch) of that operation. The buffer moves no more data afterwards: close it and build a new one.
+    """
+
+    def __init__(self, message: str, *, op: str, peer: int, call: int) -> None:
+        super().__init__(message)
+        self.op = op
+        self.peer = peer
+        self.call = call
+
+
+class CapacityExceeded(RuntimeError):
+    """Rows were dropped because experts received more than ``cfg.expert_capacity`` (capacity_factor).
+
+    dropped: {global expert: rows dropped} since the last check; total: their sum; result: the
+    ``DispatchResult`` of the call that raised (complete and consistent: combine skips the dropped
+    pairs), or None when raised by ``check_capacity`` after ``launch_dispatch``. Every rank raises alike.
+    """
+
+    def __init__(self, message: str, *, dropped: dict[int, int], result: Any = None) -> None:
+        super().__init__(message)
+        self.dropped = dropped
+        self.total = sum(dropped.values())
+        self.result = result
+
+
+def capacity_error(cfg: EpConfig, dropped: torch.Tensor, result: Any = None) -> CapacityExceeded | None:
+    """The ``CapacityExceeded`` to raise for per-expert drop counts ``dropped`` [E] (None: none dropped).
+    One message for every backend."""
+    counts = {int(e): int(n) for e, n in enumerate(dropped.tolist()) if n}
+    if not counts:
+        return None
+    el = cfg.experts_per_rank
+    shown = ", ".join(f"expert {e} (rank {e // el}): {n}" for e, n in list(counts.items())[:8])
+    more = f", and {len(counts) - 8} more experts" if len(counts) > 8 else ""
+    return CapacityExceeded(
+        f"dispatch dropped {sum(counts.values())} rows beyond expert_capacity={cfg.expert_capacity} "
+        f"(capacity_factor={cfg.capacity_factor:g}): {shown}{more}. The dropped (token, k) pairs are left "
+        f"out of combine; raise capacity_factor, or build the buffer with on_overflow='drop' to drop rows "
+        f"silently (counted by dropped_rows()).",
+        dropped=counts, result=result,
+    )
+
+
+class StatusBlock:
+    """The STATUS buffers of one GPU buffer in one int32 tensor (see the module docstring).
+
+    ``views[name]`` is the device tensor of each member (epochs [3] int64, fault [FAULT_WORDS] int32,
+    num_recv [1] int32, dropped [E] int32); ``read()`` copies the whole block to the host at once.
+    """
+
+    def __init__(self, cfg: EpConfig, device: torch.device | str) -> None:
+        self.cfg = cfg
+        self.where, words = status_layout(cfg)
+        self.words = torch.zeros(words, dtype=torch.int32, device=device)
+        self.views = {name: self._member(self.words, name) for name in self.where}
+
+    def _member(self, words: torch.Tensor, name: str) -> torch.Tensor:
+        first, count = self.where[name]
+        view = words[first:first + count]
+        return view.view(torch.int64) if name == "epochs" else view
+
+    def read(self) -> dict[str, Any]:
+        """Epochs, fault record, num_recv and drop counts in one device-to-host copy (one sync)."""
+        host = self.words.cpu()
+        return {
+            "epochs": self._member(host, "epochs").tolist(),
+            "fault": self._member(host, "fault").tolist(),
+            "num_recv": int(self._member(host, "num_recv")[0]),
+            "dropped": self._member(host, "dropped"),
+        }
+
+    def check_faults(self, rank: int, status: dict[str, Any] | None = None) -> None:
+        """Raise ``PeerTimeout`` if a kernel timed out waiting for a peer (reads the block unless given)."""
+        f = (status or self.read())["fault"]
+        if f[FAULT_COUNT]:
+            op, peer, call = OPS.get(f[FAULT_OP], f"op {f[FAULT_OP]}"), f[FAULT_PEER], f[FAULT_EPOCH]
+            raise PeerTimeout(
+                f"{op} on rank {rank}: rank {peer} did not signal within {self.cfg.timeout_s:g} s "
+                f"({op} call {call}; {f[FAULT_COUNT]} wait(s) timed out). Every rank must make the same "
+                f"sequence of dispatch and combine calls. This buffer moves no more data: close it and "
+                f"build a new one.",
+                op=op, peer=peer, call=call,
+            )
+
+    def check_ran(self, rank: int, status: dict[str, Any], launches: list[int], *ops: int) -> None:
+        """Raise ``PeerTimeout`` for a recorded fault, or ``KernelDidNotRun`` when an operation's epoch
+        is not its number of launches so far (``launches[op]``)."""
+        self.check_faults(rank, status)
+        got = status["epochs"]
+        for op in ops:
+            if got[op] != launches[op]:
+                if self.words.is_cuda:
+                    torch.cuda.synchronize(self.words.device)  # a sticky CUDA error, if any, raises first
+                raise KernelDidNotRun(
+                    f"{OPS[op]} kernel did not complete: epoch {got[op]}, expected {launches[op]} launches"
+                )

@@ -1,0 +1,281 @@
+"""The one table of buffers: every tensor the kernels read or write, declared once.
+
+Each ``Buffer`` names a tensor, its shape as a function of the sizes, its element type, where it lives
+and which operations use it. Everything else is derived from ``BUFFERS``:
+
+- the host allocations (``cute_ep.buffer.EpBuffer``) and ``EpConfig.symmetric_bytes``;
+- the status block the host reads after a call in one copy (``STATUS`` buffers, ``status_layout``);
+- the compiled module's arguments: one ``Pointers`` named tuple in table order (``kernels/module.py``)
+  and their CuTe element types and alignments (``kernels/host.py``);
+- the device-side tensors: every kernel receives one ``EpParams`` bundle (run-time sizes + one pointer
+  per buffer) instead of a list of arguments, and ``p.<name>`` is that buffer as a CuTe tensor with
+  the row-major layout of its shape.
+
+A shape function receives an object with the size attributes below: an ``EpConfig`` on the host (sizes
+are ints) or ``EpParams`` on the device (sizes are run-time Int32 values), so one formula serves both.
+Per-call tensors (``CALL``) are the caller's and their shapes use ``num_tokens`` (device only).
+
+Protocol slots have names: rows of ``signals``, words of ``fault``, counters of ``done``; ``epochs``
+is indexed by the operation (``OP_LAYOUT`` / ``OP_DISPATCH`` / ``OP_COMBINE``).
+
+Importing this module imports neither CuTe DSL nor NVSHMEM (the CPU backends size things with it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cute_ep.kernels.config import (
+    FAULT_WORDS,
+    FP8_BLOCK,
+    OP_COMBINE,
+    OP_DISPATCH,
+    OP_LAYOUT,
+    packed_fp8_row_bytes,
+)
+
+# Where a buffer lives.
+CALL = "call"  # the caller's tensor, passed per call
+SYMMETRIC = "symmetric"  # NVSHMEM symmetric heap: same shape on every rank, peers read / write it
+LOCAL = "local"  # this rank's device memory
+STATUS = "status"  # local, inside the status block the host reads in one copy after a call
+
+# Rows of ``signals`` [SIGNAL_ROWS, R] uint64: row[p] is raised by peer p (epochs only grow: no resets).
+SIGNAL_COUNT = 0  # the layout's count row from p has arrived (value: layout epoch)
+SIGNAL_DISPATCH = 1  # every row p dispatched to this rank has arrived (value: dispatch epoch)
+# combine call e: 2e - 1 when p's expert outputs are in place, 2e when p's partial rows are out
+SIGNAL_COMBINE = 2
+SIGNAL_ROWS = 3
+
+# Words of ``fault`` [FAULT_WORDS] int32: the first timed-out wait (kernels.ptx.record_fault).
+FAULT_COUNT = 0  # waits that timed out (0: none; every kernel moves no data once it is set)
+FAULT_OP = 1  # operation of the first one (OP_LAYOUT / OP_DISPATCH / OP_COMBINE)
+FAULT_PEER = 2  # the peer that never signalled
+FAULT_EPOCH = 3  # the call (epoch, low 32 bits)
+
+# Self-resetting arrival counters of ``done`` [DONE_SLOTS] int32: the last CTA to arrive finishes the op.
+DONE_DISPATCH = 0
+DONE_COMBINE = 1  # the pull combine, and phase 2 of the reduced combine
+DONE_PUSH = 2  # phase 1 of the reduced combine
+DONE_SLOTS = 3
+
+# Element types: torch dtype name, CuTe type name, bytes per element. "row" is the buffer's dtype.
+ROW = "row"
+ELEMENT_TYPES = {
+    "int32": ("int32", "Int32", 4),
+    "int64": ("int64", "Int64", 8),
+    "uint64": ("int64", "Uint64", 8),  # torch has no uint64 arithmetic: allocated as int64
+    "float32": ("float32", "Float32", 4),
+    "uint8": ("uint8", "Uint8", 1),
+}
+VECTOR_ALIGN = 16  # rows and packed FP8 rows are moved with 128-bit accesses
+
+
+def _reduced(c: Any) -> bool:
+    return c.combine_algorithm == "reduced"
+
+
+def _fp8_capable(c: Any) -> bool:
+    return c.hidden % FP8_BLOCK == 0
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One tensor of the protocol (see the module docstring).
+
+    name:   attribute name on ``EpBuffer`` and field of ``Pointers`` / ``EpParams``.
+    shape:  sizes -> shape (row-major); the device view, and the allocation when ``needed``.
+    dtype:  ``ROW`` or a key of ``ELEMENT_TYPES``.
+    place:  CALL, SYMMETRIC, LOCAL or STATUS.
+    ops:    the operations that read or write it ("layout", "dispatch", "combine").
+    doc:    what it holds.
+    needed: config -> whether it is allocated at full shape; otherwise a placeholder of one 16-byte
+            piece is (the kernels read it only on paths that configuration never takes).
+    fill:   initial value of a LOCAL buffer.
+    """
+
+    name: str
+    shape: Callable[[Any], tuple]
+    dtype: str
+    place: str
+    ops: tuple[str, ...]
+    doc: str
+    needed: Callable[[Any], bool] | None = None
+    fill: int = 0
+
+    def is_needed(self, cfg: Any) -> bool:
+        return self.needed is None or bool(self.needed(cfg))
+
+    def item_bytes(self, cfg: Any) -> int:
+        return cfg.element_size if self.dtype == ROW else ELEMENT_TYPES[self.dtype][2]
+
+    def align(self, cfg: Any) -> int:
+        """Assumed alignment of the device pointer (bytes)."""
+        return VECTOR_ALIGN if self.dtype in (ROW, "uint8") else self.item_bytes(cfg)
+
+    def torch_dtype(self, cfg: Any):
+        import torch
+
+        return cfg.dtype if self.dtype == ROW else getattr(torch, ELEMENT_TYPES[self.dtype][0])
+
+    def alloc_shape(self, cfg: Any) -> tuple[int, ...]:
+        """Shape allocated for ``cfg``: the full shape, or one 16-byte placeholder when not needed."""
+        if self.is_needed(cfg):
+            return tuple(int(n) for n in self.shape(cfg))
+        return (max(1, VECTOR_ALIGN // self.item_bytes(cfg)),)
+
+    def nbytes(self, cfg: Any) -> int:
+        return math.prod(self.alloc_shape(cfg)) * self.item_bytes(cfg)
+
+
+BUFFERS: tuple[Buffer, ...] = (
+    # -- the caller's tensors, per call -----------------------------------------------------------
+    Buffer("x", lambda s: (s.num_tokens, s.hidden), ROW, CALL, ("dispatch",), "tokens to dispatch"),
+    Buffer("topk_idx", lambda s: (s.num_tokens, s.topk), "int32", CALL, ("layout", "dispatch", "combine"),
+           "expert of each (token, k); -1: none"),
+    Buffer("topk_w", lambda s: (s.num_tokens, s.topk), "float32", CALL, ("dispatch", "combine"),
+           "weight of each (token, k)"),
+    Buffer("out", lambda s: (s.num_tokens, s.hidden), ROW, CALL, ("combine",), "combine output"),
+    # -- symmetric: peers read or write them ------------------------------------------------------
+    Buffer("recv_x", lambda s: (s.capacity, s.hidden), ROW, SYMMETRIC, ("dispatch",),
+           "received rows, expert-major (after an FP8 dispatch: packed FP8 rows, fp8_row_bytes apart)"),
+    Buffer("recv_y", lambda s: (s.capacity, s.hidden), ROW, SYMMETRIC, ("combine",),
+           "the experts' outputs, in recv_x's row order; combine reads them"),
+    Buffer("recv_w", lambda s: (s.capacity,), "float32", SYMMETRIC, ("dispatch", "combine"),
+           "weight of each received row"),
+    Buffer("recv_src", lambda s: (s.capacity,), "int32", SYMMETRIC, ("dispatch", "combine"),
+           "source tag of each received row: (source rank * max_tokens + token) * topk + k"),
+    Buffer("recv_from", lambda s: (s.capacity,), "int32", SYMMETRIC, ("dispatch", "combine"),
+           "slot whose row this slot copies (fan-out), -1: the row itself arrived, <= -2: a group primary"),
+    Buffer("recv_group", lambda s: (s.capacity, s.topk), "int32", SYMMETRIC, ("dispatch", "combine"),
+           "each primary slot's later group members (reduced combine; -1: dropped)", needed=_reduced),
+    Buffer("counts", lambda s: (s.world_size, s.num_experts), "int32", SYMMETRIC, ("layout",),
+           "counts[s, e]: pairs source rank s routes to expert e"),
+    Buffer("signals", lambda s: (SIGNAL_ROWS, s.world_size), "uint64", SYMMETRIC,
+           ("layout", "dispatch", "combine"), "signals[row, p]: what peer p announced (SIGNAL_* rows)"),
+    Buffer("stage", lambda s: (s.stage_rows, s.hidden), ROW, SYMMETRIC, ("combine",),
+           "staging rows for rows that cross nodes in combine (get_warp / put_warp)"),
+    Buffer("partials", lambda s: (s.max_tokens * s.world_size, s.hidden), ROW, SYMMETRIC, ("combine",),
+           "reduced combine: row t * R + r is rank r's partial sum of token t", needed=_reduced),
+    Buffer("packed", lambda s: (s.max_tokens, s.fp8_row_bytes), "uint8", SYMMETRIC, ("dispatch",),
+           "this rank's tokens as packed FP8 rows (the source of an FP8 dispatch's puts)",
+           needed=_fp8_capable),
+    # -- this rank's own --------------------------------------------------------------------------
+    Buffer("scatter", lambda s: (s.max_tokens, s.topk), "int32", LOCAL, ("layout", "dispatch", "combine"),
+           "slot of each (token, k) in its expert's rank's receive buffer; -1: none or dropped", fill=-1),
+    Buffer("send_offsets", lambda s: (s.num_experts,), "int32", LOCAL, ("layout",),
+           "first slot of this rank's rows for each expert"),
+    Buffer("cursor", lambda s: (s.num_experts,), "int32", LOCAL, ("layout", "dispatch"),
+           "atomic-mode slot allocator per expert"),
+    Buffer("send_limit", lambda s: (s.num_experts,), "int32", LOCAL, ("layout", "dispatch"),
+           "end of each expert's kept slots (capacity)"),
+    Buffer("tokens_per_expert", lambda s: (s.experts_per_rank,), "int32", LOCAL, ("layout",),
+           "rows each local expert receives"),
+    Buffer("done", lambda s: (DONE_SLOTS,), "int32", LOCAL, ("dispatch", "combine"),
+           "arrival counters (DONE_* slots)"),
+    # -- the status block: read by the host in one copy after a call ------------------------------
+    Buffer("epochs", lambda s: (3,), "int64", STATUS, ("layout", "dispatch", "combine"),
+           "completed calls per operation (indexed by OP_*)"),
+    Buffer("fault", lambda s: (FAULT_WORDS,), "int32", STATUS, ("layout", "dispatch", "combine"),
+           "first timed-out wait (FAULT_* words)"),
+    Buffer("num_recv", lambda s: (1,), "int32", STATUS, ("layout", "dispatch", "combine"),
+           "rows this rank receives"),
+    Buffer("dropped", lambda s: (s.num_experts,), "int32", STATUS, ("layout",),
+           "rows each expert dropped beyond its capacity, accumulated until the host resets it"),
+)
+
+BUFFER_NAMES = tuple(b.name for b in BUFFERS)
+BY_NAME = {b.name: b for b in BUFFERS}
+OPS = {OP_LAYOUT: "layout", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
+
+# Run-time scalars every launch passes: the call's own, then sizes named as EpConfig's attributes.
+CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "rank", "num_tokens")
+SIZE_SCALARS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
+                "expert_capacity", "stage_rows", "num_sms", "timeout_ms")
+SCALARS = CALL_SCALARS + SIZE_SCALARS
+
+
+class _Sizes:
+    """Sizes derived from the scalars, named as EpConfig's properties (so shape functions serve both)."""
+
+    __slots__ = ()
+
+    @property
+    def experts_per_rank(self):
+        return self.num_experts // self.world_size
+
+    @property
+    def fp8_row_bytes(self):
+        return packed_fp8_row_bytes(self.hidden)
+
+
+class Scalars(_Sizes, namedtuple("Scalars", SCALARS)):
+    """The run-time scalars of one launch (Int32 values), in ``SCALARS`` order."""
+
+    __slots__ = ()
+
+
+Pointers = namedtuple("Pointers", BUFFER_NAMES)
+Pointers.__doc__ = "One device pointer per buffer of ``BUFFERS``, in table order (the module's argument)."
+
+
+def row_major(shape: tuple):
+    """The compact row-major CuTe layout of ``shape`` (ints or run-time Int32 values)."""
+    import cutlass.cute as cute
+
+    if len(shape) == 1:
+        return cute.make_layout(shape[0])
+    strides = [1]
+    for n in reversed(shape[1:]):
+        strides.insert(0, strides[0] * n)
+    return cute.make_layout(shape, stride=tuple(strides))
+
+
+class EpParams(_Sizes, namedtuple("EpParams", SCALARS + tuple(f"{n}_ptr" for n in BUFFER_NAMES))):
+    """What every kernel receives: the launch's scalars and one device pointer per buffer (``<name>_ptr``).
+
+    ``p.<name>`` is the buffer as a CuTe tensor: its pointer with the row-major layout of its table shape,
+    made from the scalars on access (no run-time cost). Pointers travel rather than tensors so that every
+    layout is built from the same run-time sizes, and a launch passes only what the table names.
+    """
+
+    __slots__ = ()
+
+
+def _tensor_property(b: Buffer) -> property:
+    def tensor(self: EpParams):
+        import cutlass.cute as cute
+
+        return cute.make_tensor(getattr(self, f"{b.name}_ptr"), row_major(tuple(b.shape(self))))
+
+    return property(tensor, doc=f"{b.name}: {b.doc}")
+
+
+for _b in BUFFERS:
+    setattr(EpParams, _b.name, _tensor_property(_b))
+
+
+def buffers_of(place: str) -> tuple[Buffer, ...]:
+    return tuple(b for b in BUFFERS if b.place == place)
+
+
+def symmetric_bytes(cfg: Any) -> int:
+    """Bytes of NVSHMEM symmetric memory one rank allocates for ``cfg`` (the SYMMETRIC buffers)."""
+    return sum(b.nbytes(cfg) for b in buffers_of(SYMMETRIC) if b.is_needed(cfg))
+
+
+def status_layout(cfg: Any) -> tuple[dict[str, tuple[int, int]], int]:
+    """Where each STATUS buffer lives in the status block, an int32 tensor: {name: (first word, words)}
+    and the block's length in words. Each member starts at a multiple of its element size."""
+    where, word = {}, 0
+    for b in buffers_of(STATUS):
+        per = b.item_bytes(cfg) // 4
+        word = -(-word // per) * per
+        words = math.prod(b.alloc_shape(cfg)) * per
+        where[b.name] = (word, words)
+        word += words
+    return where, word

@@ -1,0 +1,98 @@
+"""The one table of buffers (kernels/buffers.py) and what is derived from it: symmetric bytes, the
+placeholders of buffers a configuration does not need, the launch bundle's fields, and pointer types."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cute_ep.kernels.buffers import (
+    BUFFER_NAMES,
+    BUFFERS,
+    CALL,
+    ELEMENT_TYPES,
+    LOCAL,
+    ROW,
+    SCALARS,
+    SIZE_SCALARS,
+    STATUS,
+    SYMMETRIC,
+    EpParams,
+    Pointers,
+    Scalars,
+    symmetric_bytes,
+)
+from cute_ep.kernels.config import EpConfig, packed_fp8_row_bytes
+
+BASE = dict(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256, dtype=torch.bfloat16,
+            max_tokens=64)
+
+
+def _expected_symmetric_bytes(c: EpConfig) -> int:
+    """The symmetric memory a rank needs, written out by hand (what the table must add up to)."""
+    rows = 2 * c.capacity * c.row_bytes  # recv_x, recv_y
+    meta = c.capacity * 4 * 3  # recv_w, recv_src, recv_from
+    exchange = c.world_size * c.num_experts * 4 + 3 * c.world_size * 8  # counts, signals
+    stage = c.stage_rows * c.row_bytes
+    packed = c.max_tokens * packed_fp8_row_bytes(c.hidden) if c.hidden % 128 == 0 else 0
+    reduced = 0
+    if c.combine_algorithm == "reduced":  # partial rows + each receive slot's group list
+        reduced = c.max_tokens * c.world_size * c.row_bytes + c.capacity * c.topk * 4
+    return rows + meta + exchange + stage + packed + reduced
+
+
+@pytest.mark.parametrize("change", [{}, {"combine_algorithm": "reduced"}, {"hidden": 200},
+                                    {"dtype": torch.float32, "local_world_size": 4},
+                                    {"capacity_factor": 1.0}])
+def test_symmetric_bytes_add_up(change):
+    cfg = EpConfig(**{**BASE, **change})
+    assert cfg.symmetric_bytes() == symmetric_bytes(cfg) == _expected_symmetric_bytes(cfg)
+
+
+def test_every_buffer_is_declared_once_and_completely():
+    assert len(set(BUFFER_NAMES)) == len(BUFFERS)
+    for b in BUFFERS:
+        assert b.place in (CALL, SYMMETRIC, LOCAL, STATUS), b
+        assert b.dtype == ROW or b.dtype in ELEMENT_TYPES, b
+        assert b.ops and set(b.ops) <= {"layout", "dispatch", "combine"}, b
+        assert b.doc, b
+
+
+def test_shapes_serve_the_host_config_and_the_device_scalars():
+    cfg = EpConfig(**{**BASE, "combine_algorithm": "reduced"})
+    assert all(hasattr(cfg, n) for n in SIZE_SCALARS)  # the kernels' sizes are EpConfig's attributes
+    scalars = Scalars(*([0] * (len(SCALARS) - len(SIZE_SCALARS))), *(getattr(cfg, n) for n in SIZE_SCALARS))
+    assert scalars.experts_per_rank == cfg.experts_per_rank and scalars.fp8_row_bytes == cfg.fp8_row_bytes
+    for b in BUFFERS:
+        if b.place != CALL:  # the device view of an owned buffer is its full allocation
+            assert tuple(b.shape(scalars)) == b.alloc_shape(cfg), b.name
+    by = {b.name: b for b in BUFFERS}
+    assert by["counts"].alloc_shape(cfg) == (4, 32) and by["signals"].alloc_shape(cfg) == (3, 4)
+    assert by["recv_group"].alloc_shape(cfg) == (cfg.capacity, 2)
+    assert EpParams._fields == SCALARS + tuple(f"{n}_ptr" for n in BUFFER_NAMES)
+    assert Pointers._fields == BUFFER_NAMES
+    assert all(isinstance(getattr(EpParams, n), property) for n in BUFFER_NAMES)  # p.<name>: the tensor
+
+
+def test_buffers_a_config_does_not_need_are_one_16_byte_placeholder():
+    pull = EpConfig(**{**BASE, "hidden": 200})  # no reduced combine, no FP8 (200 % 128 != 0)
+    by = {b.name: b for b in BUFFERS}
+    for name in ("recv_group", "partials", "packed"):
+        assert not by[name].is_needed(pull)
+        assert by[name].nbytes(pull) == 16, name
+    assert math.prod(by["partials"].alloc_shape(EpConfig(**{**BASE, "combine_algorithm": "reduced"}))) == (
+        64 * 4 * 256)
+
+
+def test_pointer_types_follow_the_table():
+    from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint64
+
+    from cute_ep.kernels.host import pointer_type
+
+    cfg = EpConfig(**BASE)
+    expect = {"x": (BFloat16, 16), "recv_w": (Float32, 4), "scatter": (Int32, 4), "signals": (Uint64, 8),
+              "epochs": (Int64, 8), "packed": (Uint8, 16), "recv_y": (BFloat16, 16)}
+    for name, want in expect.items():
+        assert pointer_type(cfg, name) == want, name
