@@ -158,7 +158,7 @@ class A2aEpBuffer(HostEpBuffer):
     # -- public API ------------------------------------------------------------------------------
 
     def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter",
-                 fp8: bool = False, algorithm: str | None = None) -> DispatchResult:
+                 fp8: bool = False, algorithm: str | None = None, sync: bool = True) -> DispatchResult:
         """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (arguments:
         ``cute_ep.api.EpBackend.dispatch``).
 
@@ -280,20 +280,14 @@ class A2aEpBuffer(HostEpBuffer):
             dest.index_copy_(0, slot_of, x_recv)
             w_bits.index_copy_(0, slot_of, meta_recv[:, 0])
             src_tags.index_copy_(0, slot_of, meta_recv[:, 1])
-        recv_x, recv_scales = self._fp8_views(n_recv) if fp8 else (dest, None)
 
         tpe = c3[:, rank, :].sum(dim=0).to(device=dev, dtype=torch.int32)
         route = _Route(self._token, self._calls, idx, send_splits, recv_splits, slot_of,
                        back_pos.view(t, k_top))
         self._calls += 1
         handle = A2aDispatchHandle(idx, w, scatter.view(t, k_top).to(torch.int32), t, mode, _route=route)
-        result = DispatchResult(
-            recv_x, self.recv_w[:n_recv], self.recv_src[:n_recv], tpe, n_recv, handle, recv_scales
-        )
-        if limited:
-            self._add_dropped(routed.sum(dim=0) - counts.sum(dim=0))
-        self.check_capacity(result)
-        return result
+        dropped = routed.sum(dim=0) - counts.sum(dim=0) if limited else None
+        return self._dispatch_result(n_recv, tpe, handle, fp8, sync, dropped)
 
     def combine(self, y: Tensor, handle: DispatchHandle, algorithm: str | None = None) -> Tensor:
         """out[t] = sum over k ascending of topk_weights[t, k] * y_owner[slot(t, k)] (fp32, then

@@ -48,10 +48,15 @@ class DispatchResult:
     recv_weights [N] fp32: the weight of each row's (token, k).
     recv_src [N] int32: the source tag of each row, (source rank * cfg.max_tokens + t) * K + k.
     tokens_per_expert [El] int32: rows of each local expert, back to back in recv_x.
-    num_recv: N.
+    num_recv: N. After ``dispatch(..., sync=False)`` N is ``cfg.capacity`` (the worst case: the views
+        cover every row a rank can receive, and the rows past the real count hold stale data).
     handle: the ``DispatchHandle`` combine takes.
     recv_scales [N, H / 128] fp32 after an FP8 dispatch (row i, block b of 128 columns is
         ``recv_x[i, 128 b : 128 (b + 1)].float() * recv_scales[i, b]``), else None.
+    recv_count [1] int32 on the device: the rows really received (without ``sync`` the only place the
+        count is; ``tokens_per_expert`` is exact either way).
+    event: with ``EpBuffer.dispatch(..., stream=s)``, an event recorded on ``s`` after the dispatch
+        (wait on it before using the results on another stream); else None.
     """
 
     recv_x: Tensor
@@ -61,6 +66,8 @@ class DispatchResult:
     num_recv: int
     handle: DispatchHandle
     recv_scales: Tensor | None = None
+    recv_count: Tensor | None = None
+    event: Any = None
 
 
 @runtime_checkable
@@ -74,7 +81,7 @@ class EpBackend(Protocol):
     rank: int
 
     def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter",
-                 fp8: bool = False, algorithm: str | None = None) -> DispatchResult:
+                 fp8: bool = False, algorithm: str | None = None, sync: bool = True) -> DispatchResult:
         """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]``.
 
         Args:
@@ -86,12 +93,18 @@ class EpBackend(Protocol):
             fp8: send e4m3 rows with one fp32 scale per 128 columns (needs H % 128 == 0).
             algorithm: the dispatch primitive ("dedup", "per_pair", "put_warp"; None: the buffer's).
                 Primitives differ only in how rows travel, never in the result.
+            sync: True: read the received row count back to the host (``num_recv`` exact; errors and
+                capacity drops raise here). False: no host sync at all (usable in CUDA graphs):
+                the views cover ``cfg.capacity`` rows, ``recv_count`` holds the count on the device,
+                and errors or drops raise at the next host-visible check (``check_capacity``, or the
+                GPU buffer's ``check_ran``).
 
         Returns:
             ``DispatchResult``.
 
         Raises:
-            ValueError: an input violates a constraint (the message names it and the value).
+            ValueError: an input violates a constraint (the message names it and the value), on every
+                rank (a peer's invalid inputs too).
             CapacityExceeded: rows were dropped beyond ``cfg.expert_capacity`` and ``cfg.on_overflow``
                 is "raise" (carries the complete result), on every rank alike.
         """

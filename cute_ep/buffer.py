@@ -26,6 +26,8 @@ closed and rebuilt.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -38,6 +40,7 @@ from cute_ep.input_checks import (
     check_dispatch_algorithm,
     check_dispatch_inputs,
     check_dispatch_options,
+    check_topk_values,
     resolve_combine_algorithm,
 )
 from cute_ep.kernels.buffers import BUFFERS, CALL, STATUS, SYMMETRIC, Buffer, Pointers, buffers_of
@@ -75,7 +78,7 @@ class EpBuffer(BackendBase):
     def __init__(self, runtime: Any, cfg: EpConfig, registry: Any = None, algorithm: str = "dedup",
                  profile_cache: Any = None) -> None:
         from cute_ep.bootstrap.compile import ModuleRegistry
-        from cute_ep.kernels.host import build, size_scalars
+        from cute_ep.kernels.host import Launcher, build, make_pointer, size_scalars
 
         check_dispatch_algorithm(algorithm, allow_auto=True)
         check_buffer_config(runtime, cfg)
@@ -102,14 +105,15 @@ class EpBuffer(BackendBase):
         self.poison()
         runtime.barrier()  # synchronizes the device first: every rank's signals are zero before any signal
 
-        # The buffer's own pointers never move: made once (host time per call); per-call ones are cached.
-        self._pointers = self._make_pointers()
-        self._call_ptrs: dict[tuple[str, int], Any] = {}
-        self._sizes = size_scalars(cfg)
         # Stand-ins for empty per-call tensors (a kernel needs a valid pointer even for zero tokens).
         one = SimpleNamespace(num_tokens=1, hidden=cfg.hidden, topk=cfg.topk)
         self._empty = {b.name: torch.empty(b.shape(one), dtype=b.torch_dtype(cfg), device=self.device)
                        for b in buffers_of(CALL)}
+        self._align = {b.name: b.align(cfg) for b in buffers_of(CALL)}
+        # The module's argument storage, made once: a launch writes only what changes (kernels/host.py).
+        tensors = {b.name: self._empty[b.name] if b.place == CALL else getattr(self, b.name) for b in BUFFERS}
+        pointers = Pointers(*(make_pointer(cfg, n, t.data_ptr()) for n, t in tensors.items()))
+        self._launcher = Launcher(self.module, size_scalars(cfg), pointers, self.rank)
         self.algorithm_table: str | None = None
         self.algorithm = algorithm
         if algorithm == "auto":
@@ -136,32 +140,57 @@ class EpBuffer(BackendBase):
     # -- public API ------------------------------------------------------------------------------
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 mode: str = "scatter", fp8: bool = False, algorithm: str | None = None) -> DispatchResult:
+                 mode: str = "scatter", fp8: bool = False, algorithm: str | None = None, sync: bool = True,
+                 *, stream: torch.cuda.Stream | None = None, previous_event: torch.cuda.Event | None = None
+                 ) -> DispatchResult:
         """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (arguments, returns and
         errors: ``cute_ep.api.EpBackend.dispatch``). Collective.
 
-        Host syncs: one to check the inputs, one to read the results' sizes and status.
+        stream / previous_event (GPU only): run the kernels on ``stream`` (e.g. a communication stream,
+        with ``cfg.num_sms`` bounding the SMs they take), after ``previous_event`` (default: after the
+        caller's current stream); the result's ``event`` marks their end on ``stream``. With only
+        ``previous_event``, the current stream waits for it first.
+
+        Host syncs: one (the status read: sizes, faults, refused inputs, drops); none with sync=False.
+        The ids' values are checked on the device; a refused call raises ``ValueError`` on every rank
+        (this rank's own inputs named as before, else the rank that passed invalid ones).
         """
         self._check_open()
         check_dispatch_options(self.cfg, mode, fp8)
         check_dispatch_algorithm(algorithm)
-        x, idx, w = check_dispatch_inputs(self.cfg, self.device, x, topk_idx, topk_weights)
-        t = x.shape[0]
-        self.launch_dispatch(x, idx, w, mode, fp8=fp8, algorithm=algorithm)
-        status = self.status.read()
-        self._check_ran(status, OP_LAYOUT, OP_DISPATCH)
-        num_recv = status["num_recv"]
-        tpe = self.tokens_per_expert.clone()
-        scatter = self.scatter[:t].clone()
-        # The handle owns its routing: a caller editing its tensors later cannot change combine.
-        handle = DispatchHandle(idx.clone(), w.clone(), scatter, t, mode)
+        x, idx, w = check_dispatch_inputs(self.cfg, self.device, x, topk_idx, topk_weights, values=False)
+        t, c = x.shape[0], self.cfg
+        with self._on_stream(stream, previous_event, x, idx, w) as on:
+            self.launch_dispatch(x, idx, w, mode, fp8=fp8, algorithm=algorithm)
+            status = self.status.read() if sync else None
+            # The handle owns its routing (a caller editing its tensors later cannot change combine):
+            # copies of the int32 words, made by one kernel.
+            parts = [self.tokens_per_expert, self.scatter[:t].reshape(-1), idx.reshape(-1),
+                     w.reshape(-1).view(torch.int32), self.num_recv]
+            owned = torch.cat(parts)
+            event = on.record_event() if stream is not None else None
+        if stream is not None:  # made on ``stream``, used on the caller's
+            owned.record_stream(torch.cuda.current_stream(self.device))
+        tpe, scatter, idx_own, w_own, recv_count = owned.split([p.numel() for p in parts])
+        scatter, idx_own, w_own = scatter.view(t, c.topk), idx_own.view(t, c.topk), w_own.view(torch.float32)
+        w_own = w_own.view(t, c.topk)
+        num_recv = c.capacity
+        if status is not None:
+            self._check_ran(status, OP_LAYOUT, OP_DISPATCH, OP_COMBINE)
+            refused = self.status.refused_inputs(status)
+            if refused is not None:
+                check_topk_values(c, topk_idx)  # this rank's own inputs: the message names them
+                raise ValueError(f"dispatch: {refused}")
+            num_recv = status["num_recv"]
+        handle = DispatchHandle(idx_own, w_own, scatter, t, mode)
         self._sent = (handle.topk_idx, handle.topk_weights)
         recv_x, recv_scales = self.recv_x[:num_recv], None
         if fp8:
             recv_x, recv_scales = self.fp8_views(num_recv)
         result = DispatchResult(recv_x, self.recv_w[:num_recv], self.recv_src[:num_recv], tpe, num_recv,
-                                handle, recv_scales)
-        self._take_drops(status["dropped"], result)
+                                handle, recv_scales, recv_count, event)
+        if status is not None:
+            self._take_drops(status["dropped"], result)
         return result
 
     def fp8_packed_rows(self, num_recv: int | None = None) -> torch.Tensor:
@@ -219,23 +248,31 @@ class EpBuffer(BackendBase):
         self._check_num_recv(num_recv)
         return self.recv_y[:num_recv]
 
-    def combine(self, y: torch.Tensor, handle: DispatchHandle, algorithm: str | None = None) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, handle: DispatchHandle, algorithm: str | None = None, *,
+                stream: torch.cuda.Stream | None = None, previous_event: torch.cuda.Event | None = None
+                ) -> torch.Tensor:
         """The top-k weighted sum of each token's expert outputs: a new [T, H] cfg.dtype tensor
         (arguments: ``cute_ep.api.EpBackend.combine``). Collective.
 
         The reduced combine weights rows with the weights the dispatch sent, so it needs the handle of
         this buffer's latest dispatch, unchanged; the pull combine uses the handle's ids and weights
-        (they may differ from the dispatch's, as in autograd).
+        (they may differ from the dispatch's, as in autograd). stream / previous_event as in ``dispatch``
+        (wait for ``stream``, e.g. ``torch.cuda.current_stream().wait_stream(stream)``, before reading
+        the output elsewhere).
+
+        No host sync: a peer that never arrives, or a kernel that did not run, raises at the next
+        host-visible check (the next ``dispatch``, ``check_ran`` or ``check_faults``).
         """
         self._check_open()
         c = self.cfg
         check_combine_input(c, self.device, y)
         self._check_combine_algorithm(handle, algorithm)
-        if y.data_ptr() != self.recv_y.data_ptr():
-            self.recv_y[: y.shape[0]].copy_(y)
         out = torch.empty((handle.num_tokens, c.hidden), dtype=c.dtype, device=self.device)
-        self.launch_combine(handle, out, algorithm)
-        self._check_ran(self.status.read(), OP_COMBINE)  # the read waits for the kernel (same stream)
+        with self._on_stream(stream, previous_event, y, out, handle.topk_idx, handle.topk_weights,
+                             handle.scatter):
+            if y.data_ptr() != self.recv_y.data_ptr():
+                self.recv_y[: y.shape[0]].copy_(y)
+            self.launch_combine(handle, out, algorithm)
         return out
 
     def close(self) -> None:
@@ -270,9 +307,15 @@ class EpBuffer(BackendBase):
         self.status.check_faults(self.rank)
 
     def check_ran(self) -> None:
-        """Raise ``PeerTimeout`` (a wait timed out) or ``KernelDidNotRun`` (a kernel did not complete)
-        after ``launch_*`` calls: every operation's epoch must equal its launches (host sync)."""
-        self._check_ran(self.status.read(), OP_LAYOUT, OP_DISPATCH, OP_COMBINE)
+        """Raise ``PeerTimeout`` (a wait timed out), ``KernelDidNotRun`` (a kernel did not complete: every
+        operation's epoch must equal its launches) or ``ValueError`` (the latest dispatch refused invalid
+        topk_idx on some rank) after ``launch_*`` calls, ``dispatch(sync=False)`` or ``combine`` (host
+        sync)."""
+        status = self.status.read()
+        self._check_ran(status, OP_LAYOUT, OP_DISPATCH, OP_COMBINE)
+        refused = self.status.refused_inputs(status)
+        if refused is not None:
+            raise ValueError(f"dispatch: {refused}")
 
     def dropped_rows(self) -> torch.Tensor:
         """Rows dropped beyond ``cfg.expert_capacity`` per global expert ([E] int64 on the CPU) since the
@@ -289,6 +332,27 @@ class EpBuffer(BackendBase):
 
     # -- internals -------------------------------------------------------------------------------
 
+    @contextmanager
+    def _on_stream(self, stream: torch.cuda.Stream | None, previous_event: torch.cuda.Event | None,
+                   *used: torch.Tensor) -> Iterator[torch.cuda.Stream]:
+        """Enqueue the body on ``stream`` after ``previous_event`` (or after the caller's current stream);
+        the caller's tensors it uses stay allocated until ``stream`` is done with them. Without a stream,
+        the current one (waiting for ``previous_event`` first, if given)."""
+        caller = torch.cuda.current_stream(self.device)
+        if stream is None:
+            if previous_event is not None:
+                caller.wait_event(previous_event)
+            yield caller
+            return
+        if previous_event is not None:
+            stream.wait_event(previous_event)
+        else:
+            stream.wait_stream(caller)
+        for tensor in used:
+            tensor.record_stream(stream)
+        with torch.cuda.stream(stream):
+            yield stream
+
     def _check_combine_algorithm(self, handle: DispatchHandle, algorithm: str | None) -> None:
         if resolve_combine_algorithm(self.cfg, algorithm) != "reduced":
             return
@@ -304,42 +368,21 @@ class EpBuffer(BackendBase):
         if self._closed:
             raise RuntimeError("this EpBuffer is closed")
 
-    def _make_pointers(self) -> Any:
-        """The module's ``Pointers``: the buffer's own tensors (per-call slots filled by ``_launch``)."""
-        from cute_ep.kernels.host import make_pointer
-
-        own = lambda b: make_pointer(self.cfg, b.name, getattr(self, b.name).data_ptr())  # noqa: E731
-        return Pointers(*(None if b.place == CALL else own(b) for b in BUFFERS))
-
     def _launch(self, op: int, num_tokens: int, *, x=None, idx=None, w=None, out=None, mode: int = 0,
                 fp8: bool = False, algo: int = 0, combine_algo: int = 0) -> None:
-        import cuda.bindings.driver as cuda
-
-        from cute_ep.kernels.host import launch_scalars
-
-        call = {"x": x, "topk_idx": idx, "topk_w": w, "out": out}
-        ptrs = self._pointers._replace(**{name: self._call_pointer(name, t) for name, t in call.items()})
-        scalars = launch_scalars(self._sizes, op=op, mode=mode, fp8=int(fp8), algo=algo,
-                                 combine_algo=combine_algo, rank=self.rank, num_tokens=num_tokens)
-        stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
-        self.module(scalars, ptrs, stream)
-        self._calls[op] += 1
-
-    def _call_pointer(self, name: str, tensor: torch.Tensor | None) -> Any:
-        """The pointer of a per-call tensor (its stand-in when absent or empty), remembered by (name,
-        address): callers often pass the same tensors again, and making one costs ~3 us of host time
-        (measured on the development machine; making all 23 of a launch took 75 us there)."""
-        from cute_ep.kernels.host import make_pointer
-
-        if tensor is None or not tensor.numel():
-            tensor = self._empty[name]
-        key = (name, tensor.data_ptr())
-        ptr = self._call_ptrs.get(key)
-        if ptr is None:
-            if len(self._call_ptrs) >= 64:  # bounded: addresses of freed tensors are not kept forever
-                self._call_ptrs.clear()
-            ptr = self._call_ptrs[key] = make_pointer(self.cfg, name, key[1])
-        return ptr
+        """Enqueue one op of the module on the current stream (absent or empty per-call tensors are
+        replaced by their stand-ins)."""
+        addrs = {}
+        for name, tensor in (("x", x), ("topk_idx", idx), ("topk_w", w), ("out", out)):
+            if tensor is None or not tensor.numel():
+                tensor = self._empty[name]
+            addr = addrs[name] = tensor.data_ptr()
+            if addr % self._align[name]:
+                raise ValueError(f"{name} must be {self._align[name]}-byte aligned, got address {addr:#x}")
+        self._launcher(torch.cuda.current_stream(self.device).cuda_stream, addrs, op=op, mode=mode,
+                       fp8=int(fp8), algo=algo, combine_algo=combine_algo, num_tokens=num_tokens)
+        if not torch.cuda.is_current_stream_capturing():  # a captured launch runs only when replayed
+            self._calls[op] += 1
 
     def _pending_drops(self) -> torch.Tensor:
         pending, self._drops = self._drops, torch.zeros(self.cfg.num_experts, dtype=torch.int64)

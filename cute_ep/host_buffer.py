@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cute_ep.api import BackendBase
+from cute_ep.api import BackendBase, DispatchHandle, DispatchResult
 from cute_ep.fp8 import unpack_fp8_rows
 from cute_ep.input_checks import check_buffer_config
 from cute_ep.kernels.config import EpConfig
@@ -90,6 +90,28 @@ class HostEpBuffer(BackendBase):
         self._close(collective=exc_type is None)
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _dispatch_result(self, n: int, tpe: Tensor, handle: DispatchHandle, fp8: bool, sync: bool,
+                         dropped: Tensor | None = None) -> DispatchResult:
+        """The result of a dispatch whose n received rows are in place: views of n rows, or with
+        ``sync=False`` of ``cfg.capacity`` rows (the count in ``recv_count``), as the GPU buffer returns.
+        ``dropped`` [E]: rows the dispatch dropped beyond expert capacity, counted here and raised now
+        (``sync``) or by the next ``check_capacity``."""
+        rows = n if sync else self.cfg.capacity
+        self._ensure_rows(rows)
+        if fp8:
+            self._fp8_rows(rows)
+            recv_x, scales = self._fp8_views(rows)
+        else:
+            recv_x, scales = self.recv_x[:rows], None
+        count = torch.tensor([n], dtype=torch.int32, device=self.device)
+        result = DispatchResult(recv_x, self.recv_w[:rows], self.recv_src[:rows], tpe, rows, handle, scales,
+                                count)
+        if dropped is not None:
+            self._add_dropped(dropped)
+        if sync:
+            self.check_capacity(result)
+        return result
 
     def _allocate(self, rows: int) -> None:
         c, dev = self.cfg, self.device

@@ -19,6 +19,7 @@ __all__ = [
     "check_dispatch_algorithm",
     "check_dispatch_inputs",
     "check_dispatch_options",
+    "check_topk_values",
     "resolve_combine_algorithm",
 ]
 
@@ -67,9 +68,15 @@ def check_dispatch_options(cfg: EpConfig, mode: str, fp8: Any) -> None:
 
 
 def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x: torch.Tensor, topk_idx: torch.Tensor,
-                          topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          topk_weights: torch.Tensor, *, values: bool = True
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate dispatch inputs against ``cfg`` (every backend uses this); returns (x, topk_idx as
-    contiguous int32, topk_weights). Errors name the constraint and the value."""
+    contiguous int32, topk_weights). Errors name the constraint and the value.
+
+    Devices, shapes, dtypes and contiguity are checked on the host (no sync). ``values``: also check the
+    ids' values (``check_topk_values``, one host sync). The GPU buffer passes False: its layout kernel
+    checks them on the device, and the int64 ids are clamped to [-2, E] before they become int32, so a
+    value no int32 holds is still refused there."""
     c = cfg
     for name, ten in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if ten.device != device:
@@ -90,23 +97,35 @@ def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x: torch.Tensor, 
             f"topk_weights must be [{t}, {c.topk}] float32, got {list(topk_weights.shape)} "
             f"{topk_weights.dtype}"
         )
-    if t:
-        # One host sync for all value checks: min, max and the first token naming an expert twice.
-        ids = topk_idx.sort(dim=1).values
-        repeated = ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any(dim=1)
-        tokens = torch.arange(t, device=ids.device)
-        first_rep = torch.where(repeated, tokens, t).min()
-        stats = torch.stack([ids[:, 0].min().long(), ids[:, -1].max().long(), first_rep.long()])
-        lo, hi, tok = stats.tolist()
-        if lo < -1 or hi >= c.num_experts:
-            raise ValueError(f"topk_idx values must be in [-1, {c.num_experts}), got min {lo}, max {hi}")
-        # Distinct experts per token bound the rows a rank can receive (the buffers' capacity).
-        if tok < t:
-            raise ValueError(
-                f"topk_idx must name distinct experts per token (-1 may repeat): token {tok} has "
-                f"{topk_idx[tok].tolist()}"
-            )
+    if values:
+        check_topk_values(cfg, topk_idx)
+    elif topk_idx.dtype == torch.int64:
+        topk_idx = topk_idx.clamp(-2, c.num_experts)
     return x, topk_idx.to(torch.int32).contiguous(), topk_weights
+
+
+def check_topk_values(cfg: EpConfig, topk_idx: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless every id is in [-1, E) and no token names an expert twice (-1 may
+    repeat): the message names the constraint, the values found and the first offending token. One host
+    sync (the GPU buffer calls it only after its kernels refused a call, to say why)."""
+    t = topk_idx.shape[0]
+    if not t:
+        return
+    # One host sync for all value checks: min, max and the first token naming an expert twice.
+    ids = topk_idx.sort(dim=1).values
+    repeated = ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any(dim=1)
+    tokens = torch.arange(t, device=ids.device)
+    first_rep = torch.where(repeated, tokens, t).min()
+    stats = torch.stack([ids[:, 0].min().long(), ids[:, -1].max().long(), first_rep.long()])
+    lo, hi, tok = stats.tolist()
+    if lo < -1 or hi >= cfg.num_experts:
+        raise ValueError(f"topk_idx values must be in [-1, {cfg.num_experts}), got min {lo}, max {hi}")
+    # Distinct experts per token bound the rows a rank can receive (the buffers' capacity).
+    if tok < t:
+        raise ValueError(
+            f"topk_idx must name distinct experts per token (-1 may repeat): token {tok} has "
+            f"{topk_idx[tok].tolist()}"
+        )
 
 
 def check_combine_input(cfg: EpConfig, device: torch.device, y: torch.Tensor) -> None:

@@ -90,7 +90,7 @@ class ReferenceEpBuffer(HostEpBuffer):
     # -- public API ------------------------------------------------------------------------------
 
     def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter",
-                 fp8: bool = False, algorithm: str | None = None) -> DispatchResult:
+                 fp8: bool = False, algorithm: str | None = None, sync: bool = True) -> DispatchResult:
         """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (arguments:
         ``cute_ep.api.EpBackend.dispatch``).
 
@@ -154,13 +154,10 @@ class ReferenceEpBuffer(HostEpBuffer):
         n = expected.num_recv
         self._ensure_rows(n)
         self._num_recv = n
-        scales = None
         if fp8:
             self._fp8_rows(n).copy_(rx)
-            recv_x, scales = self._fp8_views(n)
         else:
             self.recv_x[:n].copy_(rx)
-            recv_x = self.recv_x[:n]
         self.recv_w[:n].copy_(rw)
         self.recv_src[:n].copy_(rsrc)
         t = x.shape[0]
@@ -169,10 +166,7 @@ class ReferenceEpBuffer(HostEpBuffer):
         handle = DispatchHandle(
             idx, w, scatter.view(t, c.topk).to(device=self.device, dtype=torch.int32), t, mode
         )
-        result = DispatchResult(recv_x, self.recv_w[:n], self.recv_src[:n], tpe, n, handle, scales)
-        self._add_dropped(dropped)
-        self.check_capacity(result)
-        return result
+        return self._dispatch_result(n, tpe, handle, fp8, sync, dropped)
 
     def combine(self, y: Tensor, handle: Any, algorithm: str | None = None) -> Tensor:
         """out[t] = sum over k ascending of topk_weights[t, k] * y_owner[scatter[t, k]] (fp32, then

@@ -11,7 +11,16 @@ from typing import Any
 
 import torch
 
-from cute_ep.kernels.buffers import FAULT_COUNT, FAULT_EPOCH, FAULT_OP, FAULT_PEER, OPS, status_layout
+from cute_ep.kernels.buffers import (
+    FAULT_COUNT,
+    FAULT_EPOCH,
+    FAULT_OP,
+    FAULT_PEER,
+    INPUT_FAULT_FIRST,
+    INPUT_FAULT_RANKS,
+    OPS,
+    status_layout,
+)
 from cute_ep.kernels.config import EpConfig
 
 __all__ = ["CapacityExceeded", "KernelDidNotRun", "PeerTimeout", "StatusBlock", "capacity_error"]
@@ -79,6 +88,9 @@ class StatusBlock:
         self.cfg = cfg
         self.where, words = status_layout(cfg)
         self.words = torch.zeros(words, dtype=torch.int32, device=device)
+        # The host's copy: pinned, so a read is one asynchronous copy and one stream sync (a fresh
+        # pageable tensor per read cost ~30 us on an idle H200).
+        self._host = torch.empty(words, dtype=torch.int32, pin_memory=self.words.is_cuda)
         self.views = {name: self._member(self.words, name) for name in self.where}
 
     def _member(self, words: torch.Tensor, name: str) -> torch.Tensor:
@@ -88,12 +100,18 @@ class StatusBlock:
 
     def read(self) -> dict[str, Any]:
         """Epochs, fault record, num_recv and drop counts in one device-to-host copy (one sync)."""
-        host = self.words.cpu()
+        if self.words.is_cuda:
+            self._host.copy_(self.words, non_blocking=True)
+            torch.cuda.current_stream(self.words.device).synchronize()
+            host = self._host.clone()  # the next read reuses the pinned copy
+        else:
+            host = self.words.clone()
         return {
             "epochs": self._member(host, "epochs").tolist(),
             "fault": self._member(host, "fault").tolist(),
             "num_recv": int(self._member(host, "num_recv")[0]),
             "dropped": self._member(host, "dropped"),
+            "input_fault": self._member(host, "input_fault").tolist(),
         }
 
     def check_faults(self, rank: int, status: dict[str, Any] | None = None) -> None:
@@ -109,13 +127,26 @@ class StatusBlock:
                 op=op, peer=peer, call=call,
             )
 
+    @staticmethod
+    def refused_inputs(status: dict[str, Any]) -> str | None:
+        """None if the latest layout accepted every rank's topk_idx, else which ranks' it refused."""
+        ranks, first = status["input_fault"][INPUT_FAULT_RANKS], status["input_fault"][INPUT_FAULT_FIRST]
+        if not ranks:
+            return None
+        more = f" and {ranks - 1} more rank(s)" if ranks > 1 else ""
+        return (f"rank {first}{more} passed invalid topk_idx (ids must be in [-1, num_experts), no expert "
+                f"twice in a token); the call moved no data")
+
     def check_ran(self, rank: int, status: dict[str, Any], launches: list[int], *ops: int) -> None:
-        """Raise ``PeerTimeout`` for a recorded fault, or ``KernelDidNotRun`` when an operation's epoch
-        is not its number of launches so far (``launches[op]``)."""
+        """Raise ``PeerTimeout`` for a recorded fault, or ``KernelDidNotRun`` when an operation's epoch lags
+        behind its launches counted by the host (``launches[op]``). An epoch may be ahead: replays of a
+        CUDA graph run kernels the host never counts; ``launches`` is then raised to match."""
         self.check_faults(rank, status)
         got = status["epochs"]
         for op in ops:
-            if got[op] != launches[op]:
+            launches[op] = max(launches[op], got[op])
+        for op in ops:
+            if got[op] < launches[op]:
                 if self.words.is_cuda:
                     torch.cuda.synchronize(self.words.device)  # a sticky CUDA error, if any, raises first
                 raise KernelDidNotRun(

@@ -57,6 +57,12 @@ FAULT_OP = 1  # operation of the first one (OP_LAYOUT / OP_DISPATCH / OP_COMBINE
 FAULT_PEER = 2  # the peer that never signalled
 FAULT_EPOCH = 3  # the call (epoch, low 32 bits)
 
+# Words of ``input_fault`` [INPUT_FAULT_WORDS] int32, rewritten by every layout: a dispatch whose inputs are
+# invalid on any rank moves no data on every rank (its epochs still advance), and the host raises.
+INPUT_FAULT_RANKS = 0  # ranks whose topk_idx was invalid (0: the call is valid)
+INPUT_FAULT_FIRST = 1  # the lowest of them (-1: none)
+INPUT_FAULT_WORDS = 2
+
 # Self-resetting arrival counters of ``done`` [DONE_SLOTS] int32: the last CTA to arrive finishes the op.
 DONE_DISPATCH = 0
 DONE_COMBINE = 1  # the pull combine, and phase 2 of the reduced combine
@@ -153,8 +159,9 @@ BUFFERS: tuple[Buffer, ...] = (
            "slot whose row this slot copies (fan-out), -1: the row itself arrived, <= -2: a group primary"),
     Buffer("recv_group", lambda s: (s.capacity, s.topk), "int32", SYMMETRIC, ("dispatch", "combine"),
            "each primary slot's later group members (reduced combine; -1: dropped)", needed=_reduced),
-    Buffer("counts", lambda s: (s.world_size, s.num_experts), "int32", SYMMETRIC, ("layout",),
-           "counts[s, e]: pairs source rank s routes to expert e"),
+    Buffer("counts", lambda s: (s.world_size, s.num_experts + 1), "int32", SYMMETRIC, ("layout",),
+           "counts[s, e]: pairs source rank s routes to expert e; counts[s, E]: its pairs with invalid ids "
+           "(out of [-1, E), or an expert named twice)"),
     Buffer("signals", lambda s: (SIGNAL_ROWS, s.world_size), "uint64", SYMMETRIC,
            ("layout", "dispatch", "combine"), "signals[row, p]: what peer p announced (SIGNAL_* rows)"),
     Buffer("stage", lambda s: (s.stage_rows, s.hidden), ROW, SYMMETRIC, ("combine",),
@@ -186,6 +193,8 @@ BUFFERS: tuple[Buffer, ...] = (
            "rows this rank receives"),
     Buffer("dropped", lambda s: (s.num_experts,), "int32", STATUS, ("layout",),
            "rows each expert dropped beyond its capacity, accumulated until the host resets it"),
+    Buffer("input_fault", lambda s: (INPUT_FAULT_WORDS,), "int32", STATUS, ("layout", "dispatch"),
+           "the latest layout's refusal: ranks whose topk_idx was invalid, the lowest of them (-1: none)"),
 )
 
 BUFFER_NAMES = tuple(b.name for b in BUFFERS)

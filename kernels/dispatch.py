@@ -41,7 +41,7 @@ from cutlass import Int32, Int64
 from nvshmem.core.device.cute.mem import nvshmem_ptr
 
 from cute_ep.kernels.base import EpKernel
-from cute_ep.kernels.buffers import DONE_DISPATCH, SIGNAL_DISPATCH, EpParams
+from cute_ep.kernels.buffers import DONE_DISPATCH, INPUT_FAULT_RANKS, SIGNAL_DISPATCH, EpParams
 from cute_ep.kernels.config import ALGO_DEDUP, ALGO_PUT_WARP, MODE_ATOMIC, OP_DISPATCH, VECTOR_BYTES, WARP
 from cute_ep.kernels.ptx import (
     copy_row_warp,
@@ -105,7 +105,8 @@ class DispatchKernel(EpKernel):
         # After a fault (a timed-out wait here or in the layout) this buffer moves no more data.
         work = Int32(0)
         if fault_free(p.fault):
-            work = p.num_tokens
+            if p.input_fault[INPUT_FAULT_RANKS] == 0:  # the layout refused invalid inputs (on any rank)
+                work = p.num_tokens
 
         # Fewer tokens than warps (decode): a warp per (token, k) pair instead of per token, so that all
         # warps work. Only in scatter mode without FP8: there a pair needs nothing an earlier pair of

@@ -1,8 +1,13 @@
 """Layout kernel: tokens per expert, the count exchange between ranks, receive offsets, scatter slots.
 
 One CTA per rank (the work is a few histogram passes over T*K expert ids):
-1. per-warp histograms of this rank's (t, k) pairs per expert (shared-memory atomics);
-2. the rank's count row goes into row ``rank`` of every peer's symmetric ``counts[R, E]`` with
+1. per-warp histograms of this rank's (t, k) pairs per expert (shared-memory atomics), and the ids'
+   values: each in [-1, E) and no expert twice in a token (checked here rather than on the host, which
+   would cost a host sync). The count of invalid pairs travels with the count row (column E), so every
+   rank learns that some rank's inputs were invalid and refuses the call alike: ``input_fault`` names how
+   many ranks and the lowest, nothing is received, no slot is given, and the dispatch kernel moves no
+   data; the epochs still advance, so the buffer stays usable and the host raises;
+2. the rank's count row goes into row ``rank`` of every peer's symmetric ``counts[R, E + 1]`` with
    ``put_signal_warp``, raising ``signals[SIGNAL_COUNT, rank]`` there,
    and the kernel waits until every peer's row has arrived (signal >= this call's epoch), at most
    ``timeout_ms`` per peer: a peer that never arrives is recorded in ``fault`` (kernels.ptx) and the
@@ -23,7 +28,7 @@ every count, so every rank counts the same; the host reads and resets it).
 Outputs (device): scatter [T*K] int32 (-1: id -1 or dropped), send_offsets [E] and cursor [E] int32
 (first slot of this rank's rows for each expert; cursor is the atomic-mode allocator), send_limit [E]
 int32 (end of each expert's kept slots), dropped [E] int32 (accumulated), tokens_per_expert [E/R] and
-num_recv [1] int32 (rows this rank receives), epochs[OP_LAYOUT] advanced by one.
+num_recv [1] int32 (rows this rank receives), input_fault [2] int32, epochs[OP_LAYOUT] advanced by one.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Int32, Int64
 
 from cute_ep.kernels.base import EpKernel
-from cute_ep.kernels.buffers import SIGNAL_COUNT, EpParams
+from cute_ep.kernels.buffers import INPUT_FAULT_FIRST, INPUT_FAULT_RANKS, SIGNAL_COUNT, EpParams
 from cute_ep.kernels.config import LAYOUT_SMEM_INTS, OP_LAYOUT, WARP
 from cute_ep.kernels.ptx import (
     SIGNAL_SET,
@@ -60,7 +65,7 @@ class LayoutKernel(EpKernel):
     def kernel(self, p: EpParams):
         R, E, K, El, rank = p.world_size, p.num_experts, p.topk, p.experts_per_rank, p.rank
         NT = self.threads
-        counts = p.counts  # [R, E]: row s is source rank s's count row
+        counts = p.counts  # [R, E + 1]: row s is source rank s's count row, column E its invalid tokens
         # The pairs in row-major (t, k) order: the histogram and slot walks split them into ranges.
         num_pairs = p.num_tokens * K
         pair_ids = cute.make_tensor(p.topk_idx.iterator, cute.make_layout(num_pairs))
@@ -80,11 +85,18 @@ class LayoutKernel(EpKernel):
         if NW > NT // WARP:
             NW = NT // WARP
 
+        # invalid[0]: this rank's pairs with invalid ids; invalid[1]: ranks that had some (after the
+        # exchange), so that every thread of the CTA sees the verdict.
+        invalid = smem.allocate_tensor(Int32, cute.make_layout(2), 4)
+
         epoch = p.epochs[OP_LAYOUT] + Int64(1)
 
         for i in range(tid, NW * E, NT):
             hist[i] = Int32(0)
+        if tid == 0:
+            invalid[0] = Int32(0)
         cute.arch.sync_threads()
+
 
         chunk = (num_pairs + NW - 1) // NW
         start = warp * chunk
@@ -94,18 +106,34 @@ class LayoutKernel(EpKernel):
         if warp >= NW:
             end = start  # no pairs for warps beyond the histograms
 
-        # 1. per-warp histograms
+        # 1. per-warp histograms, and the ids' values, checked here instead of on the host (which would cost
+        # a host sync): every id in [-1, E), no expert twice in a token (a lane compares its pair with the
+        # token's earlier ones). Ids outside the range stay out of everything below (they would index
+        # shared memory); a call with an invalid pair anywhere moves no data.
         for i in range(start + lane, end, WARP):
             e = pair_ids[i]
+            bad = Int32(0)
+            if e < -1:
+                bad = Int32(1)
+            if e >= E:
+                bad = Int32(1)
             if e >= 0:
-                cute.arch.atomic_add(hist.iterator + (warp * E + e), Int32(1))
+                if e < E:
+                    cute.arch.atomic_add(hist.iterator + (warp * E + e), Int32(1))
+                    for j in range(i - i % K, i):
+                        if pair_ids[j] == e:
+                            bad = Int32(1)
+            if bad != 0:
+                cute.arch.atomic_add(invalid.iterator, Int32(1))
         cute.arch.sync_threads()
-        # 2. this rank's count row, then the exchange
+        # 2. this rank's count row (and its invalid pairs), then the exchange
         for e in range(tid, E, NT):
             total = Int32(0)
             for w in range(NW):
                 total = total + hist[w * E + e]
             counts[rank, e] = total
+        if tid == 0:
+            counts[rank, E] = invalid[0]
         cute.arch.sync_threads()
 
         my_row = counts[rank, None]
@@ -124,6 +152,23 @@ class LayoutKernel(EpKernel):
                         record_fault(p.fault, Int32(OP_LAYOUT), q, epoch)
         cute.arch.sync_threads()
 
+        # The verdict on the inputs: every rank's invalid pairs arrived with its count row, so every rank
+        # refuses the call alike (the host raises; the kernels move no data; the epochs still advance).
+        if tid == 0:
+            ranks = Int32(0)
+            first = Int32(-1)
+            for s in range(R):
+                if ld_volatile_i32(element_addr(counts, (s, E))) != 0:
+                    if ranks == 0:
+                        first = s
+                    ranks = ranks + 1
+            invalid[1] = ranks
+            p.input_fault[INPUT_FAULT_RANKS] = ranks
+            p.input_fault[INPUT_FAULT_FIRST] = first
+        cute.arch.sync_threads()
+        accepted = invalid[1] == 0
+        refused = invalid[1] != 0
+
         # 3. offsets. Each column sum over sources (count[s][e], written by peers: volatile loads) is
         # read once, in parallel, into shared memory; the serial walks below then run over shared memory.
         # (Reading the peers' counts inside those walks cost ~100 us per call at E=256.)
@@ -140,7 +185,8 @@ class LayoutKernel(EpKernel):
                 tot = tot + c
             if tot > p.expert_capacity:
                 if live:
-                    p.dropped[e] = p.dropped[e] + (tot - p.expert_capacity)  # one writer per e; host resets
+                    if accepted:  # one writer per e; the host resets; a refused call drops nothing
+                        p.dropped[e] = p.dropped[e] + (tot - p.expert_capacity)
                 tot = p.expert_capacity
             colsum[e] = tot
             p.send_offsets[e] = mine_before  # this rank's start inside the (expert, source) groups
@@ -161,11 +207,15 @@ class LayoutKernel(EpKernel):
                 hist[w * E + e] = run
                 run = run + c
         for le in range(tid, El, NT):
-            p.tokens_per_expert[le] = colsum[rank * El + le]
+            rows = Int32(0)  # a refused call receives nothing
+            if accepted:
+                rows = colsum[rank * El + le]
+            p.tokens_per_expert[le] = rows
         if tid == 0:
             tot_all = Int32(0)
-            for le in range(El):
-                tot_all = tot_all + colsum[rank * El + le]
+            if accepted:
+                for le in range(El):
+                    tot_all = tot_all + colsum[rank * El + le]
             p.num_recv[0] = tot_all
         cute.arch.sync_threads()
 
@@ -175,6 +225,10 @@ class LayoutKernel(EpKernel):
             e = Int32(-1)
             if i < end:
                 e = pair_ids[i]
+                if e >= E:
+                    e = Int32(-1)  # invalid (the call is refused): no slot, and no shared-memory index
+                if e < -1:
+                    e = Int32(-1)
             before = Int32(0)
             later = Int32(0)
             for j in cutlass.range_constexpr(WARP):
@@ -189,6 +243,8 @@ class LayoutKernel(EpKernel):
                 slot = hist[warp * E + e] + before
                 if slot >= p.send_limit[e]:
                     slot = Int32(-1)  # dropped: beyond the expert's capacity
+            if refused:
+                slot = Int32(-1)
             if i < end:
                 pair_slots[i] = slot
             cute.arch.sync_warp()

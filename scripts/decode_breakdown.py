@@ -10,8 +10,14 @@ CUDA events per iteration, slowest rank's median), times:
     * the layout kernel alone (counts, count exchange with every peer, offsets, slots);
     * layout + dispatch + fan-out (what ``launch_dispatch`` enqueues; the dispatch time of the benchmark);
     * the pull combine and the reduced combine (``launch_combine``) on the latest dispatch's handle.
-Dispatch's own share is the third minus the second. Nothing is validated here: run
-``scripts/benchmark.py`` (which checks every configuration it times) for the results themselves.
+Dispatch's own share is the third minus the second. Then, for the public calls as a user who captures no
+CUDA graph sees them (wall time from an idle GPU to the results, median of ``--iters``):
+    * ``dispatch()`` (one host sync), ``dispatch(sync=False)`` and ``combine()`` (no host sync), each against
+      its kernels' time from the first table, the difference being the host's share;
+    * that share's parts, each timed alone: the argument checks, enqueueing the kernels (pointers,
+      scalars, launches) and, for ``dispatch()``, the status read after the kernels (copy + sync).
+Nothing is validated here: run ``scripts/benchmark.py`` (which checks every configuration it times) for
+the results themselves.
 
 Constraints: GPUs with NVSHMEM, one per rank; the constraints of ``EpConfig``. Exit 0, 2 for bad
 arguments.
@@ -69,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'tokens':>7} {'layout':>8} {'dispatch call':>14} {'dispatch kernels':>17} "
             f"{'pull combine':>13} {'reduced combine':>16}")
         ns = argparse.Namespace(hidden=cfg.hidden)
+        kernels: dict[int, dict[str, float]] = {}
         for t in tokens:
             s = bm.InputSet(ns, cfg, env.rank, rt.device, t, "uniform", 0)
             res = buf.dispatch(s.x, s.idx, s.w)
@@ -86,9 +93,85 @@ def main(argv: list[str] | None = None) -> int:
                 buf.combine(buf.expert_output(res.num_recv), res.handle, algorithm=algorithm)
             per_rank = all_gather(list(med.values()), rt.cpu_group)  # [rank][step]
             w = {k: max(r[j] for r in per_rank) for j, k in enumerate(med)}
+            kernels[t] = w
             say(f"{t:>7} {w['layout']:>8.1f} {w['dispatch']:>14.1f} {w['dispatch'] - w['layout']:>17.1f} "
                 f"{w['pull']:>13.1f} {w['reduced']:>16.1f}")
+        say("", "public calls: wall time from an idle GPU to the results vs their kernels (us; slowest rank)",
+            f"{'tokens':>7} {'call':>20} {'wall':>8} {'kernels':>8} {'host':>8} {'checks':>8} {'enqueue':>8} "
+            f"{'status read':>12}")
+        for t in tokens:
+            s = bm.InputSet(argparse.Namespace(hidden=cfg.hidden), cfg, env.rank, rt.device, t, "uniform", 0)
+            rows = api_breakdown(buf, s, args.iters)
+            per_rank = all_gather(rows, rt.cpu_group)
+            for name, kernel in (("dispatch()", "dispatch"), ("dispatch(sync=False)", "dispatch"),
+                                 ("combine()", "pull")):
+                part = {k: max(r[name][k] for r in per_rank) for k in rows[name]}
+                kern = kernels[t][kernel]
+                say(f"{t:>7} {name:>20} {part['wall']:>8.1f} {kern:>8.1f} {part['wall'] - kern:>8.1f} "
+                    f"{part['checks']:>8.1f} {part['enqueue']:>8.1f} {part.get('status', 0.0):>12.1f}")
     return 0
+
+
+def _wall_us(fn, iters: int, *, host_only: bool = False) -> float:
+    """Median time (us) of ``fn()`` started on an idle GPU: until its GPU work is done, or with
+    ``host_only`` until it returns (the host's own time; its GPU work is waited for outside the timing)."""
+    import time
+
+    import torch
+
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if not host_only:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return br.median(times)
+
+
+def api_breakdown(buf: Any, s: Any, iters: int) -> dict[str, dict[str, float]]:
+    """{call: {wall, checks, enqueue[, status]}} in us for this rank (see the module docstring)."""
+    from cute_ep.input_checks import (
+        check_combine_input,
+        check_dispatch_algorithm,
+        check_dispatch_inputs,
+        check_dispatch_options,
+    )
+
+    c = buf.cfg
+    res = buf.dispatch(s.x, s.idx, s.w)
+    y = buf.expert_output(res.num_recv)
+
+    def dispatch_checks() -> None:
+        check_dispatch_options(c, "scatter", False)
+        check_dispatch_algorithm(None)
+        check_dispatch_inputs(c, buf.device, s.x, s.idx, s.w, values=False)
+
+    def combine_checks() -> None:
+        check_combine_input(c, buf.device, y)
+        buf._check_combine_algorithm(res.handle, None)
+
+    dispatch_parts = {
+        "checks": _wall_us(dispatch_checks, iters, host_only=True),
+        "enqueue": _wall_us(lambda: buf.launch_dispatch(s.x, s.idx, s.w), iters, host_only=True),
+        "status": _wall_us(buf.status.read, iters),  # GPU idle: the copy and the sync alone
+    }
+    out = {
+        "dispatch()": {"wall": _wall_us(lambda: buf.dispatch(s.x, s.idx, s.w), iters), **dispatch_parts},
+        "dispatch(sync=False)": {"wall": _wall_us(lambda: buf.dispatch(s.x, s.idx, s.w, sync=False), iters),
+                                 "checks": dispatch_parts["checks"], "enqueue": dispatch_parts["enqueue"]},
+    }
+    res = buf.dispatch(s.x, s.idx, s.w)
+    y = buf.expert_output(res.num_recv)
+    out["combine()"] = {
+        "wall": _wall_us(lambda: buf.combine(y, res.handle), iters),
+        "checks": _wall_us(combine_checks, iters, host_only=True),
+        "enqueue": _wall_us(lambda: buf.launch_combine(res.handle, s.out), iters, host_only=True),
+    }
+    buf.check_ran()
+    return out
 
 
 if __name__ == "__main__":

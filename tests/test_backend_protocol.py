@@ -28,6 +28,18 @@ def _params(fn) -> list[tuple[str, object, object]]:
     return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
 
+def _conforms(impl, proto) -> bool:
+    """The protocol's parameters, in order, with the same kinds and defaults; a backend may add options of
+    its own after them only as keyword-only parameters with defaults (a call written against the
+    protocol then means the same on every backend)."""
+    got, want = _params(impl), _params(proto)
+    extra = got[len(want):]
+    return got[:len(want)] == want and all(
+        kind == inspect.Parameter.KEYWORD_ONLY and default is not inspect.Parameter.empty
+        for _, kind, default in extra
+    )
+
+
 def test_protocol_lists_the_public_calls():
     assert set(PROTOCOL_METHODS) >= {"dispatch", "combine", "expert_output", "poison", "dropped_rows",
                                      "check_capacity", "close", "__enter__", "__exit__"}
@@ -37,20 +49,32 @@ def test_protocol_lists_the_public_calls():
 @pytest.mark.parametrize("method", PROTOCOL_METHODS)
 def test_backend_signature_matches_the_protocol(backend, method):
     assert hasattr(backend, method), f"{backend.__name__} lacks {method}"
-    assert _params(getattr(backend, method)) == _params(getattr(EpBackend, method)), (
+    assert _conforms(getattr(backend, method), getattr(EpBackend, method)), (
         f"{backend.__name__}.{method}{inspect.signature(getattr(backend, method))} differs from "
         f"EpBackend.{method}{inspect.signature(getattr(EpBackend, method))}"
     )
 
 
 def test_a_backend_with_a_drifted_signature_is_caught():
-    """The comparison above can fail: a dispatch without ``algorithm`` differs."""
+    """The comparison above can fail: a missing parameter, another default, or an extra positional one."""
 
-    class Drifted(ReferenceEpBuffer):
-        def dispatch(self, x, topk_idx, topk_weights, mode="scatter", fp8=False):  # noqa: D102
-            raise NotImplementedError
+    def missing(self, x, topk_idx, topk_weights, mode="scatter", fp8=False, algorithm=None):
+        raise NotImplementedError
 
-    assert _params(Drifted.dispatch) != _params(EpBackend.dispatch)
+    def other_default(self, x, topk_idx, topk_weights, mode="atomic", fp8=False, algorithm=None, sync=True):
+        raise NotImplementedError
+
+    def extra_positional(self, x, topk_idx, topk_weights, mode="scatter", fp8=False, algorithm=None,
+                         sync=True, stream=None):
+        raise NotImplementedError
+
+    def extra_keyword(self, x, topk_idx, topk_weights, mode="scatter", fp8=False, algorithm=None, sync=True,
+                      *, stream=None):
+        raise NotImplementedError
+
+    for drifted in (missing, other_default, extra_positional):
+        assert not _conforms(drifted, EpBackend.dispatch), drifted.__name__
+    assert _conforms(extra_keyword, EpBackend.dispatch)  # a GPU option, as EpBuffer's stream
 
 
 def _imports_of(code: str) -> list[str]:

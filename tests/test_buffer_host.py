@@ -7,6 +7,8 @@ that decides what a user sees (errors, counts) is tested without a GPU.
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from cute_ep.buffer import EpBuffer
 from cute_ep.kernels.buffers import BUFFERS, STATUS, status_layout
 from cute_ep.kernels.config import FAULT_WORDS, EpConfig
 from cute_ep.profiler import pick_fastest_algorithm
-from cute_ep.status import CapacityExceeded, PeerTimeout, StatusBlock
+from cute_ep.status import CapacityExceeded, KernelDidNotRun, PeerTimeout, StatusBlock
 
 
 def _buffer(on_overflow: str = "raise") -> EpBuffer:
@@ -26,9 +28,7 @@ def _buffer(on_overflow: str = "raise") -> EpBuffer:
     buf.status = StatusBlock(cfg, "cpu")
     for name, view in buf.status.views.items():  # what EpBuffer.__init__ does for the STATUS buffers
         setattr(buf, name, view)
-    buf._empty = {}
     buf._drops = torch.zeros(cfg.num_experts, dtype=torch.int64)
-    buf._call_ptrs = {}
     buf._calls = [0, 0, 0]
     return buf
 
@@ -43,6 +43,12 @@ def test_status_block_reads_every_field_in_one_copy():
     assert st["dropped"].tolist() == [0, 0, 0, 0, 0, 7, 0, 0]
     buf._calls = [3, 2, 1]
     buf._check_ran(st, 0, 1, 2)  # epochs match the launches: no error
+    buf._calls = [1, 1, 1]  # epochs ahead: graph replays ran kernels the host never counted
+    buf._check_ran(st, 0, 1, 2)
+    assert buf._calls == [3, 2, 1]  # the host's count catches up
+    buf._calls = [3, 3, 1]  # an epoch behind: a dispatch kernel did not run
+    with pytest.raises(KernelDidNotRun, match="dispatch kernel did not complete: epoch 2, expected 3"):
+        buf._check_ran(st, 0, 1, 2)
 
 
 def test_fault_record_raises_peer_timeout_naming_op_and_peer():
@@ -87,21 +93,47 @@ def test_status_block_members_do_not_overlap_and_cover_the_status_buffers():
     assert where["fault"][1] == FAULT_WORDS and where["dropped"][1] == cfg.num_experts
 
 
-def test_per_call_pointers_are_cached_by_address_and_bounded(monkeypatch):
-    made = []
-    monkeypatch.setattr("cute_ep.kernels.host.make_pointer", lambda cfg, n, a: made.append((n, a)) or (n, a))
-    buf = _buffer()
-    buf._empty = {"x": torch.empty(1, 128)}
-    x, out = torch.empty(4, 128), torch.empty(4, 128)
-    assert buf._call_pointer("x", x) == ("x", x.data_ptr())
-    assert buf._call_pointer("x", x) == ("x", x.data_ptr()) and len(made) == 1  # remembered
-    assert buf._call_pointer("out", out) == ("out", out.data_ptr()) and len(made) == 2
-    assert buf._call_pointer("x", None) == ("x", buf._empty["x"].data_ptr())  # absent: the stand-in
-    assert buf._call_pointer("x", x[:0]) == ("x", buf._empty["x"].data_ptr())  # zero tokens too
-    keep = [torch.empty(16) for _ in range(70)]
-    for t in keep:
-        buf._call_pointer("x", t)
-    assert len(buf._call_ptrs) <= 64
+class _FakeModule:
+    """Stands in for a compiled module: argument storage laid out like the DSL's (a c_int32 behind a
+    c_void_p per scalar, 8 bytes per pointer and for the stream), and a record of each run."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[list[int], list[int], int]] = []
+
+    def generate_execution_args(self, scalars, pointers, stream):
+        self.ints = [ctypes.c_int32(int(v)) for v in scalars]
+        self.words = [ctypes.c_uint64(int(p)) for p in pointers] + [ctypes.c_uint64(int(stream))]
+        exe = [ctypes.c_void_p(ctypes.addressof(v)) for v in self.ints]
+        return exe + [ctypes.addressof(v) for v in self.words], []
+
+    def run_compiled_program(self, exe) -> None:
+        n = len(self.ints)
+        ints = [ctypes.c_int32.from_address(a.value).value for a in exe[:n]]
+        words = [ctypes.c_uint64.from_address(a).value for a in exe[n:]]
+        self.runs.append((ints, words[:-1], words[-1]))
+
+
+def test_launcher_writes_only_what_a_call_changes_into_the_storage():
+    from cute_ep.kernels.buffers import CALL_SCALARS, SIZE_SCALARS, Pointers
+    from cute_ep.kernels.host import Launcher, size_scalars
+
+    cfg = _buffer().cfg
+    module = _FakeModule()
+    names = [b.name for b in BUFFERS]
+    own = Pointers(*(4096 * (i + 1) for i in range(len(names))))
+    launch = Launcher(module, size_scalars(cfg), own, rank=1)
+    launch(77, {"x": 0x10000, "out": 0x20000}, op=2, num_tokens=9, combine_algo=1)
+    launch(78, {"topk_idx": 0x30000}, op=1, mode=1, num_tokens=5)
+    (ints1, ptrs1, stream1), (ints2, ptrs2, stream2) = module.runs
+    call1, call2 = dict(zip(CALL_SCALARS, ints1, strict=False)), dict(zip(CALL_SCALARS, ints2, strict=False))
+    assert call1 == {"op": 2, "mode": 0, "fp8": 0, "algo": 0, "combine_algo": 1, "rank": 1, "num_tokens": 9}
+    assert call2 == {**call1, "op": 1, "mode": 1, "num_tokens": 5}  # what a call does not name stays
+    sizes = ints2[len(CALL_SCALARS):]
+    assert sizes == [getattr(cfg, n) for n in SIZE_SCALARS]  # the sizes were written once, at build
+    by1, by2 = dict(zip(names, ptrs1, strict=True)), dict(zip(names, ptrs2, strict=True))
+    assert by1["x"] == 0x10000 and by1["out"] == 0x20000 and by2["topk_idx"] == 0x30000
+    assert by2["recv_x"] == 4096 * (names.index("recv_x") + 1)  # the buffer's own pointers never change
+    assert (stream1, stream2) == (77, 78)
 
 
 def test_auto_algorithm_takes_the_least_slowest_rank_median():

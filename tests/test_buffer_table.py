@@ -34,7 +34,7 @@ def _expected_symmetric_bytes(c: EpConfig) -> int:
     """The symmetric memory a rank needs, written out by hand (what the table must add up to)."""
     rows = 2 * c.capacity * c.row_bytes  # recv_x, recv_y
     meta = c.capacity * 4 * 3  # recv_w, recv_src, recv_from
-    exchange = c.world_size * c.num_experts * 4 + 3 * c.world_size * 8  # counts, signals
+    exchange = c.world_size * (c.num_experts + 1) * 4 + 3 * c.world_size * 8  # counts (+ invalid), signals
     stage = c.stage_rows * c.row_bytes
     packed = c.max_tokens * packed_fp8_row_bytes(c.hidden) if c.hidden % 128 == 0 else 0
     reduced = 0
@@ -69,7 +69,7 @@ def test_shapes_serve_the_host_config_and_the_device_scalars():
         if b.place != CALL:  # the device view of an owned buffer is its full allocation
             assert tuple(b.shape(scalars)) == b.alloc_shape(cfg), b.name
     by = {b.name: b for b in BUFFERS}
-    assert by["counts"].alloc_shape(cfg) == (4, 32) and by["signals"].alloc_shape(cfg) == (3, 4)
+    assert by["counts"].alloc_shape(cfg) == (4, 33) and by["signals"].alloc_shape(cfg) == (3, 4)
     assert by["recv_group"].alloc_shape(cfg) == (cfg.capacity, 2)
     assert EpParams._fields == SCALARS + tuple(f"{n}_ptr" for n in BUFFER_NAMES)
     assert Pointers._fields == BUFFER_NAMES
@@ -96,3 +96,46 @@ def test_pointer_types_follow_the_table():
               "epochs": (Int64, 8), "packed": (Uint8, 16), "recv_y": (BFloat16, 16)}
     for name, want in expect.items():
         assert pointer_type(cfg, name) == want, name
+
+
+class _Sym:
+    """A size as it is written in docs/design.md ("E", "M * R", ...), for rendering shapes symbolically."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __add__(self, other: object) -> _Sym:
+        return _Sym(f"{self.text} + {other}")
+
+    def __mul__(self, other: _Sym) -> _Sym:
+        return _Sym(f"{self.text} * {other.text}")
+
+    def __str__(self) -> str:
+        return self.text
+
+
+SYMBOLS = dict(num_tokens="T", hidden="H", topk="K", capacity="C", world_size="R", num_experts="E",
+               stage_rows="stage_rows", max_tokens="M", fp8_row_bytes="fp8_row_bytes", experts_per_rank="E/R")
+CONDITIONS = {"recv_group": 'only with `combine_algorithm="reduced"`',
+              "partials": 'only with `combine_algorithm="reduced"`', "packed": "only when H % 128 == 0"}
+
+
+def design_doc_table() -> str:
+    """The buffer table of docs/design.md, rendered from BUFFERS."""
+    sizes = type("Sizes", (), {k: _Sym(v) for k, v in SYMBOLS.items()})()
+    lines = ["| name | shape | dtype | place | ops | what it holds |", "|---|---|---|---|---|---|"]
+    for b in BUFFERS:
+        shape = ", ".join(str(n) for n in b.shape(sizes))
+        doc = b.doc + (f"; {CONDITIONS[b.name]}" if b.name in CONDITIONS else "")
+        dtype = "row dtype" if b.dtype == ROW else b.dtype
+        lines.append(f"| `{b.name}` | [{shape}] | {dtype} | {b.place} | {', '.join(b.ops)} | {doc} |")
+    return "\n".join(lines)
+
+
+def test_design_doc_lists_the_table_as_declared():
+    from pathlib import Path
+
+    assert set(CONDITIONS) == {b.name for b in BUFFERS if b.needed is not None}
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    table = design_doc_table()
+    assert table in doc, f"docs/design.md's buffer table is not BUFFERS'; it should read:\n{table}"

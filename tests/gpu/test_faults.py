@@ -64,7 +64,9 @@ def test_a_rank_that_skips_a_step_is_named(runtime, skipped):
             if rank != skipper:
                 y = buf.expert_output(res.num_recv)
                 y.copy_(res.recv_x)
-                _expect_timeout(lambda: buf.combine(y, res.handle), "combine", skipper)
+                # combine makes no host sync: the timeout is recorded on the device and raised by the
+                # next host-visible check
+                _expect_timeout(lambda: (buf.combine(y, res.handle), buf.check_faults()), "combine", skipper)
         runtime.barrier()  # every rank's kernels of the failed call have ended
         if rank != skipper:
             # Sticky: later calls raise at once and move nothing.
