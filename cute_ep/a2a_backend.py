@@ -53,6 +53,15 @@ pairs without seeing the others' routing. Dropped pairs get slot -1 and are skip
 drops are counted (``dropped_rows``) and, with ``cfg.on_overflow == "raise"``, raised after the
 result is complete (every rank computes the same counts, so every rank raises).
 
+Rank layout (``dispatch(..., layout="rank")``, DeepEP's): the gathered row also carries, per
+destination rank, how many of this rank's tokens name one of its experts, which fixes every row: a
+source sends its tokens bound for d in t order (destinations in rank order), and since
+``all_to_all_single`` lands source s's block after those of sources < s, the receiver holds them in
+(s, t) order with no permutation. With each row travel its per-k local ids (-1 where the pair is for
+another rank), weights (0.0 there) and tag s * M + t, as an int32 [N, 2K + 1] metadata tensor. Combine
+sends each received row back and the token's rank adds its rows in ascending destination rank (fp32
+from 0.0, one cast), bit-identical to ``cute_ep.reference.reference_combine_rank_layout``.
+
 FP8 (``dispatch(..., fp8=True)``): the sender quantizes its rows and packs them
 (:mod:`cute_ep.fp8`), the all-to-all moves the packed uint8 rows, and the receiver's
 ``recv_x`` (float8_e4m3fn) and ``recv_scales`` (fp32) are views of its packed receive rows.
@@ -74,16 +83,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cute_ep.api import DispatchHandle, DispatchResult
+from cute_ep.api import LAYOUTS, DispatchHandle, DispatchResult
 from cute_ep.capacity import kept_counts
 from cute_ep.collectives import all_gather_objects
 from cute_ep.fp8 import pack_fp8_rows, quantize_fp8
 from cute_ep.host_buffer import HostEpBuffer
 from cute_ep.input_checks import (
     check_combine_input,
-    check_dispatch_algorithm,
-    check_dispatch_inputs,
-    check_dispatch_options,
+    check_combine_layout,
+    check_dispatch_call,
     resolve_combine_algorithm,
 )
 from cute_ep.kernels.config import COMBINE_ALGORITHMS, MODES, EpConfig
@@ -93,6 +101,8 @@ __all__ = ["A2aDispatchHandle", "A2aEpBuffer"]
 
 _MODE_NAMES = {code: name for name, code in MODES.items()}
 _COMBINE_NAMES = {code: name for name, code in COMBINE_ALGORITHMS.items()}
+_LAYOUT_CODES = {name: code for code, name in enumerate(LAYOUTS)}
+_LAYOUT_NAMES = dict(enumerate(LAYOUTS))
 _NO_MODE = -1
 
 
@@ -106,7 +116,10 @@ class _Route:
     send_splits: list[int]  # rows sent to each destination rank
     recv_splits: list[int]  # rows received from each source rank
     slot_of: Tensor | None  # [num_recv] int64: slot of the i-th received row; None: identity
-    back_pos: Tensor  # [T, K] int64: row of (t, k) in what combine receives back; num_send if not sent
+    # Row in what combine receives back, num_send if not sent: of (t, k) [T, K] in the expert layout,
+    # of (t, destination rank) [T, R] in the rank layout.
+    back_pos: Tensor
+    layout: str = "expert"
 
     @property
     def num_send(self) -> int:
@@ -158,7 +171,8 @@ class A2aEpBuffer(HostEpBuffer):
     # -- public API ------------------------------------------------------------------------------
 
     def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter",
-                 fp8: bool = False, algorithm: str | None = None, sync: bool = True) -> DispatchResult:
+                 fp8: bool = False, algorithm: str | None = None, sync: bool = True,
+                 layout: str = "expert") -> DispatchResult:
         """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (arguments:
         ``cute_ep.api.EpBackend.dispatch``).
 
@@ -169,17 +183,21 @@ class A2aEpBuffer(HostEpBuffer):
         ``A2aDispatchHandle``; recv_x / recv_weights / recv_src (and recv_scales with fp8) are views valid
         until the next dispatch. Collective: every rank calls it; invalid inputs on any rank raise on every
         rank. Rows dropped beyond ``cfg.expert_capacity`` raise ``CapacityExceeded`` (carrying the result) if
-        ``cfg.on_overflow == "raise"``.
+        ``cfg.on_overflow == "raise"``. layout: "expert" or "rank" (module docstring; no capacity factor,
+        no fp8), the same on every rank.
         """
         self._check_open()
         c = self.cfg
         world, rank, num_e, el, k_top = c.world_size, self.rank, c.num_experts, c.experts_per_rank, c.topk
         dev = self.device
         error: BaseException | None = None
+        dest: Tensor | None = None
+        # Gathered row: [pairs per expert (E) | rank layout: tokens per destination rank (R) | error
+        # flag, mode, fp8, layout].
+        tail_at = num_e + world
         try:
-            check_dispatch_options(c, mode, fp8)
-            check_dispatch_algorithm(algorithm)  # a GPU primitive: the same result, so nothing to imitate
-            x, idx, w = check_dispatch_inputs(c, dev, x, topk_idx, topk_weights)
+            x, idx, w = check_dispatch_call(c, dev, x, topk_idx, topk_weights, mode=mode, fp8=fp8,
+                                            algorithm=algorithm, layout=layout)  # fmt: skip
             idx = idx.clone()  # the handle owns its routing: later edits by the caller change nothing
             w = w.clone()
             # Dropped pairs go to a virtual expert E: they sort last and are not counted.
@@ -187,23 +205,39 @@ class A2aEpBuffer(HostEpBuffer):
             key = torch.where(flat < 0, torch.full_like(flat, num_e), flat)
             hist = torch.zeros(num_e + 1, dtype=torch.int64, device=dev)
             hist.scatter_add_(0, key, torch.ones_like(key))  # exact and sync-free (bincount may sync)
-            tail = torch.tensor([0, MODES[mode], int(fp8)], dtype=torch.int64, device=dev)
-            row = torch.cat([hist[:num_e], tail])
+            per_rank = torch.zeros(world, dtype=torch.int64, device=dev)
+            if layout == "rank":
+                # dest[t, r]: token t names an expert of rank r (a -1 id marks a virtual rank R).
+                owner = torch.where(key < num_e, torch.div(key, el, rounding_mode="floor"), world)
+                dest = torch.zeros(x.shape[0], world + 1, dtype=torch.bool, device=dev)
+                dest.scatter_(1, owner.view(x.shape[0], k_top), True)
+                dest = dest[:, :world]
+                per_rank = dest.sum(dim=0)
+            tail = torch.tensor([0, MODES[mode], int(fp8), _LAYOUT_CODES[layout]], dtype=torch.int64,
+                                device=dev)
+            row = torch.cat([hist[:num_e], per_rank, tail])
         except Exception as exc:  # the peers must still learn of it in the same collective
             error = exc
-            row = torch.zeros(num_e + 3, dtype=torch.int64, device=dev)
-            row[num_e] = 1
-            row[num_e + 1] = _NO_MODE
-            row[num_e + 2] = -1
-        table = self._gather_rows(row)  # [R, E + 3] int64 on the CPU
-        self._raise_gathered(table[:, num_e].tolist(), error, "dispatch: invalid inputs on another rank")
-        modes = table[:, num_e + 1].tolist()
+            row = torch.zeros(tail_at + 4, dtype=torch.int64, device=dev)
+            row[tail_at] = 1
+            row[tail_at + 1] = _NO_MODE
+            row[tail_at + 2] = -1
+            row[tail_at + 3] = -1
+        table = self._gather_rows(row)  # [R, E + R + 4] int64 on the CPU
+        self._raise_gathered(table[:, tail_at].tolist(), error, "dispatch: invalid inputs on another rank")
+        modes = table[:, tail_at + 1].tolist()
         if any(m != modes[0] for m in modes):
             names = [_MODE_NAMES.get(m, m) for m in modes]
             raise ValueError(f"dispatch: every rank must use the same mode, got {names}")
-        flags = [bool(f) for f in table[:, num_e + 2].tolist()]
+        flags = [bool(f) for f in table[:, tail_at + 2].tolist()]
         if any(f != flags[0] for f in flags):
             raise ValueError(f"dispatch: every rank must pass the same fp8 flag, got {flags} (by rank)")
+        layouts = [_LAYOUT_NAMES.get(v, v) for v in table[:, tail_at + 3].tolist()]
+        if any(v != layouts[0] for v in layouts):
+            raise ValueError(f"dispatch: every rank must use the same layout, got {layouts} (by rank)")
+        if layout == "rank":
+            assert dest is not None
+            return self._dispatch_rank_layout(x, idx, w, dest, table, mode, sync)
 
         routed = table[:, :num_e]  # [R_src, E]: pairs routed, before capacity
         limited = c.capacity_factor > 0
@@ -302,15 +336,18 @@ class A2aEpBuffer(HostEpBuffer):
         error: BaseException | None = None
         route: _Route | None = None
         algo: str | None = None
+        layout = "expert"
         try:
-            algo = resolve_combine_algorithm(c, algorithm)
+            layout = check_combine_layout(handle, algorithm)
+            # The rank layout has one combine: the expert layout's algorithms do not apply to it.
+            algo = None if layout == "rank" else resolve_combine_algorithm(c, algorithm)
             check_combine_input(c, dev, y)
             route = self._route_of(handle)
         except Exception as exc:  # the peers must still learn of it in the same collective
             error = exc
         head = torch.tensor([int(error is not None), route.call if route is not None else -1,
                              COMBINE_ALGORITHMS[algo] if algo is not None else -1],
-                            dtype=torch.int64, device=dev)
+                            dtype=torch.int64, device=dev)  # the rank layout's "algorithm" is -1
         table = self._gather_rows(head)
         self._raise_gathered(table[:, 0].tolist(), error, "combine: invalid input on another rank")
         calls = table[:, 1].tolist()
@@ -319,7 +356,7 @@ class A2aEpBuffer(HostEpBuffer):
                 f"combine: every rank must pass the handle of the same dispatch; the handles come from "
                 f"dispatch calls {calls} (by rank)"
             )
-        algos = [_COMBINE_NAMES.get(v, v) for v in table[:, 2].tolist()]
+        algos = [_COMBINE_NAMES.get(v) for v in table[:, 2].tolist()]  # -1 (rank layout): None
         if any(a != algo for a in algos):
             raise ValueError(
                 f"combine: every rank must use the same combine algorithm, got {algos} (by rank)"
@@ -342,6 +379,8 @@ class A2aEpBuffer(HostEpBuffer):
         idx = handle.topk_idx
         w = handle.topk_weights
         t = handle.num_tokens
+        if route.layout == "rank":
+            return self._combine_rank_layout(got, idx, route)
         if algo == "reduced":
             # A pair dropped by capacity was never sent (back_pos == n_send): skipped like a -1 id.
             eff = torch.where(route.back_pos < n_send, idx.to(torch.int64), -1)
@@ -359,6 +398,79 @@ class A2aEpBuffer(HostEpBuffer):
         return acc.to(c.dtype)
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _dispatch_rank_layout(self, x: Tensor, idx: Tensor, w: Tensor, dest: Tensor, table: Tensor,
+                              mode: str, sync: bool) -> DispatchResult:
+        """The rank layout (module docstring), after the exchange of the count rows.
+
+        x [T, H], idx [T, K] int32 (this rank's own copy), w [T, K] fp32; dest [T, R] bool: token t names
+        an expert of rank r; table [R, E + R + 4]: every rank's gathered row (pairs per expert, then
+        tokens per destination rank)."""
+        c = self.cfg
+        world, rank, num_e, el, k_top = c.world_size, self.rank, c.num_experts, c.experts_per_rank, c.topk
+        dev = self.device
+        t = x.shape[0]
+        tokens = table[:, num_e:num_e + world]  # [src, dst]: rows s sends d
+        send_splits = tokens[rank].tolist()
+        recv_splits = tokens[:, rank].tolist()
+        n_send, n_recv = sum(send_splits), sum(recv_splits)
+        # Sources land in rank order on d, so this rank's first row there follows those of ranks < rank.
+        first_row = (torch.cumsum(tokens, dim=0) - tokens)[rank].to(dev)  # [dst]
+        first_sent = (torch.cumsum(tokens[rank], dim=0) - tokens[rank]).to(dev)  # [dst]: in send order
+
+        # -- send side: (d, t) pairs with dest[t, d], d-major and t ascending (a stable sort, no sync) --
+        flat = dest.t().reshape(-1)  # index d * T + t
+        order = torch.sort((~flat).to(torch.int8), stable=True).indices[:n_send]
+        send_d = torch.div(order, max(t, 1), rounding_mode="floor")
+        send_t = order - send_d * t
+        pos = torch.full((world * t,), n_send, dtype=torch.int64, device=dev)
+        pos[order] = torch.arange(n_send, device=dev)
+        back_pos = pos.view(world, t).t().contiguous()  # [T, R]: where (t, d)'s row comes back
+        # The handle: row of t on owner(idx[t, k]) = first_row[d] + t's place among the tokens sent to d.
+        row_on = back_pos - first_sent[None, :] + first_row[None, :]
+        row_on = torch.cat([row_on, row_on.new_full((t, 1), -1)], dim=1)  # virtual rank R for -1 ids
+        ids = idx.to(torch.int64)
+        owner = torch.where(ids >= 0, torch.div(ids, el, rounding_mode="floor"), world)
+        scatter = row_on.gather(1, owner).to(torch.int32)
+
+        x_send = x.index_select(0, send_t)
+        ids_sent, w_sent = ids.index_select(0, send_t), w.index_select(0, send_t)
+        here = owner.index_select(0, send_t) == send_d[:, None]  # the pair is for the row's destination
+        local = torch.where(here, ids_sent - send_d[:, None] * el, -1).to(torch.int32)
+        w_local = torch.where(here, w_sent, torch.zeros_like(w_sent))  # +0.0 where the pair is elsewhere
+        tags = (send_t + rank * c.max_tokens).to(torch.int32)  # s * M + t < R * M (EpConfig bounds it)
+        meta_send = torch.cat([local, w_local.view(torch.int32), tags[:, None]], dim=1)
+
+        # -- receive side: source-major blocks, t ascending inside each: already the layout's order ---
+        self._ensure_rows(n_recv)
+        self._rank_rows(n_recv)
+        meta_recv = torch.empty((n_recv, 2 * k_top + 1), dtype=torch.int32, device=dev)
+        self._all_to_all(self.recv_x[:n_recv], x_send, recv_splits, send_splits)
+        self._all_to_all(meta_recv, meta_send, recv_splits, send_splits)
+        self.recv_topk_idx[:n_recv].copy_(meta_recv[:, :k_top])
+        self.recv_topk_w[:n_recv].view(torch.int32).copy_(meta_recv[:, k_top:2 * k_top])
+        self.recv_src[:n_recv].copy_(meta_recv[:, 2 * k_top])
+
+        # Rows naming local expert l = pairs routed to it (a token names an expert at most once).
+        tpe = table[:, rank * el:(rank + 1) * el].sum(dim=0).to(device=dev, dtype=torch.int32)
+        route = _Route(self._token, self._calls, idx, send_splits, recv_splits, None, back_pos, "rank")
+        self._calls += 1
+        handle = A2aDispatchHandle(idx, w, scatter, t, mode, "rank", _route=route)
+        return self._dispatch_result(n_recv, tpe, handle, False, sync, layout="rank")
+
+    def _combine_rank_layout(self, got: Tensor, idx: Tensor, route: _Route) -> Tensor:
+        """out[t] = sum over t's destination ranks r ascending of its row back from r, fp32 from 0.0, one
+        cast (``reference_combine_rank_layout``). got [num_send + 1, H]: the rows back in send order, a
+        zero row last; idx: the handle's ids (a replaced routing may have dropped destinations)."""
+        c = self.cfg
+        ids = idx.to(torch.int64)
+        owner = torch.where(ids >= 0, torch.div(ids, c.experts_per_rank, rounding_mode="floor"), -1)
+        acc = torch.zeros((idx.shape[0], c.hidden), dtype=torch.float32, device=self.device)
+        for r in range(c.world_size):
+            has = (owner == r).any(dim=1)
+            yr = got.index_select(0, route.back_pos[:, r])
+            acc = torch.where(has[:, None], acc + yr.float(), acc)
+        return acc.to(c.dtype)
 
     def _gather_rows(self, row: Tensor) -> Tensor:
         """Every rank's 1-D int64 ``row`` (same length everywhere), stacked [R, len] on the CPU."""
@@ -391,6 +503,10 @@ class A2aEpBuffer(HostEpBuffer):
         if not isinstance(route, _Route) or route.owner is not self._token:
             raise ValueError(
                 f"combine: the handle must come from this A2aEpBuffer's dispatch, got {type(handle).__name__}"
+            )
+        if handle.layout != route.layout:
+            raise ValueError(
+                f"combine: handle.layout is {handle.layout!r}, its dispatch used layout={route.layout!r}"
             )
         t, k_top = route.topk_idx.shape
         idx, w = handle.topk_idx, handle.topk_weights

@@ -8,6 +8,18 @@ their public signatures match this protocol. Importing this module imports no GP
 
 Shapes: T tokens on this rank (T <= cfg.max_tokens, may be 0), H = cfg.hidden, K = cfg.topk,
 E = cfg.num_experts, El = E / R experts per rank, N = num_recv rows received by this rank.
+
+Two receive layouts (``dispatch(..., layout=...)``, ``LAYOUTS``):
+
+* ``"expert"`` (default): one row per kept (token, k), expert-major (each local expert's rows back to
+  back, ready for a grouped GEMM); combine takes one expert output per row and applies the weights.
+* ``"rank"`` (DeepEP's): one row per (source rank s, token t of s) that names at least one expert of
+  this rank, ordered by s, then t; ``recv_topk_idx`` / ``recv_topk_weights`` say which local experts
+  the row is for. Combine takes one row per received row, already reduced over this rank's experts
+  and weighted by the caller, and sums a token's rows over its destination ranks in ascending rank
+  order (fp32 from 0.0, one rounding to cfg.dtype; no weights applied). Needs
+  ``cfg.capacity_factor == 0`` and no FP8 for now. Torch references:
+  ``cute_ep.reference.reference_dispatch_rank_layout`` / ``reference_combine_rank_layout``.
 """
 
 from __future__ import annotations
@@ -17,9 +29,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
+from cute_ep.kernels.config import LAYOUTS as KERNEL_LAYOUTS
 from cute_ep.kernels.config import EpConfig
 
-__all__ = ["BackendBase", "DispatchHandle", "DispatchResult", "EpBackend"]
+__all__ = ["LAYOUTS", "BackendBase", "DispatchHandle", "DispatchResult", "EpBackend"]
+
+LAYOUTS = tuple(KERNEL_LAYOUTS)  # ("expert", "rank"), in the kernels' code order
+"""The receive layouts ``dispatch(..., layout=...)`` accepts (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -28,7 +44,10 @@ class DispatchHandle:
 
     topk_idx [T, K] int32: expert of each pair (-1: none); topk_weights [T, K] fp32; scatter [T, K]
     int32: slot of each pair in its expert's rank's receive buffer (-1: none, or dropped beyond expert
-    capacity); num_tokens T; mode "scatter" | "atomic".
+    capacity); num_tokens T; mode "scatter" | "atomic"; layout "expert" | "rank", the dispatch's
+    receive layout. In the rank layout ``scatter[t, k]`` is the row of token t on the rank owning
+    expert ``topk_idx[t, k]`` (every k of one token bound for one rank holds the same row), -1 where
+    the id is -1.
     """
 
     topk_idx: Tensor
@@ -36,16 +55,19 @@ class DispatchHandle:
     scatter: Tensor
     num_tokens: int
     mode: str
+    layout: str = "expert"  # appended: positional constructions of the five fields above still work
 
 
 @dataclass(frozen=True)
 class DispatchResult:
     """What a dispatch delivered to this rank (views valid until the next dispatch).
 
+    Expert layout (``layout="expert"``, the default):
+
     recv_x [N, H] cfg.dtype: the received rows, expert-major (local expert 0's rows first; inside an
         expert, source rank 0's rows first, each source's in (t, k) order in scatter mode). After an FP8
         dispatch: torch.float8_e4m3fn (a strided view: rows are ``cfg.fp8_row_bytes`` apart).
-    recv_weights [N] fp32: the weight of each row's (token, k).
+    recv_weights [N] fp32: the weight of each row's (token, k). None in the rank layout.
     recv_src [N] int32: the source tag of each row, (source rank * cfg.max_tokens + t) * K + k.
     tokens_per_expert [El] int32: rows of each local expert, back to back in recv_x.
     num_recv: N. After ``dispatch(..., sync=False)`` N is ``cfg.capacity`` (the worst case: the views
@@ -57,10 +79,25 @@ class DispatchResult:
         count is; ``tokens_per_expert`` is exact either way).
     event: with ``EpBuffer.dispatch(..., stream=s)``, an event recorded on ``s`` after the dispatch
         (wait on it before using the results on another stream); else None.
+    recv_topk_idx, recv_topk_weights: None.
+
+    Rank layout (``layout="rank"``): one row per (source rank s, token t of s) naming at least one
+    expert of this rank, source rank ascending, then t ascending (in either mode).
+
+    recv_x [N, H] cfg.dtype: x_s[t].
+    recv_weights: None (the weights are per (row, k): ``recv_topk_weights``).
+    recv_src [N] int32: s * cfg.max_tokens + t (no k: one row serves every k of the token).
+    tokens_per_expert [El] int32: rows naming each local expert (they are not contiguous).
+    num_recv: N <= ``cfg.rank_capacity`` (= R * M); after ``sync=False``, ``cfg.rank_capacity``, with
+        ``recv_count`` holding N as in the expert layout.
+    recv_topk_idx [N, K] int32: local expert id ``e - rank * El`` where ``topk_idx_s[t, k] = e`` is an
+        expert of this rank, else -1 (position k kept).
+    recv_topk_weights [N, K] fp32: ``topk_weights_s[t, k]`` where recv_topk_idx >= 0, else 0.0.
+    handle, recv_count, event: as above; recv_scales None (no FP8 yet).
     """
 
     recv_x: Tensor
-    recv_weights: Tensor
+    recv_weights: Tensor | None
     recv_src: Tensor
     tokens_per_expert: Tensor
     num_recv: int
@@ -68,6 +105,9 @@ class DispatchResult:
     recv_scales: Tensor | None = None
     recv_count: Tensor | None = None
     event: Any = None
+    # Appended (rank layout only), so positional constructions of the fields above still work.
+    recv_topk_idx: Tensor | None = None
+    recv_topk_weights: Tensor | None = None
 
 
 @runtime_checkable
@@ -81,7 +121,8 @@ class EpBackend(Protocol):
     rank: int
 
     def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter",
-                 fp8: bool = False, algorithm: str | None = None, sync: bool = True) -> DispatchResult:
+                 fp8: bool = False, algorithm: str | None = None, sync: bool = True,
+                 layout: str = "expert") -> DispatchResult:
         """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]``.
 
         Args:
@@ -97,14 +138,19 @@ class EpBackend(Protocol):
                 capacity drops raise here). False: no host sync at all (usable in CUDA graphs):
                 the views cover ``cfg.capacity`` rows, ``recv_count`` holds the count on the device,
                 and errors or drops raise at the next host-visible check (``check_capacity``, or the
-                GPU buffer's ``check_ran``).
+                GPU buffer's ``check_ran``). In the rank layout the views cover ``cfg.rank_capacity``
+                rows.
+            layout: "expert" (expert-major rows, one per (token, k)) or "rank" (one row per (token,
+                destination rank), DeepEP's; needs ``cfg.capacity_factor == 0`` and ``fp8=False``);
+                the same on every rank. See the module docstring and ``DispatchResult``.
 
         Returns:
             ``DispatchResult``.
 
         Raises:
             ValueError: an input violates a constraint (the message names it and the value), on every
-                rank (a peer's invalid inputs too).
+                rank (a peer's invalid inputs too); an unknown layout, or layout="rank" with a capacity
+                factor or fp8.
             CapacityExceeded: rows were dropped beyond ``cfg.expert_capacity`` and ``cfg.on_overflow``
                 is "raise" (carries the complete result), on every rank alike.
         """
@@ -118,12 +164,18 @@ class EpBackend(Protocol):
         """The top-k weighted sum of each token's expert outputs: a new [T, H] cfg.dtype tensor.
 
         Args:
-            y: [N, H] cfg.dtype, this rank's expert outputs in ``recv_x``'s row order.
+            y: [N, H] cfg.dtype, this rank's expert outputs in ``recv_x``'s row order. For a rank-layout
+                handle: one row per received row, already reduced over this rank's experts and
+                weighted by the caller.
             handle: ``DispatchResult.handle`` of the dispatch whose rows y holds.
             algorithm: "pull" (out[t] = sum over k ascending of w[t, k] * y_owner[slot(t, k)], fp32,
                 bit-identical to ``cute_ep.reference.reference_combine``) or "reduced" (per expert
                 rank partial sums rounded to cfg.dtype, then summed: ``reference_combine_reduced``;
                 needs ``EpConfig(combine_algorithm="reduced")``); None: ``cfg.combine_algorithm``.
+                A rank-layout handle takes None only (``ValueError`` otherwise): out[t] = the sum
+                over t's destination ranks r ascending of y_r[row of t on r], fp32 from 0.0, rounded
+                to cfg.dtype once, zeros for a token without destination, no weights
+                (``cute_ep.reference.reference_combine_rank_layout``).
         """
         ...
 

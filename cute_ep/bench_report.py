@@ -13,7 +13,9 @@ The one bandwidth formula (``docs/design.md``, "Measuring"):
   distinct row once, and per off-rank pair its fp32 weight, int32 source tag and int32 from-slot),
   combine = pairs_off * H * b; their rate is also reported as a percentage of the NVLink4 line rate
   (450 GB/s per direction per GPU).
-* NCCL baseline: ``all_to_all_single`` moving exactly those rows; ratio = NCCL time / our time.
+* NCCL baseline: ``all_to_all_single`` moving exactly those rows; ratio = NCCL time / our time. A run
+  without the NCCL peer (``scripts/benchmark.py --peers deepep``) writes None in every ``nccl_*`` and
+  ``*_ratio`` field (the keys stay, so the schema is unchanged).
 
 A report is ``{"schema": SCHEMA, "meta": {...}, "rows": [{...}, ...]}``; ``META_KEYS`` and
 ``ROW_KEYS`` (the fields of :class:`BenchRow`) are required, extra keys are kept. No GPU import here:
@@ -65,6 +67,7 @@ __all__ = [
     "table_header",
     "utc_timestamp",
     "write_json",
+    "write_json_file",
 ]
 
 
@@ -220,24 +223,25 @@ class BenchRow:
     combine_us_min: float
     combine_us_max: float
     combine_us_per_rank: list[float]
-    nccl_dispatch_us: float
-    nccl_dispatch_us_min: float
-    nccl_dispatch_us_max: float
-    nccl_dispatch_us_per_rank: list[float]
-    nccl_combine_us: float
-    nccl_combine_us_min: float
-    nccl_combine_us_max: float
-    nccl_combine_us_per_rank: list[float]
+    # None (all eight, and the NCCL rates and ratios below) when NCCL was not measured
+    nccl_dispatch_us: float | None
+    nccl_dispatch_us_min: float | None
+    nccl_dispatch_us_max: float | None
+    nccl_dispatch_us_per_rank: list[float] | None
+    nccl_combine_us: float | None
+    nccl_combine_us_min: float | None
+    nccl_combine_us_max: float | None
+    nccl_combine_us_per_rank: list[float] | None
     dispatch_alg_gbps: float
     combine_alg_gbps: float
     dispatch_moved_gbps: float
     combine_moved_gbps: float
     dispatch_line_pct: float
     combine_line_pct: float
-    nccl_dispatch_gbps: float
-    nccl_combine_gbps: float
-    dispatch_ratio: float
-    combine_ratio: float
+    nccl_dispatch_gbps: float | None
+    nccl_combine_gbps: float | None
+    dispatch_ratio: float | None
+    combine_ratio: float | None
     # FP8 dispatch rows (mode "<mode>+fp8"): bytes of one packed row, which dispatch and the NCCL
     # baseline move (0: a row of the input dtype, ``row_bytes``). Optional in reports.
     dispatch_row_bytes: int = 0
@@ -255,8 +259,8 @@ class BenchRow:
         rows_off: Sequence[float],
         dispatch_us: Sequence[float],
         combine_us: Sequence[float],
-        nccl_dispatch_us: Sequence[float],
-        nccl_combine_us: Sequence[float],
+        nccl_dispatch_us: Sequence[float] | None,
+        nccl_combine_us: Sequence[float] | None,
         line_rate_gbps: float = NVLINK4_LINE_RATE_GBPS,
         dispatch_row_bytes: int = 0,
         reduced_combine: bool = False,
@@ -267,15 +271,21 @@ class BenchRow:
         they differ from ``row_bytes`` (FP8 packed rows); the algorithmic bandwidth keeps ``row_bytes``
         (the rows the application hands over), the moved bytes and NCCL's rate use the packed size.
         reduced_combine: the combine moved one partial row per off-rank (token, rank) group (rows_off),
-        not one row per off-rank pair."""
+        not one row per off-rank pair.
+        nccl_dispatch_us / nccl_combine_us: None (both) when NCCL was not measured: its times, rates and
+        the ratios are then None."""
+        if (nccl_dispatch_us is None) != (nccl_combine_us is None):
+            raise BenchReportError("nccl_dispatch_us and nccl_combine_us must both be given or both be None")
+        with_nccl = nccl_dispatch_us is not None
         per_rank = {
             "pairs_off": [float(v) for v in pairs_off],
             "rows_off": [float(v) for v in rows_off],
             "dispatch_us": [float(v) for v in dispatch_us],
             "combine_us": [float(v) for v in combine_us],
-            "nccl_dispatch_us": [float(v) for v in nccl_dispatch_us],
-            "nccl_combine_us": [float(v) for v in nccl_combine_us],
         }
+        if with_nccl:
+            per_rank["nccl_dispatch_us"] = [float(v) for v in nccl_dispatch_us]
+            per_rank["nccl_combine_us"] = [float(v) for v in nccl_combine_us]
         world = len(per_rank["pairs_off"])
         if world == 0 or any(len(v) != world for v in per_rank.values()):
             raise BenchReportError(
@@ -296,8 +306,11 @@ class BenchRow:
         times = {k: v for k, v in per_rank.items() if k not in counts}
         slowest = {k: max(v) for k, v in times.items()}
 
-        def gbps(nbytes: float, key: str) -> float:
-            return bandwidth_gbps(nbytes, slowest[key] * 1e-6)
+        def gbps(nbytes: float, key: str) -> float | None:
+            return bandwidth_gbps(nbytes, slowest[key] * 1e-6) if key in slowest else None
+
+        def ratio(op: str) -> float | None:
+            return slowest[f"nccl_{op}_us"] / slowest[f"{op}_us"] if with_nccl else None
 
         d_row = dispatch_row_bytes or row_bytes
         d_moved = gbps(dispatch_moved_bytes(mean_rows, mean_pairs, d_row), "dispatch_us")
@@ -322,8 +335,8 @@ class BenchRow:
             "combine_line_pct": 100.0 * c_moved / line_rate_gbps,
             "nccl_dispatch_gbps": gbps(mean_pairs * d_row, "nccl_dispatch_us"),
             "nccl_combine_gbps": gbps(alg_bytes, "nccl_combine_us"),
-            "dispatch_ratio": slowest["nccl_dispatch_us"] / slowest["dispatch_us"],
-            "combine_ratio": slowest["nccl_combine_us"] / slowest["combine_us"],
+            "dispatch_ratio": ratio("dispatch"),
+            "combine_ratio": ratio("combine"),
             "dispatch_row_bytes": int(dispatch_row_bytes),
         }
         for key, vals in times.items():
@@ -331,6 +344,10 @@ class BenchRow:
             fields[f"{key}_min"] = min(vals)
             fields[f"{key}_max"] = max(vals)
             fields[f"{key}_per_rank"] = vals
+        if not with_nccl:
+            for op in ("dispatch", "combine"):
+                for suffix in ("", "_min", "_max", "_per_rank"):
+                    fields[f"nccl_{op}_us{suffix}"] = None
         return cls(**fields)
 
     def to_dict(self) -> dict[str, Any]:
@@ -386,12 +403,18 @@ def write_json(
     temporary file first, then renamed, so a reader never sees half a report). Returns the report."""
     report = {"schema": SCHEMA, "meta": dict(meta), "rows": [_row_dict(r) for r in rows]}
     _check_report(report, str(path))
+    write_json_file(path, report)
+    return report
+
+
+def write_json_file(path: str | os.PathLike, report: Mapping[str, Any]) -> None:
+    """Write ``report`` as JSON to ``path`` (parents made; written to a temporary file first, then
+    renamed, so a reader never sees half a report). NaN and infinities are refused."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
     os.replace(tmp, path)
-    return report
 
 
 def load_json(path: str | os.PathLike) -> dict[str, Any]:
@@ -413,11 +436,19 @@ def load_json(path: str | os.PathLike) -> dict[str, Any]:
 # table
 # --------------------------------------------------------------------------------------------------
 
+
+def _num(row: Mapping[str, Any], key: str, fmt: str) -> str:
+    """``row[key]`` formatted, or "-" where the row has no value (an older report, a peer not measured)."""
+    value = row.get(key)
+    return "-" if value is None else format(value, fmt)
+
+
 # (header, width, format of the row's values)
 _COLUMNS: tuple[tuple[str, int, Any], ...] = (
     ("routing", 8, lambda r: str(r["routing"])),
     ("tokens", 6, lambda r: str(r["tokens"])),
     ("mode", 7, lambda r: str(r["mode"])),
+    ("sms", 4, lambda r: _num(r, "num_sms", "d")),  # the row's SM budget (scripts/benchmark.py --num-sms)
     ("chk", 3, lambda r: "yes" if r["checked"] else "-"),
     ("disp us", 8, lambda r: f"{r['dispatch_us']:.1f}"),
     ("comb us", 8, lambda r: f"{r['combine_us']:.1f}"),
@@ -425,15 +456,15 @@ _COLUMNS: tuple[tuple[str, int, Any], ...] = (
     ("comb alg", 8, lambda r: f"{r['combine_alg_gbps']:.1f}"),
     ("disp moved", 13, lambda r: f"{r['dispatch_moved_gbps']:.1f} ({r['dispatch_line_pct']:.0f}%)"),
     ("comb moved", 13, lambda r: f"{r['combine_moved_gbps']:.1f} ({r['combine_line_pct']:.0f}%)"),
-    ("nccl d us", 9, lambda r: f"{r['nccl_dispatch_us']:.1f}"),
-    ("nccl c us", 9, lambda r: f"{r['nccl_combine_us']:.1f}"),
-    ("ratio d", 7, lambda r: f"{r['dispatch_ratio']:.2f}"),
-    ("ratio c", 7, lambda r: f"{r['combine_ratio']:.2f}"),
+    ("nccl d us", 9, lambda r: _num(r, "nccl_dispatch_us", ".1f")),
+    ("nccl c us", 9, lambda r: _num(r, "nccl_combine_us", ".1f")),
+    ("ratio d", 7, lambda r: _num(r, "dispatch_ratio", ".2f")),
+    ("ratio c", 7, lambda r: _num(r, "combine_ratio", ".2f")),
 )
 TABLE_NOTE = (
     "us: slowest rank's median; alg/moved: GB/s (1e9 B/s) from the mean over ranks of off-rank pairs "
     "(disp moved: distinct rows + 12 B per pair); %: of the line rate; ratio: NCCL time / ours "
-    "(> 1: faster than NCCL)"
+    "(> 1: faster than NCCL); sms: the SM budget (num_sms); -: not measured"
 )
 
 
@@ -495,7 +526,11 @@ def plot(report: Mapping[str, Any], png_path: str | os.PathLike) -> Path:
                     label=label,
                 )
             # NCCL moving rows of the input dtype (FP8 rows' packed baseline is in the table and JSON)
-            plain = [r for r in rows if r["routing"] == routing and not r.get("dispatch_row_bytes")]
+            plain = [
+                r for r in rows
+                if r["routing"] == routing and not r.get("dispatch_row_bytes")
+                and r.get(f"nccl_{op}_gbps") is not None
+            ]  # fmt: skip
             by_tokens = {r["tokens"]: r for r in plain}
             toks = sorted(by_tokens)
             if toks:

@@ -37,9 +37,11 @@ from cute_ep.api import BackendBase, DispatchHandle, DispatchResult
 from cute_ep.input_checks import (
     check_buffer_config,
     check_combine_input,
+    check_combine_layout,
     check_dispatch_algorithm,
     check_dispatch_inputs,
     check_dispatch_options,
+    check_layout,
     check_topk_values,
     resolve_combine_algorithm,
 )
@@ -47,6 +49,8 @@ from cute_ep.kernels.buffers import BUFFERS, CALL, STATUS, SYMMETRIC, Buffer, Po
 from cute_ep.kernels.config import (
     COMBINE_ALGORITHMS,
     DISPATCH_ALGORITHMS,
+    LAYOUT_SMEM_INTS,
+    LAYOUTS,
     MODES,
     OP_COMBINE,
     OP_DISPATCH,
@@ -141,8 +145,8 @@ class EpBuffer(BackendBase):
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  mode: str = "scatter", fp8: bool = False, algorithm: str | None = None, sync: bool = True,
-                 *, stream: torch.cuda.Stream | None = None, previous_event: torch.cuda.Event | None = None
-                 ) -> DispatchResult:
+                 layout: str = "expert", *, stream: torch.cuda.Stream | None = None,
+                 previous_event: torch.cuda.Event | None = None) -> DispatchResult:
         """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (arguments, returns and
         errors: ``cute_ep.api.EpBackend.dispatch``). Collective.
 
@@ -156,12 +160,14 @@ class EpBuffer(BackendBase):
         (this rank's own inputs named as before, else the rank that passed invalid ones).
         """
         self._check_open()
+        self._check_layout(layout, mode, fp8)
         check_dispatch_options(self.cfg, mode, fp8)
         check_dispatch_algorithm(algorithm)
         x, idx, w = check_dispatch_inputs(self.cfg, self.device, x, topk_idx, topk_weights, values=False)
         t, c = x.shape[0], self.cfg
+        by_rank = layout == "rank"
         with self._on_stream(stream, previous_event, x, idx, w) as on:
-            self.launch_dispatch(x, idx, w, mode, fp8=fp8, algorithm=algorithm)
+            self.launch_dispatch(x, idx, w, mode, fp8=fp8, algorithm=algorithm, layout=layout)
             status = self.status.read() if sync else None
             # The handle owns its routing (a caller editing its tensors later cannot change combine):
             # copies of the int32 words, made by one kernel.
@@ -174,7 +180,7 @@ class EpBuffer(BackendBase):
         tpe, scatter, idx_own, w_own, recv_count = owned.split([p.numel() for p in parts])
         scatter, idx_own, w_own = scatter.view(t, c.topk), idx_own.view(t, c.topk), w_own.view(torch.float32)
         w_own = w_own.view(t, c.topk)
-        num_recv = c.capacity
+        num_recv = c.rank_capacity if by_rank else c.capacity
         if status is not None:
             self._check_ran(status, OP_LAYOUT, OP_DISPATCH, OP_COMBINE)
             refused = self.status.refused_inputs(status)
@@ -182,13 +188,18 @@ class EpBuffer(BackendBase):
                 check_topk_values(c, topk_idx)  # this rank's own inputs: the message names them
                 raise ValueError(f"dispatch: {refused}")
             num_recv = status["num_recv"]
-        handle = DispatchHandle(idx_own, w_own, scatter, t, mode)
+        handle = DispatchHandle(idx_own, w_own, scatter, t, mode, layout)
         self._sent = (handle.topk_idx, handle.topk_weights)
         recv_x, recv_scales = self.recv_x[:num_recv], None
         if fp8:
             recv_x, recv_scales = self.fp8_views(num_recv)
-        result = DispatchResult(recv_x, self.recv_w[:num_recv], self.recv_src[:num_recv], tpe, num_recv,
-                                handle, recv_scales, recv_count, event)
+        if by_rank:
+            result = DispatchResult(recv_x, None, self.recv_src[:num_recv], tpe, num_recv, handle, None,
+                                    recv_count, event, self.recv_topk_idx[:num_recv],
+                                    self.recv_topk_w[:num_recv])
+        else:
+            result = DispatchResult(recv_x, self.recv_w[:num_recv], self.recv_src[:num_recv], tpe, num_recv,
+                                    handle, recv_scales, recv_count, event)
         if status is not None:
             self._take_drops(status["dropped"], result)
         return result
@@ -210,8 +221,8 @@ class EpBuffer(BackendBase):
         return unpack_fp8_rows(self.fp8_packed_rows(num_recv), self.cfg.hidden)
 
     def launch_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                        mode: str = "scatter", fp8: bool = False, algorithm: str | None = None
-                        ) -> DispatchHandle:
+                        mode: str = "scatter", fp8: bool = False, algorithm: str | None = None,
+                        layout: str = "expert") -> DispatchHandle:
         """Enqueue the layout, dispatch and fan-out kernels on the current stream: no checks, no host
         sync, so the call can be captured in a CUDA graph.
 
@@ -222,12 +233,16 @@ class EpBuffer(BackendBase):
         routing tensors and the buffer's ``scatter``: valid for ``launch_combine`` until the next dispatch.
         """
         t = x.shape[0]
-        self._launch(OP_LAYOUT, t, idx=topk_idx)
-        self._launch(OP_DISPATCH, t, x=x, idx=topk_idx, w=topk_weights, mode=MODES[mode], fp8=fp8,
-                     algo=DISPATCH_ALGORITHMS[algorithm or self.algorithm],
-                     # a reduced-combine buffer makes every dispatch record the (token, rank) groups
-                     combine_algo=COMBINE_ALGORITHMS[self.cfg.combine_algorithm])
-        handle = DispatchHandle(topk_idx, topk_weights, self.scatter[:t], t, mode)
+        by_rank = layout == "rank"
+        self._launch(OP_LAYOUT, t, idx=topk_idx, layout=LAYOUTS[layout])
+        # The rank layout's rows have one order: its slots always come from the layout kernel.
+        kernel_mode = MODES["scatter" if by_rank else mode]
+        self._launch(OP_DISPATCH, t, x=x, idx=topk_idx, w=topk_weights, mode=kernel_mode, fp8=fp8,
+                     algo=DISPATCH_ALGORITHMS[algorithm or self.algorithm], layout=LAYOUTS[layout],
+                     # a reduced-combine buffer makes every expert-layout dispatch record the (token, rank)
+                     # groups
+                     combine_algo=0 if by_rank else COMBINE_ALGORITHMS[self.cfg.combine_algorithm])
+        handle = DispatchHandle(topk_idx, topk_weights, self.scatter[:t], t, mode, layout)
         self._sent = (topk_idx, topk_weights)
         return handle
 
@@ -235,11 +250,16 @@ class EpBuffer(BackendBase):
         """Enqueue the combine kernel(s) on the current stream: no checks, no host sync (capturable).
 
         Reads the symmetric ``recv_y`` (see ``expert_output``); out [handle.num_tokens, H] cfg.dtype.
-        algorithm: "pull" or "reduced" (default: ``cfg.combine_algorithm``); see ``combine``.
+        algorithm: "pull" or "reduced" (default: ``cfg.combine_algorithm``); see ``combine``. A rank-layout
+        handle's combine has one algorithm (``algorithm`` is ignored).
         """
         t = handle.num_tokens
         if handle.scatter.data_ptr() != self.scatter.data_ptr():  # a handle from dispatch() owns a copy
             self.scatter[:t].copy_(handle.scatter)
+        if handle.layout == "rank":
+            self._launch(OP_COMBINE, t, idx=handle.topk_idx, w=handle.topk_weights, out=out,
+                         layout=LAYOUTS["rank"])
+            return
         self._launch(OP_COMBINE, t, idx=handle.topk_idx, w=handle.topk_weights, out=out,
                      combine_algo=COMBINE_ALGORITHMS[algorithm or self.cfg.combine_algorithm])
 
@@ -274,6 +294,12 @@ class EpBuffer(BackendBase):
                 self.recv_y[: y.shape[0]].copy_(y)
             self.launch_combine(handle, out, algorithm)
         return out
+
+    def poison(self) -> None:
+        """Fill the receive buffers (the rank layout's too) with NaN / -1: a row nobody wrote fails checks."""
+        super().poison()
+        self.recv_topk_idx.fill_(-1)
+        self.recv_topk_w.fill_(float("nan"))
 
     def close(self) -> None:
         """Free the symmetric buffers (collective: every rank calls it). Safe to call twice."""
@@ -353,7 +379,18 @@ class EpBuffer(BackendBase):
         with torch.cuda.stream(stream):
             yield stream
 
+    def _check_layout(self, layout: str, mode: str, fp8: bool) -> None:
+        check_layout(self.cfg, layout, mode, fp8)
+        c = self.cfg
+        if layout == "rank" and 2 * c.num_experts + c.world_size > LAYOUT_SMEM_INTS:
+            raise ValueError(  # the layout kernel's per-warp counts of experts and ranks in shared memory
+                f"layout='rank' needs 2 * num_experts + world_size <= {LAYOUT_SMEM_INTS}, got "
+                f"{2 * c.num_experts + c.world_size}"
+            )
+
     def _check_combine_algorithm(self, handle: DispatchHandle, algorithm: str | None) -> None:
+        if check_combine_layout(handle, algorithm) == "rank":
+            return
         if resolve_combine_algorithm(self.cfg, algorithm) != "reduced":
             return
         sent = self._sent
@@ -369,7 +406,7 @@ class EpBuffer(BackendBase):
             raise RuntimeError("this EpBuffer is closed")
 
     def _launch(self, op: int, num_tokens: int, *, x=None, idx=None, w=None, out=None, mode: int = 0,
-                fp8: bool = False, algo: int = 0, combine_algo: int = 0) -> None:
+                fp8: bool = False, algo: int = 0, combine_algo: int = 0, layout: int = 0) -> None:
         """Enqueue one op of the module on the current stream (absent or empty per-call tensors are
         replaced by their stand-ins)."""
         addrs = {}
@@ -380,7 +417,8 @@ class EpBuffer(BackendBase):
             if addr % self._align[name]:
                 raise ValueError(f"{name} must be {self._align[name]}-byte aligned, got address {addr:#x}")
         self._launcher(torch.cuda.current_stream(self.device).cuda_stream, addrs, op=op, mode=mode,
-                       fp8=int(fp8), algo=algo, combine_algo=combine_algo, num_tokens=num_tokens)
+                       fp8=int(fp8), algo=algo, combine_algo=combine_algo, layout=layout,
+                       num_tokens=num_tokens)
         if not torch.cuda.is_current_stream_capturing():  # a captured launch runs only when replayed
             self._calls[op] += 1
 

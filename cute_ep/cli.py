@@ -211,12 +211,13 @@ def add_fp8_capacity_args(p: argparse.ArgumentParser) -> None:
                         "the rest are dropped (0: none)")
 
 
-def add_combine_arg(p: argparse.ArgumentParser) -> None:
-    """--combine: the combine algorithm the script's buffer uses (``EpConfig.combine_algorithm``)."""
+def add_combine_arg(p: argparse.ArgumentParser, note: str = "") -> None:
+    """--combine: the combine algorithm the script's buffer uses (``EpConfig.combine_algorithm``);
+    ``note``: a sentence the script appends to the help (e.g. where the option does not apply)."""
     p.add_argument("--combine", choices=("pull", "reduced"), default="pull",
                    help="pull: every (token, k) row to the token's rank, summed there (bit-identical to the "
                         "fixed-order reference); reduced: rows summed per rank first, one partial row per "
-                        "(token, rank) moves (reference_combine_reduced)")
+                        "(token, rank) moves (reference_combine_reduced)" + (f". {note}" if note else ""))
 
 
 def check_fp8_capacity_args(args: argparse.Namespace) -> None:

@@ -2,7 +2,9 @@
 
 Receive buffers that live in ordinary torch memory and grow on demand up to ``cfg.capacity`` rows
 (poisoned when they grow; the packed FP8 rows of ``dispatch(..., fp8=True)`` get their own uint8
-buffer), ``poison``, ``expert_output``, the expert-capacity bookkeeping shared with ``EpBuffer``
+buffer, and the rank layout's per-row routing ``recv_topk_idx`` / ``recv_topk_w`` [rows, K] theirs,
+up to ``cfg.rank_capacity`` rows, while its rows use ``recv_x`` / ``recv_src`` / ``recv_y``),
+``poison``, ``expert_output``, the expert-capacity bookkeeping shared with ``EpBuffer``
 (``dropped_rows``, ``check_capacity``), and a close that is collective unless an error is propagating
 (the peers may never arrive then). Subclasses implement dispatch and combine.
 """
@@ -50,9 +52,13 @@ class HostEpBuffer(BackendBase):
 
     def poison(self) -> None:
         """Fill the receive buffers with NaN / -1 (and the packed FP8 rows with e4m3 / fp32 NaN) so that
-        a row nobody wrote cannot pass a check."""
+        a row nobody wrote cannot pass a check. The rank layout's ``recv_topk_idx`` gets -1 (a received
+        row always names at least one local expert, so an all -1 row is never a real one) and
+        ``recv_topk_w`` NaN."""
         super().poison()
         self.recv_fp8.fill_(0xFF)
+        self.recv_topk_idx.fill_(-1)
+        self.recv_topk_w.fill_(float("nan"))
 
     def dropped_rows(self) -> Tensor:
         """[E] int64 on the CPU: rows dropped per global expert (beyond ``cfg.expert_capacity``) since
@@ -92,11 +98,20 @@ class HostEpBuffer(BackendBase):
     # -- internals -------------------------------------------------------------------------------
 
     def _dispatch_result(self, n: int, tpe: Tensor, handle: DispatchHandle, fp8: bool, sync: bool,
-                         dropped: Tensor | None = None) -> DispatchResult:
+                         dropped: Tensor | None = None, layout: str = "expert") -> DispatchResult:
         """The result of a dispatch whose n received rows are in place: views of n rows, or with
-        ``sync=False`` of ``cfg.capacity`` rows (the count in ``recv_count``), as the GPU buffer returns.
-        ``dropped`` [E]: rows the dispatch dropped beyond expert capacity, counted here and raised now
-        (``sync``) or by the next ``check_capacity``."""
+        ``sync=False`` of ``cfg.capacity`` rows (the rank layout: ``cfg.rank_capacity``; the count in
+        ``recv_count``), as the GPU buffer returns. ``dropped`` [E]: rows the dispatch dropped beyond
+        expert capacity, counted here and raised now (``sync``) or by the next ``check_capacity``."""
+        count = torch.tensor([n], dtype=torch.int32, device=self.device)
+        if layout == "rank":
+            rows = n if sync else self.cfg.rank_capacity
+            self._ensure_rows(rows)
+            self._rank_rows(rows)
+            # No per-row weight in this layout: the weights are per (row, k) in recv_topk_w.
+            return DispatchResult(self.recv_x[:rows], None, self.recv_src[:rows], tpe, rows, handle,
+                                  recv_count=count, recv_topk_idx=self.recv_topk_idx[:rows],
+                                  recv_topk_weights=self.recv_topk_w[:rows])
         rows = n if sync else self.cfg.capacity
         self._ensure_rows(rows)
         if fp8:
@@ -104,7 +119,6 @@ class HostEpBuffer(BackendBase):
             recv_x, scales = self._fp8_views(rows)
         else:
             recv_x, scales = self.recv_x[:rows], None
-        count = torch.tensor([n], dtype=torch.int32, device=self.device)
         result = DispatchResult(recv_x, self.recv_w[:rows], self.recv_src[:rows], tpe, rows, handle, scales,
                                 count)
         if dropped is not None:
@@ -121,6 +135,11 @@ class HostEpBuffer(BackendBase):
         self.recv_src = torch.full((rows,), -1, dtype=torch.int32, device=dev)
         # Packed FP8 rows (the cute_ep/fp8.py format), allocated by the first FP8 dispatch.
         self.recv_fp8 = torch.full((0, c.fp8_row_bytes), 0xFF, dtype=torch.uint8, device=dev)
+        # The rank layout's per-row routing: allocated with the other rows only where that layout is
+        # possible (no capacity factor), and never past the rows it can receive.
+        topk_rows = min(rows, c.rank_capacity) if c.capacity_factor == 0 else 0
+        self.recv_topk_idx = torch.full((topk_rows, c.topk), -1, dtype=torch.int32, device=dev)
+        self.recv_topk_w = torch.full((topk_rows, c.topk), float("nan"), dtype=torch.float32, device=dev)
 
     def _add_dropped(self, dropped: Tensor) -> None:
         """Count the rows a dispatch dropped: dropped [E] integer, per global expert."""
@@ -135,6 +154,18 @@ class HostEpBuffer(BackendBase):
             new[:have].copy_(self.recv_fp8)
             self.recv_fp8 = new
         return self.recv_fp8[:n]
+
+    def _rank_rows(self, n: int) -> None:
+        """Grow the rank layout's ``recv_topk_idx`` / ``recv_topk_w`` to at least n rows (new rows
+        poisoned with -1 / NaN, old rows kept)."""
+        have = self.recv_topk_idx.shape[0]
+        if n <= have:
+            return
+        new_idx = torch.full((n, self.cfg.topk), -1, dtype=torch.int32, device=self.device)
+        new_w = torch.full((n, self.cfg.topk), float("nan"), dtype=torch.float32, device=self.device)
+        new_idx[:have].copy_(self.recv_topk_idx)
+        new_w[:have].copy_(self.recv_topk_w)
+        self.recv_topk_idx, self.recv_topk_w = new_idx, new_w
 
     def _fp8_views(self, n: int) -> tuple[Tensor, Tensor]:
         """recv_x [n, H] float8_e4m3fn and recv_scales [n, H / 128] fp32: views of the packed rows."""

@@ -11,14 +11,18 @@ from typing import Any
 
 import torch
 
+from cute_ep.api import LAYOUTS
 from cute_ep.kernels.config import COMBINE_ALGORITHMS, DISPATCH_ALGORITHMS, MODES, ConfigError, EpConfig
 
 __all__ = [
     "check_buffer_config",
     "check_combine_input",
+    "check_combine_layout",
     "check_dispatch_algorithm",
+    "check_dispatch_call",
     "check_dispatch_inputs",
     "check_dispatch_options",
+    "check_layout",
     "check_topk_values",
     "resolve_combine_algorithm",
 ]
@@ -67,6 +71,46 @@ def check_dispatch_options(cfg: EpConfig, mode: str, fp8: Any) -> None:
         cfg.check_fp8()
 
 
+def check_layout(cfg: EpConfig, layout: Any, mode: str, fp8: Any) -> None:
+    """Validate dispatch's receive layout ("expert" | "rank", ``cute_ep.api.LAYOUTS``) for ``cfg``.
+
+    "rank" needs ``cfg.capacity_factor == 0`` (its rows are per (token, rank): there is no expert
+    capacity to apply) and ``fp8 is False`` (not built yet). ``mode`` is accepted as it is in both
+    layouts: rank-layout rows are in one deterministic order in either mode (``check_dispatch_options``
+    checks its value). Run it before ``check_dispatch_options`` so that ``fp8=True`` with the rank
+    layout gets this message rather than FP8's own constraints; a non-bool fp8 is left to that check.
+    Errors name the constraint and the value.
+    """
+    del mode  # accepted in both layouts (see above)
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    if layout != "rank":
+        return
+    if cfg.capacity_factor != 0:
+        raise ValueError(
+            f"layout='rank' needs capacity_factor == 0 (no expert capacity), got "
+            f"capacity_factor={cfg.capacity_factor}"
+        )
+    if fp8 is True:
+        raise ValueError("fp8 with layout='rank' is not supported yet")
+
+
+def check_combine_layout(handle: Any, algorithm: Any) -> str:
+    """The receive layout of a combine's ``handle`` ("expert" | "rank"; a handle without the field is
+    "expert"). A rank-layout combine has one formula (the caller's per-rank rows summed in rank order),
+    so its ``algorithm`` must be None; on the expert layout ``algorithm`` is left to
+    ``resolve_combine_algorithm``."""
+    layout = getattr(handle, "layout", "expert")
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"handle.layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    if layout == "rank" and algorithm is not None:
+        raise ValueError(
+            "combine of a layout='rank' handle takes algorithm=None (it sums the caller's per-rank "
+            f"rows in rank order; 'pull' and 'reduced' are expert-layout combines), got {algorithm!r}"
+        )
+    return layout
+
+
 def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x: torch.Tensor, topk_idx: torch.Tensor,
                           topk_weights: torch.Tensor, *, values: bool = True
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -102,6 +146,19 @@ def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x: torch.Tensor, 
     elif topk_idx.dtype == torch.int64:
         topk_idx = topk_idx.clamp(-2, c.num_experts)
     return x, topk_idx.to(torch.int32).contiguous(), topk_weights
+
+
+def check_dispatch_call(cfg: EpConfig, device: torch.device, x: torch.Tensor, topk_idx: torch.Tensor,
+                        topk_weights: torch.Tensor, *, mode: str, fp8: Any, algorithm: str | None, layout: Any
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A host backend's dispatch arguments, checked in order: the layout (``check_layout``), mode and fp8
+    (``check_dispatch_options``), the dispatch primitive (``check_dispatch_algorithm``: a GPU primitive
+    gives the same result, so a host backend has nothing to imitate), then the tensors and the ids' values
+    (``check_dispatch_inputs``, whose result it returns)."""
+    check_layout(cfg, layout, mode, fp8)
+    check_dispatch_options(cfg, mode, fp8)
+    check_dispatch_algorithm(algorithm)
+    return check_dispatch_inputs(cfg, device, x, topk_idx, topk_weights)
 
 
 def check_topk_values(cfg: EpConfig, topk_idx: torch.Tensor) -> None:

@@ -14,12 +14,20 @@ Conventions (R ranks, E experts, El = E // R experts per rank, K = top-k, M = ma
   rounded to fp32 first, then the add (no fused multiply-add); cast to the input dtype (RNE).
   Reduced combine: the same sum per (token, expert rank) group, rounded to the input dtype, then the
   partials summed in fp32 in the order of each group's first k, and cast (reference_combine_reduced).
+
+Rank layout (``dispatch(..., layout="rank")``, DeepEP's; reference_rank_layout,
+reference_dispatch_rank_layout, reference_combine_rank_layout):
+  Destination d receives one row per (source s, token t of s) with at least one id owned by d,
+  s ascending, then t ascending; recv_src = s * M + t; recv_topk_idx[row, k] = the local id
+  (e - d * El) where topk_idx_s[t, k] = e is owned by d, else -1; recv_topk_weights the weight there,
+  else 0.0. Combine: out[t] = the sum over t's destination ranks r ascending of y_r[row of t on r],
+  fp32 from 0.0, cast once; zeros for a token without destination; no weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import overload
 
 import torch
@@ -28,19 +36,24 @@ from torch import Tensor
 __all__ = [
     "COMBINE_REFERENCES",
     "INT32_MAX",
+    "ExpectedRankRecv",
     "ExpectedRecv",
     "Layout",
+    "RankLayout",
     "apply_test_expert",
     "combine_reduced_rows",
     "global_expert_of_rows",
     "local_expert_of_rows",
     "pack_source",
     "reference_combine",
+    "reference_combine_rank_layout",
     "reference_combine_reduced",
     "reference_dispatch",
     "reference_dispatch_rank",
+    "reference_dispatch_rank_layout",
     "reference_expert_outputs",
     "reference_layout",
+    "reference_rank_layout",
     "unpack_source",
 ]
 
@@ -150,13 +163,31 @@ def unpack_source(
 
 
 @dataclass
-class Layout:
-    """The expert-major receive layout of one routing over all ranks.
+class _Routing:
+    """The shape of one routing over all ranks, validated (:func:`_validate_topk`): what both receive
+    layouts (:class:`Layout`, :class:`RankLayout`) start with.
 
     Attributes:
         num_experts: E.
         world_size: R.
         topk: K.
+    """
+
+    num_experts: int
+    world_size: int
+    topk: int
+
+    @property
+    def experts_per_rank(self) -> int:
+        """El = E // R."""
+        return self.num_experts // self.world_size
+
+
+@dataclass
+class Layout(_Routing):
+    """The expert-major receive layout of one routing over all ranks.
+
+    Attributes (besides num_experts E, world_size R and topk K, from :class:`_Routing`):
         counts: [R_src, E] int64, count[s][e] = pairs on source s routed to expert e.
         tokens_per_expert: [R_dst, El] int64, rows each destination receives per local expert.
         offsets: [R_dst, El, R_src] int64, first slot of (local expert l, source s) on destination d.
@@ -165,19 +196,11 @@ class Layout:
             receive buffer, -1 for dropped pairs.
     """
 
-    num_experts: int
-    world_size: int
-    topk: int
     counts: Tensor
     tokens_per_expert: Tensor
     offsets: Tensor
     num_recv: Tensor
     scatter: list[Tensor] = field(default_factory=list)
-
-    @property
-    def experts_per_rank(self) -> int:
-        """El = E // R."""
-        return self.num_experts // self.world_size
 
     def owner(self, expert: int | Tensor) -> int | Tensor:
         """Rank owning global expert id(s) ``expert`` (int or integer tensor): expert // El."""
@@ -199,8 +222,8 @@ class Layout:
         return self.counts.view(world, world, self.experts_per_rank)[:, dst, :].t().reshape(-1)
 
 
-def _validate_topk(topk_idx: Sequence[Tensor], num_experts: int) -> tuple[int, int]:
-    """Check the routing of all ranks; return (R, K)."""
+def _validate_topk(topk_idx: Sequence[Tensor], num_experts: int) -> _Routing:
+    """Check the routing of all ranks; return its shape (E, R, K)."""
     world = len(topk_idx)
     if world < 1:
         raise ValueError("topk_idx must hold one tensor per rank (got an empty sequence)")
@@ -227,7 +250,7 @@ def _validate_topk(topk_idx: Sequence[Tensor], num_experts: int) -> tuple[int, i
     k = ks.pop()
     if k < 1:
         raise ValueError("topk K must be >= 1 (topk_idx has 0 columns)")
-    return world, k
+    return _Routing(num_experts=num_experts, world_size=world, topk=k)
 
 
 def reference_layout(topk_idx: Sequence[Tensor], num_experts: int) -> Layout:
@@ -244,8 +267,8 @@ def reference_layout(topk_idx: Sequence[Tensor], num_experts: int) -> Layout:
     Raises:
         ValueError: E not divisible by R, ids outside [-1, E), K differing between ranks, bad shapes.
     """
-    world, topk = _validate_topk(topk_idx, num_experts)
-    el = num_experts // world
+    routing = _validate_topk(topk_idx, num_experts)
+    world, el = routing.world_size, routing.experts_per_rank
     device = topk_idx[0].device
     counts = torch.zeros(world, num_experts, dtype=torch.int64, device=device)
     flat_ids = []
@@ -280,9 +303,7 @@ def reference_layout(topk_idx: Sequence[Tensor], num_experts: int) -> Layout:
         scatter.append(slot.view(topk_idx[s].shape))
 
     return Layout(
-        num_experts=num_experts,
-        world_size=world,
-        topk=topk,
+        **asdict(routing),
         counts=counts,
         tokens_per_expert=tokens_per_expert,
         offsets=offsets,
@@ -315,6 +336,28 @@ class ExpectedRecv:
         return int(self.recv_x.shape[0])
 
 
+def _check_one_per_rank(
+    x: Sequence[Tensor], topk_idx: Sequence[Tensor], topk_weights: Sequence[Tensor], world: int
+) -> None:
+    """The dispatch references' first check: one x, topk_idx and topk_weights per rank."""
+    if not (len(x) == len(topk_idx) == len(topk_weights) == world):
+        raise ValueError(
+            f"need one x, topk_idx, topk_weights per rank (world size {world}), "
+            f"got {len(x)}, {len(topk_idx)}, {len(topk_weights)}"
+        )
+
+
+def _check_weights_and_tokens(
+    s: int, num_tokens: int, topk_weights: Sequence[Tensor], max_tokens: int
+) -> None:
+    """The dispatch references' checks of source rank ``s`` after its shapes: float32 weights, and no more
+    than ``max_tokens`` tokens."""
+    if topk_weights[s].dtype != torch.float32:
+        raise ValueError(f"topk_weights[{s}] must be float32, got {topk_weights[s].dtype}")
+    if num_tokens > max_tokens:
+        raise ValueError(f"rank {s} has {num_tokens} tokens, more than max_tokens ({max_tokens})")
+
+
 def _validate_dispatch_inputs(
     x: Sequence[Tensor],
     topk_idx: Sequence[Tensor],
@@ -323,11 +366,7 @@ def _validate_dispatch_inputs(
     max_tokens: int,
 ) -> None:
     world = layout.world_size
-    if not (len(x) == len(topk_idx) == len(topk_weights) == world):
-        raise ValueError(
-            f"need one x, topk_idx, topk_weights per rank (world size {world}), "
-            f"got {len(x)}, {len(topk_idx)}, {len(topk_weights)}"
-        )
+    _check_one_per_rank(x, topk_idx, topk_weights, world)
     hidden = {xs.shape[1] if xs.dim() == 2 else None for xs in x}
     dtypes = {xs.dtype for xs in x}
     if None in hidden or len(hidden) != 1:
@@ -343,10 +382,7 @@ def _validate_dispatch_inputs(
             raise ValueError(
                 f"topk_weights[{s}] shape {tuple(topk_weights[s].shape)} != (T={t}, K={layout.topk})"
             )
-        if topk_weights[s].dtype != torch.float32:
-            raise ValueError(f"topk_weights[{s}] must be float32, got {topk_weights[s].dtype}")
-        if t > max_tokens:
-            raise ValueError(f"rank {s} has {t} tokens, more than max_tokens ({max_tokens})")
+        _check_weights_and_tokens(s, t, topk_weights, max_tokens)
     # Every tag must fit int32: check the largest one once.
     pack_source(world - 1, max_tokens - 1, layout.topk - 1, max_tokens, layout.topk)
 
@@ -410,6 +446,170 @@ def reference_dispatch(
         reference_dispatch_rank(x, topk_idx, topk_weights, layout, max_tokens, d)
         for d in range(layout.world_size)
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# Rank layout (DeepEP's): one row per (source rank, token, destination rank)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RankLayout(_Routing):
+    """The rank-major receive layout (``layout="rank"``) of one routing over all ranks.
+
+    Attributes (besides num_experts E, world_size R and topk K, from :class:`_Routing`):
+        dest: per source rank s, [T_s, R] bool: token t names at least one expert owned by rank r.
+        counts: [R_src, R_dst] int64: rows source s sends destination d (its tokens bound for d).
+        offsets: [R_dst, R_src] int64: first row of source s's tokens on destination d.
+        num_recv: [R_dst] int64: rows each destination receives.
+        tokens_per_expert: [R_dst, El] int64: rows naming each local expert of each destination.
+        scatter: per source rank s, [T_s, K] int64: the row of token t on owner(topk_idx[t, k]), the
+            same for every k of t bound for one rank; -1 where the id is -1.
+    """
+
+    dest: list[Tensor]
+    counts: Tensor
+    offsets: Tensor
+    num_recv: Tensor
+    tokens_per_expert: Tensor
+    scatter: list[Tensor]
+
+
+def reference_rank_layout(topk_idx: Sequence[Tensor], num_experts: int) -> RankLayout:
+    """Rows, offsets and every (token, k)'s row in the rank layout, for the routing of all ranks.
+
+    Destination d's rows: one per (s, t) with ``dest[s][t, d]``, source s ascending, then t ascending;
+    so the row of (s, t) on d is offsets[d, s] + the number of s's tokens before t bound for d.
+
+    Args and Raises: those of :func:`reference_layout`. Returns the :class:`RankLayout` (on the device of
+    topk_idx[0]).
+    """
+    routing = _validate_topk(topk_idx, num_experts)
+    world, el = routing.world_size, routing.experts_per_rank
+    device = topk_idx[0].device
+    dest, owners = [], []
+    counts = torch.zeros(world, world, dtype=torch.int64, device=device)
+    tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    for s, idx in enumerate(topk_idx):
+        ids = idx.to(device=device, dtype=torch.int64)
+        valid = ids >= 0
+        # A -1 id goes to a virtual rank R / expert E, cut off below.
+        owner = torch.where(valid, torch.div(ids, el, rounding_mode="floor"), world)
+        to_rank = torch.zeros(ids.shape[0], world + 1, dtype=torch.bool, device=device)
+        to_rank.scatter_(1, owner, True)
+        to_expert = torch.zeros(ids.shape[0], num_experts + 1, dtype=torch.bool, device=device)
+        to_expert.scatter_(1, torch.where(valid, ids, num_experts), True)
+        dest.append(to_rank[:, :world])
+        owners.append(owner)
+        counts[s] = to_rank[:, :world].sum(dim=0)
+        # A row names an expert if any of its k does (a token names an expert at most once).
+        tokens_per_expert += to_expert[:, :num_experts].sum(dim=0)
+    offsets = (torch.cumsum(counts, dim=0) - counts).t().contiguous()  # [dst, src]
+    scatter = []
+    for s, (d, owner) in enumerate(zip(dest, owners, strict=True)):
+        # Row of (s, t) on r: offsets[r, s] + the tokens of s before t bound for r.
+        row = offsets[:, s][None, :] + torch.cumsum(d.to(torch.int64), dim=0) - d.to(torch.int64)
+        row = torch.cat([row, row.new_full((row.shape[0], 1), -1)], dim=1)  # virtual rank R: -1
+        scatter.append(row.gather(1, owner))
+    return RankLayout(
+        **asdict(routing),
+        dest=dest,
+        counts=counts,
+        offsets=offsets,
+        num_recv=counts.sum(dim=0),
+        tokens_per_expert=tokens_per_expert.view(world, el),
+        scatter=scatter,
+    )
+
+
+@dataclass
+class ExpectedRankRecv:
+    """Expected rank-layout receive buffers of one destination rank (exactly num_recv rows).
+
+    Attributes:
+        recv_x: [N, H], the input dtype: x_s[t] of every row (s ascending, then t).
+        recv_topk_idx: [N, K] int32: local expert ids on this rank, -1 where the pair is not for it.
+        recv_topk_weights: [N, K] float32: the pair's weight where recv_topk_idx >= 0, else 0.0.
+        recv_src: [N] int32: s * max_tokens + t.
+        tokens_per_expert: [El] int32: rows naming each local expert.
+    """
+
+    recv_x: Tensor
+    recv_topk_idx: Tensor
+    recv_topk_weights: Tensor
+    recv_src: Tensor
+    tokens_per_expert: Tensor
+
+    @property
+    def num_recv(self) -> int:
+        return int(self.recv_x.shape[0])
+
+
+def reference_dispatch_rank_layout(
+    x: Sequence[Tensor],
+    topk_idx: Sequence[Tensor],
+    topk_weights: Sequence[Tensor],
+    layout: RankLayout,
+    max_tokens: int,
+    dst: int,
+) -> ExpectedRankRecv:
+    """Expected rank-layout receive buffers of destination rank ``dst`` (``dispatch(...,
+    layout="rank")``; see the module docstring).
+
+    Args:
+        x: per source rank s, [T_s, H] (bf16 / fp16 / fp32; same dtype and H on every rank).
+        topk_idx: per rank, [T_s, K] int64 or int32 in [-1, E).
+        topk_weights: per rank, [T_s, K] float32.
+        layout: :func:`reference_rank_layout` of topk_idx.
+        max_tokens: M (>= every T_s): recv_src = s * M + t.
+        dst: the destination rank, in [0, R).
+
+    Returns:
+        :class:`ExpectedRankRecv` on x[0]'s device.
+
+    Raises:
+        ValueError: mismatched shapes or dtypes, a rank with more than max_tokens tokens, dst out of
+            range, or R * M beyond int32.
+    """
+    world, k_total = layout.world_size, layout.topk
+    _check_one_per_rank(x, topk_idx, topk_weights, world)
+    hidden = {xs.shape[1] if xs.dim() == 2 else None for xs in x}
+    if None in hidden or len(hidden) != 1 or len({xs.dtype for xs in x}) != 1:
+        raise ValueError(
+            f"every x must be 2-D [T, H] with the same H and dtype, got "
+            f"{[(tuple(a.shape), str(a.dtype)) for a in x]}"
+        )
+    for s in range(world):
+        t = x[s].shape[0]
+        if tuple(topk_idx[s].shape) != (t, k_total) or tuple(topk_weights[s].shape) != (t, k_total):
+            raise ValueError(
+                f"rank {s}: topk_idx {tuple(topk_idx[s].shape)} and topk_weights "
+                f"{tuple(topk_weights[s].shape)} must be (T={t}, K={k_total})"
+            )
+        _check_weights_and_tokens(s, t, topk_weights, max_tokens)
+    if world * max_tokens - 1 > INT32_MAX:
+        raise ValueError(f"recv_src s * M + t must fit int32: R={world}, M={max_tokens}")
+    if not 0 <= dst < world:
+        raise ValueError(f"dst ({dst}) must be in [0, {world})")
+    el = layout.experts_per_rank
+    device = x[0].device
+    parts_x, parts_idx, parts_w, parts_src = [], [], [], []
+    for s in range(world):
+        tok = torch.nonzero(layout.dest[s][:, dst]).flatten().to(device)  # ascending t
+        ids = topk_idx[s].to(device=device, dtype=torch.int64)[tok]
+        mine = (ids >= 0) & (torch.div(ids, el, rounding_mode="floor") == dst)
+        parts_x.append(x[s].to(device)[tok])
+        parts_idx.append(torch.where(mine, ids - dst * el, -1).to(torch.int32))
+        w = topk_weights[s].to(device)[tok]
+        parts_w.append(torch.where(mine, w, torch.zeros_like(w)))  # +0.0 where the pair is not here
+        parts_src.append((s * max_tokens + tok).to(torch.int32))
+    return ExpectedRankRecv(
+        recv_x=torch.cat(parts_x),
+        recv_topk_idx=torch.cat(parts_idx),
+        recv_topk_weights=torch.cat(parts_w),
+        recv_src=torch.cat(parts_src),
+        tokens_per_expert=layout.tokens_per_expert[dst].to(device=device, dtype=torch.int32),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -759,6 +959,69 @@ def reference_combine_reduced(
         for k in range(k_total):
             rows[:, k] = r.column(k)
         outs.append(combine_reduced_rows(rows, r.idx, r.w, experts_per_rank=r.experts_per_rank))
+    return outs
+
+
+def reference_combine_rank_layout(
+    recv_y: Sequence[Tensor],
+    topk_idx: Sequence[Tensor],
+    scatter: Sequence[Tensor],
+    *,
+    num_experts: int,
+) -> list[Tensor]:
+    """The rank-layout combine (DeepEP's): sum each token's per-rank rows on the token's rank.
+
+    The destination ranks of token t are D(t) = {owner(topk_idx[t, k]) : topk_idx[t, k] >= 0}; its row
+    on r is scatter[t, k] for any such k with owner r (they must agree). ``acc = zeros(H, fp32)``; for
+    r in D(t) ascending: ``acc = acc + recv_y[r][row].float()``; the result is acc cast to recv_y's
+    dtype once (RNE). A token without a destination gives zeros. No weights: the rows are the caller's,
+    already reduced over r's experts and weighted.
+
+    Args:
+        recv_y: per rank r (all R ranks), [N_r, H] floating (bf16 / fp16 / fp32): one row per row r
+            received; N_r may exceed that (only the rows read matter).
+        scatter: matching [T_s, K] integer, the rank-layout rows (:func:`reference_rank_layout`, a
+            rank-layout handle's ``scatter``); ignored where topk_idx is -1.
+        topk_idx, num_experts: those of :func:`reference_combine`.
+
+    Returns:
+        Per entry of topk_idx, [T_s, H] in recv_y's dtype.
+
+    Raises:
+        ValueError: mismatched shapes/dtypes, E not divisible by R, a row outside its rank's recv_y, or
+            two k of one token bound for one rank naming different rows.
+    """
+    weights = [torch.zeros(tuple(i.shape), dtype=torch.float32) for i in topk_idx]  # unused by this sum
+    outs = []
+    for c in _combine_ranks(recv_y, topk_idx, weights, scatter, num_experts):
+        n_tok = c.idx.shape[0]
+        device = c.idx.device
+        valid = c.idx >= 0
+        owner = torch.where(valid, torch.div(c.idx, c.experts_per_rank, rounding_mode="floor"), -1)
+        acc = torch.zeros(n_tok, c.hidden, dtype=torch.float32, device=device)
+        for r in range(len(recv_y)):
+            on_r = valid & (owner == r)
+            has = on_r.any(dim=1)
+            hi = torch.where(on_r, c.slots, -1).max(dim=1).values
+            lo = torch.where(on_r, c.slots, torch.iinfo(torch.int64).max).min(dim=1).values
+            split = has & (lo != hi)
+            if bool(split.any()):
+                t = int(torch.nonzero(split)[0])
+                raise ValueError(
+                    f"rank {c.s}, token {t}: its pairs on rank {r} name rows {int(lo[t])} and {int(hi[t])}; "
+                    f"the rank layout has one row per (token, rank)"
+                )
+            rows = hi[has]
+            if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= recv_y[r].shape[0]):
+                raise ValueError(
+                    f"rank {c.s}: row range [{int(rows.min())}, {int(rows.max())}] outside recv_y[{r}] "
+                    f"rows [0, {recv_y[r].shape[0]})"
+                )
+            y = torch.zeros(n_tok, c.hidden, dtype=c.dtype, device=device)
+            y[has] = recv_y[r][rows]
+            # One fp32 add per destination rank, in ascending r; the cast to the dtype comes last.
+            acc = torch.where(has[:, None], acc + y.float(), acc)
+        outs.append(acc.to(c.dtype))
     return outs
 
 

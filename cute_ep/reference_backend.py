@@ -30,6 +30,11 @@ FP8 (``dispatch(..., fp8=True)``): every rank quantizes its own rows and gathers
 Combine algorithm (``cfg.combine_algorithm``, or ``combine(..., algorithm=...)``): "pull" evaluates
 ``reference_combine``, "reduced" ``reference_combine_reduced`` (allowed only on a "reduced" config).
 
+Rank layout (``dispatch(..., layout="rank")``): ``reference_rank_layout`` and
+``reference_dispatch_rank_layout`` give this rank's rows (one per (source rank, token) naming one of
+its experts), their per-k local ids and weights, and the handle's rows; combine of such a handle
+evaluates ``reference_combine_rank_layout`` (no algorithm). Both modes give the same rows there.
+
 It imports torch and plain-Python parts of the library only (the references, ``cute_ep.api``,
 ``cute_ep.input_checks``, ``cute_ep.kernels.config``): no CUDA, CuTe DSL, NVSHMEM or GPU buffer
 (``tests/test_backend_protocol.py`` checks it).
@@ -51,17 +56,19 @@ from cute_ep.fp8 import pack_fp8_rows, quantize_fp8
 from cute_ep.host_buffer import HostEpBuffer
 from cute_ep.input_checks import (
     check_combine_input,
-    check_dispatch_algorithm,
-    check_dispatch_inputs,
-    check_dispatch_options,
+    check_combine_layout,
+    check_dispatch_call,
     resolve_combine_algorithm,
 )
 from cute_ep.kernels.config import EpConfig
 from cute_ep.reference import (
     COMBINE_REFERENCES,
     Layout,
+    reference_combine_rank_layout,
     reference_dispatch_rank,
+    reference_dispatch_rank_layout,
     reference_layout,
+    reference_rank_layout,
 )
 
 __all__ = ["ReferenceEpBuffer"]
@@ -90,7 +97,8 @@ class ReferenceEpBuffer(HostEpBuffer):
     # -- public API ------------------------------------------------------------------------------
 
     def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter",
-                 fp8: bool = False, algorithm: str | None = None, sync: bool = True) -> DispatchResult:
+                 fp8: bool = False, algorithm: str | None = None, sync: bool = True,
+                 layout: str = "expert") -> DispatchResult:
         """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (arguments:
         ``cute_ep.api.EpBackend.dispatch``).
 
@@ -100,21 +108,21 @@ class ReferenceEpBuffer(HostEpBuffer):
         Returns a ``cute_ep.api.DispatchResult`` (recv_x float8_e4m3fn and recv_scales [num_recv, H / 128]
         fp32 with fp8). Collective: every rank calls it. Invalid inputs on any rank raise on every rank (the
         rank at fault gets the EpBuffer message). Rows dropped beyond ``cfg.expert_capacity`` raise
-        ``CapacityExceeded`` (carrying the result) if ``cfg.on_overflow == "raise"``.
+        ``CapacityExceeded`` (carrying the result) if ``cfg.on_overflow == "raise"``. layout: "expert"
+        or "rank" (``reference_dispatch_rank_layout``; no capacity factor, no fp8), the same on every rank.
         """
         self._check_open()
         c = self.cfg
         error = None
         try:
-            check_dispatch_options(c, mode, fp8)
-            check_dispatch_algorithm(algorithm)  # a GPU primitive: the same result, so nothing to imitate
-            x, idx, w = check_dispatch_inputs(c, self.device, x, topk_idx, topk_weights)
+            x, idx, w = check_dispatch_call(c, self.device, x, topk_idx, topk_weights, mode=mode, fp8=fp8,
+                                            algorithm=algorithm, layout=layout)  # fmt: skip
             # With fp8 the sender quantizes and only the packed rows travel (as on the GPU).
             rows = pack_fp8_rows(*quantize_fp8(x.detach()), c.fp8_row_bytes) if fp8 else x.detach()
-            payload = (None, mode, fp8, rows.cpu(), idx.cpu(), w.detach().cpu())
+            payload = (None, mode, fp8, layout, rows.cpu(), idx.cpu(), w.detach().cpu())
         except ValueError as exc:
             error = str(exc)
-            payload = (error, mode, fp8, None, None, None)
+            payload = (error, mode, fp8, layout, None, None, None)
         gathered = self._all_gather(payload)
         if error is not None:
             raise ValueError(error)
@@ -127,8 +135,13 @@ class ReferenceEpBuffer(HostEpBuffer):
         flags = [g[2] for g in gathered]
         if any(f != fp8 for f in flags):
             raise ValueError(f"dispatch: every rank must pass the same fp8 flag, got {flags} (by rank)")
+        layouts = [g[3] for g in gathered]
+        if any(v != layout for v in layouts):
+            raise ValueError(f"dispatch: every rank must use the same layout, got {layouts} (by rank)")
 
-        xs, idxs, ws = [g[3] for g in gathered], [g[4] for g in gathered], [g[5] for g in gathered]
+        xs, idxs, ws = [g[4] for g in gathered], [g[5] for g in gathered], [g[6] for g in gathered]
+        if layout == "rank":
+            return self._dispatch_rank_layout(xs, idxs, ws, idx, w, mode, sync)
         # Capacity: the layout is that of the effective routing (dropped pairs set to -1).
         idxs, dropped = apply_expert_capacity(idxs, c.num_experts, c.expert_capacity)
         layout = reference_layout(idxs, c.num_experts)
@@ -175,29 +188,36 @@ class ReferenceEpBuffer(HostEpBuffer):
         algorithm: "pull" (that sum, ``reference_combine``) or "reduced" (per expert rank sums rounded
         to cfg.dtype, then summed in the order of each rank's first k: ``reference_combine_reduced``;
         needs ``cfg.combine_algorithm == "reduced"``); None: ``cfg.combine_algorithm``. Every rank
-        must use the same one."""
+        must use the same one. A rank-layout handle takes None only and evaluates
+        ``reference_combine_rank_layout`` (y: one row per received row, no weights applied)."""
         self._check_open()
         c = self.cfg
-        algo = None
+        algo = layout = None
         try:
-            algo = resolve_combine_algorithm(c, algorithm)
+            layout = check_combine_layout(handle, algorithm)
+            # The rank layout has one combine: the expert layout's algorithms do not apply to it.
+            algo = "rank" if layout == "rank" else resolve_combine_algorithm(c, algorithm)
             check_combine_input(c, self.device, y)
             bad_y = None
         except ValueError as exc:
             bad_y = str(exc)
         # Every rank learns of a bad y (or algorithm) before anyone waits in the gather of the outputs.
-        gathered = self._all_gather((bad_y, algo))
-        bad = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e is not None]
+        gathered = self._all_gather((bad_y, algo, layout))
+        bad = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(gathered) if e is not None]
         if bad_y is not None:
             raise ValueError(bad_y)
         if bad:
             raise ValueError("combine: invalid expert outputs on another rank: " + "; ".join(bad))
-        algos = [a for _, a in gathered]
+        layouts = [v for _, _, v in gathered]
+        if any(v != layout for v in layouts):
+            raise ValueError(
+                f"combine: every rank must pass a handle of the same layout, got {layouts} (by rank)"
+            )
+        algos = [a for _, a, _ in gathered]
         if any(a != algo for a in algos):
             raise ValueError(
                 f"combine: every rank must use the same combine algorithm, got {algos} (by rank)"
             )
-        combine_fn = COMBINE_REFERENCES[algo]
         rows = max(self._num_recv, y.shape[0])
         self._ensure_rows(rows)
         if y.numel() and y.data_ptr() != self.recv_y.data_ptr():
@@ -205,14 +225,19 @@ class ReferenceEpBuffer(HostEpBuffer):
         ys = self._all_gather(self.recv_y[:rows].detach().cpu().clone())
         out, error = None, None
         try:
-            out = combine_fn(
-                ys,
-                # Pairs without a slot (dropped by capacity) are skipped like -1 ids.
-                [effective_topk_from_scatter(handle.topk_idx.cpu(), handle.scatter.cpu())],
-                [handle.topk_weights.cpu()],
-                [handle.scatter.cpu()],
-                num_experts=c.num_experts,
-            )[0]
+            if algo == "rank":
+                out = reference_combine_rank_layout(
+                    ys, [handle.topk_idx.cpu()], [handle.scatter.cpu()], num_experts=c.num_experts
+                )[0]
+            else:
+                out = COMBINE_REFERENCES[algo](
+                    ys,
+                    # Pairs without a slot (dropped by capacity) are skipped like -1 ids.
+                    [effective_topk_from_scatter(handle.topk_idx.cpu(), handle.scatter.cpu())],
+                    [handle.topk_weights.cpu()],
+                    [handle.scatter.cpu()],
+                    num_experts=c.num_experts,
+                )[0]
         except ValueError as exc:
             error = str(exc)
         # A bad handle on one rank must not leave the others waiting in their next collective.
@@ -225,6 +250,28 @@ class ReferenceEpBuffer(HostEpBuffer):
         return out.to(self.device)
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _dispatch_rank_layout(self, xs: list[Tensor], idxs: list[Tensor], ws: list[Tensor], idx: Tensor,
+                              w: Tensor, mode: str, sync: bool) -> DispatchResult:
+        """The rank layout of every rank's gathered inputs (xs, idxs, ws), this rank's rows written into
+        the receive buffers; ``idx`` / ``w``: this rank's routing, for the handle."""
+        c = self.cfg
+        layout = reference_rank_layout(idxs, c.num_experts)
+        expected = reference_dispatch_rank_layout(xs, idxs, ws, layout, c.max_tokens, self.rank)
+        self._calls += 1  # the atomic-mode seed counts every dispatch, whatever its layout
+        n = expected.num_recv
+        self._ensure_rows(n)
+        self._rank_rows(n)
+        self._num_recv = n
+        self.recv_x[:n].copy_(expected.recv_x)
+        self.recv_src[:n].copy_(expected.recv_src)
+        self.recv_topk_idx[:n].copy_(expected.recv_topk_idx)
+        self.recv_topk_w[:n].copy_(expected.recv_topk_weights)
+        t = idx.shape[0]
+        tpe = expected.tokens_per_expert.to(self.device)
+        scatter = layout.scatter[self.rank].view(t, c.topk).to(device=self.device, dtype=torch.int32)
+        handle = DispatchHandle(idx, w, scatter, t, mode, "rank")
+        return self._dispatch_result(n, tpe, handle, False, sync, layout="rank")
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if not (dist.is_available() and dist.is_initialized()):

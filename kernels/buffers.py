@@ -85,6 +85,10 @@ def _reduced(c: Any) -> bool:
     return c.combine_algorithm == "reduced"
 
 
+def _rank_capable(c: Any) -> bool:
+    return c.capacity_factor == 0  # the rank layout has no expert capacity
+
+
 def _fp8_capable(c: Any) -> bool:
     return c.hidden % FP8_BLOCK == 0
 
@@ -157,11 +161,17 @@ BUFFERS: tuple[Buffer, ...] = (
            "source tag of each received row: (source rank * max_tokens + token) * topk + k"),
     Buffer("recv_from", lambda s: (s.capacity,), "int32", SYMMETRIC, ("dispatch", "combine"),
            "slot whose row this slot copies (fan-out), -1: the row itself arrived, <= -2: a group primary"),
+    Buffer("recv_topk_idx", lambda s: (s.rank_capacity, s.topk), "int32", SYMMETRIC, ("dispatch",),
+           "rank layout: each received token's local expert ids (-1: an expert on another rank)",
+           needed=_rank_capable),
+    Buffer("recv_topk_w", lambda s: (s.rank_capacity, s.topk), "float32", SYMMETRIC, ("dispatch",),
+           "rank layout: each received token's weights (0 where recv_topk_idx is -1)", needed=_rank_capable),
     Buffer("recv_group", lambda s: (s.capacity, s.topk), "int32", SYMMETRIC, ("dispatch", "combine"),
            "each primary slot's later group members (reduced combine; -1: dropped)", needed=_reduced),
-    Buffer("counts", lambda s: (s.world_size, s.num_experts + 1), "int32", SYMMETRIC, ("layout",),
-           "counts[s, e]: pairs source rank s routes to expert e; counts[s, E]: its pairs with invalid ids "
-           "(out of [-1, E), or an expert named twice)"),
+    Buffer("counts", lambda s: (s.world_size, s.num_experts + 1 + s.world_size), "int32", SYMMETRIC,
+           ("layout",), "counts[s, e]: pairs source rank s routes to expert e; counts[s, E]: its pairs with "
+           "invalid ids (out of [-1, E), or an expert named twice); counts[s, E + 1 + d]: its tokens bound "
+           "for rank d (rank layout)"),
     Buffer("signals", lambda s: (SIGNAL_ROWS, s.world_size), "uint64", SYMMETRIC,
            ("layout", "dispatch", "combine"), "signals[row, p]: what peer p announced (SIGNAL_* rows)"),
     Buffer("stage", lambda s: (s.stage_rows, s.hidden), ROW, SYMMETRIC, ("combine",),
@@ -202,7 +212,7 @@ BY_NAME = {b.name: b for b in BUFFERS}
 OPS = {OP_LAYOUT: "layout", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
 
 # Run-time scalars every launch passes: the call's own, then sizes named as EpConfig's attributes.
-CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "rank", "num_tokens")
+CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "layout", "rank", "num_tokens")
 SIZE_SCALARS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
                 "expert_capacity", "stage_rows", "num_sms", "timeout_ms")
 SCALARS = CALL_SCALARS + SIZE_SCALARS
@@ -220,6 +230,10 @@ class _Sizes:
     @property
     def fp8_row_bytes(self):
         return packed_fp8_row_bytes(self.hidden)
+
+    @property
+    def rank_capacity(self):
+        return self.world_size * self.max_tokens
 
 
 class Scalars(_Sizes, namedtuple("Scalars", SCALARS)):

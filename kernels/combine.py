@@ -17,14 +17,19 @@ batches), so that all warps work; otherwise a part is the whole row.
   load in flight per warp left combine latency-bound), accumulated in fp32 in ascending k with
   separately rounded multiply and add (the order of ``cute_ep.reference.reference_combine``, so the
   result is bit-identical), and stored in the input dtype.
+Rank layout (``RankCombineKernel``, kernels/rank_combine.py, the same kernel compiled apart so that
+the pull combine carries none of its code): the list holds one row per destination rank of the token (at its
+first pair for that rank), weight 1, in ascending rank: the caller's rows are already weighted and
+reduced, and the sum is the plain fp32 sum in rank order (``reference_combine_rank_layout``).
 The last CTA to finish advances epochs[OP_COMBINE] (``CombineFamily.finish``).
 """
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 import nvshmem.core.device.cute as nvshmem_cute
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64
 from nvshmem.core.device.cute.mem import nvshmem_ptr
 
 from cute_ep.kernels.base import CombineFamily
@@ -36,6 +41,8 @@ from cute_ep.kernels.rowsum import weighted_sum_rows
 
 class CombineKernel(CombineFamily):
     """The pull combine kernel (see the module docstring); every size is a run-time argument."""
+
+    by_rank = False  # compile-time: RankCombineKernel (kernels/rank_combine.py) sums the rank layout
 
     @cute.kernel
     def kernel(self, p: EpParams):
@@ -73,6 +80,15 @@ class CombineKernel(CombineFamily):
                 if e >= 0:
                     if slot >= 0:
                         valid = Int32(1)
+                # Rank layout: one row per destination rank (at the token's first pair for it), weight 1,
+                # summed in ascending rank: its place in the list is the number of lower ranks named.
+                at = n
+                weight = Float32(1.0)
+                if cutlass.const_expr(self.by_rank):
+                    if valid != 0:
+                        valid, at = self.rank_place(p, t, k)
+                else:
+                    weight = p.topk_w[t, k]
                 if valid != 0:
                     d = e // El
                     addr = Int64(0)
@@ -84,8 +100,8 @@ class CombineKernel(CombineFamily):
                     else:
                         addr = nvshmem_ptr(recv_y_base, d) + Int64(slot) * ROW_BYTES
                     if lane == 0:
-                        my_addr[n] = addr
-                        my_weight[n] = p.topk_w[t, k]
+                        my_addr[at] = addr
+                        my_weight[at] = weight
                     n = n + 1
             cute.arch.sync_warp()
 

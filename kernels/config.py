@@ -19,6 +19,13 @@ MODE_SCATTER = 0  # slots precomputed by the layout kernel: deterministic order
 MODE_ATOMIC = 1  # slots taken by an atomic add on the sender: order inside a (expert, source) group varies
 MODES = {"scatter": MODE_SCATTER, "atomic": MODE_ATOMIC}
 
+# Receive layouts (run-time argument of every op): "expert" gives one row per kept (token, k), grouped by
+# local expert (ready for a grouped GEMM); "rank" one row per (source rank, token) bound for this rank,
+# source-major, with the token's local expert ids and weights beside it (DeepEP's layout).
+LAYOUT_EXPERT = 0
+LAYOUT_RANK = 1
+LAYOUTS = {"expert": LAYOUT_EXPERT, "rank": LAYOUT_RANK}
+
 # Dispatch primitives (run-time argument of the dispatch kernel; a sender-side choice, so ranks may
 # differ): "dedup" sends a row once per destination rank and the receiver fans it out; "per_pair" sends
 # every (token, k) row (peer-pointer stores on the node, put_warp beyond); "put_warp" sends every
@@ -217,6 +224,13 @@ class EpConfig:
     @property
     def worst_case_capacity(self) -> int:
         return self.world_size * self.max_tokens * min(self.topk, self.experts_per_rank)
+
+    @property
+    def rank_capacity(self) -> int:
+        """Rows a rank can receive in the rank layout (``dispatch(..., layout="rank")``): at most one per
+        (source rank, token), R * M. It never exceeds ``capacity`` when ``capacity_factor == 0``, the
+        only configuration that layout accepts."""
+        return self.world_size * self.max_tokens
 
     @property
     def expert_capacity(self) -> int:

@@ -23,6 +23,12 @@ token bound for one rank form a group; its primary is the first kept pair. The p
 later pair writes its slot (-1 if dropped for capacity) into ``recv_group[primary slot * K + m]``, m its
 place in the group. Without ``groups`` a primary's ``recv_from`` is -1.
 
+Rank layout (``RankDispatchKernel``, kernels/rank_dispatch.py: this kernel compiled with ``by_rank``):
+the slot of a pair is its token's row on the destination rank (one
+per (token, rank), from the layout kernel); only the token's first pair for a rank sends the row there,
+with ``recv_src`` = rank * max_tokens + t and the token's K ids and weights in ``recv_topk_idx`` /
+``recv_topk_w`` (local expert ids; -1 and weight 0 for experts of other ranks). No fan-out follows.
+
 Completion: each thread ``quiet``s its puts and fences its stores; the last CTA to finish (a
 self-resetting arrival counter, ``done[DONE_DISPATCH]``) raises ``signals[SIGNAL_DISPATCH, rank]`` on
 every peer to this call's epoch and waits until every peer has raised its own on this rank
@@ -34,15 +40,23 @@ may read it.
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import nvshmem.core.device.cute as nvshmem_cute
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64
 from nvshmem.core.device.cute.mem import nvshmem_ptr
 
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import DONE_DISPATCH, INPUT_FAULT_RANKS, SIGNAL_DISPATCH, EpParams
-from cute_ep.kernels.config import ALGO_DEDUP, ALGO_PUT_WARP, MODE_ATOMIC, OP_DISPATCH, VECTOR_BYTES, WARP
+from cute_ep.kernels.config import (
+    ALGO_DEDUP,
+    ALGO_PUT_WARP,
+    MODE_ATOMIC,
+    OP_DISPATCH,
+    VECTOR_BYTES,
+    WARP,
+)
 from cute_ep.kernels.ptx import (
     copy_row_warp,
     element,
@@ -74,11 +88,14 @@ def bound_for(p: EpParams, t: Int32, j: Int32, end: Int32, d: Int32, kept_only: 
 class DispatchKernel(EpKernel):
     """The dispatch kernel (see the module docstring); every size is a run-time argument."""
 
+    by_rank = False  # compile-time: the rank layout's variant (kernels/rank_dispatch.py) is compiled apart
+
     @cute.kernel
     def kernel(self, p: EpParams):
         L, K, El, M, rank = p.local_world_size, p.topk, p.experts_per_rank, p.max_tokens, p.rank
         mode, algo = p.mode, p.algo
         groups = p.combine_algo  # a reduced-combine buffer: record each (token, rank) group
+        by_rank = self.by_rank  # one row per (token, destination rank), at the layout's row
         topk_idx, scatter = p.topk_idx, p.scatter  # [T, K], [M, K]
         WPC = self.threads // WARP
         NCTA, _, _ = cute.arch.grid_dim()
@@ -159,6 +176,8 @@ class DispatchKernel(EpKernel):
                     if slot >= 0:
                         if algo == ALGO_DEDUP:
                             vote = Int32(1)
+                        if cutlass.const_expr(by_rank):
+                            vote = Int32(1)
                     if groups != 0:
                         vote = Int32(1)
                     if vote != 0:
@@ -193,6 +212,8 @@ class DispatchKernel(EpKernel):
                             first = k
                         if d == rank:
                             first = k
+                        if cutlass.const_expr(by_rank):
+                            first = g  # the rank layout has one row per (token, rank), whoever sends it
                         if first == k:
                             # Peer-pointer stores on the node, except the put_warp primitive's remote rows.
                             store = Int32(0)
@@ -212,16 +233,32 @@ class DispatchKernel(EpKernel):
                                     row_view(dtype, src_addr, ROW_ELEMS),
                                     d,
                                 )
+                        if cutlass.const_expr(by_rank):
+                            if first == k:
+                                # The token's ids and weights, those of other ranks' experts masked.
+                                for j in range(lane, K, WARP):
+                                    ej = topk_idx[t, j]
+                                    local = Int32(-1)
+                                    wj = Float32(0.0)
+                                    if ej >= 0:
+                                        if ej // El == d:
+                                            local = ej - d * El
+                                            wj = p.topk_w[t, j]
+                                    nvshmem_cute.p(element(p.recv_topk_idx, (slot, j)), local, d)
+                                    nvshmem_cute.p(element(p.recv_topk_w, (slot, j)), wj, d)
+                                if lane == 0:
+                                    nvshmem_cute.p(element(p.recv_src, slot), rank * M + t, d)
                         if lane == 0:
-                            from_slot = Int32(-1)
-                            if first != k:
-                                from_slot = scatter[t, first]  # atomic mode: written above by this lane
-                            if groups != 0:
-                                if g == k:
-                                    from_slot = Int32(-1) - n  # a primary: <= -2 encodes its group size
-                            nvshmem_cute.p(element(p.recv_w, slot), p.topk_w[t, k], d)
-                            nvshmem_cute.p(element(p.recv_src, slot), (rank * M + t) * K + k, d)
-                            nvshmem_cute.p(element(p.recv_from, slot), from_slot, d)
+                            if cutlass.const_expr(not by_rank):
+                                from_slot = Int32(-1)
+                                if first != k:
+                                    from_slot = scatter[t, first]  # atomic mode: written above by this lane
+                                if groups != 0:
+                                    if g == k:
+                                        from_slot = Int32(-1) - n  # a primary: <= -2 encodes its group size
+                                nvshmem_cute.p(element(p.recv_w, slot), p.topk_w[t, k], d)
+                                nvshmem_cute.p(element(p.recv_src, slot), (rank * M + t) * K + k, d)
+                                nvshmem_cute.p(element(p.recv_from, slot), from_slot, d)
                     if groups != 0:
                         if g != k:
                             if lane == 0:

@@ -25,6 +25,13 @@ source's in (t, k) order); a pair whose slot would be at or past its expert's ``
 (scatter -1), and every rank adds the rows each expert dropped to ``dropped[e]`` (every rank sees
 every count, so every rank counts the same; the host reads and resets it).
 
+Rank layout (``layout`` LAYOUT_RANK, DeepEP's receive layout: one row per (source rank, token) bound for a
+rank): step 1 also counts, per warp, the tokens bound for each rank (at the token's first pair for it);
+they travel in columns E + 1 + d of the count row; num_recv is the column of this rank summed over the
+sources; the slots of step 4 are rows on the destination rank (lower source ranks first, then this
+rank's tokens in order), and a token's later pairs for the same rank take its first pair's row (step 5).
+Expert counts and tokens_per_expert are as in the expert layout (that layout has no expert capacity).
+
 Outputs (device): scatter [T*K] int32 (-1: id -1 or dropped), send_offsets [E] and cursor [E] int32
 (first slot of this rank's rows for each expert; cursor is the atomic-mode allocator), send_limit [E]
 int32 (end of each expert's kept slots), dropped [E] int32 (accumulated), tokens_per_expert [E/R] and
@@ -41,7 +48,7 @@ from cutlass import Int32, Int64
 
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import INPUT_FAULT_FIRST, INPUT_FAULT_RANKS, SIGNAL_COUNT, EpParams
-from cute_ep.kernels.config import LAYOUT_SMEM_INTS, OP_LAYOUT, WARP
+from cute_ep.kernels.config import LAYOUT_RANK, LAYOUT_SMEM_INTS, OP_LAYOUT, WARP
 from cute_ep.kernels.ptx import (
     SIGNAL_SET,
     element,
@@ -51,6 +58,19 @@ from cute_ep.kernels.ptx import (
     record_fault,
     wait_signal_ge,
 )
+
+
+@cute.jit
+def first_for_rank(pair_ids: cute.Tensor, i: Int32, K: Int32, El: Int32) -> Int32:
+    """1 if pair i (a valid id) is its token's first pair bound for its expert's rank, else 0."""
+    d = pair_ids[i] // El
+    first = Int32(1)
+    for j in range(i - i % K, i):
+        ej = pair_ids[j]
+        if ej >= 0:
+            if ej // El == d:
+                first = Int32(0)
+    return first
 
 
 class LayoutKernel(EpKernel):
@@ -65,7 +85,10 @@ class LayoutKernel(EpKernel):
     def kernel(self, p: EpParams):
         R, E, K, El, rank = p.world_size, p.num_experts, p.topk, p.experts_per_rank, p.rank
         NT = self.threads
-        counts = p.counts  # [R, E + 1]: row s is source rank s's count row, column E its invalid tokens
+        # [R, E + 1 + R]: row s is source rank s's count row, column E its invalid pairs, columns E + 1 + d
+        # its tokens bound for rank d (the rank layout's rows)
+        counts = p.counts
+        by_rank = p.layout == LAYOUT_RANK
         # The pairs in row-major (t, k) order: the histogram and slot walks split them into ranges.
         num_pairs = p.num_tokens * K
         pair_ids = cute.make_tensor(p.topk_idx.iterator, cute.make_layout(num_pairs))
@@ -80,10 +103,17 @@ class LayoutKernel(EpKernel):
         hist = smem.allocate_tensor(Int32, cute.make_layout(LAYOUT_SMEM_INTS), 16)
         # colsum[e]: rows all ranks send to expert e (after the exchange); it takes the last E ints.
         colsum = cute.make_tensor(hist.iterator + (LAYOUT_SMEM_INTS - E), cute.make_layout(E))
-        # As many histogram warps as fit the rest (E <= LAYOUT_SMEM_INTS // 2 is checked on the host).
-        NW = (LAYOUT_SMEM_INTS - E) // E
+        # As many histogram warps as fit the rest (E <= LAYOUT_SMEM_INTS // 2 is checked on the host; the
+        # rank layout's per-warp token counts take R more ints per warp: 2 E + R <= LAYOUT_SMEM_INTS).
+        per_warp = E
+        if by_rank:
+            per_warp = E + R
+        NW = (LAYOUT_SMEM_INTS - E) // per_warp
         if NW > NT // WARP:
             NW = NT // WARP
+        # rank layout: rhist[w * R + d]: tokens of warp w's pairs bound for rank d (counted at the token's
+        # first pair for d, its "primary"); later the warp's running row base on d.
+        rhist = cute.make_tensor(hist.iterator + NW * E, cute.make_layout(NW * R))
 
         # invalid[0]: this rank's pairs with invalid ids; invalid[1]: ranks that had some (after the
         # exchange), so that every thread of the CTA sees the verdict.
@@ -91,12 +121,11 @@ class LayoutKernel(EpKernel):
 
         epoch = p.epochs[OP_LAYOUT] + Int64(1)
 
-        for i in range(tid, NW * E, NT):
+        for i in range(tid, NW * per_warp, NT):
             hist[i] = Int32(0)
         if tid == 0:
             invalid[0] = Int32(0)
         cute.arch.sync_threads()
-
 
         chunk = (num_pairs + NW - 1) // NW
         start = warp * chunk
@@ -120,6 +149,9 @@ class LayoutKernel(EpKernel):
             if e >= 0:
                 if e < E:
                     cute.arch.atomic_add(hist.iterator + (warp * E + e), Int32(1))
+                    if by_rank:
+                        if first_for_rank(pair_ids, i, K, El) != 0:
+                            cute.arch.atomic_add(rhist.iterator + (warp * R + e // El), Int32(1))
                     for j in range(i - i % K, i):
                         if pair_ids[j] == e:
                             bad = Int32(1)
@@ -134,6 +166,12 @@ class LayoutKernel(EpKernel):
             counts[rank, e] = total
         if tid == 0:
             counts[rank, E] = invalid[0]
+        for d in range(tid, R, NT):
+            total = Int32(0)
+            if by_rank:
+                for w in range(NW):
+                    total = total + rhist[w * R + d]
+            counts[rank, E + 1 + d] = total
         cute.arch.sync_threads()
 
         my_row = counts[rank, None]
@@ -214,9 +252,24 @@ class LayoutKernel(EpKernel):
         if tid == 0:
             tot_all = Int32(0)
             if accepted:
-                for le in range(El):
-                    tot_all = tot_all + colsum[rank * El + le]
+                if by_rank:  # one row per (source, token) bound for this rank
+                    for s in range(R):
+                        tot_all = tot_all + ld_volatile_i32(element_addr(counts, (s, E + 1 + rank)))
+                else:
+                    for le in range(El):
+                        tot_all = tot_all + colsum[rank * El + le]
             p.num_recv[0] = tot_all
+        if by_rank:
+            # Row bases on each destination d: the rows of lower source ranks come first, then this rank's
+            # tokens in order, so warp w starts after the earlier warps' tokens.
+            for d in range(tid, R, NT):
+                run = Int32(0)
+                for s in range(rank):
+                    run = run + ld_volatile_i32(element_addr(counts, (s, E + 1 + d)))
+                for w in range(NW):
+                    c = rhist[w * R + d]
+                    rhist[w * R + d] = run
+                    run = run + c
         cute.arch.sync_threads()
 
         # 4. scatter slots, 32 pairs per step in row-major order
@@ -229,29 +282,58 @@ class LayoutKernel(EpKernel):
                     e = Int32(-1)  # invalid (the call is refused): no slot, and no shared-memory index
                 if e < -1:
                     e = Int32(-1)
+            # The key the slots are counted under: the expert, or in the rank layout the destination rank
+            # of a token's first pair for it (later pairs take that pair's row below).
+            key = e
+            if by_rank:
+                if e >= 0:
+                    key = Int32(-1)
+                    if first_for_rank(pair_ids, i, K, El) != 0:
+                        key = e // El
             before = Int32(0)
             later = Int32(0)
             for j in cutlass.range_constexpr(WARP):
-                ej = cute.arch.shuffle_sync(e, j)
-                if ej == e:
+                kj = cute.arch.shuffle_sync(key, j)
+                if kj == key:
                     if j < lane:
                         before = before + 1
                     if j > lane:
                         later = later + 1
+            # The warp's running base of the key: in hist (experts) or in rhist (ranks, after hist).
+            at = warp * E + key
+            if by_rank:
+                at = NW * E + warp * R + key
             slot = Int32(-1)
-            if e >= 0:
-                slot = hist[warp * E + e] + before
-                if slot >= p.send_limit[e]:
-                    slot = Int32(-1)  # dropped: beyond the expert's capacity
+            if key >= 0:
+                slot = hist[at] + before
+                if p.layout != LAYOUT_RANK:
+                    if slot >= p.send_limit[e]:
+                        slot = Int32(-1)  # dropped: beyond the expert's capacity
             if refused:
                 slot = Int32(-1)
             if i < end:
                 pair_slots[i] = slot
             cute.arch.sync_warp()
-            if e >= 0:
+            if key >= 0:
                 if later == 0:
-                    hist[warp * E + e] = hist[warp * E + e] + before + 1
+                    hist[at] = hist[at] + before + 1
             cute.arch.sync_warp()
+
+        # 5. rank layout: a token's later pairs for a rank share the row of its first pair for that rank
+        # (written above, possibly by another warp: after the CTA barrier).
+        if by_rank:
+            cute.arch.sync_threads()
+            for i in range(start + lane, end, WARP):
+                e = pair_ids[i]
+                if e >= 0:
+                    if e < E:
+                        if accepted:
+                            for j in range(i - i % K, i):
+                                if pair_slots[i] == Int32(-1):
+                                    ej = pair_ids[j]
+                                    if ej >= 0:
+                                        if ej // El == e // El:
+                                            pair_slots[i] = pair_slots[j]
 
         if tid == 0:
             if fault_free(p.fault):  # a timed-out call does not count as run

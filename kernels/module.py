@@ -1,5 +1,5 @@
 """One compiled module holding the layout, dispatch (+ fan-out) and combine kernels (pull, or the
-reduced combine's two phases) of one element type.
+reduced combine's two phases) of one element type, and the rank layout's dispatch and combine.
 
 Why one module: each module that calls NVSHMEM must be registered with ``nvshmem.core.library_init``,
 and on the lent 4x H200 a process faulted ("illegal memory access") once a 4th registered module was
@@ -19,11 +19,13 @@ import cutlass.cute as cute
 
 from cute_ep.kernels.buffers import EpParams, Pointers, Scalars
 from cute_ep.kernels.combine import CombineKernel
-from cute_ep.kernels.config import COMBINE_REDUCED, OP_COMBINE, OP_DISPATCH, OP_LAYOUT
+from cute_ep.kernels.config import COMBINE_REDUCED, LAYOUT_RANK, OP_COMBINE, OP_DISPATCH, OP_LAYOUT
 from cute_ep.kernels.dispatch import DispatchKernel
 from cute_ep.kernels.fanout import FanoutKernel
 from cute_ep.kernels.layout import LayoutKernel
 from cute_ep.kernels.partial_sum import PartialSumKernel
+from cute_ep.kernels.rank_combine import RankCombineKernel
+from cute_ep.kernels.rank_dispatch import RankDispatchKernel
 from cute_ep.kernels.reduce_push import ReducePushKernel
 
 
@@ -34,8 +36,10 @@ class EpModule:
         self.dtype = dtype
         self.layout = LayoutKernel(dtype)
         self.dispatch = DispatchKernel(dtype)
+        self.rank_dispatch = RankDispatchKernel(dtype)
         self.fanout = FanoutKernel(dtype)
         self.combine = CombineKernel(dtype)
+        self.rank_combine = RankCombineKernel(dtype)
         self.reduce_push = ReducePushKernel(dtype)
         self.partial_sum = PartialSumKernel(dtype)
 
@@ -45,13 +49,19 @@ class EpModule:
         if p.op == OP_LAYOUT:
             self.layout(p, stream)
         if p.op == OP_DISPATCH:
-            self.dispatch(p, stream)
-            # Same stream, right after: copy the de-duplicated rows to their other slots.
-            self.fanout(p, stream)
-        if p.op == OP_COMBINE:
-            if p.combine_algo == COMBINE_REDUCED:
-                # Two launches on one stream: every rank's partial rows are out before any is summed.
-                self.reduce_push(p, stream)
-                self.partial_sum(p, stream)
+            if p.layout == LAYOUT_RANK:
+                self.rank_dispatch(p, stream)
             else:
-                self.combine(p, stream)
+                self.dispatch(p, stream)
+                # Same stream, right after: copy the de-duplicated rows to their other slots.
+                self.fanout(p, stream)
+        if p.op == OP_COMBINE:
+            if p.layout == LAYOUT_RANK:
+                self.rank_combine(p, stream)
+            else:
+                if p.combine_algo == COMBINE_REDUCED:
+                    # Two launches on one stream: every rank's partial rows are out before any is summed.
+                    self.reduce_push(p, stream)
+                    self.partial_sum(p, stream)
+                else:
+                    self.combine(p, stream)

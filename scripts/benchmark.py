@@ -1,4 +1,4 @@
-"""Bandwidth sweep of cute-ep's dispatch and combine against NCCL all_to_all, on one or more GPUs.
+"""Bandwidth sweep of cute-ep's dispatch and combine against NCCL all_to_all and DeepEP, on one or more GPUs.
 
 To run (one process per GPU; keep NVLink multicast off, as on the lent hosts):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
@@ -15,12 +15,18 @@ To run (one process per GPU; keep NVLink multicast off, as on the lent hosts):
     torchrun --nproc-per-node 2 scripts/benchmark.py --tokens 128,4096 --routing uniform \\
         --combine pull,reduced
 
-    # plot again from a saved report (CPU, no launch)
-    python -c "from cute_ep import bench_report as b; b.plot(b.load_json('r.json'), 'r.png')"
+    # SM budgets side by side with DeepEP (when deep_ep imports; else its columns say why not)
+    torchrun --nproc-per-node 2 scripts/benchmark.py --tokens 4096,8192 --routing uniform \
+        --num-sms 24,48,132 --peers nccl,deepep --out-json r.json --out-png r.png
 
-What is measured, for every routing (--routing), tokens per rank T (--tokens) and dispatch mode
-(--modes), with hidden H, top-k K, E experts (defaults: DeepSeek-V3's 7168, 8, 256) in --dtype:
-    * One Runtime and ONE EpBuffer sized for the largest T serve the whole sweep (one compiled module).
+    # plot again from a saved report (CPU, no launch)
+    python -c "from cute_ep import bench_peers as p; p.plot_peers(p.load_results('r.json'), 'r.png')"
+
+What is measured, for every SM budget (--num-sms), routing (--routing), tokens per rank T (--tokens)
+and dispatch mode (--modes), with hidden H, top-k K, E experts (defaults: DeepSeek-V3's 7168, 8, 256) in
+--dtype:
+    * One Runtime, and per SM budget ONE EpBuffer sized for the largest T (``EpConfig.num_sms`` = the
+      budget; every budget's buffer shares one compiled module), serve the sweep.
     * --input-sets deterministic input sets (cute_ep.inputs.make_inputs, seeds --seed + j) live on
       the GPU and are rotated across iterations, so that the caches do not flatter repeated inputs.
     * T <= --validate-max-tokens: first one bit-exact round on input set 0 (dispatch layout, rows,
@@ -31,10 +37,21 @@ What is measured, for every routing (--routing), tokens per rank T (--tokens) an
       ``EpBuffer.launch_combine`` (which includes copying the handle's [T, K] int32 slots into the
       buffer, T*K*4 bytes on the device, before the kernel). One more real combine checks afterwards
       that every timed launch ran.
-    * NCCL: ``torch.distributed.all_to_all_single`` on the default (NCCL) group moving exactly the
-      same rows (this rank's rows grouped by destination rank, self included, built once outside the
-      timed region; split sizes exchanged first); for combine the reverse direction.
-    * Timing, the same for all four: --warmup untimed iterations, then the GPU is held by a short
+    * NCCL (--peers nccl): ``torch.distributed.all_to_all_single`` on the default (NCCL) group moving
+      exactly the same rows (this rank's rows grouped by destination rank, self included, built once
+      outside the timed region; split sizes exchanged first); for combine the reverse direction. It
+      takes no SM budget (measured again at each budget, in the same run).
+    * DeepEP (--peers deepep; cute_ep.bench_peers has the details): when ``import deep_ep`` works and the
+      world suits its intranode kernels (2, 4 or 8 ranks on one host, bf16 rows), on the same input
+      sets (topk_idx as int64), at DeepEP's SM budget for the row's (even, 128 for our 132; one Buffer
+      per budget sized by its Config hints): its dispatch with a cached handle, its full call (layout +
+      dispatch, host sync included), that dispatch followed by a torch expert-major permute (our receive
+      layout), and its combine. Before timing, per input set: received rows = the routing's (token,
+      rank) pairs, rows per local expert = the routing's, the cached dispatch repeats the full one bit
+      for bit, and combine(dispatch(x)) = x times the token's destination ranks; a failed check or
+      call leaves DeepEP out of that (routing, T) with the reason (the run goes on). Otherwise every
+      row says why DeepEP was skipped (``deepep_skipped``).
+    * Timing, the same for ours and every peer: --warmup untimed iterations, then the GPU is held by a short
       sleep kernel while the host enqueues --iters iterations (so the host's launch cost is not
       timed), each between two CUDA events on the current stream. No host barrier inside the loop:
       the kernels (and NCCL) synchronise the ranks, so an iteration's time is the op's steady-state
@@ -58,10 +75,17 @@ What is measured, for every routing (--routing), tokens per rank T (--tokens) an
       lists belong to it); its moved bytes are rows_off partial rows (one per off-rank (token, rank)
       group), its algorithmic bandwidth the pull formula's (pairs_off rows), as for NCCL.
 
-Output on rank 0: a table, one line per (routing, T, mode) as it completes; with --out-json the report
+    * Link rate (``dispatch_link_gbps``): the mean over ranks of rows_off x the row's bytes, over the
+      slowest rank's median dispatch time (bytes that cross the link once per destination rank; no
+      metadata); ``deepep_dispatch_link_gbps`` the same bytes over DeepEP's cached dispatch.
+
+Output on rank 0: a table, one line per (num_sms, routing, T, mode) as it completes, and at the end the
+peers table (ours, DeepEP, NCCL side by side; DeepEP's skip reasons under it); with --out-json the report
 (device, world and local world size, config, symmetric bytes per rank, package versions, git sha,
-time, command line, rows; rewritten after every row, see cute_ep.bench_report for the schema); with
---out-png bandwidth vs tokens per rank, ours vs NCCL, dispatch and combine.
+time, command line, rows; rewritten after every row; cute_ep.bench_report has the schema, and every row
+also holds the results fields of cute_ep.bench_peers.PERF_ROW_FIELDS: num_sms, layout, deepep_*,
+nccl_us, dispatch_link_gbps); with --out-png time vs tokens per rank for each SM budget, ours, DeepEP
+and NCCL, dispatch and combine.
 
 Constraints:
     * GPU only: one GPU per rank, CUDA, NVSHMEM and NCCL (--help alone runs anywhere).
@@ -71,6 +95,8 @@ Constraints:
       per rank ~ 2 * world * max(--tokens) * min(topk, experts per rank) * H * b (7.5 GB for the
       defaults on 4 GPUs); the NCCL buffers take about as much again on a hot rank under skew.
     * --local-world-size (or CUTE_EP_LOCAL_WORLD_SIZE) divides the ranks per host (virtual nodes).
+    * --num-sms: integers >= 1 (DeepEP gets the largest even count <= min(budget, 128); a budget of 1
+      leaves it none). --peers: names from nccl, deepep, or "none". DeepEP is never required.
     * This script never sets NCCL / NVSHMEM / PyTorch multicast variables; it records them.
 
 Exit status (the same on every rank): 0 done, 1 a check failed or a run-time error, 2 bad arguments
@@ -81,6 +107,7 @@ NVSHMEM_SYMMETRIC_SIZE).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -89,6 +116,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cute_ep import bench_peers as bp  # pure Python + numpy (deep_ep only when a peer is opened)
 from cute_ep import bench_report as br  # pure Python + numpy: safe before parsing
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -144,7 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=50, help="timed iterations per measurement")
     p.add_argument("--warmup", type=int, default=10, help="untimed iterations before them")
     p.add_argument("--input-sets", type=int, default=3, help="input sets rotated across iterations")
-    p.add_argument("--num-sms", type=int, default=132, help="CTAs of dispatch / combine")
+    p.add_argument(
+        "--num-sms",
+        default="132",
+        help="comma-separated SM budgets: our EpConfig.num_sms (CTAs of dispatch / combine) and DeepEP's "
+        "set_num_sms (even, 128 for 132), one sweep per budget",
+    )
+    p.add_argument(
+        "--peers",
+        default="nccl,deepep",
+        help=f"comma-separated peers timed beside ours: {', '.join(bp.PEER_CHOICES)} (or none); DeepEP is "
+        "skipped, with the reason, when deep_ep does not import or the world cannot run it",
+    )
     p.add_argument(
         "--validate-max-tokens",
         type=int,
@@ -163,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8", action="store_true", help="also time FP8 dispatch (--hidden a multiple of 128)")
     p.add_argument("--combine", default="pull",
                    help="comma-separated combine algorithms: pull, reduced (rows '<mode>+reduced')")
+    p.add_argument("--layouts", default="expert",
+                   help="comma-separated receive layouts: expert, rank (rows 'rank': one row per (token, "
+                        "destination rank), DeepEP's layout, and its combine)")
     p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
     return p
 
@@ -174,6 +216,11 @@ def validate_args(args: argparse.Namespace) -> None:
         args.routing_list = br.parse_name_list(args.routing, "--routing", ROUTING_CHOICES)
         args.mode_list = br.parse_name_list(args.modes, "--modes", MODE_CHOICES)
         args.combine_list = br.parse_name_list(args.combine, "--combine", ("pull", "reduced"))
+        args.layout_list = br.parse_name_list(args.layouts, "--layouts", ("expert", "rank"))
+        # The text is kept: args.num_sms becomes the first budget (config_from_args reads an int there).
+        args.num_sms_text = getattr(args, "num_sms_text", None) or str(args.num_sms)
+        args.num_sms_list = bp.parse_num_sms(args.num_sms_text)
+        args.peer_list = bp.parse_peers(args.peers)
     except br.BenchReportError as exc:
         raise UsageError(str(exc)) from None
     if max(args.token_list) > MAX_TOKENS_PER_RANK:
@@ -185,10 +232,13 @@ def validate_args(args: argparse.Namespace) -> None:
         )
     if args.hidden < 4:
         raise UsageError(f"--hidden must be >= 4 (the first columns name the sender), got {args.hidden}")
-    if args.num_sms < 1:
-        raise UsageError(f"--num-sms must be >= 1, got {args.num_sms}")
+    args.num_sms = args.num_sms_list[0]  # the EpConfig that sizes the Runtime (num_sms does not change it)
     if args.fp8 and args.hidden % 128:
         raise UsageError(f"--fp8 needs --hidden to be a multiple of 128, got {args.hidden}")
+    if "rank" in args.layout_list and getattr(args, "capacity_factor", None):
+        raise UsageError(
+            f"--layouts rank needs no expert capacity (0), got --capacity-factor {args.capacity_factor}"
+        )
     if args.validate_max_tokens < 0:
         raise UsageError(f"--validate-max-tokens must be >= 0, got {args.validate_max_tokens}")
     if args.out_png:
@@ -200,6 +250,26 @@ def validate_args(args: argparse.Namespace) -> None:
     for flag, value in (("--out-json", args.out_json), ("--out-png", args.out_png)):
         if value:
             check_writable(flag, value)
+
+
+def checked_args(
+    parser: argparse.ArgumentParser,
+    validate: Callable[[argparse.Namespace], None],
+    argv: list[str] | None,
+    usage_error: type[Exception] = UsageError,
+) -> argparse.Namespace | None:
+    """``argv`` parsed by ``parser`` (argparse exits 2 with its message on bad syntax) and checked by
+    ``validate``; None if that raised ``usage_error``, whose message rank 0 prints (exit EXIT_USAGE)."""
+    args = parser.parse_args(argv)
+    try:
+        validate(args)
+    except usage_error as exc:
+        from cute_ep.cli import launch_rank  # imports torch: only after parsing (--help stays torch-free)
+
+        if launch_rank() == "0":
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return None
+    return args
 
 
 def check_writable(flag: str, value: str) -> None:
@@ -291,6 +361,14 @@ class InputSet:
         self.rows_off = br.rows_off(idx_cpu, rank, el)  # rows dispatch sends: once per (t, dest rank)
         self.send_splits = br.split_sizes(idx_cpu, cfg.world_size, el)
         self.recv_splits: list[int] = []
+        # What DeepEP's rank-major dispatch sends and must deliver (checked before it is timed).
+        self.dest_rows = bp.rows_per_rank(idx_cpu, cfg.world_size, el)  # [R] (token, rank) pairs per rank
+        self.expert_pairs = bp.pairs_per_expert(idx_cpu, cfg.num_experts)  # [E]
+        self.dest_count = bp.dest_ranks_per_token(idx_cpu, cfg.world_size, el)  # [T] ranks per token
+        self.deepep_rows = 0  # rows this rank receives from DeepEP (exchange_splits)
+        self.deepep_per_expert: list[int] = []  # [El] of them per local expert
+        self.idx64: Any = None  # topk_idx as int64, DeepEP's dtype (made when DeepEP runs)
+        self.deepep: Any = None  # bench_peers.DeepEpDispatch of this set at the current budget
         # This rank's rows grouped by destination rank, (t, k) row-major inside a destination.
         flat = self.idx.to(torch.int64).view(-1)
         pair = torch.nonzero(flat >= 0).view(-1)
@@ -303,14 +381,20 @@ class InputSet:
 
 
 def exchange_splits(sets: list[InputSet], group: Any) -> None:
-    """recv_splits[s] = rows source s sends this rank, for every set (one host all-gather)."""
+    """recv_splits[s] = rows source s sends this rank, and what DeepEP must deliver here (deepep_rows,
+    deepep_per_expert), for every set (one host all-gather)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, [s.send_splits for s in sets], group=group)
+    mine = [(s.send_splits, s.dest_rows, s.expert_pairs) for s in sets]
+    dist.all_gather_object(gathered, mine, group=group)
     for j, s in enumerate(sets):
-        s.recv_splits = [gathered[src][j][rank] for src in range(world)]
+        s.recv_splits = [gathered[src][j][0][rank] for src in range(world)]
+        s.deepep_rows, s.deepep_per_expert = bp.expected_receive(
+            [gathered[src][j][1] for src in range(world)], [gathered[src][j][2] for src in range(world)],
+            rank, len(s.expert_pairs) // world,
+        )  # fmt: skip
 
 
 def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag: str, say: Any,
@@ -365,6 +449,184 @@ def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag:
 # --------------------------------------------------------------------------------------------------
 
 
+def checked_rank_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, tag: str, say: Any) -> None:
+    """One rank-layout dispatch and combine checked bit for bit against the torch references (every
+    rank's inputs gathered); raises ``RuntimeError`` on every rank if any rank's results differ."""
+    import torch
+
+    from cute_ep.collectives import all_gather_objects
+    from cute_ep.reference import (
+        reference_combine_rank_layout,
+        reference_dispatch_rank_layout,
+        reference_rank_layout,
+    )
+
+    g, rank = runtime.cpu_group, runtime.env.rank
+    xs, idxs, ws = zip(*all_gather_objects((s.x.cpu(), s.idx.cpu(), s.w.cpu()), g), strict=True)
+    res = buf.dispatch(s.x, s.idx, s.w, layout="rank")
+    want = reference_dispatch_rank_layout(xs, idxs, ws, reference_rank_layout(idxs, cfg.num_experts),
+                                          cfg.max_tokens, rank)
+    fields = ("recv_x", "recv_topk_idx", "recv_topk_weights", "recv_src", "tokens_per_expert")
+    bad = [f for f in fields if not torch.equal(getattr(res, f).cpu(), getattr(want, f))]
+    # What an expert rank hands back: each row scaled by its local weights' sum (any function would do).
+    y = buf.expert_output(res.num_recv)
+    y.copy_((res.recv_x.float() * res.recv_topk_weights.sum(dim=1, keepdim=True)).to(cfg.dtype))
+    out = buf.combine(y, res.handle)
+    ys, scatters = zip(*all_gather_objects((y.cpu(), res.handle.scatter.cpu()), g), strict=True)
+    if not torch.equal(out.cpu(), reference_combine_rank_layout(ys, idxs, scatters,
+                                                                num_experts=cfg.num_experts)[rank]):
+        bad.append("combine")
+    verdicts = all_gather_objects(bad, g)
+    failed = {r: v for r, v in enumerate(verdicts) if v}
+    if failed:
+        raise RuntimeError(f"{tag}: the rank layout differs from the reference: {failed}")
+    say(f"{tag} rank layout checked: dispatch and combine bit-identical to the reference")
+
+
+def agree(runtime: Any, reason: str | None) -> str | None:
+    """Every rank's reason (None: fine here) -> one verdict, the same on every rank (a host all-gather):
+    DeepEP's calls are collective, so the ranks skip it together."""
+    from cute_ep.cli import all_gather
+
+    return bp.first_reason(all_gather(reason, runtime.cpu_group))
+
+
+def open_deepep(runtime: Any, cfg: Any, args: argparse.Namespace) -> tuple[Any, str | None]:
+    """(a bench_peers.DeepEpPeer, None), or (None, why DeepEP cannot run in this world): the same on
+    every rank. Never raises for a missing or unusable deep_ep."""
+    env = runtime.env
+    module, import_error = bp.import_deep_ep()
+    why = bp.deepep_skip_reason(
+        import_error=import_error, device_type=runtime.device.type, world_size=env.world_size,
+        ranks_per_host=env.physical_local_world_size, dtype=args.dtype, hidden=cfg.hidden,
+        experts_per_rank=cfg.experts_per_rank, topk=cfg.topk,
+    )  # fmt: skip
+    why = agree(runtime, why)
+    if why:
+        return None, why
+    peer = bp.DeepEpPeer(runtime.group, world_size=env.world_size, hidden=cfg.hidden,
+                         num_experts=cfg.num_experts, module=module)  # fmt: skip
+    return peer, None
+
+
+def open_deepep_budget(peer: Any, budget: int, runtime: Any) -> tuple[Any, str | None]:
+    """(DeepEP at our SM budget ``budget``, None), or (None, why not), the same on every rank."""
+    why = bp.deepep_budget_skip_reason(budget)  # the same on every rank: no exchange
+    if why:
+        return None, why
+    dep, err = None, None
+    try:
+        dep = peer.budget(budget)
+    except Exception as exc:  # a Buffer that cannot be made (NVLink check, IPC, memory): skip, do not crash
+        err = f"DeepEP Buffer at {bp.deepep_num_sms(budget)} SMs failed ({type(exc).__name__}: {exc})"
+    why = agree(runtime, err)
+    if why:
+        # Not destroyed: its destroy is a device barrier that a rank without a buffer would never join.
+        peer.discard(budget)
+        return None, why
+    return dep, None
+
+
+def open_peer(
+    make_deepep: Callable[[Any, Any, argparse.Namespace], tuple[Any, str | None]],
+    runtime: Any,
+    cfg: Any,
+    args: argparse.Namespace,
+    meta: dict[str, Any],
+    say: Any,
+    not_requested: str,
+) -> tuple[Any, str | None]:
+    """DeepEP for a run (``make_deepep``, e.g. :func:`open_deepep`) if --peers names it: (the peer, None)
+    or (None, why not; ``not_requested`` without deepep in --peers). Records why not, or DeepEP's version,
+    in meta["deepep"] and says which."""
+    if "deepep" not in args.peer_list:
+        return None, not_requested
+    peer, skipped = make_deepep(runtime, cfg, args)
+    meta["deepep"]["skipped"] = skipped
+    if peer is None:
+        say(f"DeepEP skipped: {skipped}")
+        return None, skipped
+    meta["deepep"]["version"] = bp.deepep_version()
+    budgets = ", ".join(f"{b}->{bp.deepep_num_sms(b) or 'none'}" for b in args.num_sms_list)
+    version = meta["deepep"]["version"] or "(version unknown)"
+    say(f"DeepEP {version}: SM budgets (ours->DeepEP's) {budgets}")
+    return peer, skipped
+
+
+def open_budget(
+    make_buffer: Callable[[Any, Any], Any],
+    runtime: Any,
+    cfg: Any,
+    budget: int,
+    peer: Any,
+    peer_skipped: str | None,
+    say: Any,
+) -> tuple[Any, Any, Any, str | None]:
+    """One SM budget of a run: (``cfg`` at ``budget``, our buffer of it (``make_buffer``; said when
+    ready), DeepEP at that budget or None, why not (``peer_skipped`` without a peer))."""
+    cfg_b = dataclasses.replace(cfg, num_sms=budget)
+    t0 = time.perf_counter()
+    buf = make_buffer(runtime, cfg_b)  # the first compiles the module (tens of s) unless cached
+    say(f"EpBuffer ({budget} SMs) ready in {time.perf_counter() - t0:.1f} s")
+    dep, dep_skipped = None, peer_skipped
+    if peer is not None:
+        dep, dep_skipped = open_deepep_budget(peer, budget, runtime)
+        if dep_skipped:
+            say(f"DeepEP at {budget} SMs skipped: {dep_skipped}")
+    return cfg_b, buf, dep, dep_skipped
+
+
+def measure_deepep(dep: Any, sets: list[InputSet], runtime: Any, timer: Any,
+                   args: argparse.Namespace) -> tuple[list[float] | None, str | None]:  # fmt: skip
+    """This rank's medians (us, in bench_peers.DEEPEP_TIMES order) of DeepEP on ``sets``, or (None, why
+    not); the verdict is the same on every rank.
+
+    First, untimed, per set: a full dispatch (its handle, rows and routing are what the timed calls
+    reuse), checked (rows received, rows per local expert, the cached dispatch repeats it bit for bit,
+    combine(dispatch(x)) = x times the token's destination ranks). Then the four timed calls."""
+    import torch
+
+    n = len(sets)
+    why = None
+    try:
+        for s in sets:
+            if s.idx64 is None:
+                s.idx64 = s.idx.to(torch.int64)  # DeepEP's topk_idx dtype; converted once, untimed
+            # Every rank makes the same collective calls whatever its checks say; the verdicts meet below.
+            s.deepep = made = dep.dispatch_full(s.x, s.idx64, s.w)
+            cached = dep.dispatch_cached(s.x, made.handle)
+            combined = dep.combine(made.recv_x, made.handle)
+            why = why or bp.check_deepep_dispatch(
+                made.recv_x.shape[0], made.tokens_per_expert, s.deepep_rows, s.deepep_per_expert
+            )
+            if why is None and not torch.equal(cached, made.recv_x):
+                why = "DeepEP's cached dispatch differs from its full dispatch on the same input"
+            if why is None:
+                why = bp.check_deepep_combine(s.x, combined, torch.from_numpy(s.dest_count).to(s.x.device))
+    except Exception as exc:  # the same call on every rank: a host-side refusal is the same everywhere
+        why = f"DeepEP call failed ({type(exc).__name__}: {exc})"
+    why = agree(runtime, why)
+    steps = {
+        "dispatch": lambda i: dep.dispatch_cached(sets[i % n].x, sets[i % n].deepep.handle),
+        "full_dispatch": lambda i: dep.dispatch_full(sets[i % n].x, sets[i % n].idx64, sets[i % n].w),
+        "dispatch_permute": lambda i: dep.dispatch_permute(sets[i % n].x, sets[i % n].deepep),
+        "combine": lambda i: dep.combine(sets[i % n].deepep.recv_x, sets[i % n].deepep.handle),
+    }
+    medians: list[float] = []
+    for name in bp.DEEPEP_TIMES:
+        if why:
+            break
+        err = None
+        try:
+            medians.append(br.median(timer.run(steps[name], args.warmup, args.iters)))
+        except Exception as exc:
+            err = f"DeepEP {name} failed while timed ({type(exc).__name__}: {exc})"
+        why = agree(runtime, err)
+    for s in sets:
+        s.deepep = None  # its received rows: up to R * T rows of H per set
+    return (None, why) if why else (medians, None)
+
+
 def measure(
     buf: Any,
     cfg: Any,
@@ -374,8 +636,13 @@ def measure(
     routing: str,
     tokens: int,
     say: Any,
+    *,
+    deepep: Any = None,
+    deepep_skipped: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Rows (on rank 0; [] elsewhere) of every mode for one (routing, T)."""
+    """Rows (on rank 0; [] elsewhere) of every mode for one (routing, T) at the budget ``cfg.num_sms``.
+
+    deepep: a bench_peers.DeepEpBudget to time beside ours, or None with ``deepep_skipped`` the reason."""
     import torch
     import torch.distributed as dist
 
@@ -400,12 +667,15 @@ def measure(
             s.send, recv[: sum(s.recv_splits)], s.send_splits, s.recv_splits, group=nccl_group
         )
 
-    nccl_d = br.median(timer.run(nccl_dispatch, args.warmup, args.iters))
-    nccl_c = br.median(timer.run(nccl_combine, args.warmup, args.iters))
+    with_nccl = "nccl" in args.peer_list
+    nccl_d = br.median(timer.run(nccl_dispatch, args.warmup, args.iters)) if with_nccl else None
+    nccl_c = br.median(timer.run(nccl_combine, args.warmup, args.iters)) if with_nccl else None
     nccl_fp8: list[float] = []
 
-    def nccl_fp8_dispatch() -> float:
+    def nccl_fp8_dispatch() -> float | None:
         """NCCL moving the same rows packed as FP8 (quantized here, outside the timed region); once."""
+        if not with_nccl:
+            return None
         if not nccl_fp8:
             from cute_ep.fp8 import pack_fp8_rows, quantize_fp8
 
@@ -420,11 +690,69 @@ def measure(
 
             nccl_fp8.append(br.median(timer.run(step, args.warmup, args.iters)))
         return nccl_fp8[0]
+
+    deepep_us = None
+    if deepep is None and not deepep_skipped:
+        deepep_skipped = "not requested"
+    if deepep is not None:
+        deepep_us, deepep_skipped = measure_deepep(deepep, sets, runtime, timer, args)
+        if deepep_skipped:
+            say(f"[{routing} T={tokens} num_sms={cfg.num_sms}] DeepEP skipped: {deepep_skipped}")
+    deepep_per_rank = all_gather(deepep_us, runtime.cpu_group)  # all lists or all None (agreed)
     pairs = sum(s.pairs_off for s in sets) / n
     rows_sent = sum(s.rows_off for s in sets) / n
 
-    rows = []
-    for mode in args.mode_list:
+    def add_row(label: str, layout: str, checked: bool, t_d: float, t_nccl_d: float | None, d_row: int,
+                t_c: float) -> None:
+        per_rank = all_gather((pairs, rows_sent, t_d, t_c, t_nccl_d, nccl_c), runtime.cpu_group)
+        if env.rank != 0:
+            return
+        nccl = with_nccl and t_nccl_d is not None
+        row = br.BenchRow.from_measurements(
+            routing=routing, tokens=tokens, mode=label, checked=checked, row_bytes=cfg.row_bytes,
+            pairs_off=[p[0] for p in per_rank], rows_off=[p[1] for p in per_rank],
+            dispatch_us=[p[2] for p in per_rank], combine_us=[p[3] for p in per_rank],
+            nccl_dispatch_us=[p[4] for p in per_rank] if nccl else None,
+            nccl_combine_us=[p[5] for p in per_rank] if nccl else None,
+            dispatch_row_bytes=d_row, reduced_combine=label.endswith("+reduced"),
+        ).to_dict()  # fmt: skip
+        # DeepEP is timed with bf16 rows: an FP8 row has no DeepEP counterpart here.
+        fp8_row = label.endswith("+fp8")
+        dep_times = None if fp8_row or deepep_per_rank[0] is None else deepep_per_rank
+        dep_why = deepep_skipped
+        if fp8_row and not dep_why:
+            dep_why = "not timed for FP8 rows (DeepEP is timed with bf16 rows)"
+        row.update(bp.peer_fields(
+            num_sms=cfg.num_sms, layout=layout, row_bytes=d_row or cfg.row_bytes,
+            rows_off=row["rows_off"], dispatch_us=row["dispatch_us_per_rank"],
+            combine_us=row["combine_us_per_rank"], nccl_dispatch_us=row["nccl_dispatch_us_per_rank"],
+            deepep_num_sms=bp.deepep_num_sms(cfg.num_sms) or None, deepep_us=dep_times,
+            deepep_skipped=None if dep_times is not None else dep_why,
+        ))  # fmt: skip
+        rows.append(row)
+        say(br.format_row(row))
+
+    rows: list[dict[str, Any]] = []
+    if "rank" in args.layout_list:
+        checked = tokens <= args.validate_max_tokens
+        if checked:
+            checked_rank_round(buf, cfg, runtime, sets[0], f"[{routing} T={tokens} rank layout]", say)
+
+        def rank_dispatch(i: int) -> None:
+            s = sets[i % n]
+            buf.launch_dispatch(s.x, s.idx, s.w, layout="rank")
+
+        rank_d = br.median(timer.run(rank_dispatch, args.warmup, args.iters))
+        handles = [buf.dispatch(s.x, s.idx, s.w, layout="rank").handle for s in sets]  # all ran?
+
+        def rank_combine(i: int) -> None:
+            s = sets[i % n]
+            buf.launch_combine(handles[i % n], s.out)
+
+        rank_c = br.median(timer.run(rank_combine, args.warmup, args.iters))
+        buf.check_ran()
+        add_row("rank", "rank", checked, rank_d, nccl_d, 0, rank_c)
+    for mode in args.mode_list if "expert" in args.layout_list else ():
         checked = tokens <= args.validate_max_tokens
         if checked:
             checked_round(buf, cfg, runtime, sets[0], mode, f"[{routing} T={tokens} {mode}]", say,
@@ -476,18 +804,20 @@ def measure(
             buf.dispatch(sets[0].x, sets[0].idx, sets[0].w, mode=mode, fp8=True)  # raises if one did not run
             variants.append((f"{mode}+fp8", fp8_d, nccl_fp8_dispatch(), cfg.fp8_row_bytes, variants[0][4]))
         for label, t_d, t_nccl_d, d_row, t_c in variants:
-            per_rank = all_gather((pairs, rows_sent, t_d, t_c, t_nccl_d, nccl_c), runtime.cpu_group)
-            if env.rank == 0:
-                row = br.BenchRow.from_measurements(
-                    routing=routing, tokens=tokens, mode=label, checked=checked, row_bytes=cfg.row_bytes,
-                    pairs_off=[p[0] for p in per_rank], rows_off=[p[1] for p in per_rank],
-                    dispatch_us=[p[2] for p in per_rank], combine_us=[p[3] for p in per_rank],
-                    nccl_dispatch_us=[p[4] for p in per_rank], nccl_combine_us=[p[5] for p in per_rank],
-                    dispatch_row_bytes=d_row, reduced_combine=label.endswith("+reduced"),
-                )  # fmt: skip
-                rows.append(row.to_dict())
-                say(br.format_row(row))
+            add_row(label, "expert", checked, t_d, t_nccl_d, d_row, t_c)
     return rows
+
+
+def deepep_meta(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    """A report's meta["deepep"] before the run (:func:`open_peer` fills in version or skipped), plus
+    ``extra``."""
+    return {
+        "requested": "deepep" in args.peer_list,
+        "version": None,  # filled in when DeepEP runs
+        "skipped": None,  # why it cannot run in this world (rows also say why per budget / size)
+        "num_sms": {str(b): bp.deepep_num_sms(b) or None for b in args.num_sms_list},
+        **extra,
+    }
 
 
 def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any]:
@@ -506,6 +836,21 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
         "world_size": env.world_size,
         "local_world_size": env.local_world_size,
         "virtual_nodes": env.is_virtual,
+        # the results form's keys (bench_peers.PERF_META_FIELDS), beside the config below
+        "hidden": cfg.hidden,
+        "topk": cfg.topk,
+        "num_experts": cfg.num_experts,
+        "dtype": args.dtype,
+        "num_sms_budgets": args.num_sms_list,
+        "peers": args.peer_list,
+        "deepep": deepep_meta(
+            args,
+            timing=(
+                "same timer, same input sets; dispatch = cached handle; full_dispatch = layout + dispatch "
+                "(host sync included); dispatch_permute = cached dispatch + torch expert-major permute; "
+                "combine = sum of the received rows (no weights)"
+            ),
+        ),
         "config": {
             "hidden": cfg.hidden,
             "topk": cfg.topk,
@@ -516,7 +861,8 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
             "row_bytes": cfg.row_bytes,
             "max_tokens": cfg.max_tokens,
             "capacity": cfg.capacity,
-            "num_sms": cfg.num_sms,
+            # one budget: an int as before; a sweep (--num-sms a,b,...): the list
+            "num_sms": args.num_sms_list[0] if len(args.num_sms_list) == 1 else args.num_sms_list,
             "tokens": args.token_list,
             "routings": args.routing_list,
             "modes": args.mode_list,
@@ -568,6 +914,17 @@ def run(args: argparse.Namespace) -> int:
     return run_guarded(timed_sweep, args, env, cfg)
 
 
+def shared_module_buffers(runtime: Any) -> Callable[[Any, Any], Any]:
+    """make_buffer(runtime, cfg) -> EpBuffer, every buffer on one ModuleRegistry: the SM budgets of a sweep
+    differ only in a run-time scalar, so they share one compiled module."""
+    from cute_ep.bootstrap.compile import ModuleRegistry
+    from cute_ep.buffer import EpBuffer
+
+    registry = ModuleRegistry(device_id=runtime.env.local_rank)
+    runtime.add_finalizer(registry.finalize_all)
+    return lambda rt, c: EpBuffer(rt, c, registry=registry)
+
+
 def sweep(
     args: argparse.Namespace,
     cfg: Any,
@@ -576,17 +933,20 @@ def sweep(
     *,
     make_buffer: Callable[[Any, Any], Any] | None = None,
     make_timer: Callable[[Any], Any] | None = None,
+    make_deepep: Callable[[Any, Any, argparse.Namespace], tuple[Any, str | None]] | None = None,
 ) -> int:
-    """Every (routing, T, mode) with one EpBuffer; rank 0 prints, writes the report and the plot.
+    """Every (num_sms, routing, T, mode) with one EpBuffer per SM budget; rank 0 prints, writes the report
+    and the plot.
 
-    ``make_buffer(runtime, cfg)`` / ``make_timer(runtime)`` default to EpBuffer / Timer (the CPU
-    tests pass stand-ins to run this flow over gloo).
+    ``make_buffer(runtime, cfg)`` / ``make_timer(runtime)`` / ``make_deepep(runtime, cfg, args)`` default
+    to EpBuffers sharing one module / Timer / :func:`open_deepep` (the CPU tests pass stand-ins to run
+    this flow over gloo). ``make_deepep`` returns (a bench_peers.DeepEpPeer, None) or (None, why not).
     """
     from cute_ep.cli import all_gather, leave
 
-    if make_buffer is None:
-        from cute_ep.buffer import EpBuffer as make_buffer
+    make_buffer = shared_module_buffers(runtime) if make_buffer is None else make_buffer
     make_timer = Timer if make_timer is None else make_timer
+    make_deepep = open_deepep if make_deepep is None else make_deepep
 
     env = runtime.env
     meta = make_meta(args, cfg, runtime)
@@ -597,7 +957,7 @@ def sweep(
         f"{cfg.local_world_size}{' (virtual nodes)' if env.is_virtual else ''}; git {meta['git_sha']}",
         f"H {cfg.hidden}, top-k {cfg.topk}, E {cfg.num_experts} ({cfg.experts_per_rank}/rank), {args.dtype}, "
         f"tokens/rank {args.token_list}, routings {args.routing_list}, modes {args.mode_list}, "
-        f"num_sms {cfg.num_sms}, {args.warmup} warm-up + {args.iters} timed iterations, "
+        f"num_sms {args.num_sms_list}, {args.warmup} warm-up + {args.iters} timed iterations, "
         f"{args.input_sets} input sets",
         f"symmetric memory per rank: {sym} bytes ({sym / 2**30:.2f} GiB), heap {runtime.symmetric_size}",
         "dispatch time = layout + dispatch kernels; combine time = handle slot copy + combine kernel; "
@@ -605,30 +965,49 @@ def sweep(
     )
     for var in multicast_warnings():
         say(f"warning: {var}")
-    t0 = time.perf_counter()
-    buf = make_buffer(runtime, cfg)  # compiles the module (tens of seconds) unless cached
-    say(f"EpBuffer ready in {time.perf_counter() - t0:.1f} s", "", br.table_header())
+    peer, peer_skipped = open_peer(make_deepep, runtime, cfg, args, meta, say,
+                                   "not requested (--peers without deepep)")  # fmt: skip
     timer = make_timer(runtime)
     rows: list[dict[str, Any]] = []
+    buf = None
     try:
-        for routing in args.routing_list:
-            for tokens in args.token_list:
-                rows += measure(buf, cfg, runtime, timer, args, routing, tokens, say)
-                if env.rank == 0 and args.out_json:
-                    br.write_json(args.out_json, meta, rows)
+        for bi, budget in enumerate(args.num_sms_list):
+            cfg_b, buf, dep, dep_skipped = open_budget(
+                make_buffer, runtime, cfg, budget, peer, peer_skipped, say
+            )
+            if bi == 0:
+                say("", br.table_header())
+            for routing in args.routing_list:
+                for tokens in args.token_list:
+                    rows += measure(buf, cfg_b, runtime, timer, args, routing, tokens, say,
+                                    deepep=dep, deepep_skipped=dep_skipped)  # fmt: skip
+                    if env.rank == 0 and args.out_json:
+                        write_report(args.out_json, meta, rows)
+            buf.close()
+            buf = None
+            if dep is not None:
+                peer.release(budget)
     except CheckFailed as exc:  # the same on every rank
-        buf.close()
+        if buf is not None:
+            buf.close()
+        if peer is not None:
+            peer.close()
         return leave(runtime, exc, EXIT_FAIL)
-    buf.close()
     if env.rank == 0:
-        say(br.TABLE_NOTE)
+        say(br.TABLE_NOTE, "", bp.format_peer_table(rows))
         if args.out_json:
             say(f"report: {args.out_json}")
         if args.out_png:
-            br.plot({"schema": br.SCHEMA, "meta": meta, "rows": rows}, args.out_png)
+            bp.plot_peers({"meta": meta, "rows": rows}, args.out_png)
             say(f"plot: {args.out_png}")
     runtime.barrier()
     return EXIT_OK
+
+
+def write_report(path: str, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The report at ``path``: bench_report's schema, and the results form of bench_peers (checked first)."""
+    bp.check_perf_json({"meta": meta, "rows": rows})
+    br.write_json(path, meta, rows)
 
 
 def multicast_warnings() -> list[str]:
@@ -642,16 +1021,8 @@ def multicast_warnings() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)  # exits 2 with argparse's message on bad syntax
-    try:
-        validate_args(args)
-    except UsageError as exc:
-        from cute_ep.cli import launch_rank  # imports torch: only after parsing (--help stays torch-free)
-
-        if launch_rank() == "0":
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    return run(args)
+    args = checked_args(build_parser(), validate_args, argv)
+    return EXIT_USAGE if args is None else run(args)
 
 
 if __name__ == "__main__":

@@ -1,138 +1,248 @@
 """Where a dispatch / combine call's GPU time goes, kernel by kernel, at small (decode) batches.
 
-To run (one process per GPU):
+To run (one process per GPU; keep NVLink multicast off, as on the lent hosts):
 
     torchrun --nproc-per-node 2 scripts/decode_breakdown.py --tokens 128,4096
 
-For each tokens-per-rank value (DeepSeek-V3 shapes by default: H 7168, top-k 8, 256 experts, bf16,
-uniform routing), with ``scripts/benchmark.py``'s timer (GPU held by a sleep while the host enqueues,
-CUDA events per iteration, slowest rank's median), times:
+    # the decode report of issue 15 (baselines/perf/h200x2_decode.json), DeepEP beside ours
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+    torchrun --nproc-per-node 2 scripts/decode_breakdown.py --tokens 1,32,128,256 --num-sms 24,132 \\
+        --peers deepep --out-json baselines/perf/h200x2_decode.json
+
+For each SM budget (--num-sms: one EpBuffer per budget, all sharing one compiled module) and each
+tokens-per-rank value (DeepSeek-V3 shapes by default: H 7168, top-k 8, 256 experts, bf16, uniform
+routing, input seed 0), with ``scripts/benchmark.py``'s timer (GPU held by a sleep while the host
+enqueues, CUDA events per iteration, slowest rank's median), times:
     * the layout kernel alone (counts, count exchange with every peer, offsets, slots);
     * layout + dispatch + fan-out (what ``launch_dispatch`` enqueues; the dispatch time of the benchmark);
-    * the pull combine and the reduced combine (``launch_combine``) on the latest dispatch's handle.
-Dispatch's own share is the third minus the second. Then, for the public calls as a user who captures no
+    * the pull combine and, on a buffer built for it (--combine reduced, the default), the reduced
+      combine (``launch_combine``) on the latest dispatch's handle.
+Dispatch's own share is the second minus the first. Then, for the public calls as a user who captures no
 CUDA graph sees them (wall time from an idle GPU to the results, median of ``--iters``):
-    * ``dispatch()`` (one host sync), ``dispatch(sync=False)`` and ``combine()`` (no host sync), each against
-      its kernels' time from the first table, the difference being the host's share;
+    * ``dispatch()`` (one host sync), ``dispatch(sync=False)`` and ``combine()`` (no host sync; the
+      buffer's default algorithm), each against its kernels' time, the difference being the host's share;
     * that share's parts, each timed alone: the argument checks, enqueueing the kernels (pointers,
       scalars, launches) and, for ``dispatch()``, the status read after the kernels (copy + sync).
-Nothing is validated here: run ``scripts/benchmark.py`` (which checks every configuration it times) for
-the results themselves.
+And DeepEP (--peers deepep; optional: when ``import deep_ep`` fails or the world cannot run it, its
+columns say why) at the same budget (``cute_ep.bench_peers.deepep_num_sms``: the largest even count <=
+min(budget, 128)), on the same inputs, with the same timer (``benchmark.measure_deepep``: checked first;
+its cached-handle dispatch, its full layout + dispatch call with its host sync, and its combine).
+Nothing of ours is validated here: run ``scripts/benchmark.py`` (which checks every configuration it
+times) for the results themselves.
 
-Constraints: GPUs with NVSHMEM, one per rank; the constraints of ``EpConfig``. Exit 0, 2 for bad
-arguments.
+Output on rank 0: one line per (num_sms, tokens) as it is measured; at the end the kernel table and the
+public-call table (with DeepEP's columns). With --out-json PATH (rewritten after every row): ``{"schema",
+"meta", "rows"}``, meta = world_size, local_world_size, device, hidden, topk, num_experts, dtype, iters,
+warmup, tokens, num_sms_budgets, combine_algorithm, peers, deepep {version, skipped, num_sms}, versions,
+git sha, time, command; one row per (tokens, num_sms) with ``cute_ep.bench_peers.DECODE_ROW_FIELDS``
+(``decode_row`` says what each means) and every rank's values under ``per_rank``.
+
+Constraints: GPUs with NVSHMEM, one per rank (--help and argument errors need none); the constraints of
+``EpConfig``; every --tokens value in [1, 65536]; --num-sms integers >= 1; --peers deepep or none
+(NCCL is scripts/benchmark.py's peer); --iters >= 1, --warmup >= 0; --out-json writable. Exit status
+(the same on every rank): 0 done, 1 a run-time error, 2 bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import shlex
 import sys
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchmark as bm  # noqa: E402  (the timer and input sets of the benchmark)
+import benchmark as bm  # noqa: E402  (the timer, input sets and DeepEP peer of the benchmark)
 
+from cute_ep import bench_peers as bp  # noqa: E402  (pure Python + numpy: safe before parsing)
 from cute_ep import bench_report as br  # noqa: E402
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+DTYPE_CHOICES = ("bfloat16", "float16", "float32")
+PEERS = ("deepep",)  # of bench_peers.PEER_CHOICES, the ones this script times
+
+
+class UsageError(ValueError):
+    """Arguments the script cannot run with; exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = br.script_parser(__doc__, "See the module docstring (To run / what is timed / Constraints).")
     p.add_argument("--tokens", default="128,4096", help="comma list of tokens per rank")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--num-experts", type=int, default=256)
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--num-sms", type=int, default=132)
+    p.add_argument("--num-sms", default="132",
+                   help="comma list of SM budgets (EpConfig.num_sms; DeepEP gets the largest even count <= "
+                        "min(budget, 128)); one EpBuffer per budget")
+    p.add_argument("--combine", choices=bp.DECODE_COMBINES, default="reduced",
+                   help="the buffer's default combine (EpConfig.combine_algorithm): what combine() and the "
+                        "rows' combine_us use; 'reduced' also times the pull combine")
+    p.add_argument("--peers", default="deepep",
+                   help="'deepep' (timed beside ours when deep_ep imports and the world can run it; else "
+                        "skipped with the reason) or 'none'")
+    p.add_argument("--out-json", metavar="PATH",
+                   help="write the decode report here (rank 0; after every row)")
+    p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
     return p
 
 
+def validate_args(args: argparse.Namespace) -> None:
+    """Launch-independent checks; fills args.token_list, num_sms_list, peer_list. Raises UsageError naming
+    the constraint and the value."""
+    try:
+        args.token_list = br.parse_int_list(args.tokens, "--tokens")
+        args.num_sms_list = bp.parse_num_sms(args.num_sms)
+        args.peer_list = bp.parse_peers(args.peers)
+    except br.BenchReportError as exc:
+        raise UsageError(str(exc)) from None
+    if max(args.token_list) > bm.MAX_TOKENS_PER_RANK:
+        raise UsageError(f"--tokens values must be <= {bm.MAX_TOKENS_PER_RANK}, got {max(args.token_list)}")
+    other = [p for p in args.peer_list if p not in PEERS]
+    if other:
+        raise UsageError(
+            f"--peers takes 'deepep' or 'none' here (NCCL is scripts/benchmark.py's peer); {other[0]!r} in "
+            f"{args.peers!r} is not one"
+        )
+    if args.iters < 1 or args.warmup < 0:
+        raise UsageError(f"need --iters >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    if args.out_json:  # rank 0 writes it during the run, when a bad path could no longer stop it early
+        try:
+            br.check_writable("--out-json", args.out_json)
+        except br.BenchReportError as exc:
+            raise UsageError(str(exc)) from None
+
+
+def make_config(args: argparse.Namespace, env: Any) -> Any:
+    """The EpConfig of the run (the first budget's; each budget's buffer replaces num_sms)."""
+    from cute_ep.cli import DTYPES
+    from cute_ep.kernels.config import EpConfig
+
+    return EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
+                    num_experts=args.num_experts, topk=args.topk, hidden=args.hidden,
+                    dtype=DTYPES[args.dtype], max_tokens=max(args.token_list), num_sms=args.num_sms_list[0],
+                    combine_algorithm=args.combine)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from cute_ep.bootstrap.dist_env import DistEnv
+    args = bm.checked_args(build_parser(), validate_args, argv, UsageError)
+    if args is None:
+        return EXIT_USAGE
+    from cute_ep.bootstrap.dist_env import DistEnv, DistEnvError
     from cute_ep.bootstrap.runtime import Runtime
-    from cute_ep.buffer import EpBuffer
-    from cute_ep.cli import DTYPES, Printer, all_gather
-    from cute_ep.kernels.config import OP_LAYOUT, EpConfig
+    from cute_ep.cli import Printer, launch_rank, run_guarded
+    from cute_ep.kernels.config import ConfigError
 
     try:
-        tokens = br.parse_int_list(args.tokens, "--tokens")
-    except br.BenchReportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    env = DistEnv.from_environ()
-    cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
-                   num_experts=args.num_experts, topk=args.topk, hidden=args.hidden, dtype=DTYPES[args.dtype],
-                   max_tokens=max(tokens), num_sms=args.num_sms, combine_algorithm="reduced")
-    say = Printer(env.rank)
-    with Runtime(env, symmetric_bytes=cfg.symmetric_bytes()) as rt, EpBuffer(rt, cfg) as buf:
-        timer = bm.Timer(rt)
-        say(f"decode breakdown: {env.world_size} ranks ({cfg.nnodes} node(s)), H {cfg.hidden}, K {cfg.topk}, "
-            f"E {cfg.num_experts}, {args.dtype}; slowest rank's median of {args.iters} (us)",
-            f"{'tokens':>7} {'layout':>8} {'dispatch call':>14} {'dispatch kernels':>17} "
-            f"{'pull combine':>13} {'reduced combine':>16}")
-        ns = argparse.Namespace(hidden=cfg.hidden)
-        kernels: dict[int, dict[str, float]] = {}
-        for t in tokens:
-            s = bm.InputSet(ns, cfg, env.rank, rt.device, t, "uniform", 0)
-            res = buf.dispatch(s.x, s.idx, s.w)
-            buf.expert_output(res.num_recv).copy_(res.recv_x)
-            steps: dict[str, Any] = {
-                "layout": lambda i, s=s, t=t: buf._launch(OP_LAYOUT, t, idx=s.idx),
-                "dispatch": lambda i, s=s: buf.launch_dispatch(s.x, s.idx, s.w),
-            }
-            med = {name: br.median(timer.run(step, args.warmup, args.iters)) for name, step in steps.items()}
-            res = buf.dispatch(s.x, s.idx, s.w)  # a checked call: raises if a launch did not run
-            for algorithm in ("pull", "reduced"):
-                med[algorithm] = br.median(timer.run(
-                    lambda i, a=algorithm, s=s, h=res.handle: buf.launch_combine(h, s.out, a), args.warmup,
-                    args.iters))
-                buf.combine(buf.expert_output(res.num_recv), res.handle, algorithm=algorithm)
-            per_rank = all_gather(list(med.values()), rt.cpu_group)  # [rank][step]
-            w = {k: max(r[j] for r in per_rank) for j, k in enumerate(med)}
-            kernels[t] = w
-            say(f"{t:>7} {w['layout']:>8.1f} {w['dispatch']:>14.1f} {w['dispatch'] - w['layout']:>17.1f} "
-                f"{w['pull']:>13.1f} {w['reduced']:>16.1f}")
-        say("", "public calls: wall time from an idle GPU to the results vs their kernels (us; slowest rank)",
-            f"{'tokens':>7} {'call':>20} {'wall':>8} {'kernels':>8} {'host':>8} {'checks':>8} {'enqueue':>8} "
-            f"{'status read':>12}")
-        for t in tokens:
-            s = bm.InputSet(argparse.Namespace(hidden=cfg.hidden), cfg, env.rank, rt.device, t, "uniform", 0)
-            rows = api_breakdown(buf, s, args.iters)
-            per_rank = all_gather(rows, rt.cpu_group)
-            for name, kernel in (("dispatch()", "dispatch"), ("dispatch(sync=False)", "dispatch"),
-                                 ("combine()", "pull")):
-                part = {k: max(r[name][k] for r in per_rank) for k in rows[name]}
-                kern = kernels[t][kernel]
-                say(f"{t:>7} {name:>20} {part['wall']:>8.1f} {kern:>8.1f} {part['wall'] - kern:>8.1f} "
-                    f"{part['checks']:>8.1f} {part['enqueue']:>8.1f} {part.get('status', 0.0):>12.1f}")
-    return 0
+        env = DistEnv.from_environ()
+        cfg = make_config(args, env)
+    except (ConfigError, DistEnvError) as exc:
+        if launch_rank() == "0" or isinstance(exc, DistEnvError):
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+
+    # The heap fits the largest budget's buffer (across nodes the staging rows grow with num_sms).
+    heap = max(dataclasses.replace(cfg, num_sms=b).symmetric_bytes() for b in args.num_sms_list)
+
+    def body(args: argparse.Namespace, env: Any, cfg: Any) -> int:
+        with Runtime(env, symmetric_bytes=heap) as rt:
+            return decode_report(args, cfg, rt, Printer(env.rank))
+
+    return run_guarded(body, args, env, cfg)
 
 
-def _wall_us(fn, iters: int, *, host_only: bool = False) -> float:
+# --------------------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------------------
+
+
+def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any, device: str) -> dict[str, Any]:
+    env = runtime.env
+    return {
+        "device": device,
+        "world_size": env.world_size,
+        "local_world_size": env.local_world_size,
+        "hidden": cfg.hidden,
+        "topk": cfg.topk,
+        "num_experts": cfg.num_experts,
+        "dtype": args.dtype,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "tokens": args.token_list,
+        "num_sms_budgets": args.num_sms_list,
+        "combine_algorithm": cfg.combine_algorithm,
+        "routing": "uniform",
+        "seed": 0,
+        "peers": args.peer_list,
+        "deepep": bm.deepep_meta(args),
+        "timing": (
+            "kernels: scripts/benchmark.py's Timer (CUDA events per iteration, GPU held by a sleep while the "
+            "host enqueues), median per rank, slowest rank; dispatch = layout + dispatch kernels; combine = "
+            "the buffer's default algorithm (handle slot copy included); public calls: wall time from an "
+            "idle GPU to the results (torch.cuda.synchronize), median per rank, slowest rank; DeepEP: "
+            "benchmark.measure_deepep (dispatch = cached handle; full_dispatch = layout + dispatch, host "
+            "sync included)"
+        ),
+        "environment": {k: os.environ.get(k) for k in bm.RECORDED_VARS},
+        "versions": br.package_versions(),
+        "git_sha": br.git_sha(),
+        "timestamp": br.utc_timestamp(),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+    }
+
+
+def kernel_medians(buf: Any, s: Any, timer: Any, args: argparse.Namespace) -> dict[str, float | None]:
+    """This rank's medians (us) of the kernels (bench_peers.DECODE_KERNEL_TIMES) on input set ``s``."""
+    from cute_ep.kernels.config import OP_LAYOUT
+
+    t = s.x.shape[0]
+    res = buf.dispatch(s.x, s.idx, s.w)
+    buf.expert_output(res.num_recv).copy_(res.recv_x)
+    steps: dict[str, Callable[[int], Any]] = {
+        "layout": lambda i: buf._launch(OP_LAYOUT, t, idx=s.idx),
+        "dispatch": lambda i: buf.launch_dispatch(s.x, s.idx, s.w),
+    }
+    med: dict[str, float | None] = {
+        name: br.median(timer.run(step, args.warmup, args.iters)) for name, step in steps.items()
+    }
+    res = buf.dispatch(s.x, s.idx, s.w)  # a checked call: raises if a launch did not run
+    # The reduced combine needs a buffer built for it (its partial rows, the dispatch's group lists).
+    algorithms = ("pull", "reduced") if buf.cfg.combine_algorithm == "reduced" else ("pull",)
+    med["reduced_combine"] = None
+    for algorithm in algorithms:
+        med[f"{algorithm}_combine"] = br.median(timer.run(
+            lambda i, a=algorithm, h=res.handle: buf.launch_combine(h, s.out, a), args.warmup, args.iters))
+        buf.combine(buf.expert_output(res.num_recv), res.handle, algorithm=algorithm)  # all ran?
+    return med
+
+
+def _wall_us(fn: Callable[[], Any], iters: int, sync: Callable[[], Any], *, host_only: bool = False) -> float:
     """Median time (us) of ``fn()`` started on an idle GPU: until its GPU work is done, or with
     ``host_only`` until it returns (the host's own time; its GPU work is waited for outside the timing)."""
-    import time
-
-    import torch
-
     times = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
         if not host_only:
-            torch.cuda.synchronize()
+            sync()
         times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
+    sync()
     return br.median(times)
 
 
-def api_breakdown(buf: Any, s: Any, iters: int) -> dict[str, dict[str, float]]:
-    """{call: {wall, checks, enqueue[, status]}} in us for this rank (see the module docstring)."""
+def api_breakdown(buf: Any, s: Any, iters: int) -> dict[str, float]:
+    """This rank's medians (us) of the public calls and their host parts (bench_peers.DECODE_API_TIMES and
+    DECODE_HOST_TIMES; see the module docstring)."""
+    import torch
+
     from cute_ep.input_checks import (
         check_combine_input,
         check_dispatch_algorithm,
@@ -141,6 +251,8 @@ def api_breakdown(buf: Any, s: Any, iters: int) -> dict[str, dict[str, float]]:
     )
 
     c = buf.cfg
+    # The device's own sync (a CPU stand-in buffer has no GPU work to wait for).
+    sync = (lambda: torch.cuda.synchronize(buf.device)) if buf.device.type == "cuda" else (lambda: None)
     res = buf.dispatch(s.x, s.idx, s.w)
     y = buf.expert_output(res.num_recv)
 
@@ -153,26 +265,101 @@ def api_breakdown(buf: Any, s: Any, iters: int) -> dict[str, dict[str, float]]:
         check_combine_input(c, buf.device, y)
         buf._check_combine_algorithm(res.handle, None)
 
-    dispatch_parts = {
-        "checks": _wall_us(dispatch_checks, iters, host_only=True),
-        "enqueue": _wall_us(lambda: buf.launch_dispatch(s.x, s.idx, s.w), iters, host_only=True),
-        "status": _wall_us(buf.status.read, iters),  # GPU idle: the copy and the sync alone
-    }
+    def dispatch_enqueue() -> None:
+        buf.launch_dispatch(s.x, s.idx, s.w)
+
     out = {
-        "dispatch()": {"wall": _wall_us(lambda: buf.dispatch(s.x, s.idx, s.w), iters), **dispatch_parts},
-        "dispatch(sync=False)": {"wall": _wall_us(lambda: buf.dispatch(s.x, s.idx, s.w, sync=False), iters),
-                                 "checks": dispatch_parts["checks"], "enqueue": dispatch_parts["enqueue"]},
+        "dispatch_checks": _wall_us(dispatch_checks, iters, sync, host_only=True),
+        "dispatch_enqueue": _wall_us(dispatch_enqueue, iters, sync, host_only=True),
+        "dispatch_status": _wall_us(buf.status.read, iters, sync),  # GPU idle: the copy and the sync alone
+        "api_dispatch": _wall_us(lambda: buf.dispatch(s.x, s.idx, s.w), iters, sync),
+        "api_dispatch_nosync": _wall_us(lambda: buf.dispatch(s.x, s.idx, s.w, sync=False), iters, sync),
     }
+    # combine() with the default algorithm: the reduced one needs the latest dispatch's handle.
     res = buf.dispatch(s.x, s.idx, s.w)
     y = buf.expert_output(res.num_recv)
-    out["combine()"] = {
-        "wall": _wall_us(lambda: buf.combine(y, res.handle), iters),
-        "checks": _wall_us(combine_checks, iters, host_only=True),
-        "enqueue": _wall_us(lambda: buf.launch_combine(res.handle, s.out), iters, host_only=True),
-    }
+    out["api_combine"] = _wall_us(lambda: buf.combine(y, res.handle), iters, sync)
+    out["combine_checks"] = _wall_us(combine_checks, iters, sync, host_only=True)
+    out["combine_enqueue"] = _wall_us(lambda: buf.launch_combine(res.handle, s.out), iters, sync,
+                                      host_only=True)
     buf.check_ran()
     return out
 
 
+def decode_report(
+    args: argparse.Namespace,
+    cfg: Any,
+    runtime: Any,
+    say: Callable[..., None],
+    *,
+    make_buffer: Callable[[Any, Any], Any] | None = None,
+    make_timer: Callable[[Any], Any] | None = None,
+    make_deepep: Callable[[Any, Any, argparse.Namespace], tuple[Any, str | None]] | None = None,
+    measure_api: Callable[[Any, Any, int], Mapping[str, float]] | None = None,
+) -> int:
+    """Every (num_sms, tokens) with one EpBuffer per SM budget; rank 0 prints and writes the report.
+
+    ``make_buffer(runtime, cfg)`` / ``make_timer(runtime)`` / ``make_deepep(runtime, cfg, args)`` /
+    ``measure_api(buf, input_set, iters)`` default to EpBuffers sharing one module / benchmark.Timer /
+    benchmark.open_deepep / :func:`api_breakdown` (the CPU tests pass stand-ins to run this over gloo)."""
+    import torch
+
+    from cute_ep.cli import all_gather
+
+    make_buffer = bm.shared_module_buffers(runtime) if make_buffer is None else make_buffer
+    make_timer = bm.Timer if make_timer is None else make_timer
+    make_deepep = bm.open_deepep if make_deepep is None else make_deepep
+    measure_api = api_breakdown if measure_api is None else measure_api
+
+    env = runtime.env
+    name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
+    device = ", ".join(sorted(set(all_gather(name, runtime.cpu_group))))
+    meta = make_meta(args, cfg, runtime, device)
+    say(f"decode breakdown: {device} x {env.world_size} ({cfg.nnodes} node(s)), H {cfg.hidden}, "
+        f"K {cfg.topk}, E {cfg.num_experts}, {args.dtype}, tokens/rank {args.token_list}, "
+        f"num_sms {args.num_sms_list}, default combine {cfg.combine_algorithm}; slowest rank's median "
+        f"of {args.iters} (us); git {meta['git_sha']}")  # fmt: skip
+    for line in bm.multicast_warnings():
+        say(f"warning: {line}")
+    peer, peer_skipped = bm.open_peer(make_deepep, runtime, cfg, args, meta, say,
+                                      "not requested (--peers none)")  # fmt: skip
+    timer = make_timer(runtime)
+    ns = argparse.Namespace(hidden=cfg.hidden)
+    rows: list[dict[str, Any]] = []
+    for budget in args.num_sms_list:
+        cfg_b, buf, dep, dep_skipped = bm.open_budget(
+            make_buffer, runtime, cfg, budget, peer, peer_skipped, say
+        )
+        for t in args.token_list:
+            s = bm.InputSet(ns, cfg_b, env.rank, runtime.device, t, "uniform", 0)
+            med = kernel_medians(buf, s, timer, args)
+            med.update(measure_api(buf, s, args.iters))
+            dep_us, why = None, dep_skipped
+            if dep is not None:
+                bm.exchange_splits([s], runtime.cpu_group)  # what DeepEP must deliver (checked first)
+                dep_us, why = bm.measure_deepep(dep, [s], runtime, timer, args)
+            per_rank = all_gather((med, dep_us), runtime.cpu_group)  # DeepEP: all lists or all None
+            row = bp.decode_row(
+                tokens=t, num_sms=budget, combine_algorithm=cfg.combine_algorithm,
+                per_rank=[m for m, _ in per_rank],
+                deepep_us=None if per_rank[0][1] is None else [d for _, d in per_rank], deepep_skipped=why,
+            )  # fmt: skip
+            rows.append(row)
+            say(bp.format_decode_progress(row))
+            if env.rank == 0 and args.out_json:
+                bp.write_decode_json(args.out_json, meta, rows)
+        buf.close()
+        if dep is not None:
+            peer.release(budget)
+    say("", bp.format_decode_tables(rows))
+    if args.out_json:
+        say(f"report: {args.out_json}")
+    runtime.barrier()
+    return EXIT_OK
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from cute_ep.cli import exit_process  # after main: --help and bad arguments exit before torch is imported
+
+    exit_process(code)

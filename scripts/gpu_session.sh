@@ -11,6 +11,10 @@
 #   bash scripts/gpu_session.sh soak        # 1000 iterations twice with one seed, capacity+FP8,
 #                                           # the reduced combine                               (~3 min)
 #   bash scripts/gpu_session.sh sanitizer   # compute-sanitizer memcheck, one GPU, no torchrun
+#   bash scripts/gpu_session.sh peers       # issue 14: ours (both layouts) vs DeepEP and NCCL at 24, 48
+#                                           # and 132 SMs, T=4096 and 8192 (build DeepEP first:
+#                                           # .gpu/b/peers/build_deepep.sh; PYTHONPATH=/tmp/deepep)
+#   bash scripts/gpu_session.sh decode      # issue 15: decode kernels and public calls vs DeepEP (JSON)
 #   N=2 bash scripts/gpu_session.sh tests-a # fewer GPUs than the host has
 #   DRY_RUN=1 N=4 bash scripts/gpu_session.sh examples   # print the commands only (any machine)
 #
@@ -19,7 +23,7 @@
 # Each part ends with a "=== <part>: rc=N" line; the exit status is non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"usage: bash scripts/gpu_session.sh tests-a|tests-b|examples|bench|soak|sanitizer"}
+part=${1:?"usage: bash scripts/gpu_session.sh tests-a|tests-b|examples|bench|soak|sanitizer|peers|decode"}
 out=${OUT:-out/gpu-session}
 mkdir -p "$out"
 export CUTE_EP_COMPILE_CACHE=${CUTE_EP_COMPILE_CACHE:-/tmp/cute_ep_objects}
@@ -83,6 +87,18 @@ case $part in
       --fp8 --capacity-factor 0.75 --out-json "$out/soak-capacity-fp8.json"
     step soak-reduced 170 $T scripts/soak.py --iters 1000 --max-tokens 128 --hidden 1024 --seed 7 \
       --combine reduced --out-json "$out/soak-reduced.json"
+    step soak-layouts 170 $T scripts/soak.py --iters 1000 --max-tokens 128 --hidden 1024 --seed 7 \
+      --layouts expert,rank --out-json "$out/soak-layouts.json"
+    ;;
+  peers)
+    # One run, the same inputs and SM budget for every peer (DeepEP at 128 SMs for the full GPU).
+    step bench-peers 580 $T scripts/benchmark.py --tokens 4096,8192 --routing uniform --combine pull,reduced \
+      --layouts expert,rank --num-sms 24,48,132 --peers nccl,deepep --iters 20 --warmup 3 \
+      --out-json "$out/h200x${n}_vs_deepep.json" --out-png "$out/h200x${n}_vs_deepep.png"
+    ;;
+  decode)
+    step decode 580 $T scripts/decode_breakdown.py --tokens 1,32,128,256 --num-sms 24,132 --peers deepep \
+      --out-json "$out/h200x${n}_decode.json"
     ;;
   sanitizer)
     # One process, no torchrun: only the script is instrumented (a world of one: self route only).

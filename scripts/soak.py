@@ -3,7 +3,8 @@
 Every iteration draws fresh inputs (a ragged token count per rank, 0 and the maximum included, and a
 routing from --routings), dispatches them, applies the test expert (y = x * (expert + 1)) to the
 received rows, combines them back and checks the layout, the dispatch (exactly: in order in scatter
-mode) and the combine (bit-identical to the reference) with :mod:`cute_ep.validators.checks`. The
+mode) and the combine (bit-identical to the reference) with :mod:`cute_ep.validators.checks`. With
+--layouts expert,rank the iterations alternate receive layouts too (see "Rank layout" below). The
 receive buffers are poisoned once at the start and NEVER re-zeroed or re-poisoned in between, so
 stale rows of an earlier iteration cannot hide a missing write. Before each dispatch and each combine
 call a rank may straggle: with probability --straggler-prob it sleeps up to --max-straggle-us (backend
@@ -24,10 +25,13 @@ To run:
     # several nodes under SLURM
     srun --ntasks-per-node 4 python scripts/soak.py ...
 
+    # both receive layouts, alternating: every rank-layout iteration checked bit for bit as well
+    torchrun --nproc-per-node 4 scripts/soak.py ... --layouts expert,rank
+
     # FP8 dispatch and experts capped at 0.75x their share: drops counted and checked every iteration
     torchrun --nproc-per-node 4 scripts/soak.py ... --hidden 256 --fp8 --capacity-factor 0.75
 
-    # determinism: two runs with the same seed (and world size, sizes, dtype, modes, routings) print
+    # determinism: two runs with the same seed (and world size, sizes, dtype, modes, layouts, routings) print
     # the same digest, whatever the stragglers, the virtual nodes or the backend
     ... --seed 7 --out-json out/soak.json
 
@@ -41,12 +45,16 @@ Constraints:
       waits, EpConfig.timeout_s): keep it well above --max-straggle-us.
     * --local-world-size (or CUTE_EP_LOCAL_WORLD_SIZE) divides the ranks per host; every host runs
       the same number of ranks, numbered host by host (torchrun, srun's block distribution).
+    * --layouts with rank: no --fp8 and --capacity-factor 0 (the rank layout has neither); backend
+      cute: 2 * --num-experts + world size <= 12288 (the layout kernel's shared memory).
     * backend cute: one GPU per rank, NVSHMEM (keep NVLink multicast off: NCCL_NVLS_ENABLE=0
       TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
 
-Iteration i uses mode --modes[i % len(modes)] (the modes alternate) and, with --routing-order cycle,
-routing --routings[(i // len(modes)) % len(routings)] (every routing meets every mode); with random,
-a routing drawn from (--seed, i). Inputs are a function of (--seed, i, rank) only: make_inputs with a
+Iteration i uses mode --modes[i % len(modes)] (the modes alternate), layout
+--layouts[(i // len(modes)) % len(layouts)] (every layout meets every mode) and, with --routing-order
+cycle, routing --routings[(i // (len(modes) * len(layouts))) % len(routings)] (every routing meets
+every mode and layout; with one layout, the plan of a soak before --layouts); with random, a routing
+drawn from (--seed, i). Inputs are a function of (--seed, i, rank) only: make_inputs with a
 seed derived from (--seed, i), token counts drawn per (--seed, i, rank) (0 with probability 5%, the
 maximum with 5%, else uniform in [0, max]). The stragglers use their own generator per (--seed, rank).
 
@@ -58,6 +66,19 @@ dispatch, received slots that do not hold their expected row, weight and source 
 anywhere inside their (local expert, source) group) plus missing or extra rows; combine, output
 tokens whose row differs in any bit from the reference combine of the expert outputs.
 
+Rank layout (--layouts ... rank): the iteration dispatches with layout="rank" (in either mode: its
+rows have one order), checks every received field exactly (recv_x, recv_topk_idx, recv_topk_weights,
+recv_src row by row, num_recv, tokens_per_expert and the handle's rows) against
+cute_ep.reference.reference_dispatch_rank_layout of every rank's inputs (each rank recomputes them from
+the seeds instead of gathering them), builds the caller's per-row output (y = x * the sum over the
+row's local experts e of weight * (e + 1), in fp32, rounded once to the row dtype), combines it and
+checks the output bit for bit against reference_combine_rank_layout of every rank's y
+(validators.checks.check_rank_dispatch / check_rank_combine). --combine reduced applies to the expert
+iterations only; the rank combine has no algorithm to choose. A wrong dispatch row there is a received
+row that differs from its expected row in any bit of any field, plus missing or extra rows; the
+layout failures count the expert iterations' layout check (the rank layout's counts and handle are
+part of its dispatch check).
+
 With --capacity-factor every check runs on the routing left after the drops, and a "capacity" check
 compares the buffer's per-expert drop counts (and, in scatter mode, exactly which pairs were dropped;
 in atomic mode how many per (expert, source)) with cute_ep.capacity. With --fp8 the received rows
@@ -66,14 +87,17 @@ cute_ep.fp8, and the test expert runs on the dequantized rows.
 
 Digest: SHA-256 over every scatter-mode iteration, per rank, of (iteration, tokens, rows received),
 recv_x[:num_recv] (the packed rows with --fp8), recv_weights, recv_src, tokens_per_expert and the
-combine output (raw bytes), then
+combine output (raw bytes; a rank-layout iteration: recv_x, recv_topk_idx, recv_topk_weights,
+recv_src, tokens_per_expert and the combine output), then
 over the ranks' digests in rank order. It depends only on the data, so equal inputs give equal digests
 on any backend (the GPU kernels must match the references bit for bit) and topology.
 
 Output on rank 0: the configuration, a progress line every --report-every iterations, the first
 failures, then a summary (iterations, failed iterations, layout failures, wrong dispatch rows, wrong
-combine rows, straggles injected, route-class pairs, digest, time) and PASS or FAIL; with --out-json
-the summary as JSON (also after an error, with what rank 0 knew).
+combine rows, with --layouts other than expert alone the same counts per layout, straggles injected,
+route-class pairs, digest, time) and PASS or FAIL; with --out-json the summary as JSON (also after an
+error, with what rank 0 knew; "per_layout" holds each layout's iterations, failed iterations, wrong
+dispatch and combine rows, rows received and tokens combined).
 
 Exit status: 0 every iteration passed, 1 a failed iteration or a run-time error, 2 invalid arguments or
 a launch error.
@@ -99,6 +123,7 @@ import torch
 
 from cute_ep import bench_report as br
 from cute_ep._version import git_sha, package_versions
+from cute_ep.api import LAYOUTS
 from cute_ep.bootstrap.dist_env import ROUTE_CLASSES, DistEnv, possible_route_classes
 from cute_ep.bootstrap.runtime import Runtime
 from cute_ep.cli import (
@@ -123,7 +148,7 @@ from cute_ep.cli import (
 )
 from cute_ep.fp8 import fp8_check_rows
 from cute_ep.inputs import ROUTINGS, make_inputs
-from cute_ep.kernels.config import MODES, EpConfig
+from cute_ep.kernels.config import LAYOUT_SMEM_INTS, MODES, EpConfig
 from cute_ep.reference import (
     COMBINE_REFERENCES,
     apply_test_expert,
@@ -136,10 +161,13 @@ from cute_ep.validators.checks import (
     check_combine,
     check_dispatch,
     check_layout,
+    check_rank_combine,
+    check_rank_dispatch,
     report,
 )
 
 MODE_CHOICES = tuple(MODES)
+LAYOUT_CHOICES = tuple(LAYOUTS)  # ("expert", "rank")
 ROUTING_ORDERS = ("cycle", "random")
 CYCLES_PER_US = 1500  # torch.cuda._sleep counts SM clock cycles: ~1.5 GHz assumed
 ZERO_TOKENS_P = 0.05  # share of (iteration, rank) draws with no token at all
@@ -163,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_shape_args(p, topk=4)
     p.add_argument("--modes", default="scatter,atomic", help="comma-separated dispatch modes, alternated")
+    p.add_argument(
+        "--layouts", default="expert",
+        help=f"comma-separated receive layouts of {LAYOUT_CHOICES}, alternated (every layout meets every "
+             "mode); rank: dispatch(layout='rank') checked field by field against "
+             "reference_dispatch_rank_layout, the caller's per-row outputs combined and checked against "
+             "reference_combine_rank_layout; rank needs no --fp8 and --capacity-factor 0",
+    )  # fmt: skip
     p.add_argument("--routings", default=",".join(ROUTINGS), help=f"comma-separated routings of {ROUTINGS}")
     p.add_argument(
         "--routing-order", choices=ROUTING_ORDERS, default="cycle",
@@ -179,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_args(p)
     p.add_argument("--num-sms", type=int, default=None, help="CTAs of dispatch/combine (EpConfig default)")
     add_fp8_capacity_args(p)
-    add_combine_arg(p)
+    add_combine_arg(p, note="With --layouts: expert-layout iterations only (rank-layout iterations use "
+                            "the rank layout's own combine, which has no algorithm to choose)")
     p.add_argument(
         "--report-every", type=int, default=100, help="a progress line every K iterations (0: none)"
     )
@@ -194,6 +230,7 @@ def validate_args(args: argparse.Namespace) -> None:
     try:
         args.mode_list = br.parse_name_list(args.modes, "--modes", MODE_CHOICES)
         args.routing_list = br.parse_name_list(args.routings, "--routings", ROUTINGS)
+        args.layout_list = br.parse_name_list(args.layouts, "--layouts", LAYOUT_CHOICES)
     except br.BenchReportError as exc:
         raise UsageError(str(exc)) from None
     check_run_args(args, "--max-tokens", args.max_tokens)
@@ -204,6 +241,7 @@ def validate_args(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.max_straggle_us) and args.max_straggle_us >= 0):
         raise UsageError(f"--max-straggle-us must be a finite number >= 0, got {args.max_straggle_us}")
     check_fp8_capacity_args(args)
+    check_rank_layout_args(args)
     if args.report_every < 0 or args.show_failures < 0:
         raise UsageError(
             f"--report-every and --show-failures must be >= 0, got {args.report_every}, {args.show_failures}"
@@ -215,8 +253,31 @@ def validate_args(args: argparse.Namespace) -> None:
             raise UsageError(str(exc)) from None
 
 
+def check_rank_layout_args(args: argparse.Namespace) -> None:
+    """UsageError for --layouts with rank and options the rank layout does not have (FP8, a capacity
+    factor): refused before the launch rather than by the first rank-layout dispatch."""
+    if "rank" not in args.layout_list:
+        return
+    head = f"--layouts {args.layouts!r} includes rank, which needs"
+    if args.fp8:
+        raise UsageError(f"{head} --fp8 off (the rank layout has no FP8 dispatch yet), got --fp8")
+    if args.capacity_factor:
+        raise UsageError(
+            f"{head} --capacity-factor 0 (the rank layout has no expert capacity), "
+            f"got --capacity-factor {args.capacity_factor:g}"
+        )
+
+
 def make_config(args: argparse.Namespace, env: DistEnv) -> EpConfig:
-    return config_from_args(args, env, max_tokens=args.max_tokens)
+    cfg = config_from_args(args, env, max_tokens=args.max_tokens)
+    # The GPU layout kernel keeps per-warp expert and rank counts in shared memory for the rank layout.
+    rank_ints = 2 * cfg.num_experts + cfg.world_size
+    if args.backend == "cute" and "rank" in args.layout_list and rank_ints > LAYOUT_SMEM_INTS:
+        raise UsageError(
+            f"--layouts rank needs 2 * --num-experts + world size <= {LAYOUT_SMEM_INTS} on backend cute, "
+            f"got {rank_ints}"
+        )
+    return cfg
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,11 +305,18 @@ def mode_of(args: argparse.Namespace, it: int) -> str:
     return args.mode_list[it % len(args.mode_list)]
 
 
+def layout_of(args: argparse.Namespace, it: int) -> str:
+    """The receive layout of iteration ``it``: it changes after a full round of modes, so that every
+    layout meets every mode (with one layout: always it)."""
+    return args.layout_list[(it // len(args.mode_list)) % len(args.layout_list)]
+
+
 def routing_of(args: argparse.Namespace, it: int) -> str:
     routings = args.routing_list
     if args.routing_order == "random":
         return routings[int(np.random.default_rng([args.seed, it, _SALT_ROUTING]).integers(len(routings)))]
-    return routings[(it // len(args.mode_list)) % len(routings)]
+    # After a full round of (mode, layout): with one layout, the plan of a soak without --layouts.
+    return routings[(it // (len(args.mode_list) * len(args.layout_list))) % len(routings)]
 
 
 class Straggler:
@@ -370,6 +438,18 @@ def wrong_combine_rows(
 
 
 @dataclass
+class LayoutTotals:
+    """The counts of the iterations of one receive layout."""
+
+    iterations: int = 0
+    failed: int = 0
+    wrong_dispatch_rows: int = 0
+    wrong_combine_rows: int = 0
+    rows_received: int = 0  # this rank's
+    tokens: int = 0  # this rank's
+
+
+@dataclass
 class Totals:
     """What the soak counted so far (the counts of checks are the same on every rank)."""
 
@@ -385,6 +465,40 @@ class Totals:
     rows_dropped: int = 0  # beyond expert capacity, all ranks (every rank counts every drop)
     route_pairs: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROUTE_CLASSES, 0))
     failures: list[dict[str, Any]] = field(default_factory=list)
+    by_layout: dict[str, LayoutTotals] = field(default_factory=dict)  # per --layouts entry
+
+
+@dataclass
+class Outcome:
+    """One iteration's checks and counts (the wrong-row counts summed over all ranks)."""
+
+    checks: dict[str, CheckResult]
+    wrong_dispatch_rows: int
+    wrong_combine_rows: int
+    num_recv: int  # this rank's
+
+
+def rank_expert_output(res: Any, rank: int, experts_per_rank: int) -> torch.Tensor | None:
+    """The caller's per-row output of a rank-layout dispatch: the test expert (x * (e + 1)) of every
+    local expert e a row names, weighted and summed, i.e. ``y[i] = x[i] * s[i]`` with ``s[i]`` the sum
+    over k ascending of ``recv_topk_weights[i, k] * (e + 1)`` (fp32), cast to the row dtype once.
+
+    Depending on recv_topk_idx and the weights, a wrong id or weight also shows in the combine. Explicit
+    elementwise fp32 ops in a fixed order, so every device computes the same bits (the digest covers
+    the combine output). None if the result's fields cannot hold the rows (a failed dispatch check).
+    """
+    n = int(res.num_recv)
+    x, ids, w = res.recv_x, res.recv_topk_idx, res.recv_topk_weights
+    if ids is None or w is None or ids.dim() != 2 or w.shape != ids.shape:
+        return None
+    if min(x.shape[0], ids.shape[0]) < n:
+        return None
+    x, ids, w = x[:n], ids[:n].to(torch.int64), w[:n]
+    scale = torch.zeros(n, dtype=torch.float32, device=x.device)
+    for k in range(ids.shape[1]):
+        term = w[:, k] * (ids[:, k] + (rank * experts_per_rank + 1)).to(torch.float32)
+        scale = scale + torch.where(ids[:, k] >= 0, term, torch.zeros_like(term))
+    return (x.float() * scale[:, None]).to(x.dtype)
 
 
 class Soak:
@@ -395,17 +509,45 @@ class Soak:
         self.say = Printer(self.rank)
         self.straggler = Straggler(args, self.rank, gpu=args.backend == "cute")
         self.digest = hashlib.sha256()
-        self.totals = Totals()
-        self.current: tuple[int, str, str] | None = None
+        self.totals = Totals(by_layout={name: LayoutTotals() for name in args.layout_list})
+        self.current: tuple[int, str, str, str] | None = None  # (iteration, mode, routing, layout)
         self.wall_s = 0.0
 
     # -- one iteration -----------------------------------------------------------------------------
 
     def iteration(self, it: int) -> None:
+        args, cfg, t = self.args, self.cfg, self.totals
+        mode, layout, routing = mode_of(args, it), layout_of(args, it), routing_of(args, it)
+        self.current = (it, mode, routing, layout)
+        num_tokens = tokens_of(args.seed, it, self.rank, cfg.max_tokens)
+        if layout == "rank":
+            o = self.rank_iteration(it, mode, routing, num_tokens)
+        else:
+            o = self.expert_iteration(it, mode, routing, num_tokens)
+
+        t.iterations += 1
+        t.rows_received += o.num_recv
+        t.tokens += num_tokens
+        for c, n in o.checks["dispatch"].route_counts.items():
+            t.route_pairs[c] = t.route_pairs.get(c, 0) + n
+        t.wrong_dispatch_rows += o.wrong_dispatch_rows
+        t.wrong_combine_rows += o.wrong_combine_rows
+        t.layout_failures += "layout" in o.checks and not o.checks["layout"].passed
+        lt = t.by_layout[layout]
+        lt.iterations += 1
+        lt.rows_received += o.num_recv
+        lt.tokens += num_tokens
+        lt.wrong_dispatch_rows += o.wrong_dispatch_rows
+        lt.wrong_combine_rows += o.wrong_combine_rows
+        if all(r.passed for r in o.checks.values()):
+            return
+        t.failed += 1
+        lt.failed += 1
+        self.failure(it, mode, routing, layout, o)
+
+    def expert_iteration(self, it: int, mode: str, routing: str, num_tokens: int) -> Outcome:
+        """Dispatch (expert layout), the test expert, combine; every check (see the module docstring)."""
         args, cfg, group, rank, t = self.args, self.cfg, self.group, self.rank, self.totals
-        mode, routing = mode_of(args, it), routing_of(args, it)
-        self.current = (it, mode, routing)
-        num_tokens = tokens_of(args.seed, it, rank, cfg.max_tokens)
         x, idx, w = make_inputs(
             rank, num_tokens, cfg.hidden, cfg.num_experts, cfg.topk, cfg.dtype, input_seed(args.seed, it),
             routing=routing, device=self.device,
@@ -465,25 +607,66 @@ class Soak:
             for tensor in (received, res.recv_weights, res.recv_src, res.tokens_per_expert, out):
                 self.digest.update(raw_bytes(tensor))
             t.scatter_iterations += 1
-        t.iterations += 1
-        t.rows_received += res.num_recv
-        t.tokens += num_tokens
-        for c, n in disp.route_counts.items():
-            t.route_pairs[c] = t.route_pairs.get(c, 0) + n
-        t.wrong_dispatch_rows += bad_d
-        t.wrong_combine_rows += bad_c
-        t.layout_failures += not lay.passed
         checks.update(layout=lay, dispatch=disp, combine=comb)
-        if all(r.passed for r in checks.values()):
-            return
-        t.failed += 1
-        self.failure(it, mode, routing, checks, bad_d, bad_c)
+        return Outcome(checks, bad_d, bad_c, res.num_recv)
 
-    def failure(
-        self, it: int, mode: str, routing: str, checks: dict[str, CheckResult], bad_d: int, bad_c: int
-    ) -> None:
+    def rank_iteration(self, it: int, mode: str, routing: str, num_tokens: int) -> Outcome:
+        """Dispatch (rank layout), the caller's per-row outputs, the rank combine; both checked bit for
+        bit against the torch references of every rank's inputs (see the module docstring)."""
+        args, cfg, group, rank, t = self.args, self.cfg, self.group, self.rank, self.totals
+        # Every rank's inputs, recomputed from the seeds (cheaper than gathering them; drawn on the CPU,
+        # so this rank's are the same bits as make_inputs on its device).
+        seed = input_seed(args.seed, it)
+        inputs = [
+            make_inputs(r, num_tokens if r == rank else tokens_of(args.seed, it, r, cfg.max_tokens),
+                        cfg.hidden, cfg.num_experts, cfg.topk, cfg.dtype, seed, routing=routing)
+            for r in range(cfg.world_size)
+        ]  # fmt: skip
+        xs, idxs, ws = ([v[i] for v in inputs] for i in range(3))
+        x, idx, w = (v.to(self.device) for v in inputs[rank])
+
+        t0 = time.perf_counter()
+        self.straggler.maybe()
+        res = self.buffer.dispatch(x, idx, w, mode=mode, layout="rank")
+        t.call_s += time.perf_counter() - t0
+        disp = check_rank_dispatch(
+            res, xs, idxs, ws, max_tokens=cfg.max_tokens, num_experts=cfg.num_experts,
+            local_world_size=cfg.local_world_size, require_coverage=False, group=group,
+        )  # fmt: skip
+
+        y = self.buffer.expert_output(res.num_recv)
+        rows = rank_expert_output(res, rank, cfg.experts_per_rank)
+        if rows is None:  # the dispatch check has failed already; give combine defined input
+            y.fill_(float("nan"))
+        else:
+            y.copy_(rows)
+        t0 = time.perf_counter()
+        self.straggler.maybe()
+        out = self.buffer.combine(y, res.handle)
+        t.call_s += time.perf_counter() - t0
+        # The caller's routing (not the handle's copy) with the handle's rows, which the dispatch
+        # check compared with the reference's.
+        comb = check_rank_combine(
+            out, idx, res.handle.scatter, y, num_experts=cfg.num_experts,
+            local_world_size=cfg.local_world_size, require_coverage=False, group=group,
+        )  # fmt: skip
+
+        # The verdicts are the same on every rank: the gathers below are entered by all or none.
+        bad_d = 0 if disp.passed else sum(all_gather(disp.wrong_rows or 0, group))
+        bad_c = 0 if comb.passed else sum(all_gather(comb.wrong_rows or 0, group))
+        if mode == "scatter":
+            n = res.num_recv
+            self.digest.update(struct.pack("<qqq", it, num_tokens, n))
+            fields = (res.recv_x, res.recv_topk_idx, res.recv_topk_weights, res.recv_src)
+            for tensor in (*(f[:n] for f in fields if f is not None), res.tokens_per_expert, out):
+                self.digest.update(raw_bytes(tensor))
+            t.scatter_iterations += 1
+        return Outcome({"dispatch": disp, "combine": comb}, bad_d, bad_c, res.num_recv)
+
+    def failure(self, it: int, mode: str, routing: str, layout: str, o: Outcome) -> None:
         """Record a failed iteration; print the first --show-failures of them (collective)."""
-        t, cfg = self.totals, self.cfg
+        t, cfg, checks = self.totals, self.cfg, o.checks
+        bad_d, bad_c = o.wrong_dispatch_rows, o.wrong_combine_rows
         tokens = [tokens_of(self.args.seed, it, r, cfg.max_tokens) for r in range(self.env.world_size)]
         failed = [name for name, r in checks.items() if not r.passed]
         if len(t.failures) < MAX_FAILURE_RECORDS:
@@ -491,15 +674,18 @@ class Soak:
                 "iteration": it, "mode": mode, "routing": routing, "tokens": tokens, "failed_checks": failed,
                 "wrong_dispatch_rows": bad_d, "wrong_combine_rows": bad_c,
                 "messages": {name: checks[name].message for name in failed},  # rank 0's view
+                "layout": layout,
             })  # fmt: skip
         if t.failed > self.args.show_failures:
             return
+        kind = mode if layout == "expert" else f"{mode}, rank layout"
         self.say(
-            f"iteration {it} FAILED ({mode}, {routing}, tokens per rank {tokens}): "
+            f"iteration {it} FAILED ({kind}, {routing}, tokens per rank {tokens}): "
             f"{bad_d} wrong dispatch rows, {bad_c} wrong combine rows"
         )
+        tag = mode if layout == "expert" else f"{mode} rank-layout"
         for name in failed:  # report() gathers every failing rank's message: the same on every rank
-            report(checks[name], f"  [{mode} #{it}] {name}", self.group, self.say)
+            report(checks[name], f"  [{tag} #{it}] {name}", self.group, self.say)
         if t.failed == self.args.show_failures:
             self.say("  (later failures are counted, not printed: see --show-failures)")
 
@@ -530,7 +716,7 @@ class Soak:
         n = max(t.iterations, 1)
         stopped_in = None
         if error is not None and self.current is not None:
-            stopped_in = dict(zip(("iteration", "mode", "routing"), self.current, strict=True))
+            stopped_in = dict(zip(("iteration", "mode", "routing", "layout"), self.current, strict=True))
         return {
             "script": "scripts/soak.py",
             "passed": error is None and t.failed == 0 and t.iterations == args.iters,
@@ -548,6 +734,7 @@ class Soak:
                 "topk": cfg.topk,
                 "dtype": args.dtype,
                 "modes": args.mode_list,
+                "layouts": args.layout_list,
                 "routings": args.routing_list,
                 "routing_order": args.routing_order,
                 "straggler_prob": args.straggler_prob,
@@ -571,6 +758,17 @@ class Soak:
             "straggles": sum(r["straggles"] for r in ranks),
             "straggle_ms": sum(r["straggle_us"] for r in ranks) / 1e3,
             "route_pairs": dict(t.route_pairs),
+            "per_layout": {
+                name: {
+                    "iterations": lt.iterations,
+                    "failed_iterations": lt.failed,
+                    "wrong_dispatch_rows": lt.wrong_dispatch_rows,
+                    "wrong_combine_rows": lt.wrong_combine_rows,
+                    "rows_received": sum(r["by_layout"][name]["rows_received"] for r in ranks),
+                    "tokens_combined": sum(r["by_layout"][name]["tokens"] for r in ranks),
+                }
+                for name, lt in t.by_layout.items()
+            },
             "digest": digest,
             "digest_iterations": t.scatter_iterations,
             "rank_digests": [r["digest"] for r in ranks] if per_rank is not None else None,
@@ -583,9 +781,12 @@ class Soak:
 
     def local_counts(self) -> dict[str, Any]:
         t, s = self.totals, self.straggler
+        by_layout = {
+            name: {"rows_received": c.rows_received, "tokens": c.tokens} for name, c in t.by_layout.items()
+        }
         return {
             "digest": self.digest.hexdigest(), "straggles": s.count, "straggle_us": s.total_us,
-            "rows_received": t.rows_received, "tokens": t.tokens,
+            "rows_received": t.rows_received, "tokens": t.tokens, "by_layout": by_layout,
         }  # fmt: skip
 
     def print_summary(self, s: dict[str, Any], partial: bool) -> None:
@@ -604,6 +805,7 @@ class Soak:
             f"  failed iterations: {s['failed_iterations']} (layout failures: {s['layout_failures']})",
             f"  wrong dispatch rows: {s['wrong_dispatch_rows']} (of {s['rows_received']} rows received)",
             f"  wrong combine rows: {s['wrong_combine_rows']} (of {s['tokens_combined']} tokens combined)",
+            *self.layout_lines(s),
             *([f"  rows dropped beyond expert capacity {cfg.expert_capacity}: {s['rows_dropped']}"]
               if cfg.capacity_factor else []),
             f"  straggles injected: {s['straggles']} ({s['straggle_ms']:.1f} ms in all, {who})",
@@ -614,6 +816,19 @@ class Soak:
             f"  time: {s['wall_s']:.2f} s wall, {s['mean_iteration_ms']:.2f} ms/iteration "
             f"(in dispatch + combine {s['mean_dispatch_combine_ms']:.2f} ms/iteration, the rest is checking)",
         )
+
+    def layout_lines(self, s: dict[str, Any]) -> list[str]:
+        """The per-layout counts (none when only the expert layout ran: the totals above are its)."""
+        if self.args.layout_list == ["expert"]:
+            return []
+        lines = []
+        for name, c in s["per_layout"].items():
+            lines.append(
+                f"  {name} layout: {c['iterations']} iterations, {c['failed_iterations']} failed; "
+                f"wrong rows: dispatch {c['wrong_dispatch_rows']} (of {c['rows_received']} received), "
+                f"combine {c['wrong_combine_rows']} (of {c['tokens_combined']} tokens)"
+            )
+        return lines
 
     def finish(self) -> int:
         """Gather every rank's counts, print the summary, write the JSON; returns the exit status."""
@@ -629,7 +844,10 @@ class Soak:
         """After an exception in the loop: no collective; rank 0 prints and writes what it knows."""
         if self.rank != 0:
             return
-        where = "" if self.current is None else " in iteration {} ({}, {})".format(*self.current)
+        where = ""
+        if self.current is not None:
+            it, mode, routing, layout = self.current
+            where = f" in iteration {it} ({mode}, {routing}{', rank layout' if layout == 'rank' else ''})"
         self.say(f"soak stopped{where} by {type(exc).__name__} (see the error below)")
         s = self.summary(None, exc)
         self.print_summary(s, partial=True)
@@ -658,11 +876,14 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
     with Runtime(env, symmetric_bytes=cfg.symmetric_bytes(), backend=backend) as runtime:
         gpu = args.backend == "cute"
         sleeper = f"torch.cuda._sleep at ~{CYCLES_PER_US / 1e3:g} GHz" if gpu else "time.sleep"
+        # The default (expert layout only) names no layout: the banner of a soak before --layouts.
+        layouts = f"layouts {','.join(args.layout_list)} (alternating), "
+        layouts = "" if args.layout_list == ["expert"] else layouts
         say(
             world_banner("soak", args.backend, env, cfg),
             f"config: tokens/rank 0..{cfg.max_tokens} (ragged), hidden {cfg.hidden}, experts "
             f"{cfg.num_experts} ({cfg.experts_per_rank}/rank), topk {cfg.topk}, {args.dtype}, modes "
-            f"{','.join(args.mode_list)} (alternating), routings {','.join(args.routing_list)} "
+            f"{','.join(args.mode_list)} (alternating), {layouts}routings {','.join(args.routing_list)} "
             f"({args.routing_order}), seed {args.seed}, iters {args.iters}, timeout {cfg.timeout_s:g} s",
             f"stragglers: p={args.straggler_prob:g} per rank and call, up to {args.max_straggle_us:g} us "
             f"({sleeper})",

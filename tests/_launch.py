@@ -14,8 +14,9 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,6 +81,37 @@ def run_single(*argv: Arg, timeout: float, **env: str) -> subprocess.CompletedPr
     cmd = [sys.executable, *map(os.fspath, argv)]
     run_env = clean_env(MASTER_PORT=str(free_port()), **env)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env, cwd=REPO)
+
+
+def assert_imports_none(code: str, modules: Sequence[str], *, timeout: float = 60) -> None:
+    """Run the Python statements ``code`` in a fresh interpreter (``run_single``) and assert that they
+    imported none of ``modules`` (torch, the GPU stack, ...: what a torch-free module or --help must not
+    pull in)."""
+    check = (
+        f"{code}\nimport sys\nbad = [m for m in {tuple(modules)!r} if m in sys.modules]\n"
+        "print('imported:', bad)\nsys.exit(1 if bad else 0)\n"
+    )
+    res = run_single("-c", check, timeout=timeout)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def import_script(path: Path, name: str) -> ModuleType:
+    """The script at ``path`` imported as a module named ``name`` (its ``__main__`` block does not run)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_worker(folder: Path, code: str) -> Path:
+    """``folder``/worker.py: ``code`` after a line that puts scripts/ and tests/ first on sys.path, so a
+    worker that a test writes imports the scripts as modules and the tests' shared stand-ins."""
+    worker = Path(folder) / "worker.py"
+    paths = [str(REPO / "scripts"), str(REPO / "tests")]
+    worker.write_text(f"import sys\nsys.path[:0] = {paths!r}\n{code}")
+    return worker
 
 
 RANK0_OF_FOUR = dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1")

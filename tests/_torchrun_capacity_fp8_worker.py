@@ -1,4 +1,4 @@
-"""Worker of tests/test_capacity.py and tests/test_fp8.py: one rank of a gloo world launched by torchrun.
+"""Worker of tests/test_capacity_fp8_torchrun.py: one rank of a gloo world launched by torchrun.
 
 To run (what the tests do; PART is "capacity" or "fp8"):
     python -m torch.distributed.run --nproc-per-node 4 --master-port 29543 \
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 from _launch import bit_diff, gloo_worker_main, outcome  # tests/ is this script's sys.path[0]
+from _worlds import case_config
 
 from cute_ep.a2a_backend import A2aEpBuffer
-from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
 from cute_ep.capacity import apply_expert_capacity, check_atomic_drops, effective_topk_from_scatter
 from cute_ep.collectives import all_gather_objects
@@ -53,20 +53,6 @@ FP8_CASES = [
     ("dropped-fp32-k2-el3-h384-atomic", "dropped", FP32, 2, 384, 3, (10, 4, 0, 13), 16, 0.0, "atomic"),
     ("skewed-bf16-k2-el2-h128-capacity", "skewed", BF16, 2, 128, 2, (16, 16, 9, 3), 16, 0.4, "scatter"),
 ]
-
-
-def config(env: DistEnv, case: tuple, **extra) -> EpConfig:
-    _, _, dtype, topk, hidden, el, _, max_tokens = case[:8]
-    return EpConfig(
-        world_size=env.world_size,
-        local_world_size=env.local_world_size,
-        num_experts=el * env.world_size,
-        topk=topk,
-        hidden=hidden,
-        dtype=dtype,
-        max_tokens=max_tokens,
-        **extra,
-    )
 
 
 def inputs(rank: int, world: int, case: tuple, rnd: int, number: int) -> tuple:
@@ -165,7 +151,7 @@ def compare_combines(found: list, where: str, rt, cfg: EpConfig, a2a_run: tuple,
 def capacity_case(rt: Runtime, number: int, case: tuple) -> dict:
     env = rt.env
     rank, world = env.rank, env.world_size
-    cfg = config(env, case, capacity_factor=case[8], on_overflow="drop")
+    cfg = case_config(env, case, capacity_factor=case[8], on_overflow="drop")
     found: list[str] = []
     dropped_total = 0
     with A2aEpBuffer(rt, cfg) as a2a, ReferenceEpBuffer(rt, cfg) as ref:
@@ -202,7 +188,7 @@ def capacity_raise(rt: Runtime) -> dict:
     env = rt.env
     rank, world = env.rank, env.world_size
     case = CAPACITY_CASES[0]
-    cfg = config(env, case, capacity_factor=0.25)
+    cfg = case_config(env, case, capacity_factor=0.25)
     out: dict = {}
     with A2aEpBuffer(rt, cfg) as a2a, ReferenceEpBuffer(rt, cfg) as ref:
         x, idx, w = inputs(rank, world, case, 0, 7)
@@ -242,7 +228,7 @@ def fp8_case(rt: Runtime, number: int, case: tuple) -> dict:
     env = rt.env
     rank, world = env.rank, env.world_size
     factor, mode = case[8], case[9]
-    cfg = config(env, case, capacity_factor=factor, on_overflow="drop")
+    cfg = case_config(env, case, capacity_factor=factor, on_overflow="drop")
     found: list[str] = []
     num_recv = []
     with A2aEpBuffer(rt, cfg) as a2a, ReferenceEpBuffer(rt, cfg) as ref:
@@ -281,7 +267,7 @@ def fp8_bad(rt: Runtime) -> dict:
     rank, world = env.rank, env.world_size
     case = FP8_CASES[0]
     out: dict = {}
-    cfg = config(env, case)
+    cfg = case_config(env, case)
     with A2aEpBuffer(rt, cfg) as a2a, ReferenceEpBuffer(rt, cfg) as ref:
         x, idx, w = inputs(rank, world, case, 0, 9)
         for name, buf in (("a2a", a2a), ("reference", ref)):
@@ -291,7 +277,7 @@ def fp8_bad(rt: Runtime) -> dict:
             )
             res = buf.dispatch(x, idx, w, fp8=True)  # still usable
             out[f"{name}_usable"] = {"ok": res.recv_x.dtype == torch.float8_e4m3fn}
-    small = config(env, ("h64", "uniform", BF16, 2, 64, 2, (4,), 8))
+    small = case_config(env, ("h64", "uniform", BF16, 2, 64, 2, (4,), 8))
     with A2aEpBuffer(rt, small) as a2a, ReferenceEpBuffer(rt, small) as ref:
         x, idx, w = make_inputs(rank, 4, 64, small.num_experts, 2, BF16, 5)
         for name, buf in (("a2a", a2a), ("reference", ref)):

@@ -17,19 +17,14 @@ from __future__ import annotations
 
 import torch
 from _launch import bit_diff, gloo_worker_main, outcome  # tests/ is this script's sys.path[0]
+from _worlds import case_config, case_inputs, expert_outputs, on_host_backends, world_config
 
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.bootstrap.runtime import Runtime
 from cute_ep.capacity import effective_topk_from_scatter
 from cute_ep.collectives import all_gather_objects
 from cute_ep.inputs import make_inputs
-from cute_ep.kernels.config import EpConfig
-from cute_ep.reference import (
-    apply_test_expert,
-    global_expert_of_rows,
-    reference_combine,
-    reference_combine_reduced,
-)
+from cute_ep.reference import reference_combine, reference_combine_reduced
 from cute_ep.reference_backend import ReferenceEpBuffer
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -49,14 +44,12 @@ CASES = [
 
 def run_case(rt: Runtime, number: int, case: tuple) -> dict:
     """Two rounds (different seeds and token counts) on one pair of "reduced" buffers."""
-    name, routing, dtype, topk, hidden, el, tokens, max_tokens, extra = case
+    name, _, _, _, _, _, tokens, _, extra = case
     env = rt.env
     rank, world = env.rank, env.world_size
-    limited = "capacity_factor" in extra
-    cfg = EpConfig(world_size=world, local_world_size=env.local_world_size, num_experts=el * world,
-                   topk=topk, hidden=hidden, dtype=dtype, max_tokens=max_tokens, combine_algorithm="reduced",
-                   capacity_factor=extra.get("capacity_factor", 0.0),
-                   on_overflow="drop" if limited else "raise")
+    factor = extra.get("capacity_factor", 0.0)
+    cfg = case_config(env, case, combine_algorithm="reduced", capacity_factor=factor,
+                      on_overflow="drop" if "capacity_factor" in extra else "raise")
     mode = extra.get("mode", "scatter")
     found: list[str] = []
     differs_from_pull = 0
@@ -64,15 +57,11 @@ def run_case(rt: Runtime, number: int, case: tuple) -> dict:
     with A2aEpBuffer(rt, cfg) as a2a, ReferenceEpBuffer(rt, cfg) as ref:
         for rnd in range(2):
             t = tokens[(rank + rnd) % len(tokens)]
-            seed = 23 + 31 * rnd + 101 * number
-            x, idx, w = make_inputs(rank, t, hidden, cfg.num_experts, topk, dtype, seed, routing=routing,
-                                    idx_dtype=extra.get("idx", torch.int64))
-            if extra.get("all_dropped") == rank:
-                idx.fill_(-1)
+            x, idx, w = case_inputs(rank, world, t, case, seed=23 + 31 * rnd + 101 * number)
             ra = a2a.dispatch(x, idx, w, mode=mode)
             rr = ref.dispatch(x, idx, w, mode=mode)  # the reference's atomic mode shuffles its rows
-            ya = apply_test_expert(ra.recv_x, global_expert_of_rows(ra.tokens_per_expert, rank))
-            yr = apply_test_expert(rr.recv_x, global_expert_of_rows(rr.tokens_per_expert, rank))
+            ya = expert_outputs(ra, rank=rank)
+            yr = expert_outputs(rr, rank=rank)
 
             # What every combine must give: the references on every rank's expert outputs.
             ys = all_gather_objects(ya.cpu(), rt.cpu_group)
@@ -104,15 +93,9 @@ def bad_algorithms(rt: Runtime) -> dict:
     """Each scenario makes the algorithm argument invalid on one or every rank; every rank records what
     happened. The buffers must still combine afterwards."""
     env = rt.env
-    world = env.world_size
-    shape = dict(world_size=world, local_world_size=env.local_world_size, num_experts=2 * world, topk=3,
-                 hidden=32, dtype=BF16, max_tokens=8)
-    out: dict[str, dict] = {}
-    pull_cfg, reduced_cfg = EpConfig(**shape), EpConfig(**shape, combine_algorithm="reduced")
-    for backend, cls in (("a2a", A2aEpBuffer), ("reference", ReferenceEpBuffer)):
-        with cls(rt, pull_cfg) as pull_buf, cls(rt, reduced_cfg) as red_buf:
-            out.update(bad_algorithms_of(rt, backend, pull_buf, red_buf))
-    return out
+    shape = dict(num_experts=2 * env.world_size, topk=3, hidden=32, dtype=BF16, max_tokens=8)
+    pull, reduced = world_config(env, **shape), world_config(env, **shape, combine_algorithm="reduced")
+    return on_host_backends(rt, pull, reduced, bad_algorithms_of)
 
 
 def bad_algorithms_of(rt: Runtime, backend: str, pull_buf, red_buf) -> dict:
@@ -121,8 +104,8 @@ def bad_algorithms_of(rt: Runtime, backend: str, pull_buf, red_buf) -> dict:
     last = world - 1
     x, idx, w = make_inputs(rank, 7, 32, 2 * world, 3, BF16, 5)
     rp, rd = pull_buf.dispatch(x, idx, w), red_buf.dispatch(x, idx, w)
-    yp = apply_test_expert(rp.recv_x, global_expert_of_rows(rp.tokens_per_expert, rank))
-    yd = apply_test_expert(rd.recv_x, global_expert_of_rows(rd.tokens_per_expert, rank))
+    yp = expert_outputs(rp, rank=rank)
+    yd = expert_outputs(rd, rank=rank)
     scenarios = {
         "reduced_on_pull_config": lambda: pull_buf.combine(yp, rp.handle, algorithm="reduced"),
         "reduced_on_pull_config_on_last": lambda: pull_buf.combine(

@@ -58,21 +58,26 @@ def test_backend_signature_matches_the_protocol(backend, method):
 def test_a_backend_with_a_drifted_signature_is_caught():
     """The comparison above can fail: a missing parameter, another default, or an extra positional one."""
 
-    def missing(self, x, topk_idx, topk_weights, mode="scatter", fp8=False, algorithm=None):
+    def missing(self, x, topk_idx, topk_weights, mode="scatter", fp8=False, algorithm=None, sync=True):
+        raise NotImplementedError  # no layout: a backend from before the rank layout
+
+    def other_default(self, x, topk_idx, topk_weights, mode="atomic", fp8=False, algorithm=None, sync=True,
+                      layout="expert"):
         raise NotImplementedError
 
-    def other_default(self, x, topk_idx, topk_weights, mode="atomic", fp8=False, algorithm=None, sync=True):
+    def other_layout_default(self, x, topk_idx, topk_weights, mode="scatter", fp8=False, algorithm=None,
+                             sync=True, layout="rank"):
         raise NotImplementedError
 
     def extra_positional(self, x, topk_idx, topk_weights, mode="scatter", fp8=False, algorithm=None,
-                         sync=True, stream=None):
+                         sync=True, layout="expert", stream=None):
         raise NotImplementedError
 
     def extra_keyword(self, x, topk_idx, topk_weights, mode="scatter", fp8=False, algorithm=None, sync=True,
-                      *, stream=None):
+                      layout="expert", *, stream=None):
         raise NotImplementedError
 
-    for drifted in (missing, other_default, extra_positional):
+    for drifted in (missing, other_default, other_layout_default, extra_positional):
         assert not _conforms(drifted, EpBackend.dispatch), drifted.__name__
     assert _conforms(extra_keyword, EpBackend.dispatch)  # a GPU option, as EpBuffer's stream
 

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _launch import REPO, launch_ranks
+from _launch import (
+    REPO,
+    assert_argument_error,
+    assert_imports_none,
+    launch_ranks,
+    run_single,
+    write_worker,
+)
 
 from cute_ep import bench_report as br
 
@@ -441,13 +446,7 @@ def test_parse_lists():
 
 
 def test_bench_report_has_no_gpu_or_torch_import():
-    code = (
-        "import sys; import cute_ep.bench_report; "
-        "bad = [m for m in ('torch', 'cutlass', 'nvshmem', 'cuda', 'matplotlib') if m in sys.modules]; "
-        "print(bad); sys.exit(1 if bad else 0)"
-    )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stdout + res.stderr
+    assert_imports_none("import cute_ep.bench_report", ("torch", "cutlass", "nvshmem", "cuda", "matplotlib"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -455,21 +454,18 @@ def test_bench_report_has_no_gpu_or_torch_import():
 # --------------------------------------------------------------------------------------------------
 
 
-def _script(*args: str, **extra_env: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(extra_env)
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120, cwd=REPO, env=env
-    )
+def _script(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return run_single(SCRIPT, *args, timeout=120, **env)
 
 
 def test_benchmark_help_runs_on_cpu():
     res = _script("--help")
     assert res.returncode == 0, res.stderr
     for flag in ("--hidden", "--tokens", "--routing", "--modes", "--iters", "--warmup", "--input-sets",
-                 "--num-sms", "--validate-max-tokens", "--local-world-size", "--out-json", "--out-png",
-                 "--seed"):  # fmt: skip
+                 "--num-sms", "--peers", "--validate-max-tokens", "--local-world-size", "--out-json",
+                 "--out-png", "--seed"):  # fmt: skip
         assert flag in res.stdout
+    assert "nccl,deepep" in res.stdout  # the default peers
 
 
 def test_benchmark_help_imports_nothing_of_the_gpu():
@@ -479,41 +475,32 @@ def test_benchmark_help_imports_nothing_of_the_gpu():
         "try:\n"
         f"    runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
         "except SystemExit as e:\n"
-        "    assert e.code == 0, e.code\n"
-        "gpu = ('torch', 'cutlass', 'nvshmem', 'cuda.bindings', 'cuda.core')\n"
-        "bad = [m for m in gpu if m in sys.modules]\n"
-        "print('imported:', bad); sys.exit(1 if bad else 0)\n"
+        "    assert e.code == 0, e.code"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert res.returncode == 0, res.stdout + res.stderr
+    assert_imports_none(code, ("torch", "cutlass", "nvshmem", "cuda.bindings", "cuda.core"), timeout=120)
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--tokens", "128,abc"], "--tokens"),
-    (["--routing", "uniform,hot"], "--routing"),
-    (["--modes", "fast"], "--modes"),
-    (["--iters", "0"], "--iters"),
-    (["--tokens", "70000"], "65536"),
+    (["--tokens", "128,abc"], "--tokens must be a comma-separated list of integers, got '128,abc'"),
+    (["--routing", "uniform,hot"], "--routing must be a comma-separated list of ['uniform', 'skewed', "
+                                   "'dropped'], got 'uniform,hot'"),
+    (["--modes", "fast"], "--modes must be a comma-separated list of ['scatter', 'atomic'], got 'fast'"),
+    (["--iters", "0"], "need --iters >= 1, --warmup >= 0, --input-sets >= 1; got 0, 10, 3"),
+    (["--tokens", "70000"], "--tokens values must be <= 65536, got 70000"),
     (["--fp8", "--hidden", "200"], "--fp8 needs --hidden to be a multiple of 128, got 200"),
+    (["--num-sms", "24,0"], "--num-sms values must be integers >= 1; 0 in '24,0' is not"),
+    (["--num-sms", "24,many"], "--num-sms must be a comma-separated list of integers >= 1; 'many' in"),
+    (["--peers", "nccl,deepepp"], "--peers must be a comma-separated list of ['nccl', 'deepep'] (or 'none'); "
+                                  "'deepepp' in 'nccl,deepepp' is not one"),
+    (["--peers", ","], "--peers must name at least one of"),
 ])  # fmt: skip
 def test_benchmark_rejects_bad_arguments_before_any_launch(args, message):
-    res = _script(*args)
-    assert res.returncode == 2, res.stdout + res.stderr
-    assert message in res.stderr
+    assert_argument_error(_script(*args), message)
 
 
 def test_benchmark_usage_error_is_printed_by_rank_0_only():
     res = _script("--iters", "0", RANK="1")
     assert res.returncode == 2 and res.stderr == "", res.stdout + res.stderr
-
-
-@pytest.fixture
-def bm():
-    """scripts/benchmark.py as a module (its imports are torch-free)."""
-    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _output_cases(tmp_path: Path) -> list[tuple[str, str, str]]:
@@ -582,29 +569,15 @@ def test_benchmark_heap_setting_error_exits_2(bm, monkeypatch, capsys, error, co
 
 # --------------------------------------------------------------------------------------------------
 # the script's whole sweep over gloo (4 CPU ranks as 2 virtual nodes): the torch reference buffer
-# stands in for EpBuffer, a step counter for the CUDA-event timer, gloo for NCCL
+# stands in for EpBuffer, a step counter for the CUDA-event timer (tests/_bench_stand_ins.py), gloo for NCCL
 # --------------------------------------------------------------------------------------------------
 
 _WORKER = r'''
-import sys
-sys.path.insert(0, SCRIPTS)
 import benchmark as bm
-from cute_ep.cli import DTYPES, Printer
+from _bench_stand_ins import Launching, StepTimer
+from cute_ep.cli import Printer, config_from_args
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
-from cute_ep.kernels.config import EpConfig
-from cute_ep.reference_backend import ReferenceEpBuffer
-
-
-class Launching(ReferenceEpBuffer):
-    """ReferenceEpBuffer plus the two sync-free launches of EpBuffer (here: synchronous)."""
-
-    def launch_dispatch(self, x, idx, w, mode="scatter", fp8=False):
-        assert idx.dtype.itemsize == 4  # the script converts topk_idx to int32 once
-        self.dispatch(x, idx, w, mode, fp8=fp8)
-
-    def launch_combine(self, handle, out, algorithm=None):
-        out.copy_(self.combine(self.expert_output(self.cfg.capacity), handle, algorithm=algorithm))
 
 
 class Corrupting(Launching):
@@ -615,25 +588,10 @@ class Corrupting(Launching):
         return res
 
 
-class StepTimer:
-    def __init__(self, runtime):
-        self.runtime = runtime
-
-    def run(self, step, warmup, iters):
-        self.runtime.barrier()
-        for i in range(warmup + 1 + iters):
-            step(i)
-        return [10.0 * (1 + self.runtime.env.rank) + i for i in range(iters)]
-
-
 args = bm.build_parser().parse_args(sys.argv[2:])
 bm.validate_args(args)
 env = DistEnv.from_environ(local_world_size=args.local_world_size)
-cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
-               num_experts=args.num_experts, topk=args.topk, hidden=args.hidden,
-               dtype=DTYPES[args.dtype],
-               max_tokens=max(args.token_list), num_sms=args.num_sms,
-               combine_algorithm="reduced" if "reduced" in args.combine_list else "pull")
+cfg = config_from_args(args, env, max_tokens=max(args.token_list))  # the script's own config
 buffer = Corrupting if sys.argv[1] == "corrupt" else Launching
 with Runtime(env, backend="gloo") as rt:
     code = bm.sweep(args, cfg, rt, Printer(env.rank), make_buffer=buffer, make_timer=StepTimer)
@@ -642,9 +600,7 @@ sys.exit(code)
 
 
 def _run_sweep(tmp_path: Path, kind: str, *args: str, world: int = 4) -> tuple[list[int], str]:
-    worker = tmp_path / "worker.py"
-    worker.write_text(f"SCRIPTS = {str(SCRIPT.parent)!r}\n" + _WORKER)
-    return launch_ranks(worker, kind, *args, world=world, timeout=240)
+    return launch_ranks(write_worker(tmp_path, _WORKER), kind, *args, world=world, timeout=240)
 
 
 SWEEP_ARGS = ("--hidden", "64", "--topk", "2", "--num-experts", "16", "--tokens", "8,24", "--routing",

@@ -34,13 +34,16 @@ def _expected_symmetric_bytes(c: EpConfig) -> int:
     """The symmetric memory a rank needs, written out by hand (what the table must add up to)."""
     rows = 2 * c.capacity * c.row_bytes  # recv_x, recv_y
     meta = c.capacity * 4 * 3  # recv_w, recv_src, recv_from
-    exchange = c.world_size * (c.num_experts + 1) * 4 + 3 * c.world_size * 8  # counts (+ invalid), signals
+    # counts (+ invalid pairs, + tokens per destination rank), signals
+    exchange = c.world_size * (c.num_experts + 1 + c.world_size) * 4 + 3 * c.world_size * 8
     stage = c.stage_rows * c.row_bytes
     packed = c.max_tokens * packed_fp8_row_bytes(c.hidden) if c.hidden % 128 == 0 else 0
+    # the rank layout's local ids and weights per (source rank, token), without expert capacity only
+    by_rank = 2 * c.world_size * c.max_tokens * c.topk * 4 if c.capacity_factor == 0 else 0
     reduced = 0
     if c.combine_algorithm == "reduced":  # partial rows + each receive slot's group list
         reduced = c.max_tokens * c.world_size * c.row_bytes + c.capacity * c.topk * 4
-    return rows + meta + exchange + stage + packed + reduced
+    return rows + meta + exchange + stage + packed + reduced + by_rank
 
 
 @pytest.mark.parametrize("change", [{}, {"combine_algorithm": "reduced"}, {"hidden": 200},
@@ -69,7 +72,7 @@ def test_shapes_serve_the_host_config_and_the_device_scalars():
         if b.place != CALL:  # the device view of an owned buffer is its full allocation
             assert tuple(b.shape(scalars)) == b.alloc_shape(cfg), b.name
     by = {b.name: b for b in BUFFERS}
-    assert by["counts"].alloc_shape(cfg) == (4, 33) and by["signals"].alloc_shape(cfg) == (3, 4)
+    assert by["counts"].alloc_shape(cfg) == (4, 37) and by["signals"].alloc_shape(cfg) == (3, 4)
     assert by["recv_group"].alloc_shape(cfg) == (cfg.capacity, 2)
     assert EpParams._fields == SCALARS + tuple(f"{n}_ptr" for n in BUFFER_NAMES)
     assert Pointers._fields == BUFFER_NAMES
@@ -115,9 +118,12 @@ class _Sym:
 
 
 SYMBOLS = dict(num_tokens="T", hidden="H", topk="K", capacity="C", world_size="R", num_experts="E",
-               stage_rows="stage_rows", max_tokens="M", fp8_row_bytes="fp8_row_bytes", experts_per_rank="E/R")
+               stage_rows="stage_rows", max_tokens="M", fp8_row_bytes="fp8_row_bytes", experts_per_rank="E/R",
+               rank_capacity="R * M")
 CONDITIONS = {"recv_group": 'only with `combine_algorithm="reduced"`',
-              "partials": 'only with `combine_algorithm="reduced"`', "packed": "only when H % 128 == 0"}
+              "partials": 'only with `combine_algorithm="reduced"`', "packed": "only when H % 128 == 0",
+              "recv_topk_idx": "only with `capacity_factor == 0`",
+              "recv_topk_w": "only with `capacity_factor == 0`"}
 
 
 def design_doc_table() -> str:

@@ -1,23 +1,12 @@
 """Expert capacity: validators/capacity.py against a literal Python loop, EpConfig's arithmetic, and the
-host backends (reference, all-to-all) dropping rows in a world of one and under torchrun (gloo, 2 and 4
-ranks; tests/_torchrun_capacity_fp8_worker.py records, the assertions live here)."""
+host backends (reference, all-to-all) dropping rows in a world of one (under torchrun, in gloo worlds of 2
+and 4 ranks: tests/test_capacity_fp8_torchrun.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from _launch import assert_cases_match
-from _worlds import (
-    HOST_BACKENDS,
-    expected_dispatch,
-    expert_outputs,
-    gloo_worlds_fixture,
-    host_config,
-    needs_gloo,
-    world_of_one,
-)
+from _worlds import HOST_BACKENDS, expected_dispatch, expert_outputs, host_config, world_of_one
 
 from cute_ep.capacity import (
     apply_expert_capacity,
@@ -32,8 +21,6 @@ from cute_ep.kernels.config import ConfigError, EpConfig
 from cute_ep.reference import reference_combine, reference_layout
 from cute_ep.reference_backend import ReferenceEpBuffer
 from cute_ep.status import CapacityExceeded, capacity_error
-
-WORKER = Path(__file__).with_name("_torchrun_capacity_fp8_worker.py")
 
 
 def naive_capacity(topk_idx, num_experts, capacity):
@@ -309,39 +296,16 @@ def test_reference_atomic_mode_keeps_the_scatter_rows():
 
 
 @pytest.mark.parametrize("backend", sorted(HOST_BACKENDS))
-def test_no_factor_never_drops(backend):
+@pytest.mark.parametrize("layout", ["expert", "rank"])
+def test_no_factor_never_drops(backend, layout):
     cfg = _cfg1(0.0, "raise", topk=4)
     with HOST_BACKENDS[backend](world_of_one(), cfg) as buf:
         x, idx, w = make_inputs(0, 16, 32, 4, 4, torch.bfloat16, 8, routing="skewed")
-        res = buf.dispatch(x, idx, w)  # every expert gets all 16 tokens: R * M = expert_capacity
-        assert res.num_recv == 64 and not bool(buf.dropped_rows().any())
-
-
-# --------------------------------------------------------------------------------------------------
-# gloo worlds of 2 and 4 ranks
-# --------------------------------------------------------------------------------------------------
-
-
-ranks = gloo_worlds_fixture(WORKER, "cap", "capacity", timeout=120)
-
-
-@needs_gloo
-def test_distributed_backends_match_the_effective_routing(ranks):
-    assert_cases_match(ranks, 4)
-    assert sum(c["dropped"] for c in ranks[0]["cases"]) > 50  # the cases do drop rows
-
-
-@needs_gloo
-def test_distributed_raise_is_the_same_on_every_rank(ranks):
-    messages = set()
-    for r, res in enumerate(ranks):
-        for backend in ("a2a", "reference"):
-            got = res["raise"][backend]
-            assert got["raised"] == "CapacityExceeded", (r, backend, got)
-            assert got["dropped_ok"] and got["total"] == got["want_total"] > 0, (r, backend, got)
-            assert got["mismatches"] == [] and got["reset"], (r, backend, got)
-            messages.add(got["message"])
-    assert len(messages) == 1 and "expert 0 (rank 0):" in messages.pop()
+        # Every expert gets all 16 tokens: R * M = expert_capacity (rank layout: one row per token,
+        # naming all 4 local experts).
+        res = buf.dispatch(x, idx, w, layout=layout)
+        assert res.num_recv == (64 if layout == "expert" else 16) and cfg.rank_capacity == 16
+        assert res.tokens_per_expert.tolist() == [16] * 4 and not bool(buf.dropped_rows().any())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,32 +1,19 @@
 """FP8 dispatch: cute_ep/fp8.py against an independent numpy formulation (its own e4m3 encoder), the
 packed row format, the dequantization error bound, and the host backends' FP8 dispatch in a world of
-one and under torchrun (gloo, 2 and 4 ranks; tests/_torchrun_capacity_fp8_worker.py records, the
-assertions live here)."""
+one (under torchrun, in gloo worlds of 2 and 4 ranks: tests/test_capacity_fp8_torchrun.py)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from _launch import assert_cases_match
-from _worlds import (
-    HOST_BACKENDS,
-    expected_dispatch,
-    expert_outputs,
-    gloo_worlds_fixture,
-    host_config,
-    needs_gloo,
-    world_of_one,
-)
+from _worlds import HOST_BACKENDS, expected_dispatch, expert_outputs, host_config, world_of_one
 
 from cute_ep.fp8 import dequantize_fp8, fp8_row_bytes, pack_fp8_rows, quantize_fp8, unpack_fp8_rows
 from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
 from cute_ep.reference import reference_combine
 
-WORKER = Path(__file__).with_name("_torchrun_capacity_fp8_worker.py")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 E4M3 = torch.float8_e4m3fn
 
@@ -276,34 +263,3 @@ def test_fp8_dispatch_errors_leave_the_buffer_usable(backend):
         res = buf.dispatch(x, idx, w, fp8=True)
         buf.poison()  # poisoned FP8 rows read as NaN
         assert torch.isnan(res.recv_x.float()).all() and torch.isnan(res.recv_scales).all()
-
-
-# --------------------------------------------------------------------------------------------------
-# gloo worlds of 2 and 4 ranks
-# --------------------------------------------------------------------------------------------------
-
-
-ranks = gloo_worlds_fixture(WORKER, "fp8_", "fp8", timeout=120)
-
-
-@needs_gloo
-def test_distributed_fp8_dispatch_delivers_the_senders_packed_rows(ranks):
-    assert_cases_match(ranks, 4)
-    assert sum(n for res in ranks for case in res["cases"] for n in case["num_recv"]) > 100
-
-
-@needs_gloo
-def test_distributed_fp8_flag_errors_raise_on_every_rank(ranks):
-    last = len(ranks) - 1
-    for r, res in enumerate(ranks):
-        bad = res["bad"]
-        for backend in ("a2a", "reference"):
-            assert "every rank must pass the same fp8 flag" in bad[f"{backend}_mismatch"]["message"], (r, bad)
-            got = bad[f"{backend}_not_bool_on_last"]
-            assert got["raised"] == "ValueError", (r, got)
-            if r == last:
-                assert got["message"] == "fp8 must be True or False, got 'yes'"
-            else:
-                assert f"on another rank: rank {last}:" in got["message"], (r, got)
-            assert "multiple of 128" in bad[f"{backend}_hidden64"]["message"], (r, bad)
-            assert bad[f"{backend}_usable"]["ok"]

@@ -41,6 +41,9 @@ def test_examples_compare_the_committed_baselines_and_save_the_gpu_run(tmp_path)
     ("tests-b", 'LAUNCHES=virtual full'),
     ("bench", "scripts/benchmark.py --tokens 128,4096 --routing uniform --fp8"),
     ("soak", "--fp8 --capacity-factor 0.75"),
+    ("soak", "--layouts expert,rank"),
+    ("peers", "--layouts expert,rank --num-sms 24,48,132 --peers nccl,deepep"),
+    ("decode", "--tokens 1,32,128,256 --num-sms 24,132 --peers deepep"),
     ("sanitizer", "compute-sanitizer --tool memcheck --report-api-errors no --print-limit 100 python3 "
                   "scripts/dispatch_and_combine.py"),
 ])  # fmt: skip

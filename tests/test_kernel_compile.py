@@ -24,12 +24,16 @@ DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "half", torch.float32: "flo
 
 
 def _kernels(ptx: str) -> dict[str, str]:
-    """PTX text of each entry point, keyed Layout / Dispatch / Fanout / Combine / ReducePush / PartialSum."""
+    """PTX text of each entry point, keyed Layout / Dispatch / Fanout / Combine / ReducePush / PartialSum /
+    RankDispatch / RankCombine (the rank layout's variants)."""
     out = {}
     for part in re.split(r"(?m)^(?=\.visible \.entry|\.func|\.visible \.func|\.weak \.func)", ptx):
         m = re.match(r"\.visible \.entry (\w+)", part)
         if m:
-            kind = re.search(r"(Layout|Dispatch|Fanout|Combine|ReducePush|PartialSum)Kernel", m.group(1))
+            # The longer names first: the leftmost match of "RankDispatchKernel" is the whole name.
+            names = "RankDispatch|RankCombine|Layout|Dispatch|Fanout|Combine|ReducePush|PartialSum"
+            kind = re.search(rf"({names})Kernel", m.group(1))
+            assert kind.group(1) not in out, f"two entry points named {kind.group(1)}"
             out[kind.group(1)] = part
     return out
 
@@ -49,10 +53,23 @@ def compiled_ptx(request, tmp_path_factory):
     return request.param, compiled.artifacts.PTX
 
 
-def test_targets_sm90_with_six_kernels(compiled_ptx):
+def test_targets_sm90_with_eight_kernels(compiled_ptx):
     _, ptx = compiled_ptx
     assert re.search(r"(?m)^\.target sm_90$", ptx)
-    assert sorted(_kernels(ptx)) == ["Combine", "Dispatch", "Fanout", "Layout", "PartialSum", "ReducePush"]
+    assert sorted(_kernels(ptx)) == ["Combine", "Dispatch", "Fanout", "Layout", "PartialSum", "RankCombine",
+                                     "RankDispatch", "ReducePush"]
+
+
+def test_rank_layout_variants_carry_only_their_own_code(compiled_ptx):
+    """The rank dispatch writes each row's local ids and weights and no fan-out source; the expert-layout
+    dispatch writes from-slots and no ids (the variants are compiled apart, not branched at run time)."""
+    _, ptx = compiled_ptx
+    kernels = _kernels(ptx)
+    expert, rank = _ops(kernels["Dispatch"]), _ops(kernels["RankDispatch"])
+    assert sum(n for op, n in rank.items() if op.startswith("call")) > 0
+    assert "nvshmem_int32_p" in kernels["RankDispatch"]  # local ids and the source tag
+    assert "nvshmem_float_p" in kernels["RankDispatch"]  # the per-k weights
+    assert sum(expert.values()) != sum(rank.values())
 
 
 def test_links_the_nvshmem_calls_each_step_needs(compiled_ptx):
@@ -70,7 +87,7 @@ def test_links_the_nvshmem_calls_each_step_needs(compiled_ptx):
         assert re.search(rf"\b{fn}\b", ptx), f"{fn} not in the PTX"
 
 
-@pytest.mark.parametrize("kernel", ["Combine", "ReducePush", "PartialSum"])
+@pytest.mark.parametrize("kernel", ["Combine", "ReducePush", "PartialSum", "RankCombine"])
 def test_combine_accumulates_without_fma_and_loads_128_bit_past_l1(compiled_ptx, kernel):
     """The pull combine and both phases of the reduced combine share kernels/rowsum.py."""
     _, ptx = compiled_ptx
@@ -101,14 +118,14 @@ def test_reduced_combine_kernels_declare_their_ctas_per_sm(compiled_ptx):
     kernels = _kernels(ptx)
     for name in ("ReducePush", "PartialSum"):
         assert re.search(r"\.minnctapersm 2\b", kernels[name]), name
-    for name in ("Layout", "Dispatch", "Fanout", "Combine"):
+    for name in ("Layout", "Dispatch", "Fanout", "Combine", "RankDispatch", "RankCombine"):
         assert ".minnctapersm" not in kernels[name], name
 
 
 def test_row_copies_are_128_bit(compiled_ptx):
     _, ptx = compiled_ptx
     kernels = _kernels(ptx)
-    for name in ("Dispatch", "Fanout"):
+    for name in ("Dispatch", "Fanout", "RankDispatch"):
         ops = _ops(kernels[name])
         assert ops["st.global.v4.b32"] >= 9, (name, ops)  # 8 unrolled pieces + the remainder loop
         assert ops["ld.global.v4.b32"] >= 9, (name, ops)
@@ -118,7 +135,7 @@ def test_every_wait_for_a_peer_is_bounded(compiled_ptx):
     _, ptx = compiled_ptx
     assert "signal_wait_until" not in ptx  # NVSHMEM's wait has no timeout: one missing peer hangs all
     kernels = _kernels(ptx)
-    for name in ("Layout", "Dispatch", "Combine", "ReducePush", "PartialSum"):
+    for name in ("Layout", "Dispatch", "Combine", "ReducePush", "PartialSum", "RankDispatch", "RankCombine"):
         text = kernels[name]
         assert "ld.acquire.sys.global.u64" in text, name  # polls the signal with acquire semantics
         assert text.count("%globaltimer") >= 2, name  # start time + a fresh read inside the loop

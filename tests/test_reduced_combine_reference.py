@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from _launch import assert_cases_match, worker_results
-from _worlds import needs_gloo, world_of_one
+from _worlds import assert_raised_on_every_rank, needs_gloo, world_of_one
 
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.input_checks import resolve_combine_algorithm
@@ -383,13 +383,7 @@ BAD = {
 @pytest.mark.parametrize("scenario", sorted(BAD))
 def test_a_bad_algorithm_raises_on_every_rank(ranks, backend, scenario):
     at_fault, own, others = BAD[scenario]
-    for r, res in enumerate(ranks):
-        got = res["bad"][f"{backend}_{scenario}"]
-        assert got["raised"] == "ValueError", (r, got)
-        if at_fault is None or r == at_fault:
-            assert own in got["message"], (r, got)
-        else:
-            assert others in got["message"] and own in got["message"], (r, got)
+    assert_raised_on_every_rank(ranks, f"{backend}_{scenario}", at_fault, own, [others, own])
 
 
 @needs_gloo

@@ -26,6 +26,8 @@ from cute_ep.validators.checks import (
     check_combine,
     check_dispatch,
     check_layout,
+    check_rank_combine,
+    check_rank_dispatch,
     format_summary,
     report,
 )
@@ -39,6 +41,8 @@ __all__ = [
     "check_combine",
     "check_dispatch",
     "check_layout",
+    "check_rank_combine",
+    "check_rank_dispatch",
     "compare_baselines",
     "compare_to_baseline",
     "format_summary",

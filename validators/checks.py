@@ -25,10 +25,14 @@ from cute_ep.bootstrap.dist_env import ROUTE_CLASSES, possible_route_classes, ro
 from cute_ep.collectives import all_gather_objects, collective_device, world_of
 from cute_ep.reference import (
     COMBINE_REFERENCES,
+    ExpectedRankRecv,
     Layout,
     pack_source,
+    reference_combine_rank_layout,
     reference_dispatch_rank,
+    reference_dispatch_rank_layout,
     reference_layout,
+    reference_rank_layout,
     unpack_source,
 )
 
@@ -38,6 +42,8 @@ __all__ = [
     "check_combine",
     "check_dispatch",
     "check_layout",
+    "check_rank_combine",
+    "check_rank_dispatch",
     "format_summary",
     "report",
     "route_counts_of",
@@ -57,6 +63,10 @@ class CheckResult:
         coverage_ok: every route class possible in this topology has at least one pair.
         local_passed: this rank's own verdict (including the coverage gate).
         failed_ranks: ranks whose local verdict was a failure.
+        wrong_rows: this rank's wrong rows, for the checks that count them (None for the others):
+            check_rank_dispatch, received rows not bit-identical to their expected row in every field
+            plus missing or extra rows; check_rank_combine, output tokens differing in any bit. 0 on a
+            passing rank; sum it over the ranks for the run's count.
     """
 
     passed: bool
@@ -65,6 +75,7 @@ class CheckResult:
     coverage_ok: bool
     local_passed: bool
     failed_ranks: list[int] = field(default_factory=list)
+    wrong_rows: int | None = None
 
 
 def _reduce_verdict(local_ok: bool, group: Any) -> list[int]:
@@ -138,7 +149,11 @@ def _fmt(v: Tensor) -> str:
 
 
 def _finish(
-    local_msgs: list[str], route_counts: dict[str, int], coverage_ok: bool, group: Any
+    local_msgs: list[str],
+    route_counts: dict[str, int],
+    coverage_ok: bool,
+    group: Any,
+    wrong_rows: int | None = None,
 ) -> CheckResult:
     local_ok = not local_msgs
     failed = _reduce_verdict(local_ok, group)
@@ -155,6 +170,7 @@ def _finish(
         coverage_ok=coverage_ok,
         local_passed=local_ok,
         failed_ranks=failed,
+        wrong_rows=wrong_rows,
     )
 
 
@@ -618,6 +634,284 @@ def _compare_combine(
         f"expected {_fmt(expected[t, col])}, got {_fmt(out[t, col])}; "
         f"token routes: {', '.join(routes)} [{n_bad} of {bad.numel()} elements differ on rank {rank}]"
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# Rank layout (dispatch(..., layout="rank") and its combine)
+# --------------------------------------------------------------------------------------------
+
+
+def _every_rank(
+    x: Tensor | Sequence[Tensor],
+    topk_idx: Tensor | Sequence[Tensor],
+    topk_weights: Tensor | Sequence[Tensor],
+    group: Any,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Every rank's (x, topk_idx, topk_weights) on the CPU, in rank order: all-gathered from this rank's
+    tensors (collective), or taken as given when the caller already holds every rank's sequences."""
+    given = [isinstance(v, Tensor) for v in (x, topk_idx, topk_weights)]
+    if any(given) != all(given):
+        raise TypeError("x, topk_idx and topk_weights must all be tensors (this rank's) or all sequences")
+    if all(given):
+        gathered = all_gather_objects((_cpu(x), _cpu(topk_idx), _cpu(topk_weights)), group)
+        return [g[0] for g in gathered], [g[1] for g in gathered], [g[2] for g in gathered]
+    xs, idxs, ws = ([t.detach().cpu() for t in p] for p in (x, topk_idx, topk_weights))
+    return xs, idxs, ws
+
+
+def _rows_of(res: Any) -> int:
+    """num_recv as an int, or 0 when even that is unreadable (for a count of wrong rows after an error)."""
+    try:
+        return max(int(res.num_recv), 0)
+    except Exception:
+        return 0
+
+
+def _rank_field_problems(res: Any, expected: ExpectedRankRecv, got_n: int) -> list[str]:
+    """Missing fields, wrong dtypes or row shapes, or fewer rows than the compare needs."""
+    m = min(expected.num_recv, got_n)
+    problems = []
+    for name, want in (
+        ("recv_x", expected.recv_x),
+        ("recv_topk_idx", expected.recv_topk_idx),
+        ("recv_topk_weights", expected.recv_topk_weights),
+        ("recv_src", expected.recv_src),
+    ):
+        got = getattr(res, name, None)
+        if got is None:
+            problems.append(f"{name} is None (not a rank-layout result?)")
+        elif got.dtype != want.dtype or tuple(got.shape[1:]) != tuple(want.shape[1:]) or got.shape[0] < m:
+            problems.append(
+                f"{name} must be [{m}{''.join(f', {d}' for d in want.shape[1:])}] of {want.dtype}, got "
+                f"{tuple(got.shape)} {got.dtype}"
+            )
+    return problems
+
+
+def _rank_counts_problems(res: Any, expected: ExpectedRankRecv, exp_scatter: Tensor, got_n: int) -> list[str]:
+    """num_recv, tokens_per_expert and the handle (layout, the row of every (t, k) on its owner)."""
+    problems = []
+    if got_n != expected.num_recv:
+        problems.append(f"num_recv is {got_n}, expected {expected.num_recv}")
+    tpe, exp_tpe = _cpu(res.tokens_per_expert), expected.tokens_per_expert
+    if tpe is None or tpe.dtype != exp_tpe.dtype or tpe.shape != exp_tpe.shape:
+        got = "None" if tpe is None else f"{list(tpe.shape)} {tpe.dtype}"
+        problems.append(f"tokens_per_expert must be {list(exp_tpe.shape)} {exp_tpe.dtype}, got {got}")
+    elif not torch.equal(tpe, exp_tpe):
+        local = int(torch.nonzero(tpe != exp_tpe)[0])
+        problems.append(f"tokens_per_expert[{local}] is {int(tpe[local])}, expected {int(exp_tpe[local])}")
+    handle = res.handle
+    layout = getattr(handle, "layout", "expert")
+    if layout != "rank":
+        problems.append(f"handle.layout is {layout!r}, expected 'rank'")
+    scatter = _cpu(handle.scatter)
+    if scatter.dtype != torch.int32 or scatter.shape != exp_scatter.shape:
+        problems.append(
+            f"handle.scatter must be {list(exp_scatter.shape)} int32, got {list(scatter.shape)} "
+            f"{scatter.dtype}"
+        )
+    else:
+        bad = scatter.to(torch.int64) != exp_scatter.to(torch.int64)
+        if bool(bad.any()):
+            t, k = (int(v) for v in torch.nonzero(bad)[0])
+            problems.append(
+                f"handle.scatter[{t}, {k}] is {int(scatter[t, k])}, expected {int(exp_scatter[t, k])} "
+                f"[{int(bad.sum())} such entries]"
+            )
+    return problems
+
+
+def _row_any(bad: Tensor) -> Tensor:
+    """[N] bool: rows of an [N] or [N, ...] bool tensor with any True (also for N = 0)."""
+    return bad if bad.dim() == 1 else bad.flatten(1).any(dim=1)
+
+
+def _compare_rank_dispatch(
+    res: Any, expected: ExpectedRankRecv, exp_scatter: Tensor, rank: int, max_tokens: int
+) -> tuple[list[str], int]:
+    """(problems, wrong rows) of this rank's rank-layout result. Rows have one order in this layout, so
+    row i is compared with expected row i; a row is wrong if any bit of any field differs."""
+    n, got_n = expected.num_recv, int(res.num_recv)
+    problems = _rank_counts_problems(res, expected, exp_scatter, got_n)
+    fields = _rank_field_problems(res, expected, got_n)
+    problems = [f"dest rank {rank}: {p}" for p in problems + fields]
+    if fields:  # nothing row by row to trust
+        return problems, max(n, got_n)
+    m = min(n, got_n)
+    got = {name: _cpu(getattr(res, name))[:m] for name in ("recv_x", "recv_topk_idx", "recv_topk_weights")}
+    got["recv_src"] = _cpu(res.recv_src)[:m].reshape(m)
+    want = {
+        "recv_x": expected.recv_x[:m], "recv_topk_idx": expected.recv_topk_idx[:m],
+        "recv_topk_weights": expected.recv_topk_weights[:m], "recv_src": expected.recv_src[:m],
+    }  # fmt: skip
+    # [m] per field: a row is wrong if any of its elements differs (recv_src has one per row).
+    bad_by = {name: _row_any(_bits(got[name]) != _bits(want[name])) for name in got}
+    bad = torch.zeros(m, dtype=torch.bool)
+    for b in bad_by.values():
+        bad |= b
+    wrong = int(bad.sum()) + abs(n - got_n)  # every missing or extra row is wrong too
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        s, t = divmod(int(want["recv_src"][i]), max_tokens)
+        diffs = []
+        for name in ("recv_x", "recv_topk_weights"):
+            if bool(bad_by[name][i]):
+                col = int(torch.nonzero(_bits(got[name][i]) != _bits(want[name][i]))[0])
+                where = "column" if name == "recv_x" else "k"
+                expect, found = _fmt(want[name][i, col]), _fmt(got[name][i, col])
+                diffs.append(f"field {name} differs: expected {expect}, got {found} at {where} {col}")
+        if bool(bad_by["recv_topk_idx"][i]):
+            diffs.append(
+                f"field recv_topk_idx differs: expected {want['recv_topk_idx'][i].tolist()}, "
+                f"got {got['recv_topk_idx'][i].tolist()}"
+            )
+        if bool(bad_by["recv_src"][i]):
+            gs, gt = divmod(int(got["recv_src"][i]), max_tokens)
+            diffs.append(
+                f"field recv_src differs: expected {int(want['recv_src'][i])} (rank {s}, token {t}), "
+                f"got {int(got['recv_src'][i])} (rank {gs}, token {gt})"
+            )
+        head = f"(source rank {s}, token {t}, dest rank {rank}, row {i})"
+        problems.append(f"{head}: {'; '.join(diffs)} [{int(bad.sum())} of {m} rows differ]")
+    return problems, wrong
+
+
+def check_rank_dispatch(
+    res: Any,
+    x: Tensor | Sequence[Tensor],
+    topk_idx: Tensor | Sequence[Tensor],
+    topk_weights: Tensor | Sequence[Tensor],
+    *,
+    max_tokens: int,
+    num_experts: int,
+    local_world_size: int,
+    require_coverage: bool = True,
+    group: Any = None,
+) -> CheckResult:
+    """Check this rank's ``dispatch(..., layout="rank")`` result bit for bit (collective).
+
+    Compared with ``reference_dispatch_rank_layout`` of every rank's inputs: recv_x, recv_topk_idx,
+    recv_topk_weights and recv_src row by row (the layout has one order, in either mode), num_recv,
+    tokens_per_expert, and the handle (layout "rank"; ``scatter`` the row of every (t, k) on its owner,
+    -1 for -1 ids, as ``reference_rank_layout``). Every rank of ``group`` must call it with its own result.
+
+    Args:
+        res: this rank's rank-layout ``DispatchResult`` (any device; or anything with its attributes).
+        x: [T, H] this rank's input rows (all-gathered), or every rank's, in rank order (no gather:
+            e.g. recomputed from seeds).
+        topk_idx: [T, K] int64 or int32 in [-1, E), the same kind as x (this rank's, or every rank's).
+        topk_weights: [T, K] float32, the same kind as x.
+        max_tokens: M, the most tokens per rank the buffers were built for (recv_src = s * M + t).
+        num_experts: E.
+        local_world_size: L, ranks per (possibly virtual) node, for the route classes.
+        require_coverage: fail unless every route class possible for (R, L) has at least one pair.
+        group: the process group (None: the default group, or a world of 1 if none is initialised).
+
+    Returns:
+        A :class:`CheckResult` with the verdict reduced over all ranks; ``route_counts`` counts (t, k)
+        pairs as the expert-layout checks do; ``wrong_rows`` this rank's wrong received rows.
+    """
+    rank, world = world_of(group)
+    xs, idxs, ws = _every_rank(x, topk_idx, topk_weights, group)
+    msgs: list[str] = []
+    counts = dict.fromkeys(ROUTE_CLASSES, 0)
+    coverage_ok = False
+    wrong: int | None = None
+    try:
+        if len(idxs) != world:
+            raise ValueError(f"got the inputs of {len(idxs)} ranks for a world of {world}")
+        counts = route_counts_of(reference_layout(idxs, num_experts), local_world_size)
+        coverage_ok, gate = _coverage_gate(counts, world, local_world_size, require_coverage)
+        layout = reference_rank_layout(idxs, num_experts)
+        expected = reference_dispatch_rank_layout(xs, idxs, ws, layout, max_tokens, rank)
+        problems, wrong = _compare_rank_dispatch(res, expected, layout.scatter[rank], rank, max_tokens)
+        msgs += problems + gate
+    except Exception as exc:  # every rank must still reach the verdict collective
+        error = "error while checking the rank-layout dispatch"
+        msgs.append(f"dest rank {rank}: {error}: {type(exc).__name__}: {exc}")
+        wrong = max(_rows_of(res), 1)  # unreadable: every received row is wrong (at least one)
+    return _finish(msgs, counts, coverage_ok, group, wrong_rows=wrong)
+
+
+def _compare_rank_combine(
+    expected: Tensor, out: Tensor, idx: Tensor, slots: Tensor, experts_per_rank: int, rank: int
+) -> tuple[list[str], int]:
+    """(problems, wrong output tokens) of this rank's rank-layout combine output."""
+    if out.shape != expected.shape or out.dtype != expected.dtype:
+        return [
+            f"rank {rank}: combine output must be {tuple(expected.shape)} of {expected.dtype}, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        ], max(expected.shape[0], 1)
+    bad = _bits(out) != _bits(expected)
+    bad_tokens = bad.any(dim=1) if bad.dim() == 2 else bad
+    if not bool(bad_tokens.any()):
+        return [], 0
+    t, col = (int(v) for v in torch.nonzero(bad)[0])
+    rows = {}  # destination rank -> the token's row there, ascending (the order of the sum)
+    for k in range(idx.shape[1]):
+        e = int(idx[t, k])
+        if e >= 0:
+            rows.setdefault(e // experts_per_rank, int(slots[t, k]))
+    where = ", ".join(f"rank {d} row {rows[d]}" for d in sorted(rows)) or "none"
+    n_bad = int(bad_tokens.sum())
+    values = f"expected {_fmt(expected[t, col])}, got {_fmt(out[t, col])}"
+    return [
+        f"(rank {rank}, token {t}, column {col}): {values}; token rows: {where} "
+        f"[{n_bad} of {bad_tokens.numel()} tokens differ on rank {rank}]"
+    ], n_bad
+
+
+def check_rank_combine(
+    out: Tensor,
+    topk_idx: Tensor,
+    scatter: Tensor,
+    recv_y: Tensor,
+    *,
+    num_experts: int,
+    local_world_size: int,
+    require_coverage: bool = True,
+    group: Any = None,
+) -> CheckResult:
+    """Check this rank's combine of a rank-layout handle bit for bit (collective).
+
+    The reference is ``reference_combine_rank_layout`` of every rank's ``recv_y`` (all-gathered): a
+    token's rows on its destination ranks summed in ascending rank order in fp32, one rounding, no
+    weights. Every rank of ``group`` must call it with its own tensors.
+
+    Args:
+        out: [T, H] this rank's combine output, in recv_y's dtype.
+        topk_idx: [T, K] int64 or int32 in [-1, E), this rank's routing (the handle's).
+        scatter: [T, K] integer, the handle's rows (the row of token t on each destination rank).
+        recv_y: [N, H] the rows this rank gave combine (one per received row; N >= rows received).
+        num_experts: E.
+        local_world_size: L, ranks per (possibly virtual) node, for the route classes.
+        require_coverage: fail unless every route class possible for (R, L) has at least one pair.
+        group: the process group (None: the default group, or a world of 1 if none is initialised).
+
+    Returns:
+        A :class:`CheckResult` with the verdict reduced over all ranks; ``wrong_rows`` this rank's output
+        tokens that differ in any bit.
+    """
+    wrong: list[int] = []
+
+    def compare(gathered: list[tuple], layout: Layout, rank: int) -> list[str]:
+        idx, slots, _ = gathered[rank]
+        ys = [g[2] for g in gathered]
+        expected = reference_combine_rank_layout(ys, [idx], [slots], num_experts=num_experts)[0]
+        problems, n_bad = _compare_rank_combine(
+            expected, _cpu(out), idx, slots, layout.experts_per_rank, rank
+        )
+        wrong.append(n_bad)
+        return problems
+
+    local = (_cpu(topk_idx), _cpu(scatter), _cpu(recv_y))
+    error = "rank {rank}: error while checking the rank-layout combine"
+    result = _check_against_layout(
+        local, compare, error, num_experts, local_world_size, require_coverage, group
+    )
+    # No count from compare: it raised (every token counts as wrong) or never ran (all right).
+    result.wrong_rows = wrong[0] if wrong else (0 if result.local_passed else max(int(topk_idx.shape[0]), 1))
+    return result
 
 
 # --------------------------------------------------------------------------------------------

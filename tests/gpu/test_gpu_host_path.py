@@ -184,33 +184,51 @@ def test_dispatch_and_combine_overlap_a_gemm_on_their_own_stream(runtime):
     cfg, rank, (x, idx, w) = _setup(runtime, T=2048, H=4096, K=8, num_sms=24, seed=11)
     idx = idx.to(torch.int32)
     dev = runtime.device
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    # The compute: three fp32 GEMMs without TF32 (about 8 ms on an H200). Not bf16: cuBLAS's bf16 GEMMs on
+    # sm_90 are persistent kernels that hold every SM until they end, and measured beside them the
+    # communication lost 0.3-0.75 ms instead of hiding (with torch's SM carve-out for cuBLASLt too);
+    # expert GEMMs must leave the communication its SMs (DeepGEMM's num_sms), which torch.mm cannot.
+    a = torch.randn(4096, 4096, dtype=torch.float32, device=dev)
+    b = torch.randn(4096, 4096, dtype=torch.float32, device=dev)
     c = torch.empty_like(a)
-    comm = torch.cuda.Stream(dev)
+    # A high-priority stream, as a serving loop would use: its kernels take SMs as the GEMM's CTAs retire.
+    comm = torch.cuda.Stream(dev, priority=-1)
     with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
         outs = []
 
-        def communicate() -> None:  # dispatch -> identity expert -> combine, all on ``comm``
-            res = buf.dispatch(x, idx, w, sync=False, stream=comm)
+        def communicate(after: torch.cuda.Event | None = None) -> None:
+            """dispatch -> identity expert -> combine, all on ``comm``, ordered after ``after`` (default:
+            after the current stream)."""
+            res = buf.dispatch(x, idx, w, sync=False, stream=comm, previous_event=after)
             with torch.cuda.stream(comm):
                 buf.recv_y.copy_(buf.recv_x)
-            outs.append(buf.combine(buf.recv_y, res.handle, stream=comm))
+            outs.append(buf.combine(buf.recv_y, res.handle, stream=comm, previous_event=after))
 
         def compute() -> None:
-            for _ in range(6):
+            for _ in range(3):
                 torch.mm(a, b, out=c)
 
         def both() -> None:
-            communicate()  # enqueued first: it waits for nothing on the compute stream
-            compute()
+            # The inputs are ready now: the communication follows this event, not the GEMMs queued after
+            # it on the current stream (without previous_event it would wait for them).
+            ready = torch.cuda.Event()
+            ready.record()
+            compute()  # queued first (the host returns at once); the communication is enqueued beside it
+            communicate(ready)
 
         communicate()
         torch.cuda.current_stream().wait_stream(comm)  # the output is ready only once ``comm`` is
         alone = outs.pop().clone()
-        comm_ms, gemm_ms = _median_ms(communicate), _median_ms(compute)
-        outs.clear()
-        both_ms = _median_ms(both)
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            comm_ms, gemm_ms = _median_ms(communicate), _median_ms(compute)
+            product = c.clone()
+            outs.clear()
+            both_ms = _median_ms(both)
+            assert torch.equal(c, product), "the GEMM's result changed when overlapped"
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
         assert all(torch.equal(o, alone) for o in outs), "results changed when overlapped"
         buf.check_ran()
         print(f"[rank {rank}] dispatch + combine {comm_ms:.3f} ms, GEMMs {gemm_ms:.3f} ms, "
