@@ -203,20 +203,26 @@ class EpBackend(Protocol):
 class BackendBase:
     """What the backends share word for word: poisoning the receive buffers, the range check of
     ``expert_output`` and the context-manager entry. Subclasses own ``recv_x``, ``recv_y``, ``recv_w``,
-    ``recv_src`` and ``cfg``."""
+    ``recv_src``, ``recv_topk_idx``, ``recv_topk_w`` and ``cfg``."""
 
     cfg: EpConfig
     recv_x: Tensor
     recv_y: Tensor
     recv_w: Tensor
     recv_src: Tensor
+    recv_topk_idx: Tensor
+    recv_topk_w: Tensor
 
     def poison(self) -> None:
-        """Fill the receive buffers with NaN / -1 so that a row nobody wrote cannot pass a check."""
+        """Fill the receive buffers with NaN / -1 so that a row nobody wrote cannot pass a check. The rank
+        layout's ``recv_topk_idx`` gets -1 (a received row always names a local expert, so an all -1 row
+        is never a real one) and ``recv_topk_w`` NaN."""
         self.recv_x.fill_(float("nan"))
         self.recv_y.fill_(float("nan"))
         self.recv_w.fill_(float("nan"))
         self.recv_src.fill_(-1)
+        self.recv_topk_idx.fill_(-1)
+        self.recv_topk_w.fill_(float("nan"))
 
     def _check_num_recv(self, num_recv: int) -> None:
         if not 0 <= num_recv <= self.cfg.capacity:

@@ -193,13 +193,11 @@ class EpBuffer(BackendBase):
         recv_x, recv_scales = self.recv_x[:num_recv], None
         if fp8:
             recv_x, recv_scales = self.fp8_views(num_recv)
-        if by_rank:
-            result = DispatchResult(recv_x, None, self.recv_src[:num_recv], tpe, num_recv, handle, None,
-                                    recv_count, event, self.recv_topk_idx[:num_recv],
-                                    self.recv_topk_w[:num_recv])
-        else:
-            result = DispatchResult(recv_x, self.recv_w[:num_recv], self.recv_src[:num_recv], tpe, num_recv,
-                                    handle, recv_scales, recv_count, event)
+        # The rank layout's weights are per (row, k); the expert layout's per row.
+        recv_w = None if by_rank else self.recv_w[:num_recv]
+        per_k = (self.recv_topk_idx[:num_recv], self.recv_topk_w[:num_recv]) if by_rank else (None, None)
+        result = DispatchResult(recv_x, recv_w, self.recv_src[:num_recv], tpe, num_recv, handle, recv_scales,
+                                recv_count, event, *per_k)
         if status is not None:
             self._take_drops(status["dropped"], result)
         return result
@@ -256,12 +254,10 @@ class EpBuffer(BackendBase):
         t = handle.num_tokens
         if handle.scatter.data_ptr() != self.scatter.data_ptr():  # a handle from dispatch() owns a copy
             self.scatter[:t].copy_(handle.scatter)
-        if handle.layout == "rank":
-            self._launch(OP_COMBINE, t, idx=handle.topk_idx, w=handle.topk_weights, out=out,
-                         layout=LAYOUTS["rank"])
-            return
+        by_rank = handle.layout == "rank"
+        combine_algo = 0 if by_rank else COMBINE_ALGORITHMS[algorithm or self.cfg.combine_algorithm]
         self._launch(OP_COMBINE, t, idx=handle.topk_idx, w=handle.topk_weights, out=out,
-                     combine_algo=COMBINE_ALGORITHMS[algorithm or self.cfg.combine_algorithm])
+                     combine_algo=combine_algo, layout=LAYOUTS[handle.layout])
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
         """The symmetric [num_recv, H] buffer combine reads; experts writing here save a copy."""
@@ -294,12 +290,6 @@ class EpBuffer(BackendBase):
                 self.recv_y[: y.shape[0]].copy_(y)
             self.launch_combine(handle, out, algorithm)
         return out
-
-    def poison(self) -> None:
-        """Fill the receive buffers (the rank layout's too) with NaN / -1: a row nobody wrote fails checks."""
-        super().poison()
-        self.recv_topk_idx.fill_(-1)
-        self.recv_topk_w.fill_(float("nan"))
 
     def close(self) -> None:
         """Free the symmetric buffers (collective: every rank calls it). Safe to call twice."""

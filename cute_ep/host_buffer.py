@@ -51,14 +51,9 @@ class HostEpBuffer(BackendBase):
     # -- public API (shared) ---------------------------------------------------------------------
 
     def poison(self) -> None:
-        """Fill the receive buffers with NaN / -1 (and the packed FP8 rows with e4m3 / fp32 NaN) so that
-        a row nobody wrote cannot pass a check. The rank layout's ``recv_topk_idx`` gets -1 (a received
-        row always names at least one local expert, so an all -1 row is never a real one) and
-        ``recv_topk_w`` NaN."""
+        """``BackendBase.poison``, and the packed FP8 rows with e4m3 / fp32 NaN."""
         super().poison()
         self.recv_fp8.fill_(0xFF)
-        self.recv_topk_idx.fill_(-1)
-        self.recv_topk_w.fill_(float("nan"))
 
     def dropped_rows(self) -> Tensor:
         """[E] int64 on the CPU: rows dropped per global expert (beyond ``cfg.expert_capacity``) since

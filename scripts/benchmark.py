@@ -450,37 +450,32 @@ def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag:
 
 
 def checked_rank_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, tag: str, say: Any) -> None:
-    """One rank-layout dispatch and combine checked bit for bit against the torch references (every
-    rank's inputs gathered); raises ``RuntimeError`` on every rank if any rank's results differ."""
-    import torch
+    """One rank-layout dispatch and combine on ``s``, checked bit for bit against the torch references
+    (``validators.checks.check_rank_dispatch`` / ``check_rank_combine``); raise CheckFailed on every rank."""
+    from cute_ep.validators.checks import check_rank_combine, check_rank_dispatch, report
 
-    from cute_ep.collectives import all_gather_objects
-    from cute_ep.reference import (
-        reference_combine_rank_layout,
-        reference_dispatch_rank_layout,
-        reference_rank_layout,
-    )
-
-    g, rank = runtime.cpu_group, runtime.env.rank
-    xs, idxs, ws = zip(*all_gather_objects((s.x.cpu(), s.idx.cpu(), s.w.cpu()), g), strict=True)
+    group, lws = runtime.cpu_group, cfg.local_world_size
+    buf.poison()
     res = buf.dispatch(s.x, s.idx, s.w, layout="rank")
-    want = reference_dispatch_rank_layout(xs, idxs, ws, reference_rank_layout(idxs, cfg.num_experts),
-                                          cfg.max_tokens, rank)
-    fields = ("recv_x", "recv_topk_idx", "recv_topk_weights", "recv_src", "tokens_per_expert")
-    bad = [f for f in fields if not torch.equal(getattr(res, f).cpu(), getattr(want, f))]
+    results = [("rank dispatch", check_rank_dispatch(
+        res, s.x, s.idx, s.w, max_tokens=cfg.max_tokens, num_experts=cfg.num_experts, local_world_size=lws,
+        require_coverage=False, group=group,
+    ))]  # fmt: skip
     # What an expert rank hands back: each row scaled by its local weights' sum (any function would do).
     y = buf.expert_output(res.num_recv)
     y.copy_((res.recv_x.float() * res.recv_topk_weights.sum(dim=1, keepdim=True)).to(cfg.dtype))
     out = buf.combine(y, res.handle)
-    ys, scatters = zip(*all_gather_objects((y.cpu(), res.handle.scatter.cpu()), g), strict=True)
-    if not torch.equal(out.cpu(), reference_combine_rank_layout(ys, idxs, scatters,
-                                                                num_experts=cfg.num_experts)[rank]):
-        bad.append("combine")
-    verdicts = all_gather_objects(bad, g)
-    failed = {r: v for r, v in enumerate(verdicts) if v}
+    results.append(("rank combine", check_rank_combine(
+        out, s.idx, res.handle.scatter, y, num_experts=cfg.num_experts, local_world_size=lws,
+        require_coverage=False, group=group,
+    )))  # fmt: skip
+    failed = [name for name, r in results if not r.passed]  # verdicts are the same on every rank
+    for name, r in results:
+        if not r.passed:
+            report(r, f"{tag} {name}", group, say)  # collective: every rank takes this branch
     if failed:
-        raise RuntimeError(f"{tag}: the rank layout differs from the reference: {failed}")
-    say(f"{tag} rank layout checked: dispatch and combine bit-identical to the reference")
+        raise CheckFailed(f"{tag}: the {', '.join(failed)} check(s) failed (details above); not timing it")
+    say(f"{tag} checked: dispatch and combine bit-identical to the reference")
 
 
 def agree(runtime: Any, reason: str | None) -> str | None:

@@ -23,12 +23,15 @@ from cute_ep.reference_backend import ReferenceEpBuffer
 class Launching(ReferenceEpBuffer):
     """ReferenceEpBuffer plus the two sync-free launches of EpBuffer (here: synchronous)."""
 
-    def launch_dispatch(self, x, idx, w, mode="scatter", fp8=False):
+    def launch_dispatch(self, x, idx, w, mode="scatter", fp8=False, layout="expert"):
         assert idx.dtype.itemsize == 4  # the script converts topk_idx to int32 once
-        self.dispatch(x, idx, w, mode, fp8=fp8)
+        self.dispatch(x, idx, w, mode, fp8=fp8, layout=layout)
 
     def launch_combine(self, handle, out, algorithm=None):
         out.copy_(self.combine(self.expert_output(self.cfg.capacity), handle, algorithm=algorithm))
+
+    def check_ran(self):  # the launches above are synchronous: nothing can be left unrun
+        pass
 
 
 class StepTimer:

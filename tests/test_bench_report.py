@@ -677,6 +677,30 @@ def test_sweep_with_fp8_adds_a_checked_packed_row_per_mode(tmp_path):
     assert rows[1]["combine_us"] == rows[0]["combine_us"]  # combine is the mode's own
 
 
+def test_sweep_times_the_rank_layout_as_its_own_checked_rows(tmp_path):
+    out_json = tmp_path / "r.json"
+    args = ("--hidden", "64", "--topk", "4", "--num-experts", "16", "--tokens", "8,24", "--routing", "skewed",
+            "--modes", "scatter", "--iters", "2", "--warmup", "1", "--input-sets", "2",
+            "--validate-max-tokens", "8", "--local-world-size", "2", "--layouts", "expert,rank")  # fmt: skip
+    codes, out = _run_sweep(tmp_path, "ok", *args, "--out-json", str(out_json))
+    assert codes == [0, 0, 0, 0], out[-6000:]
+    rows = br.load_json(out_json)["rows"]
+    assert [(r["tokens"], r["mode"], r["layout"], r["checked"]) for r in rows] == [
+        (8, "rank", "rank", True), (8, "scatter", "expert", True),
+        (24, "rank", "rank", False), (24, "scatter", "expert", False),
+    ]
+    assert "[skewed T=8 rank layout] checked: dispatch and combine bit-identical to the reference" in out
+
+
+def test_sweep_aborts_when_the_rank_layout_check_fails(tmp_path):
+    out_json = tmp_path / "r.json"
+    codes, out = _run_sweep(tmp_path, "corrupt", *SWEEP_ARGS, "--layouts", "rank",
+                            "--out-json", str(out_json))
+    assert codes == [1, 1, 1, 1], out[-6000:]
+    assert "[uniform T=8 rank layout] rank dispatch: FAIL" in out
+    assert not out_json.exists()
+
+
 def test_sweep_aborts_when_the_checked_round_fails(tmp_path):
     out_json = tmp_path / "r.json"
     codes, out = _run_sweep(tmp_path, "corrupt", *SWEEP_ARGS, "--out-json", str(out_json))
