@@ -62,9 +62,10 @@ another rank), weights (0.0 there) and tag s * M + t, as an int32 [N, 2K + 1] me
 sends each received row back and the token's rank adds its rows in ascending destination rank (fp32
 from 0.0, one cast), bit-identical to ``cute_ep.reference.reference_combine_rank_layout``.
 
-FP8 (``dispatch(..., fp8=True)``): the sender quantizes its rows and packs them
-(:mod:`cute_ep.fp8`), the all-to-all moves the packed uint8 rows, and the receiver's
-``recv_x`` (float8_e4m3fn) and ``recv_scales`` (fp32) are views of its packed receive rows.
+FP8 (``dispatch(..., fp8=True)``, either layout): the sender quantizes its rows and packs them
+(:mod:`cute_ep.fp8`; each token once), the all-to-all moves the packed uint8 rows where the rows of
+``cfg.dtype`` would go, and the receiver's ``recv_x`` (float8_e4m3fn) and ``recv_scales`` (fp32) are
+views of its packed receive rows.
 
 Errors: an invalid input on any rank raises on every rank (the rank at fault gets the shared
 checks' message, the others a message naming it) before any rows move, and the buffer stays usable.
@@ -86,7 +87,6 @@ from torch import Tensor
 from cute_ep.api import LAYOUTS, DispatchHandle, DispatchResult
 from cute_ep.capacity import kept_counts
 from cute_ep.collectives import all_gather_objects
-from cute_ep.fp8 import pack_fp8_rows, quantize_fp8
 from cute_ep.host_buffer import HostEpBuffer
 from cute_ep.input_checks import (
     check_combine_input,
@@ -183,8 +183,8 @@ class A2aEpBuffer(HostEpBuffer):
         ``A2aDispatchHandle``; recv_x / recv_weights / recv_src (and recv_scales with fp8) are views valid
         until the next dispatch. Collective: every rank calls it; invalid inputs on any rank raise on every
         rank. Rows dropped beyond ``cfg.expert_capacity`` raise ``CapacityExceeded`` (carrying the result) if
-        ``cfg.on_overflow == "raise"``. layout: "expert" or "rank" (module docstring; no capacity factor,
-        no fp8), the same on every rank.
+        ``cfg.on_overflow == "raise"``. layout: "expert" or "rank" (module docstring; no capacity factor),
+        the same on every rank.
         """
         self._check_open()
         c = self.cfg
@@ -237,7 +237,7 @@ class A2aEpBuffer(HostEpBuffer):
             raise ValueError(f"dispatch: every rank must use the same layout, got {layouts} (by rank)")
         if layout == "rank":
             assert dest is not None
-            return self._dispatch_rank_layout(x, idx, w, dest, table, mode, sync)
+            return self._dispatch_rank_layout(x, idx, w, dest, table, mode, fp8, sync)
 
         routed = table[:, :num_e]  # [R_src, E]: pairs routed, before capacity
         limited = c.capacity_factor > 0
@@ -283,14 +283,14 @@ class A2aEpBuffer(HostEpBuffer):
         back_pos[send_order] = arange
 
         # With fp8 the packed rows travel: each token quantized once, before the per-k copies.
-        rows = pack_fp8_rows(*quantize_fp8(x), c.fp8_row_bytes) if fp8 else x
+        rows = self._sent_rows(x, fp8)
         x_send = rows.index_select(0, torch.div(send_order, k_top, rounding_mode="floor"))
         tags = send_order + rank * c.max_tokens * k_top  # (rank * M + t) * K + k, < 2**31 (EpConfig)
         meta_send = torch.stack([w.reshape(-1)[send_order].view(torch.int32), tags.to(torch.int32)], dim=1)
 
         # -- receive side --------------------------------------------------------------------------
         self._ensure_rows(n_recv)
-        dest = self._fp8_rows(n_recv) if fp8 else self.recv_x[:n_recv]
+        dest = self._recv_rows(n_recv, fp8)
         identity = el == 1 or world == 1  # source-major order is already expert-major
         if identity:
             slot_of = None
@@ -400,12 +400,12 @@ class A2aEpBuffer(HostEpBuffer):
     # -- internals -------------------------------------------------------------------------------
 
     def _dispatch_rank_layout(self, x: Tensor, idx: Tensor, w: Tensor, dest: Tensor, table: Tensor,
-                              mode: str, sync: bool) -> DispatchResult:
+                              mode: str, fp8: bool, sync: bool) -> DispatchResult:
         """The rank layout (module docstring), after the exchange of the count rows.
 
         x [T, H], idx [T, K] int32 (this rank's own copy), w [T, K] fp32; dest [T, R] bool: token t names
         an expert of rank r; table [R, E + R + 4]: every rank's gathered row (pairs per expert, then
-        tokens per destination rank)."""
+        tokens per destination rank); fp8: the packed FP8 rows travel instead of x's."""
         c = self.cfg
         world, rank, num_e, el, k_top = c.world_size, self.rank, c.num_experts, c.experts_per_rank, c.topk
         dev = self.device
@@ -433,7 +433,7 @@ class A2aEpBuffer(HostEpBuffer):
         owner = torch.where(ids >= 0, torch.div(ids, el, rounding_mode="floor"), world)
         scatter = row_on.gather(1, owner).to(torch.int32)
 
-        x_send = x.index_select(0, send_t)
+        x_send = self._sent_rows(x, fp8).index_select(0, send_t)
         ids_sent, w_sent = ids.index_select(0, send_t), w.index_select(0, send_t)
         here = owner.index_select(0, send_t) == send_d[:, None]  # the pair is for the row's destination
         local = torch.where(here, ids_sent - send_d[:, None] * el, -1).to(torch.int32)
@@ -445,7 +445,7 @@ class A2aEpBuffer(HostEpBuffer):
         self._ensure_rows(n_recv)
         self._rank_rows(n_recv)
         meta_recv = torch.empty((n_recv, 2 * k_top + 1), dtype=torch.int32, device=dev)
-        self._all_to_all(self.recv_x[:n_recv], x_send, recv_splits, send_splits)
+        self._all_to_all(self._recv_rows(n_recv, fp8), x_send, recv_splits, send_splits)
         self._all_to_all(meta_recv, meta_send, recv_splits, send_splits)
         self.recv_topk_idx[:n_recv].copy_(meta_recv[:, :k_top])
         self.recv_topk_w[:n_recv].view(torch.int32).copy_(meta_recv[:, k_top:2 * k_top])
@@ -456,7 +456,7 @@ class A2aEpBuffer(HostEpBuffer):
         route = _Route(self._token, self._calls, idx, send_splits, recv_splits, None, back_pos, "rank")
         self._calls += 1
         handle = A2aDispatchHandle(idx, w, scatter, t, mode, "rank", _route=route)
-        return self._dispatch_result(n_recv, tpe, handle, False, sync, layout="rank")
+        return self._dispatch_result(n_recv, tpe, handle, fp8, sync, layout="rank")
 
     def _combine_rank_layout(self, got: Tensor, idx: Tensor, route: _Route) -> Tensor:
         """out[t] = sum over t's destination ranks r ascending of its row back from r, fp32 from 0.0, one

@@ -18,7 +18,7 @@ Two receive layouts (``dispatch(..., layout=...)``, ``LAYOUTS``):
   the row is for. Combine takes one row per received row, already reduced over this rank's experts
   and weighted by the caller, and sums a token's rows over its destination ranks in ascending rank
   order (fp32 from 0.0, one rounding to cfg.dtype; no weights applied). Needs
-  ``cfg.capacity_factor == 0`` and no FP8 for now. Torch references:
+  ``cfg.capacity_factor == 0``; FP8 works as in the expert layout. Torch references:
   ``cute_ep.reference.reference_dispatch_rank_layout`` / ``reference_combine_rank_layout``.
 """
 
@@ -84,7 +84,8 @@ class DispatchResult:
     Rank layout (``layout="rank"``): one row per (source rank s, token t of s) naming at least one
     expert of this rank, source rank ascending, then t ascending (in either mode).
 
-    recv_x [N, H] cfg.dtype: x_s[t].
+    recv_x [N, H] cfg.dtype: x_s[t]. After an FP8 dispatch: torch.float8_e4m3fn, x_s[t] quantized once
+        by its sender (rows ``cfg.fp8_row_bytes`` apart, as in the expert layout), with ``recv_scales``.
     recv_weights: None (the weights are per (row, k): ``recv_topk_weights``).
     recv_src [N] int32: s * cfg.max_tokens + t (no k: one row serves every k of the token).
     tokens_per_expert [El] int32: rows naming each local expert (they are not contiguous).
@@ -93,7 +94,8 @@ class DispatchResult:
     recv_topk_idx [N, K] int32: local expert id ``e - rank * El`` where ``topk_idx_s[t, k] = e`` is an
         expert of this rank, else -1 (position k kept).
     recv_topk_weights [N, K] fp32: ``topk_weights_s[t, k]`` where recv_topk_idx >= 0, else 0.0.
-    handle, recv_count, event: as above; recv_scales None (no FP8 yet).
+    recv_scales [N, H / 128] fp32 after an FP8 dispatch (as above), else None.
+    handle, recv_count, event: as above.
     """
 
     recv_x: Tensor
@@ -141,8 +143,9 @@ class EpBackend(Protocol):
                 GPU buffer's ``check_ran``). In the rank layout the views cover ``cfg.rank_capacity``
                 rows.
             layout: "expert" (expert-major rows, one per (token, k)) or "rank" (one row per (token,
-                destination rank), DeepEP's; needs ``cfg.capacity_factor == 0`` and ``fp8=False``);
-                the same on every rank. See the module docstring and ``DispatchResult``.
+                destination rank), DeepEP's; needs ``cfg.capacity_factor == 0``; with ``fp8`` its
+                rows are the packed FP8 rows of the expert layout); the same on every rank. See the
+                module docstring and ``DispatchResult``.
 
         Returns:
             ``DispatchResult``.
@@ -150,7 +153,7 @@ class EpBackend(Protocol):
         Raises:
             ValueError: an input violates a constraint (the message names it and the value), on every
                 rank (a peer's invalid inputs too); an unknown layout, or layout="rank" with a capacity
-                factor or fp8.
+                factor.
             CapacityExceeded: rows were dropped beyond ``cfg.expert_capacity`` and ``cfg.on_overflow``
                 is "raise" (carries the complete result), on every rank alike.
         """

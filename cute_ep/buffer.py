@@ -168,13 +168,14 @@ class EpBuffer(BackendBase):
         by_rank = layout == "rank"
         with self._on_stream(stream, previous_event, x, idx, w) as on:
             self.launch_dispatch(x, idx, w, mode, fp8=fp8, algorithm=algorithm, layout=layout)
-            status = self.status.read() if sync else None
             # The handle owns its routing (a caller editing its tensors later cannot change combine):
-            # copies of the int32 words, made by one kernel.
+            # copies of the int32 words, made by one kernel (enqueued before the status read, so the GPU
+            # makes them while the host waits).
             parts = [self.tokens_per_expert, self.scatter[:t].reshape(-1), idx.reshape(-1),
                      w.reshape(-1).view(torch.int32), self.num_recv]
             owned = torch.cat(parts)
             event = on.record_event() if stream is not None else None
+            status = self.status.read() if sync else None
         if stream is not None:  # made on ``stream``, used on the caller's
             owned.record_stream(torch.cuda.current_stream(self.device))
         tpe, scatter, idx_own, w_own, recv_count = owned.split([p.numel() for p in parts])
@@ -191,7 +192,7 @@ class EpBuffer(BackendBase):
         handle = DispatchHandle(idx_own, w_own, scatter, t, mode, layout)
         self._sent = (handle.topk_idx, handle.topk_weights)
         recv_x, recv_scales = self.recv_x[:num_recv], None
-        if fp8:
+        if fp8:  # either layout (the rank layout's num_recv <= cfg.rank_capacity <= cfg.capacity)
             recv_x, recv_scales = self.fp8_views(num_recv)
         # The rank layout's weights are per (row, k); the expert layout's per row.
         recv_w = None if by_rank else self.recv_w[:num_recv]
@@ -221,8 +222,8 @@ class EpBuffer(BackendBase):
     def launch_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                         mode: str = "scatter", fp8: bool = False, algorithm: str | None = None,
                         layout: str = "expert") -> DispatchHandle:
-        """Enqueue the layout, dispatch and fan-out kernels on the current stream: no checks, no host
-        sync, so the call can be captured in a CUDA graph.
+        """Enqueue the layout, dispatch and fan-out kernels on the current stream (one launch of the
+        module): no checks, no host sync, so the call can be captured in a CUDA graph.
 
         Arguments must already satisfy ``check_dispatch_inputs`` (topk_idx int32, and for fp8
         ``cfg.check_fp8``). The results stay in the buffer on the device: ``recv_x`` (or ``fp8_views``)
@@ -232,7 +233,8 @@ class EpBuffer(BackendBase):
         """
         t = x.shape[0]
         by_rank = layout == "rank"
-        self._launch(OP_LAYOUT, t, idx=topk_idx, layout=LAYOUTS[layout])
+        # One launch of the module: the layout (its own kernel, or folded into the dispatch's first CTA up
+        # to cfg.layout_in_dispatch tokens), the dispatch and the fan-out.
         # The rank layout's rows have one order: its slots always come from the layout kernel.
         kernel_mode = MODES["scatter" if by_rank else mode]
         self._launch(OP_DISPATCH, t, x=x, idx=topk_idx, w=topk_weights, mode=kernel_mode, fp8=fp8,
@@ -410,7 +412,8 @@ class EpBuffer(BackendBase):
                        fp8=int(fp8), algo=algo, combine_algo=combine_algo, layout=layout,
                        num_tokens=num_tokens)
         if not torch.cuda.is_current_stream_capturing():  # a captured launch runs only when replayed
-            self._calls[op] += 1
+            for ran in (OP_LAYOUT, OP_DISPATCH) if op == OP_DISPATCH else (op,):  # OP_DISPATCH: both
+                self._calls[ran] += 1
 
     def _pending_drops(self) -> torch.Tensor:
         pending, self._drops = self._drops, torch.zeros(self.cfg.num_experts, dtype=torch.int64)
@@ -418,9 +421,9 @@ class EpBuffer(BackendBase):
 
     def _take_drops(self, dropped: torch.Tensor, result: Any = None) -> None:
         """Account for device drop counts just read: raise (policy "raise") or keep them for dropped_rows."""
-        counts = dropped.to(torch.int64)  # a copy: ``dropped`` may alias the status block zeroed next
-        if not bool(counts.any()):
+        if not bool(dropped.any()):  # the common case, decided before any copy
             return
+        counts = dropped.to(torch.int64)  # a copy: ``dropped`` may alias the status block zeroed next
         self.dropped.zero_()  # enqueued after the kernels that counted them: the next call counts afresh
         if self.cfg.on_overflow == "raise":
             error = capacity_error(self.cfg, counts + self._pending_drops(), result)

@@ -5,7 +5,7 @@ of ``FP8_BLOCK`` = 128 columns:
 
     xf    = x.float().view(T, H // 128, 128)
     amax  = xf.abs().amax(-1).clamp_min(2**-14)         # FP8_AMAX_FLOOR: an all-zero block stays finite
-    scale = amax / 448.0                                 # fp32 IEEE division
+    scale = amax.div(full_like(amax, 448.0))             # fp32 IEEE division (on CUDA too)
     inv   = full_like(amax, 448.0).div(amax)             # a real division, not reciprocal() * 448
     q     = (xf * inv[..., None]).to(float8_e4m3fn)      # the product rounded to fp32, then RNE to e4m3
 
@@ -85,9 +85,12 @@ def quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
     _check_hidden(hidden)
     xf = x.float().reshape(t, hidden // FP8_BLOCK, FP8_BLOCK)
     amax = xf.abs().amax(-1).clamp_min(FP8_AMAX_FLOOR)
-    scale = amax / FP8_MAX
-    # torch turns `scalar / tensor` into reciprocal() * scalar (two roundings); the GPU kernel divides.
-    inv = torch.full_like(amax, FP8_MAX).div(amax)
+    # Two real divisions, tensor by tensor, rounded once on every device as the GPU kernel's div_rn: torch
+    # turns `scalar / tensor` into reciprocal() * scalar, and on CUDA `tensor / scalar` into
+    # tensor * reciprocal(scalar) (two roundings: about half the scales would differ by an ulp).
+    fp8_max = torch.full_like(amax, FP8_MAX)
+    scale = amax.div(fp8_max)
+    inv = fp8_max.div(amax)
     q = (xf * inv[..., None]).to(FP8_DTYPE)
     return q.reshape(t, hidden), scale
 

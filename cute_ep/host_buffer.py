@@ -1,9 +1,10 @@
 """``HostEpBuffer``: what the torch-computed backends (reference, all-to-all) share.
 
 Receive buffers that live in ordinary torch memory and grow on demand up to ``cfg.capacity`` rows
-(poisoned when they grow; the packed FP8 rows of ``dispatch(..., fp8=True)`` get their own uint8
-buffer, and the rank layout's per-row routing ``recv_topk_idx`` / ``recv_topk_w`` [rows, K] theirs,
-up to ``cfg.rank_capacity`` rows, while its rows use ``recv_x`` / ``recv_src`` / ``recv_y``),
+(poisoned when they grow; the packed FP8 rows of ``dispatch(..., fp8=True)``, in either layout, get
+their own uint8 buffer, and the rank layout's per-row routing ``recv_topk_idx`` / ``recv_topk_w``
+[rows, K] theirs, up to ``cfg.rank_capacity`` rows, while its rows use ``recv_x`` (or the packed FP8
+rows) / ``recv_src`` / ``recv_y``),
 ``poison``, ``expert_output``, the expert-capacity bookkeeping shared with ``EpBuffer``
 (``dropped_rows``, ``check_capacity``), and a close that is collective unless an error is propagating
 (the peers may never arrive then). Subclasses implement dispatch and combine.
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cute_ep.api import BackendBase, DispatchHandle, DispatchResult
-from cute_ep.fp8 import unpack_fp8_rows
+from cute_ep.fp8 import pack_fp8_rows, quantize_fp8, unpack_fp8_rows
 from cute_ep.input_checks import check_buffer_config
 from cute_ep.kernels.config import EpConfig
 from cute_ep.status import capacity_error
@@ -99,21 +100,20 @@ class HostEpBuffer(BackendBase):
         ``recv_count``), as the GPU buffer returns. ``dropped`` [E]: rows the dispatch dropped beyond
         expert capacity, counted here and raised now (``sync``) or by the next ``check_capacity``."""
         count = torch.tensor([n], dtype=torch.int32, device=self.device)
-        if layout == "rank":
-            rows = n if sync else self.cfg.rank_capacity
-            self._ensure_rows(rows)
-            self._rank_rows(rows)
-            # No per-row weight in this layout: the weights are per (row, k) in recv_topk_w.
-            return DispatchResult(self.recv_x[:rows], None, self.recv_src[:rows], tpe, rows, handle,
-                                  recv_count=count, recv_topk_idx=self.recv_topk_idx[:rows],
-                                  recv_topk_weights=self.recv_topk_w[:rows])
-        rows = n if sync else self.cfg.capacity
+        by_rank = layout == "rank"
+        rows = n if sync else self.cfg.rank_capacity if by_rank else self.cfg.capacity
         self._ensure_rows(rows)
-        if fp8:
+        if fp8:  # either layout: views of the packed rows
             self._fp8_rows(rows)
             recv_x, scales = self._fp8_views(rows)
         else:
             recv_x, scales = self.recv_x[:rows], None
+        if by_rank:
+            self._rank_rows(rows)
+            # No per-row weight in this layout: the weights are per (row, k) in recv_topk_w.
+            return DispatchResult(recv_x, None, self.recv_src[:rows], tpe, rows, handle, scales, count,
+                                  recv_topk_idx=self.recv_topk_idx[:rows],
+                                  recv_topk_weights=self.recv_topk_w[:rows])
         result = DispatchResult(recv_x, self.recv_w[:rows], self.recv_src[:rows], tpe, rows, handle, scales,
                                 count)
         if dropped is not None:
@@ -149,6 +149,16 @@ class HostEpBuffer(BackendBase):
             new[:have].copy_(self.recv_fp8)
             self.recv_fp8 = new
         return self.recv_fp8[:n]
+
+    def _recv_rows(self, n: int, fp8: bool) -> Tensor:
+        """The first n receive rows a dispatch writes: with ``fp8`` the packed FP8 rows (``_fp8_rows``),
+        else ``recv_x[:n]`` (grown by the caller's ``_ensure_rows``)."""
+        return self._fp8_rows(n) if fp8 else self.recv_x[:n]
+
+    def _sent_rows(self, x: Tensor, fp8: bool) -> Tensor:
+        """The rows that travel from this rank: x, or with ``fp8`` its packed FP8 rows [T,
+        cfg.fp8_row_bytes] uint8 (each token quantized once, before any per-destination copy)."""
+        return pack_fp8_rows(*quantize_fp8(x), self.cfg.fp8_row_bytes) if fp8 else x
 
     def _rank_rows(self, n: int) -> None:
         """Grow the rank layout's ``recv_topk_idx`` / ``recv_topk_w`` to at least n rows (new rows

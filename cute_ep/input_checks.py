@@ -75,13 +75,12 @@ def check_layout(cfg: EpConfig, layout: Any, mode: str, fp8: Any) -> None:
     """Validate dispatch's receive layout ("expert" | "rank", ``cute_ep.api.LAYOUTS``) for ``cfg``.
 
     "rank" needs ``cfg.capacity_factor == 0`` (its rows are per (token, rank): there is no expert
-    capacity to apply) and ``fp8 is False`` (not built yet). ``mode`` is accepted as it is in both
-    layouts: rank-layout rows are in one deterministic order in either mode (``check_dispatch_options``
-    checks its value). Run it before ``check_dispatch_options`` so that ``fp8=True`` with the rank
-    layout gets this message rather than FP8's own constraints; a non-bool fp8 is left to that check.
-    Errors name the constraint and the value.
+    capacity to apply). ``mode`` and ``fp8`` are accepted as they are in both layouts: rank-layout rows
+    are in one deterministic order in either mode, and an FP8 dispatch sends each token's packed FP8 row
+    to its row on every destination rank as the expert layout does (``check_dispatch_options`` checks
+    both values). Errors name the constraint and the value.
     """
-    del mode  # accepted in both layouts (see above)
+    del mode, fp8  # accepted in both layouts (see above)
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
     if layout != "rank":
@@ -91,8 +90,6 @@ def check_layout(cfg: EpConfig, layout: Any, mode: str, fp8: Any) -> None:
             f"layout='rank' needs capacity_factor == 0 (no expert capacity), got "
             f"capacity_factor={cfg.capacity_factor}"
         )
-    if fp8 is True:
-        raise ValueError("fp8 with layout='rank' is not supported yet")
 
 
 def check_combine_layout(handle: Any, algorithm: Any) -> str:

@@ -24,16 +24,18 @@ routing of :func:`cute_ep.capacity.apply_expert_capacity` (both modes keep the s
 dropped pairs get slot -1 in the handle and combine skips them. The drops are counted
 (``dropped_rows``) and, with ``cfg.on_overflow == "raise"``, raised after the result is complete.
 
-FP8 (``dispatch(..., fp8=True)``): every rank quantizes its own rows and gathers the packed rows
-(:mod:`cute_ep.fp8`); the receiver gets e4m3 ``recv_x`` and fp32 ``recv_scales``.
+FP8 (``dispatch(..., fp8=True)``, either layout): every rank quantizes its own rows and gathers the
+packed rows (:mod:`cute_ep.fp8`), which the references then place like any rows; the receiver gets e4m3
+``recv_x`` and fp32 ``recv_scales``.
 
 Combine algorithm (``cfg.combine_algorithm``, or ``combine(..., algorithm=...)``): "pull" evaluates
 ``reference_combine``, "reduced" ``reference_combine_reduced`` (allowed only on a "reduced" config).
 
 Rank layout (``dispatch(..., layout="rank")``): ``reference_rank_layout`` and
 ``reference_dispatch_rank_layout`` give this rank's rows (one per (source rank, token) naming one of
-its experts), their per-k local ids and weights, and the handle's rows; combine of such a handle
-evaluates ``reference_combine_rank_layout`` (no algorithm). Both modes give the same rows there.
+its experts; with fp8 the packed rows), their per-k local ids and weights, and the handle's rows;
+combine of such a handle evaluates ``reference_combine_rank_layout`` (no algorithm). Both modes give the
+same rows there.
 
 It imports torch and plain-Python parts of the library only (the references, ``cute_ep.api``,
 ``cute_ep.input_checks``, ``cute_ep.kernels.config``): no CUDA, CuTe DSL, NVSHMEM or GPU buffer
@@ -52,7 +54,6 @@ from torch import Tensor
 from cute_ep.api import DispatchHandle, DispatchResult
 from cute_ep.capacity import apply_expert_capacity, effective_topk_from_scatter
 from cute_ep.collectives import all_gather_objects
-from cute_ep.fp8 import pack_fp8_rows, quantize_fp8
 from cute_ep.host_buffer import HostEpBuffer
 from cute_ep.input_checks import (
     check_combine_input,
@@ -109,7 +110,7 @@ class ReferenceEpBuffer(HostEpBuffer):
         fp32 with fp8). Collective: every rank calls it. Invalid inputs on any rank raise on every rank (the
         rank at fault gets the EpBuffer message). Rows dropped beyond ``cfg.expert_capacity`` raise
         ``CapacityExceeded`` (carrying the result) if ``cfg.on_overflow == "raise"``. layout: "expert"
-        or "rank" (``reference_dispatch_rank_layout``; no capacity factor, no fp8), the same on every rank.
+        or "rank" (``reference_dispatch_rank_layout``; no capacity factor), the same on every rank.
         """
         self._check_open()
         c = self.cfg
@@ -118,7 +119,7 @@ class ReferenceEpBuffer(HostEpBuffer):
             x, idx, w = check_dispatch_call(c, self.device, x, topk_idx, topk_weights, mode=mode, fp8=fp8,
                                             algorithm=algorithm, layout=layout)  # fmt: skip
             # With fp8 the sender quantizes and only the packed rows travel (as on the GPU).
-            rows = pack_fp8_rows(*quantize_fp8(x.detach()), c.fp8_row_bytes) if fp8 else x.detach()
+            rows = self._sent_rows(x.detach(), fp8)
             payload = (None, mode, fp8, layout, rows.cpu(), idx.cpu(), w.detach().cpu())
         except ValueError as exc:
             error = str(exc)
@@ -141,7 +142,7 @@ class ReferenceEpBuffer(HostEpBuffer):
 
         xs, idxs, ws = [g[4] for g in gathered], [g[5] for g in gathered], [g[6] for g in gathered]
         if layout == "rank":
-            return self._dispatch_rank_layout(xs, idxs, ws, idx, w, mode, sync)
+            return self._dispatch_rank_layout(xs, idxs, ws, idx, w, mode, fp8, sync)
         # Capacity: the layout is that of the effective routing (dropped pairs set to -1).
         idxs, dropped = apply_expert_capacity(idxs, c.num_experts, c.expert_capacity)
         layout = reference_layout(idxs, c.num_experts)
@@ -167,10 +168,7 @@ class ReferenceEpBuffer(HostEpBuffer):
         n = expected.num_recv
         self._ensure_rows(n)
         self._num_recv = n
-        if fp8:
-            self._fp8_rows(n).copy_(rx)
-        else:
-            self.recv_x[:n].copy_(rx)
+        self._recv_rows(n, fp8).copy_(rx)
         self.recv_w[:n].copy_(rw)
         self.recv_src[:n].copy_(rsrc)
         t = x.shape[0]
@@ -252,9 +250,10 @@ class ReferenceEpBuffer(HostEpBuffer):
     # -- internals -------------------------------------------------------------------------------
 
     def _dispatch_rank_layout(self, xs: list[Tensor], idxs: list[Tensor], ws: list[Tensor], idx: Tensor,
-                              w: Tensor, mode: str, sync: bool) -> DispatchResult:
-        """The rank layout of every rank's gathered inputs (xs, idxs, ws), this rank's rows written into
-        the receive buffers; ``idx`` / ``w``: this rank's routing, for the handle."""
+                              w: Tensor, mode: str, fp8: bool, sync: bool) -> DispatchResult:
+        """The rank layout of every rank's gathered inputs (xs, idxs, ws; with ``fp8`` xs are the packed
+        rows), this rank's rows written into the receive buffers; ``idx`` / ``w``: this rank's routing,
+        for the handle."""
         c = self.cfg
         layout = reference_rank_layout(idxs, c.num_experts)
         expected = reference_dispatch_rank_layout(xs, idxs, ws, layout, c.max_tokens, self.rank)
@@ -263,7 +262,7 @@ class ReferenceEpBuffer(HostEpBuffer):
         self._ensure_rows(n)
         self._rank_rows(n)
         self._num_recv = n
-        self.recv_x[:n].copy_(expected.recv_x)
+        self._recv_rows(n, fp8).copy_(expected.recv_x)
         self.recv_src[:n].copy_(expected.recv_src)
         self.recv_topk_idx[:n].copy_(expected.recv_topk_idx)
         self.recv_topk_w[:n].copy_(expected.recv_topk_weights)
@@ -271,7 +270,7 @@ class ReferenceEpBuffer(HostEpBuffer):
         tpe = expected.tokens_per_expert.to(self.device)
         scatter = layout.scatter[self.rank].view(t, c.topk).to(device=self.device, dtype=torch.int32)
         handle = DispatchHandle(idx, w, scatter, t, mode, "rank")
-        return self._dispatch_result(n, tpe, handle, False, sync, layout="rank")
+        return self._dispatch_result(n, tpe, handle, fp8, sync, layout="rank")
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if not (dist.is_available() and dist.is_initialized()):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from cute_ep.kernels.buffers import (
@@ -92,6 +93,9 @@ class StatusBlock:
         # pageable tensor per read cost ~30 us on an idle H200).
         self._host = torch.empty(words, dtype=torch.int32, pin_memory=self.words.is_cuda)
         self.views = {name: self._member(self.words, name) for name in self.where}
+        # Decoding goes through numpy: five torch slices and tolist() calls cost ~25 us of host time per
+        # read on the development machine, the numpy equivalent ~3 us.
+        self._slices = {name: slice(first, first + count) for name, (first, count) in self.where.items()}
 
     def _member(self, words: torch.Tensor, name: str) -> torch.Tensor:
         first, count = self.where[name]
@@ -103,15 +107,16 @@ class StatusBlock:
         if self.words.is_cuda:
             self._host.copy_(self.words, non_blocking=True)
             torch.cuda.current_stream(self.words.device).synchronize()
-            host = self._host.clone()  # the next read reuses the pinned copy
+            host = self._host.numpy().copy()  # the next read reuses the pinned copy
         else:
-            host = self.words.clone()
+            host = self.words.numpy().copy()
+        at = self._slices
         return {
-            "epochs": self._member(host, "epochs").tolist(),
-            "fault": self._member(host, "fault").tolist(),
-            "num_recv": int(self._member(host, "num_recv")[0]),
-            "dropped": self._member(host, "dropped"),
-            "input_fault": self._member(host, "input_fault").tolist(),
+            "epochs": host[at["epochs"]].view(np.int64).tolist(),
+            "fault": host[at["fault"]].tolist(),
+            "num_recv": int(host[at["num_recv"]][0]),
+            "dropped": torch.from_numpy(host[at["dropped"]]),
+            "input_fault": host[at["input_fault"]].tolist(),
         }
 
     def check_faults(self, rank: int, status: dict[str, Any] | None = None) -> None:

@@ -194,6 +194,8 @@ BUFFERS: tuple[Buffer, ...] = (
            "rows each local expert receives"),
     Buffer("done", lambda s: (DONE_SLOTS,), "int32", LOCAL, ("dispatch", "combine"),
            "arrival counters (DONE_* slots)"),
+    Buffer("layout_done", lambda s: (1,), "int64", LOCAL, ("layout", "dispatch"),
+           "the latest dispatch epoch whose layout ran inside the dispatch launch (layout_in_dispatch)"),
     # -- the status block: read by the host in one copy after a call ------------------------------
     Buffer("epochs", lambda s: (3,), "int64", STATUS, ("layout", "dispatch", "combine"),
            "completed calls per operation (indexed by OP_*)"),
@@ -214,7 +216,7 @@ OPS = {OP_LAYOUT: "layout", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
 # Run-time scalars every launch passes: the call's own, then sizes named as EpConfig's attributes.
 CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "layout", "rank", "num_tokens")
 SIZE_SCALARS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
-                "expert_capacity", "stage_rows", "num_sms", "timeout_ms")
+                "expert_capacity", "stage_rows", "num_sms", "timeout_ms", "layout_in_dispatch")
 SCALARS = CALL_SCALARS + SIZE_SCALARS
 
 

@@ -73,6 +73,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_AMAX_FLOOR = 2.0**-14  # a block's amax is at least this (an all-zero block gets a finite scale)
 
 
+# Default EpConfig.layout_in_dispatch: batches up to this many tokens fold the layout into the dispatch.
+LAYOUT_IN_DISPATCH_TOKENS = 128
 MAX_TIMEOUT_S = 2**31 // 1000  # the timeout travels as int32 milliseconds
 
 
@@ -127,6 +129,11 @@ class EpConfig:
     num_sms:           CTAs launched by dispatch/combine (persistent grid-stride loops).
     timeout_s:         longest a kernel waits for a peer's signal; past it the kernel records which
                        peer and operation, moves no more data, and the host raises ``PeerTimeout``.
+    layout_in_dispatch: expert-layout dispatches of at most this many tokens run the layout inside the
+                       dispatch launch (its first CTA, while the others wait for the slots) instead of
+                       in a kernel of its own: one kernel less on the critical path of small batches.
+                       0: always a kernel of its own (the rank layout's always is). Results are
+                       identical either way.
     """
 
     world_size: int
@@ -142,6 +149,7 @@ class EpConfig:
     capacity_factor: float = 0.0
     on_overflow: str = "raise"
     combine_algorithm: str = "pull"
+    layout_in_dispatch: int = LAYOUT_IN_DISPATCH_TOKENS
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -208,6 +216,11 @@ class EpConfig:
         )
         need(self.capacity < 2**31, f"capacity must be < 2**31 (int32 slots), got {self.capacity}")
         need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
+        need(
+            type(self.layout_in_dispatch) is int and 0 <= self.layout_in_dispatch < 2**31,
+            f"layout_in_dispatch must be in [0, 2**31) tokens (0: the layout is always a kernel of its own), "
+            f"got {self.layout_in_dispatch}",
+        )
         need(
             0.001 <= self.timeout_s <= MAX_TIMEOUT_S,
             f"timeout_s must be in [0.001, {MAX_TIMEOUT_S}] seconds, got {self.timeout_s}",

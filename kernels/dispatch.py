@@ -29,6 +29,13 @@ per (token, rank), from the layout kernel); only the token's first pair for a ra
 with ``recv_src`` = rank * max_tokens + t and the token's K ids and weights in ``recv_topk_idx`` /
 ``recv_topk_w`` (local expert ids; -1 and weight 0 for experts of other ranks). No fan-out follows.
 
+Layout folded in (expert layout, ``num_tokens <= layout_in_dispatch``: small batches): the module
+launches no layout kernel; CTA 0 runs the layout's steps (kernels/layout.py, ``LayoutKernel.route``) with
+this CTA's 256 threads, then publishes this call's dispatch epoch in ``layout_done``; the other CTAs wait
+for it (acquire) before they read the slots. One launch and one kernel boundary less per dispatch. The
+rank layout always launches its layout kernel: its per-pair scans make the 256-thread layout cost more
+than the launch it saves.
+
 Completion: each thread ``quiet``s its puts and fences its stores; the last CTA to finish (a
 self-resetting arrival counter, ``done[DONE_DISPATCH]``) raises ``signals[SIGNAL_DISPATCH, rank]`` on
 every peer to this call's epoch and waits until every peer has raised its own on this rank
@@ -57,14 +64,18 @@ from cute_ep.kernels.config import (
     VECTOR_BYTES,
     WARP,
 )
+from cute_ep.kernels.layout import LayoutKernel
 from cute_ep.kernels.ptx import (
     copy_row_warp,
     element,
+    element_addr,
     fault_free,
     fence_sys,
     last_cta_arrives,
+    record_fault,
     row_view,
     signal_and_wait_peers,
+    wait_signal_ge,
 )
 from cute_ep.kernels.quantize import quantize_row_warp
 
@@ -89,6 +100,11 @@ class DispatchKernel(EpKernel):
     """The dispatch kernel (see the module docstring); every size is a run-time argument."""
 
     by_rank = False  # compile-time: the rank layout's variant (kernels/rank_dispatch.py) is compiled apart
+
+    def __init__(self, dtype) -> None:
+        super().__init__(dtype)
+        # The layout's steps, run by CTA 0 of this launch for small batches (``layout_in_dispatch``).
+        self.folded_layout = LayoutKernel(dtype, threads=self.threads)
 
     @cute.kernel
     def kernel(self, p: EpParams):
@@ -119,6 +135,25 @@ class DispatchKernel(EpKernel):
         x_base = p.x.iterator.toint()
         packed_base = p.packed.iterator.toint()
         recv_x_base = p.recv_x.iterator.toint()
+        if cutlass.const_expr(not by_rank):  # the rank layout's layout is always a kernel of its own
+            if p.num_tokens <= p.layout_in_dispatch:
+                # Small batches: the layout runs here, in CTA 0, instead of in a kernel of its own (one launch
+                # and one kernel boundary less on the critical path); the other CTAs wait for its slots.
+                if bid == 0:
+                    self.folded_layout.route(p)
+                    cute.arch.sync_threads()  # every thread's slots and offsets, before the release below
+                    if tid == 0:
+                        fence_sys()
+                        p.layout_done[0] = epoch
+                else:
+                    if tid == 0:
+                        # CTA 0 always gets there, within its own bounded waits for the peers' counts (one
+                        # timeout_ms), and a peer's timeout must be recorded there, not here: this bound is
+                        # twice that and a second, only against a hang.
+                        timeout_ns = Int64(p.timeout_ms) * 2000000 + Int64(1000000000)
+                        if wait_signal_ge(element_addr(p.layout_done, 0), epoch, timeout_ns) == 0:
+                            record_fault(p.fault, Int32(OP_DISPATCH), rank, epoch)
+                    cute.arch.sync_threads()
         # After a fault (a timed-out wait here or in the layout) this buffer moves no more data.
         work = Int32(0)
         if fault_free(p.fault):

@@ -1,6 +1,8 @@
 """Layout kernel: tokens per expert, the count exchange between ranks, receive offsets, scatter slots.
 
-One CTA per rank (the work is a few histogram passes over T*K expert ids):
+One CTA per rank (the work is a few histogram passes over T*K expert ids): a kernel of its own, or, for
+batches of at most ``layout_in_dispatch`` tokens, the first CTA of the dispatch launch (``route``, with
+that CTA's 256 threads; kernels/dispatch.py):
 1. per-warp histograms of this rank's (t, k) pairs per expert (shared-memory atomics), and the ids'
    values: each in [-1, E) and no expert twice in a token (checked here rather than on the host, which
    would cost a host sync). The count of invalid pairs travels with the count row (column E), so every
@@ -14,7 +16,8 @@ One CTA per rank (the work is a few histogram passes over T*K expert ids):
    call does not advance its epoch, so the host raises instead of hanging;
 3. expert-major offsets: the slot range of (dst rank d, local expert l, source s) starts at the sum of
    count[s'][d*El + l'] over (l', s') before (l, s) in l-major order — identical to
-   ``cute_ep.reference.reference_layout``;
+   ``cute_ep.reference.reference_layout`` (the sums over experts come from one CTA-wide prefix scan of
+   the column sums);
 4. scatter slots: each warp walks its contiguous range of pairs in row-major order, 32 at a time; a
    lane's slot is its warp's running base for the expert plus the number of earlier lanes with the
    same expert (found with shuffles), so the order inside an (expert, source) group is the (t, k)
@@ -73,16 +76,85 @@ def first_for_rank(pair_ids: cute.Tensor, i: Int32, K: Int32, El: Int32) -> Int3
     return first
 
 
-class LayoutKernel(EpKernel):
-    """The layout kernel (see the module docstring); every size is a run-time argument."""
+@cute.jit
+def exclusive_scan_cta(vals: cute.Tensor, n: Int32, scratch: cute.Tensor, NT: cutlass.Constexpr):
+    """``vals[0:n]`` (shared memory) becomes its exclusive prefix sums and ``scratch[NT // WARP]`` their
+    total; ``scratch`` holds NT // WARP + 1 ints of shared memory. Every thread of the CTA (NT threads,
+    at most 32 warps) calls it; it ends with a CTA barrier.
 
-    threads = 32 * WARP
+    Each thread sums a contiguous chunk, each warp scans its threads' chunk sums with shuffles, warp 0
+    scans the warp totals, and each thread writes its chunk's prefixes."""
+    tid, _, _ = cute.arch.thread_idx()
+    warp = tid // WARP
+    lane = tid % WARP
+    NWT = NT // WARP
+    per = (n + NT - 1) // NT
+    lo = tid * per
+    hi = lo + per
+    if hi > n:
+        hi = n
+    own = Int32(0)
+    for i in range(lo, hi):
+        own = own + vals[i]
+    incl = own  # inclusive scan of the chunk sums across the warp
+    for k in cutlass.range_constexpr(5):
+        got = cute.arch.shuffle_sync_up(incl, 1 << k)
+        if lane >= (1 << k):
+            incl = incl + got
+    if lane == WARP - 1:
+        scratch[warp] = incl
+    cute.arch.sync_threads()
+    if warp == 0:
+        wt = Int32(0)
+        if lane < NWT:
+            wt = scratch[lane]
+        winc = wt
+        for k in cutlass.range_constexpr(5):
+            got = cute.arch.shuffle_sync_up(winc, 1 << k)
+            if lane >= (1 << k):
+                winc = winc + got
+        if lane < NWT:
+            scratch[lane] = winc - wt  # the warps before this one
+        if lane == WARP - 1:
+            scratch[NWT] = winc
+    cute.arch.sync_threads()
+    run = scratch[warp] + incl - own
+    for i in range(lo, hi):
+        c = vals[i]
+        vals[i] = run
+        run = run + c
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def prefix_at(prefix: cute.Tensor, total: Int32, i: Int32, n: Int32) -> Int32:
+    """Entry ``i`` (0 <= i <= n) of exclusive prefix sums held as ``prefix[0:n]`` and their ``total``."""
+    v = total
+    if i < n:
+        v = prefix[i]
+    return v
+
+
+class LayoutKernel(EpKernel):
+    """The layout kernel (see the module docstring); every size is a run-time argument.
+
+    ``threads``: the CTA's size. The kernel is one CTA of 1024; the dispatch kernel runs the same steps
+    (``route``) in its first CTA of 256 threads when the layout is folded into its launch."""
+
+    def __init__(self, dtype, threads: int = 32 * WARP) -> None:
+        super().__init__(dtype)
+        self.threads = threads
 
     def grid_ctas(self, p: EpParams):
         return 1  # one CTA: a few histogram passes over T * K ids
 
     @cute.kernel
     def kernel(self, p: EpParams):
+        self.route(p)
+
+    @cute.jit
+    def route(self, p: EpParams):
+        """Steps 1-5 of the module docstring, by every thread of one CTA of ``self.threads``."""
         R, E, K, El, rank = p.world_size, p.num_experts, p.topk, p.experts_per_rank, p.rank
         NT = self.threads
         # [R, E + 1 + R]: row s is source rank s's count row, column E its invalid pairs, columns E + 1 + d
@@ -118,6 +190,8 @@ class LayoutKernel(EpKernel):
         # invalid[0]: this rank's pairs with invalid ids; invalid[1]: ranks that had some (after the
         # exchange), so that every thread of the CTA sees the verdict.
         invalid = smem.allocate_tensor(Int32, cute.make_layout(2), 4)
+        # scan[w]: the prefix scan's per-warp totals, then scan[NT // WARP] the column sums' total.
+        scan = smem.allocate_tensor(Int32, cute.make_layout(WARP + 1), 4)
 
         epoch = p.epochs[OP_LAYOUT] + Int64(1)
 
@@ -229,16 +303,20 @@ class LayoutKernel(EpKernel):
             colsum[e] = tot
             p.send_offsets[e] = mine_before  # this rank's start inside the (expert, source) groups
         cute.arch.sync_threads()
+        # colsum becomes its exclusive prefix sums over all experts, P[e] (P[E], the total, in
+        # scan[NT // WARP]); expert e's first slot on its owner d is then P[e] - P[d * El] and its kept
+        # rows P[e + 1] - P[e]. Why a CTA-wide scan: a serial walk per expert over its owner's earlier
+        # experts (up to El - 1 steps, and El for num_recv) was the larger part of the layout's fixed cost.
+        exclusive_scan_cta(colsum, E, scan, NT)
+        total = scan[NT // WARP]
         for e in range(tid, E, NT):
-            d = e // El
-            le = e % El
-            first_slot = Int32(0)  # the expert's first slot on its owner (`start` is this warp's pairs)
-            for l2 in range(le):
-                first_slot = first_slot + colsum[d * El + l2]
+            owner_first = colsum[e // El * El]
+            first_slot = colsum[e] - owner_first  # the expert's first slot on its owner
             off = first_slot + p.send_offsets[e]
             p.send_offsets[e] = off
             p.cursor[e] = off
-            p.send_limit[e] = first_slot + colsum[e]  # slots >= this are beyond the expert's capacity
+            # slots >= this are beyond the expert's capacity
+            p.send_limit[e] = prefix_at(colsum, total, e + 1, E) - owner_first
             run = off
             for w in range(NW):
                 c = hist[w * E + e]
@@ -247,7 +325,7 @@ class LayoutKernel(EpKernel):
         for le in range(tid, El, NT):
             rows = Int32(0)  # a refused call receives nothing
             if accepted:
-                rows = colsum[rank * El + le]
+                rows = prefix_at(colsum, total, rank * El + le + 1, E) - colsum[rank * El + le]
             p.tokens_per_expert[le] = rows
         if tid == 0:
             tot_all = Int32(0)
@@ -256,8 +334,7 @@ class LayoutKernel(EpKernel):
                     for s in range(R):
                         tot_all = tot_all + ld_volatile_i32(element_addr(counts, (s, E + 1 + rank)))
                 else:
-                    for le in range(El):
-                        tot_all = tot_all + colsum[rank * El + le]
+                    tot_all = prefix_at(colsum, total, (rank + 1) * El, E) - colsum[rank * El]
             p.num_recv[0] = tot_all
         if by_rank:
             # Row bases on each destination d: the rows of lower source ranks come first, then this rank's

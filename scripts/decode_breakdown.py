@@ -14,7 +14,9 @@ tokens-per-rank value (DeepSeek-V3 shapes by default: H 7168, top-k 8, 256 exper
 routing, input seed 0), with ``scripts/benchmark.py``'s timer (GPU held by a sleep while the host
 enqueues, CUDA events per iteration, slowest rank's median), times:
     * the layout kernel alone (counts, count exchange with every peer, offsets, slots);
-    * layout + dispatch + fan-out (what ``launch_dispatch`` enqueues; the dispatch time of the benchmark);
+    * layout + dispatch + fan-out (what ``launch_dispatch`` enqueues in one launch of the module; the
+      dispatch time of the benchmark; up to ``--layout-in-dispatch`` tokens the layout runs inside the
+      dispatch kernel, so "layout" is then a cost the dispatch no longer pays in full);
     * the pull combine and, on a buffer built for it (--combine reduced, the default), the reduced
       combine (``launch_combine``) on the latest dispatch's handle.
 Dispatch's own share is the second minus the first. Then, for the public calls as a user who captures no
@@ -88,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default="deepep",
                    help="'deepep' (timed beside ours when deep_ep imports and the world can run it; else "
                         "skipped with the reason) or 'none'")
+    p.add_argument("--layout-in-dispatch", type=int, metavar="TOKENS",
+                   help="EpConfig.layout_in_dispatch: batches up to this many tokens run the layout inside "
+                        "the dispatch launch (0: never); default: EpConfig's")
     p.add_argument("--out-json", metavar="PATH",
                    help="write the decode report here (rank 0; after every row)")
     p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
@@ -111,6 +116,8 @@ def validate_args(args: argparse.Namespace) -> None:
             f"--peers takes 'deepep' or 'none' here (NCCL is scripts/benchmark.py's peer); {other[0]!r} in "
             f"{args.peers!r} is not one"
         )
+    if args.layout_in_dispatch is not None and args.layout_in_dispatch < 0:
+        raise UsageError(f"--layout-in-dispatch must be >= 0 tokens, got {args.layout_in_dispatch}")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError(f"need --iters >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     if args.out_json:  # rank 0 writes it during the run, when a bad path could no longer stop it early
@@ -125,10 +132,11 @@ def make_config(args: argparse.Namespace, env: Any) -> Any:
     from cute_ep.cli import DTYPES
     from cute_ep.kernels.config import EpConfig
 
+    fold = {} if args.layout_in_dispatch is None else {"layout_in_dispatch": args.layout_in_dispatch}
     return EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
                     num_experts=args.num_experts, topk=args.topk, hidden=args.hidden,
                     dtype=DTYPES[args.dtype], max_tokens=max(args.token_list), num_sms=args.num_sms_list[0],
-                    combine_algorithm=args.combine)  # fmt: skip
+                    combine_algorithm=args.combine, **fold)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +186,7 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any, device: str) -> 
         "tokens": args.token_list,
         "num_sms_budgets": args.num_sms_list,
         "combine_algorithm": cfg.combine_algorithm,
+        "layout_in_dispatch": cfg.layout_in_dispatch,
         "routing": "uniform",
         "seed": 0,
         "peers": args.peer_list,

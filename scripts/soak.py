@@ -31,6 +31,9 @@ To run:
     # FP8 dispatch and experts capped at 0.75x their share: drops counted and checked every iteration
     torchrun --nproc-per-node 4 scripts/soak.py ... --hidden 256 --fp8 --capacity-factor 0.75
 
+    # FP8 dispatch in both receive layouts (no capacity factor: the rank layout has none)
+    torchrun --nproc-per-node 4 scripts/soak.py ... --hidden 256 --fp8 --layouts expert,rank
+
     # determinism: two runs with the same seed (and world size, sizes, dtype, modes, layouts, routings) print
     # the same digest, whatever the stragglers, the virtual nodes or the backend
     ... --seed 7 --out-json out/soak.json
@@ -45,8 +48,9 @@ Constraints:
       waits, EpConfig.timeout_s): keep it well above --max-straggle-us.
     * --local-world-size (or CUTE_EP_LOCAL_WORLD_SIZE) divides the ranks per host; every host runs
       the same number of ranks, numbered host by host (torchrun, srun's block distribution).
-    * --layouts with rank: no --fp8 and --capacity-factor 0 (the rank layout has neither); backend
-      cute: 2 * --num-experts + world size <= 12288 (the layout kernel's shared memory).
+    * --layouts with rank: --capacity-factor 0 (the rank layout has no expert capacity; --fp8 works in
+      both layouts); backend cute: 2 * --num-experts + world size <= 12288 (the layout kernel's shared
+      memory).
     * backend cute: one GPU per rank, NVSHMEM (keep NVLink multicast off: NCCL_NVLS_ENABLE=0
       TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
 
@@ -77,7 +81,10 @@ checks the output bit for bit against reference_combine_rank_layout of every ran
 iterations only; the rank combine has no algorithm to choose. A wrong dispatch row there is a received
 row that differs from its expected row in any bit of any field, plus missing or extra rows; the
 layout failures count the expert iterations' layout check (the rank layout's counts and handle are
-part of its dispatch check).
+part of its dispatch check). With --fp8 the rank-layout rows are compared as packed rows too
+(check_rank_dispatch(..., fp8=True): the received e4m3 values and scales packed again, byte for byte,
+against every sender's rows quantized by cute_ep.fp8), and the caller's output is computed from the
+dequantized rows (cast to the row dtype), as the expert iterations' test expert is.
 
 With --capacity-factor every check runs on the routing left after the drops, and a "capacity" check
 compares the buffer's per-expert drop counts (and, in scatter mode, exactly which pairs were dropped;
@@ -87,8 +94,8 @@ cute_ep.fp8, and the test expert runs on the dequantized rows.
 
 Digest: SHA-256 over every scatter-mode iteration, per rank, of (iteration, tokens, rows received),
 recv_x[:num_recv] (the packed rows with --fp8), recv_weights, recv_src, tokens_per_expert and the
-combine output (raw bytes; a rank-layout iteration: recv_x, recv_topk_idx, recv_topk_weights,
-recv_src, tokens_per_expert and the combine output), then
+combine output (raw bytes; a rank-layout iteration: recv_x, with --fp8 recv_scales, recv_topk_idx,
+recv_topk_weights, recv_src, tokens_per_expert and the combine output), then
 over the ranks' digests in rank order. It depends only on the data, so equal inputs give equal digests
 on any backend (the GPU kernels must match the references bit for bit) and topology.
 
@@ -146,7 +153,7 @@ from cute_ep.cli import (
     script_main,
     world_banner,
 )
-from cute_ep.fp8 import fp8_check_rows
+from cute_ep.fp8 import dequantize_fp8, fp8_check_rows
 from cute_ep.inputs import ROUTINGS, make_inputs
 from cute_ep.kernels.config import LAYOUT_SMEM_INTS, MODES, EpConfig
 from cute_ep.reference import (
@@ -196,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated receive layouts of {LAYOUT_CHOICES}, alternated (every layout meets every "
              "mode); rank: dispatch(layout='rank') checked field by field against "
              "reference_dispatch_rank_layout, the caller's per-row outputs combined and checked against "
-             "reference_combine_rank_layout; rank needs no --fp8 and --capacity-factor 0",
+             "reference_combine_rank_layout (with --fp8 too); rank needs --capacity-factor 0",
     )  # fmt: skip
     p.add_argument("--routings", default=",".join(ROUTINGS), help=f"comma-separated routings of {ROUTINGS}")
     p.add_argument(
@@ -254,17 +261,13 @@ def validate_args(args: argparse.Namespace) -> None:
 
 
 def check_rank_layout_args(args: argparse.Namespace) -> None:
-    """UsageError for --layouts with rank and options the rank layout does not have (FP8, a capacity
-    factor): refused before the launch rather than by the first rank-layout dispatch."""
-    if "rank" not in args.layout_list:
-        return
-    head = f"--layouts {args.layouts!r} includes rank, which needs"
-    if args.fp8:
-        raise UsageError(f"{head} --fp8 off (the rank layout has no FP8 dispatch yet), got --fp8")
-    if args.capacity_factor:
+    """UsageError for --layouts with rank and an option the rank layout does not have (a capacity
+    factor): refused before the launch rather than by the first rank-layout dispatch. (--fp8 works in
+    both layouts.)"""
+    if "rank" in args.layout_list and args.capacity_factor:
         raise UsageError(
-            f"{head} --capacity-factor 0 (the rank layout has no expert capacity), "
-            f"got --capacity-factor {args.capacity_factor:g}"
+            f"--layouts {args.layouts!r} includes rank, which needs --capacity-factor 0 (the rank layout "
+            f"has no expert capacity), got --capacity-factor {args.capacity_factor:g}"
         )
 
 
@@ -478,17 +481,19 @@ class Outcome:
     num_recv: int  # this rank's
 
 
-def rank_expert_output(res: Any, rank: int, experts_per_rank: int) -> torch.Tensor | None:
+def rank_expert_output(res: Any, rank: int, experts_per_rank: int,
+                       rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """The caller's per-row output of a rank-layout dispatch: the test expert (x * (e + 1)) of every
     local expert e a row names, weighted and summed, i.e. ``y[i] = x[i] * s[i]`` with ``s[i]`` the sum
-    over k ascending of ``recv_topk_weights[i, k] * (e + 1)`` (fp32), cast to the row dtype once.
+    over k ascending of ``recv_topk_weights[i, k] * (e + 1)`` (fp32), cast to x's dtype once. x: ``rows``
+    (after an FP8 dispatch, ``dequantized_rows``), else ``res.recv_x``.
 
     Depending on recv_topk_idx and the weights, a wrong id or weight also shows in the combine. Explicit
     elementwise fp32 ops in a fixed order, so every device computes the same bits (the digest covers
     the combine output). None if the result's fields cannot hold the rows (a failed dispatch check).
     """
     n = int(res.num_recv)
-    x, ids, w = res.recv_x, res.recv_topk_idx, res.recv_topk_weights
+    x, ids, w = res.recv_x if rows is None else rows, res.recv_topk_idx, res.recv_topk_weights
     if ids is None or w is None or ids.dim() != 2 or w.shape != ids.shape:
         return None
     if min(x.shape[0], ids.shape[0]) < n:
@@ -499,6 +504,17 @@ def rank_expert_output(res: Any, rank: int, experts_per_rank: int) -> torch.Tens
         term = w[:, k] * (ids[:, k] + (rank * experts_per_rank + 1)).to(torch.float32)
         scale = scale + torch.where(ids[:, k] >= 0, term, torch.zeros_like(term))
     return (x.float() * scale[:, None]).to(x.dtype)
+
+
+def dequantized_rows(res: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The rows the experts read after an FP8 dispatch: recv_x * recv_scales block by block
+    (``cute_ep.fp8.dequantize_fp8`` on the CPU, as ``fp8_check_rows`` gives the expert iterations), cast
+    to ``dtype``, on ``device``. None if recv_x / recv_scales cannot be read so (a failed dispatch check)."""
+    try:
+        rows = dequantize_fp8(res.recv_x.cpu(), res.recv_scales.cpu())
+    except (AttributeError, ValueError):
+        return None
+    return rows.to(dtype).to(device)
 
 
 class Soak:
@@ -627,15 +643,16 @@ class Soak:
 
         t0 = time.perf_counter()
         self.straggler.maybe()
-        res = self.buffer.dispatch(x, idx, w, mode=mode, layout="rank")
+        res = self.buffer.dispatch(x, idx, w, mode=mode, fp8=args.fp8, layout="rank")
         t.call_s += time.perf_counter() - t0
         disp = check_rank_dispatch(
             res, xs, idxs, ws, max_tokens=cfg.max_tokens, num_experts=cfg.num_experts,
-            local_world_size=cfg.local_world_size, require_coverage=False, group=group,
+            local_world_size=cfg.local_world_size, require_coverage=False, fp8=args.fp8, group=group,
         )  # fmt: skip
 
         y = self.buffer.expert_output(res.num_recv)
-        rows = rank_expert_output(res, rank, cfg.experts_per_rank)
+        expert_in = dequantized_rows(res, cfg.dtype, self.device) if args.fp8 else res.recv_x
+        rows = None if expert_in is None else rank_expert_output(res, rank, cfg.experts_per_rank, expert_in)
         if rows is None:  # the dispatch check has failed already; give combine defined input
             y.fill_(float("nan"))
         else:
@@ -657,7 +674,7 @@ class Soak:
         if mode == "scatter":
             n = res.num_recv
             self.digest.update(struct.pack("<qqq", it, num_tokens, n))
-            fields = (res.recv_x, res.recv_topk_idx, res.recv_topk_weights, res.recv_src)
+            fields = (res.recv_x, res.recv_scales, res.recv_topk_idx, res.recv_topk_weights, res.recv_src)
             for tensor in (*(f[:n] for f in fields if f is not None), res.tokens_per_expert, out):
                 self.digest.update(raw_bytes(tensor))
             t.scatter_iterations += 1

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cute_ep.fp8 import pack_fp8_rows, quantize_fp8
+
 
 @dataclass
 class SpecRecv:
@@ -56,6 +58,14 @@ def spec_dispatch(xs: Sequence[Tensor], idxs: Sequence[Tensor], ws: Sequence[Ten
         recv_src=torch.tensor(src, dtype=torch.int32),
         tokens_per_expert=torch.tensor(tpe, dtype=torch.int32),
     )
+
+
+def spec_fp8_rows(x: Tensor, row_bytes: int) -> Tensor:
+    """[T, row_bytes] uint8: what an FP8 dispatch sends of each token of ``x``, each quantized on its own
+    (``cute_ep.fp8.quantize_fp8`` of that one row) and packed (values, scales, zero padding). Given to
+    ``spec_dispatch`` in x's place, they are the packed rows an FP8 rank-layout dispatch must deliver."""
+    rows = [pack_fp8_rows(*quantize_fp8(x[t : t + 1]), row_bytes) for t in range(x.shape[0])]
+    return torch.cat(rows) if rows else torch.zeros(0, row_bytes, dtype=torch.uint8)
 
 
 def spec_scatter(idxs: Sequence[Tensor], *, num_experts: int, src: int) -> Tensor:
@@ -111,3 +121,18 @@ def rank0_routing(num_tokens: int, topk: int, experts_per_rank: int, seed: int) 
     g = torch.Generator().manual_seed(seed)
     noise = torch.rand(num_tokens, experts_per_rank, generator=g)
     return torch.argsort(noise, dim=1)[:, :topk].contiguous()
+
+
+def assert_cases_cover_skew_ragged_empty_full(results: Sequence[dict], names: Sequence[str],
+                                              prefix: str = "") -> None:
+    """The gloo worker's cases (``names``, in order, each ``prefix`` + its base name) received what they are
+    for: the skewed case only on rank 0, the full case every row on every rank, the empty case nothing,
+    the ragged case something while a rank sent nothing."""
+    by_case = {name: [res["cases"][i] for res in results] for i, name in enumerate(names)}
+    skew = by_case[f"{prefix}rank0-bf16-k2-el4-skew"]
+    assert all(n > 0 for n in skew[0]["num_recv"]) and all(n == 0 for c in skew[1:] for n in c["num_recv"])
+    full = by_case[f"{prefix}everyone-bf16-full"]  # every token of every rank reaches every rank
+    assert all(n == c["rank_capacity"] for c in full for n in c["num_recv"])
+    assert all(n == 0 for c in by_case[f"{prefix}uniform-bf16-k2-el2-empty"] for n in c["num_recv"])
+    ragged = by_case[f"{prefix}uniform-bf16-k4-el2-ragged"]
+    assert sum(sum(c["num_recv"]) for c in ragged) > 0 and 0 in [t for c in ragged for t in c["sent"]]

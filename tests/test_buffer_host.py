@@ -186,3 +186,34 @@ def test_combine_algorithm_checks_of_the_gpu_buffer(configured):
     buf._sent = None  # no dispatch yet
     with pytest.raises(ValueError, match="weights the latest dispatch sent"):
         buf._check_combine_algorithm(handle, "reduced")
+
+
+def test_a_dispatch_is_one_launch_of_the_module_counting_layout_and_dispatch(monkeypatch):
+    """launch_dispatch enqueues the layout, dispatch and fan-out in one launch (OP_DISPATCH; the module
+    decides whether the layout runs as its own kernel or inside the dispatch's), and the host then expects
+    both epochs to advance; a layout launched alone advances only its own."""
+    from types import SimpleNamespace
+
+    from cute_ep.kernels.buffers import CALL, buffers_of
+    from cute_ep.kernels.config import OP_COMBINE, OP_DISPATCH, OP_LAYOUT
+
+    buf = _buffer()
+    cfg = buf.cfg
+    buf.device = torch.device("cpu")
+    buf.algorithm = "dedup"
+    buf.scatter = torch.full((cfg.max_tokens, cfg.topk), -1, dtype=torch.int32)
+    buf._empty = {b.name: torch.empty(16, dtype=b.torch_dtype(cfg)) for b in buffers_of(CALL)}
+    buf._align = {b.name: 1 for b in buffers_of(CALL)}
+    launches = []
+    buf._launcher = lambda stream, addrs, **scalars: launches.append(scalars)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    x = torch.zeros(4, cfg.hidden, dtype=cfg.dtype)
+    idx = torch.zeros(4, cfg.topk, dtype=torch.int32)
+    w = torch.ones(4, cfg.topk)
+    buf.launch_dispatch(x, idx, w, layout="rank")
+    assert [(s["op"], s["num_tokens"], s["layout"]) for s in launches] == [(OP_DISPATCH, 4, 1)]
+    assert buf._calls == [1, 1, 0]
+    buf._launch(OP_LAYOUT, 4, idx=idx)  # the layout alone (tests of a rank that stops after it)
+    buf._launch(OP_COMBINE, 4, idx=idx, w=w)
+    assert buf._calls == [2, 1, 1]

@@ -54,6 +54,7 @@ def db():
                                  "'pplx' in 'deepep,pplx' is not one"),
     (["--iters", "0"], "need --iters >= 1 and --warmup >= 0, got 0 and 10"),
     (["--warmup", "-1"], "need --iters >= 1 and --warmup >= 0, got 50 and -1"),
+    (["--layout-in-dispatch", "-1"], "--layout-in-dispatch must be >= 0 tokens, got -1"),
     # the rank-0 process of a 4-rank world: the config error stops it before any rendezvous
     (["--num-experts", "254"], "num_experts must be divisible by world_size=4, got 254"),
 ])  # fmt: skip
@@ -73,7 +74,7 @@ def test_unwritable_out_json_exits_2_before_running(tmp_path):
 def test_help_names_the_report_flags():
     proc = run_single(SCRIPT, "--help", timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for flag in ("--num-sms", "--peers", "--out-json", "--combine", "--tokens"):
+    for flag in ("--num-sms", "--peers", "--out-json", "--combine", "--tokens", "--layout-in-dispatch"):
         assert flag in proc.stdout, flag
 
 
@@ -488,3 +489,17 @@ def test_script_and_bench_peers_import_no_gpu_module():
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_layout_in_dispatch_reaches_the_config(db):
+    """--layout-in-dispatch sets EpConfig.layout_in_dispatch (0: the layout kernel of its own at every size);
+    without it the config's default applies."""
+    from types import SimpleNamespace
+
+    from cute_ep.kernels.config import LAYOUT_IN_DISPATCH_TOKENS
+
+    env = SimpleNamespace(world_size=2, local_world_size=2)
+    for flag, want in ((["--layout-in-dispatch", "0"], 0), ([], LAYOUT_IN_DISPATCH_TOKENS)):
+        args = db.build_parser().parse_args(["--tokens", "1,8", *flag])
+        db.validate_args(args)
+        assert db.make_config(args, env).layout_in_dispatch == want

@@ -40,3 +40,14 @@ def test_public_names_resolve():
 def test_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         cute_ep.Nope  # noqa: B018
+
+
+def test_every_test_file_name_is_unique():
+    """pytest collects tests/ and tests/gpu/ without packages: two files of one name stop the whole run
+    ("import file mismatch") — a GPU test named like a CPU one broke CI twice."""
+    from collections import Counter
+
+    from _launch import REPO
+
+    names = Counter(p.name for p in (REPO / "tests").rglob("test_*.py"))
+    assert [n for n, c in names.items() if c > 1] == []

@@ -39,6 +39,10 @@ BASE = dict(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256
         (dict(timeout_s=1e7), r"timeout_s must be in \[0.001, 2147483\] seconds, got 10000000.0"),
         (dict(combine_algorithm="push"),
          r"combine_algorithm must be one of \['pull', 'reduced'\], got 'push'"),
+        (dict(layout_in_dispatch=-1), r"layout_in_dispatch must be in \[0, 2\*\*31\) tokens .*, got -1"),
+        (dict(layout_in_dispatch=2**31), r"layout_in_dispatch must be in \[0, 2\*\*31\) tokens"),
+        (dict(layout_in_dispatch=1.5), r"layout_in_dispatch must be .*, got 1.5"),
+        (dict(layout_in_dispatch=True), r"layout_in_dispatch must be .*, got True"),
     ],
 )
 def test_config_constraints(change, message):
@@ -50,6 +54,14 @@ def test_timeout_travels_as_milliseconds():
     assert EpConfig(**BASE).timeout_ms == 60_000
     assert EpConfig(**{**BASE, "timeout_s": 2.5}).timeout_ms == 2500
     assert "timeout_ms" in SIZE_SCALARS  # every launch passes it to the kernels
+
+
+def test_layout_in_dispatch_travels_with_every_launch():
+    assert EpConfig(**BASE).layout_in_dispatch == 128  # decode batches fold the layout by default
+    assert EpConfig(**{**BASE, "layout_in_dispatch": 0}).layout_in_dispatch == 0
+    assert "layout_in_dispatch" in SIZE_SCALARS  # the module and the dispatch kernel decide alike from it
+    # a size: ranks must agree on it (the config key compared at construction includes it)
+    assert EpConfig(**BASE).key() != EpConfig(**{**BASE, "layout_in_dispatch": 0}).key()
 
 
 def test_config_defaults_to_worst_case_capacity():

@@ -4,8 +4,9 @@ What is checked against what: the torch references (``cute_ep.reference.referenc
 against hand-computed values and against the literal specification (tests/_rank_layout_spec.py,
 Python loops over ranks, tokens and k) in worlds of 1, 2 and 4 ranks; ``ReferenceEpBuffer`` and
 ``A2aEpBuffer`` against both, bit for bit, in a world of one in process and in gloo worlds of 2 and 4
-ranks (tests/_torchrun_rank_layout_worker.py); the errors (layout value, capacity factor, fp8, an
-algorithm for a rank handle) with messages that name the constraint and the value, on every rank.
+ranks (tests/_torchrun_rank_layout_worker.py); the errors (layout value, capacity factor, an fp8 flag
+that differs between ranks, an algorithm for a rank handle) with messages that name the constraint and
+the value, on every rank. FP8 in the rank layout: tests/test_rank_layout_fp8.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from _launch import assert_cases_match
-from _rank_layout_spec import caller_expert, rank0_routing, spec_combine, spec_dispatch, spec_scatter
+from _rank_layout_spec import (
+    assert_cases_cover_skew_ragged_empty_full,
+    caller_expert,
+    rank0_routing,
+    spec_combine,
+    spec_dispatch,
+    spec_scatter,
+)
 from _worlds import (
     HOST_BACKENDS,
     assert_raised_on_every_rank,
@@ -83,8 +91,8 @@ def test_check_layout_accepts_both_layouts_and_both_modes():
     cfg = host_config()
     for layout in LAYOUTS:
         for mode in ("scatter", "atomic"):
-            check_layout(cfg, layout, mode, False)
-    check_layout(cfg, "expert", "scatter", True)  # fp8 stays the expert layout's business
+            for fp8 in (False, True):  # FP8 works in both layouts (its own constraints: check_fp8)
+                check_layout(cfg, layout, mode, fp8)
     check_layout(host_config(capacity_factor=1.0), "expert", "scatter", False)
 
 
@@ -94,7 +102,6 @@ def test_check_layout_accepts_both_layouts_and_both_modes():
         (dict(layout="fancy"), r"layout must be one of \['expert', 'rank'\], got 'fancy'"),
         (dict(layout=None), r"layout must be one of \['expert', 'rank'\], got None"),
         (dict(layout="Rank"), r"got 'Rank'"),
-        (dict(fp8=True), r"^fp8 with layout='rank' is not supported yet$"),
         (dict(cfg=host_config(capacity_factor=1.25)),
          r"layout='rank' needs capacity_factor == 0 \(no expert capacity\), got capacity_factor=1.25"),
     ],
@@ -378,8 +385,6 @@ def test_world_of_one_errors_name_the_constraint_and_the_value(backend):
         x, idx, w = make_inputs(0, 6, 32, 4, 2, BF16, 2)
         with pytest.raises(ValueError, match=r"layout must be one of \['expert', 'rank'\], got 'ranks'"):
             buf.dispatch(x, idx, w, layout="ranks")
-        with pytest.raises(ValueError, match=r"^fp8 with layout='rank' is not supported yet$"):
-            buf.dispatch(x, idx, w, fp8=True, layout="rank")
         with pytest.raises(ValueError, match=r"fp8 must be True or False, got 1"):
             buf.dispatch(x, idx, w, fp8=1, layout="rank")
         res = buf.dispatch(x, idx, w, layout="rank")
@@ -445,14 +450,7 @@ def test_gloo_both_backends_match_the_specification_and_the_references(ranks):
 
 @needs_gloo
 def test_gloo_cases_cover_skew_ragged_empty_and_full_receives(ranks):
-    by_case = {name: [res["cases"][i] for res in ranks] for i, name in enumerate(CASE_NAMES)}
-    skew = by_case["rank0-bf16-k2-el4-skew"]
-    assert all(n > 0 for n in skew[0]["num_recv"]) and all(n == 0 for c in skew[1:] for n in c["num_recv"])
-    full = by_case["everyone-bf16-full"]  # every token of every rank reaches every rank
-    assert all(n == c["rank_capacity"] for c in full for n in c["num_recv"])
-    assert all(n == 0 for c in by_case["uniform-bf16-k2-el2-empty"] for n in c["num_recv"])
-    ragged = by_case["uniform-bf16-k4-el2-ragged"]
-    assert sum(sum(c["num_recv"]) for c in ragged) > 0 and 0 in [t for c in ragged for t in c["sent"]]
+    assert_cases_cover_skew_ragged_empty_full(ranks, CASE_NAMES, "")
 
 
 # scenario -> (rank at fault, or None when every rank is; what the rank at fault reads; what the others read)
@@ -460,7 +458,7 @@ BAD = {
     "bad_layout_on_last": ("last", "layout must be one of ['expert', 'rank'], got 'fancy'",
                            "on another rank: rank {last}:"),
     "layout_mismatch": (None, "every rank must use the same layout, got ['expert', 'rank'", ""),
-    "fp8_rank": (None, "fp8 with layout='rank' is not supported yet", ""),
+    "fp8_mismatch": (None, "every rank must pass the same fp8 flag, got [True, False", ""),
     "capacity_factor": (None, "layout='rank' needs capacity_factor == 0 (no expert capacity), got "
                         "capacity_factor=1.0", ""),
     "algorithm_on_rank0": (0, "layout='rank' handle takes algorithm=None", "on another rank: rank 0:"),

@@ -5,10 +5,10 @@ another seed: another digest) and with 4 ranks (2 virtual nodes of 2, so every r
 and the flat host without stragglers: the same digest, since it covers data only), and as a single
 process (a world of one) for the argument errors, for results corrupted on purpose (counted, the soak
 goes on, exit 1) and for a ``PeerTimeout`` (the soak stops at once, exit 1). With --layouts expert,rank
-the soak runs on both CPU backends in worlds of 1 and 2 (0 wrong rows per layout, one digest), and a
-stand-in backend that corrupts rank-layout results shows those counted. The plan (token counts, modes,
-layouts, routings), the wrong-row counts and the rank-layout checks on tampered results are also
-tested in-process.
+the soak runs on both CPU backends in worlds of 1 and 2 (0 wrong rows per layout, one digest), also
+with --fp8 (FP8 in both layouts), and a stand-in backend that corrupts rank-layout results shows those
+counted. The plan (token counts, modes, layouts, routings), the wrong-row counts and the rank-layout
+checks on tampered results are also tested in-process.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from _launch import RANK0_OF_FOUR, REPO, assert_argument_error, run_single, torchrun
 
 from cute_ep.bootstrap.dist_env import DistEnv
+from cute_ep.fp8 import dequantize_fp8
 from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
 from cute_ep.reference import apply_test_expert, global_expert_of_rows
@@ -247,6 +248,26 @@ def test_both_layouts_alternate_with_zero_wrong_rows_per_layout(both_layouts, wo
     assert report["digest_iterations"] == 4
 
 
+def test_fp8_in_both_layouts_passes_on_both_backends_with_one_digest(tmp_path):
+    """--fp8 with --layouts expert,rank: the rank-layout iterations dispatch FP8 too, checked byte for byte
+    (check_rank_dispatch(fp8=True)); both backends pass with the same digest (covering the e4m3 rows and
+    their scales), and it differs from the digest of the same soak without FP8."""
+    args = [*LAYOUTS_SOAK, "--hidden", "128", "--fp8"]
+    runs = {}
+    for backend in ("reference", "a2a"):
+        path = tmp_path / f"{backend}.json"
+        runs[backend] = _torchrun(2, "--backend", backend, *args, "--out-json", str(path)), path
+    for proc, path in runs.values():
+        _assert_passed(proc)
+        per_layout = _per_layout(proc)
+        assert per_layout["rank"]["iterations"] == 4 and per_layout["rank"]["rows received"] > 0, _text(proc)
+        assert json.loads(path.read_text())["config"]["fp8"] is True
+    assert _digest(runs["reference"][0]) == _digest(runs["a2a"][0])
+    plain = _torchrun(2, "--backend", "reference", *LAYOUTS_SOAK, "--hidden", "128")
+    _assert_passed(plain)
+    assert _digest(plain) != _digest(runs["reference"][0])
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_both_layouts_give_one_digest_on_both_backends(both_layouts, world):
     ref, a2a = (both_layouts[world, b][0] for b in ("reference", "a2a"))
@@ -272,9 +293,6 @@ def test_expert_layout_alone_is_the_default_and_prints_no_per_layout_lines(two_r
         (["--capacity-factor", "-1"], "--capacity-factor must be a finite number >= 0, got -1.0"),
         (["--layouts", "expert,token"], "--layouts must be a comma-separated list of ['expert', 'rank'], "
                                         "got 'expert,token'"),
-        (["--layouts", "expert,rank", "--hidden", "128", "--fp8"],
-         "--layouts 'expert,rank' includes rank, which needs --fp8 off (the rank layout has no FP8 dispatch "
-         "yet), got --fp8"),
         (["--layouts", "rank", "--capacity-factor", "0.5"],
          "--layouts 'rank' includes rank, which needs --capacity-factor 0 (the rank layout has no expert "
          "capacity), got --capacity-factor 0.5"),
@@ -457,11 +475,11 @@ def test_the_plan_alternates_layouts_so_every_layout_meets_every_mode_and_routin
     assert [p[1] for p in plan[:4]] == ["expert", "expert", "rank", "rank"]
 
 
-def _buffer(max_tokens: int = 32) -> ReferenceEpBuffer:
+def _buffer(max_tokens: int = 32, hidden: int = 64) -> ReferenceEpBuffer:
     env = DistEnv(rank=0, world_size=1, local_rank=0, physical_local_world_size=1, local_world_size=1)
     runtime = SimpleNamespace(env=env, device=torch.device("cpu"), cpu_group=None)
-    cfg = EpConfig(world_size=1, local_world_size=1, num_experts=4, topk=2, hidden=64, dtype=torch.bfloat16,
-                   max_tokens=max_tokens)  # fmt: skip
+    cfg = EpConfig(world_size=1, local_world_size=1, num_experts=4, topk=2, hidden=hidden,
+                   dtype=torch.bfloat16, max_tokens=max_tokens)  # fmt: skip
     return ReferenceEpBuffer(runtime, cfg)
 
 
@@ -624,3 +642,16 @@ def test_rank_expert_output_weights_each_local_expert(soak):
     wrong = dataclasses.replace(res, recv_topk_idx=res.recv_topk_idx.flip(1))  # ids swapped between k
     assert not torch.equal(soak.rank_expert_output(wrong, 0, buf.cfg.experts_per_rank), y)
     assert soak.rank_expert_output(dataclasses.replace(res, recv_topk_idx=None), 0, 4) is None
+
+
+def test_rank_expert_output_of_an_fp8_dispatch_reads_the_dequantized_rows(soak):
+    buf = _buffer(hidden=128)
+    x, idx, w = make_inputs(0, 32, 128, 4, 2, torch.bfloat16, seed=6)
+    res = buf.dispatch(x, idx, w, fp8=True, layout="rank")
+    rows = soak.dequantized_rows(res, torch.bfloat16, torch.device("cpu"))
+    assert torch.equal(rows, dequantize_fp8(res.recv_x, res.recv_scales).to(torch.bfloat16))
+    y = soak.rank_expert_output(res, 0, buf.cfg.experts_per_rank, rows)
+    plain = buf.dispatch(x, idx, w, layout="rank")  # the same routing: the same ids and weights
+    assert torch.equal(y, soak.rank_expert_output(dataclasses.replace(plain, recv_x=rows), 0, 4))
+    assert not torch.equal(y, soak.rank_expert_output(plain, 0, 4))  # the rows really are the FP8 ones
+    assert soak.dequantized_rows(dataclasses.replace(res, recv_scales=None), torch.bfloat16, "cpu") is None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ from torch import Tensor
 
 from cute_ep.bootstrap.dist_env import ROUTE_CLASSES, possible_route_classes, route_class
 from cute_ep.collectives import all_gather_objects, collective_device, world_of
+from cute_ep.fp8 import fp8_row_bytes, pack_fp8_rows, quantize_fp8
+from cute_ep.kernels.config import FP8_BLOCK
 from cute_ep.reference import (
     COMBINE_REFERENCES,
     ExpectedRankRecv,
@@ -726,11 +729,24 @@ def _row_any(bad: Tensor) -> Tensor:
     return bad if bad.dim() == 1 else bad.flatten(1).any(dim=1)
 
 
+def _packed_column(col: int, hidden: int) -> str:
+    """Where byte ``col`` of a packed FP8 row (cute_ep.fp8's format) comes from."""
+    if col < hidden:
+        return f"byte {col} (recv_x column {col})"
+    scale = (col - hidden) // 4
+    if scale < hidden // FP8_BLOCK:
+        return f"byte {col} (recv_scales column {scale})"
+    return f"byte {col} (padding)"
+
+
 def _compare_rank_dispatch(
-    res: Any, expected: ExpectedRankRecv, exp_scatter: Tensor, rank: int, max_tokens: int
+    res: Any, expected: ExpectedRankRecv, exp_scatter: Tensor, rank: int, max_tokens: int,
+    fp8_hidden: int | None = None,
 ) -> tuple[list[str], int]:
     """(problems, wrong rows) of this rank's rank-layout result. Rows have one order in this layout, so
-    row i is compared with expected row i; a row is wrong if any bit of any field differs."""
+    row i is compared with expected row i; a row is wrong if any bit of any field differs. ``fp8_hidden``:
+    H when ``res.recv_x`` and ``expected.recv_x`` are packed FP8 rows (``_fp8_packed``), which the
+    messages then name byte by byte."""
     n, got_n = expected.num_recv, int(res.num_recv)
     problems = _rank_counts_problems(res, expected, exp_scatter, got_n)
     fields = _rank_field_problems(res, expected, got_n)
@@ -757,9 +773,11 @@ def _compare_rank_dispatch(
         for name in ("recv_x", "recv_topk_weights"):
             if bool(bad_by[name][i]):
                 col = int(torch.nonzero(_bits(got[name][i]) != _bits(want[name][i]))[0])
-                where = "column" if name == "recv_x" else "k"
+                where = f"column {col}" if name == "recv_x" else f"k {col}"
+                if name == "recv_x" and fp8_hidden is not None:
+                    where = f"packed FP8 {_packed_column(col, fp8_hidden)}"
                 expect, found = _fmt(want[name][i, col]), _fmt(got[name][i, col])
-                diffs.append(f"field {name} differs: expected {expect}, got {found} at {where} {col}")
+                diffs.append(f"field {name} differs: expected {expect}, got {found} at {where}")
         if bool(bad_by["recv_topk_idx"][i]):
             diffs.append(
                 f"field recv_topk_idx differs: expected {want['recv_topk_idx'][i].tolist()}, "
@@ -776,6 +794,25 @@ def _compare_rank_dispatch(
     return problems, wrong
 
 
+# What the rank-layout compare reads of a result besides recv_x.
+_RANK_RESULT_FIELDS = ("num_recv", "tokens_per_expert", "handle", "recv_topk_idx", "recv_topk_weights",
+                       "recv_src")
+
+
+def _fp8_packed(res: Any, row_bytes: int) -> SimpleNamespace:
+    """An FP8 rank-layout result with recv_x replaced by its rows packed again with recv_scales ([rows,
+    row_bytes] uint8 on the CPU: e4m3 values, fp32 scales, zero padding, as ``cute_ep.fp8.pack_fp8_rows``),
+    every other field as it is: the rank-layout compare then checks values and scales byte for byte, as
+    ``check_dispatch`` does the expert layout's packed rows. Raises ValueError for a missing or malformed
+    recv_x / recv_scales (``check_rank_dispatch`` reports it)."""
+    q, scales = _cpu(res.recv_x), _cpu(getattr(res, "recv_scales", None))
+    if scales is None:
+        raise ValueError("recv_scales is None after an FP8 dispatch")
+    rows = min(q.shape[0], scales.shape[0])  # fewer rows than received: the field checks report it
+    fields = {name: getattr(res, name, None) for name in _RANK_RESULT_FIELDS}
+    return SimpleNamespace(**fields, recv_x=pack_fp8_rows(q[:rows], scales[:rows], row_bytes))
+
+
 def check_rank_dispatch(
     res: Any,
     x: Tensor | Sequence[Tensor],
@@ -786,6 +823,7 @@ def check_rank_dispatch(
     num_experts: int,
     local_world_size: int,
     require_coverage: bool = True,
+    fp8: bool = False,
     group: Any = None,
 ) -> CheckResult:
     """Check this rank's ``dispatch(..., layout="rank")`` result bit for bit (collective).
@@ -794,6 +832,11 @@ def check_rank_dispatch(
     recv_topk_weights and recv_src row by row (the layout has one order, in either mode), num_recv,
     tokens_per_expert, and the handle (layout "rank"; ``scatter`` the row of every (t, k) on its owner,
     -1 for -1 ids, as ``reference_rank_layout``). Every rank of ``group`` must call it with its own result.
+
+    With ``fp8`` (a ``dispatch(..., fp8=True, layout="rank")`` result) the rows are compared as packed FP8
+    rows, byte for byte, as the expert layout's FP8 check does: the received e4m3 ``recv_x`` and fp32
+    ``recv_scales`` packed again (``cute_ep.fp8.pack_fp8_rows``) against every sender's rows quantized and
+    packed by ``cute_ep.fp8`` (a message names the byte: a value, a scale or the padding).
 
     Args:
         res: this rank's rank-layout ``DispatchResult`` (any device; or anything with its attributes).
@@ -805,6 +848,7 @@ def check_rank_dispatch(
         num_experts: E.
         local_world_size: L, ranks per (possibly virtual) node, for the route classes.
         require_coverage: fail unless every route class possible for (R, L) has at least one pair.
+        fp8: ``res`` is an FP8 dispatch's result (x still the senders' rows in their own dtype).
         group: the process group (None: the default group, or a world of 1 if none is initialised).
 
     Returns:
@@ -823,8 +867,15 @@ def check_rank_dispatch(
         counts = route_counts_of(reference_layout(idxs, num_experts), local_world_size)
         coverage_ok, gate = _coverage_gate(counts, world, local_world_size, require_coverage)
         layout = reference_rank_layout(idxs, num_experts)
+        fp8_hidden = None
+        if fp8:  # what travels: each sender's rows quantized and packed (cute_ep.fp8)
+            fp8_hidden = xs[0].shape[1]
+            row_bytes = fp8_row_bytes(fp8_hidden)
+            xs = [pack_fp8_rows(*quantize_fp8(v), row_bytes) for v in xs]
+            res = _fp8_packed(res, row_bytes)
         expected = reference_dispatch_rank_layout(xs, idxs, ws, layout, max_tokens, rank)
-        problems, wrong = _compare_rank_dispatch(res, expected, layout.scatter[rank], rank, max_tokens)
+        problems, wrong = _compare_rank_dispatch(res, expected, layout.scatter[rank], rank, max_tokens,
+                                                 fp8_hidden)
         msgs += problems + gate
     except Exception as exc:  # every rank must still reach the verdict collective
         error = "error while checking the rank-layout dispatch"

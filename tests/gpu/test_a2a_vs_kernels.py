@@ -2,7 +2,8 @@
 receive layouts (expert-major, and the rank layout also against the torch reference).
 
 Two implementations that share nothing but the specification must agree exactly on every rank:
-receive rows, weights, source tags, tokens per expert, slots and the combine output (scatter mode).
+receive rows, weights, source tags, tokens per expert, slots and the combine output (scatter mode),
+with the layout folded into the dispatch launch, in a kernel of its own, and mixed across ranks.
 """
 
 from __future__ import annotations
@@ -46,24 +47,30 @@ def _run(buf, rank, x, idx, w):
 
 
 IDS = [f"{str(c[0]).removeprefix('torch.')}-h{c[1]}-k{c[2]}-{c[5]}" for c in CASES]
+# EpConfig.layout_in_dispatch: every rank's layout folded into its dispatch launch (all cases have at most
+# 128 tokens), every rank's in a kernel of its own, or each rank its own way (ranks with 128 tokens
+# launch the layout kernel, the others fold it; the protocol between ranks is the same).
+FOLDS = {"folded": 256, "kernel": 0, "mixed": 100}
 
 
-def _setup(runtime, case, seed):
+def _setup(runtime, case, seed, fold="folded"):
     """The case's config and this rank's inputs (int32 ids) on its GPU."""
     dtype, hidden, topk, el, tokens, routing = case
     env = runtime.env
     R, rank = env.world_size, env.rank
     E = el * R
     cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=min(topk, E),
-                   hidden=hidden, dtype=dtype, max_tokens=max(tokens), num_sms=16)
+                   hidden=hidden, dtype=dtype, max_tokens=max(tokens), num_sms=16,
+                   layout_in_dispatch=FOLDS[fold])
     x, idx, w = make_inputs(rank, tokens[rank % 4], hidden, E, cfg.topk, dtype, seed, routing=routing,
                             idx_dtype=torch.int32)
     return cfg, rank, (x.to(runtime.device), idx.to(runtime.device), w.to(runtime.device))
 
 
+@pytest.mark.parametrize("fold", FOLDS)
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_kernels_and_all_to_all_agree_bit_for_bit(runtime, case):
-    cfg, rank, (x, idx, w) = _setup(runtime, case, 4242)
+def test_kernels_and_all_to_all_agree_bit_for_bit(runtime, case, fold):
+    cfg, rank, (x, idx, w) = _setup(runtime, case, 4242, fold)
     with EpBuffer(runtime, cfg, registry=runtime.registry) as kern, A2aEpBuffer(runtime, cfg) as a2a:
         got, want = _run(kern, rank, x, idx, w), _run(a2a, rank, x, idx, w)
     for name in want:
@@ -92,13 +99,14 @@ def _run_rank_layout(buf, x, idx, w, sync=True):
     }
 
 
+@pytest.mark.parametrize("fold", FOLDS)
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_rank_layout_matches_all_to_all_and_reference(runtime, case):
+def test_rank_layout_matches_all_to_all_and_reference(runtime, case, fold):
     """The rank layout (one row per (source rank, token) bound for a rank): rows, local ids, weights,
     source tags, tokens per expert, handle rows and the combine output agree exactly with the
     all-to-all backend and the torch reference, synced and sync-free, in both modes, on a poisoned
     buffer (a row the kernels never wrote cannot pass); an expert-layout call right after agrees."""
-    cfg, rank, (x, idx, w) = _setup(runtime, case, 4343)
+    cfg, rank, (x, idx, w) = _setup(runtime, case, 4343, fold)
     with EpBuffer(runtime, cfg, registry=runtime.registry) as kern, A2aEpBuffer(runtime, cfg) as a2a:
         kern.poison()
         got, want = _run_rank_layout(kern, x, idx, w), _run_rank_layout(a2a, x, idx, w)
