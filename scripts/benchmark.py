@@ -397,6 +397,19 @@ def exchange_splits(sets: list[InputSet], group: Any) -> None:
         )  # fmt: skip
 
 
+def raise_if_failed(results: list, tag: str, group: Any, say: Any) -> None:
+    """Report every failed (name, CheckResult) of ``results`` and raise CheckFailed naming them; the
+    verdicts are the same on every rank, so every rank reports (collective) and raises alike."""
+    from cute_ep.validators.checks import report
+
+    failed = [name for name, r in results if not r.passed]
+    for name, r in results:
+        if not r.passed:
+            report(r, f"{tag} {name}", group, say)  # collective: every rank takes this branch
+    if failed:
+        raise CheckFailed(f"{tag}: the {', '.join(failed)} check(s) failed (details above); not timing it")
+
+
 def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag: str, say: Any,
                   fp8: bool = False, combines: tuple[str, ...] = ("pull",)) -> None:
     """Dispatch + test expert + combine on ``s``, checked bit for bit; raise CheckFailed on every rank.
@@ -405,7 +418,7 @@ def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag:
     from cute_ep.cli import expert_ids
     from cute_ep.fp8 import fp8_check_rows
     from cute_ep.reference import apply_test_expert
-    from cute_ep.validators.checks import check_combine, check_dispatch, check_layout, report
+    from cute_ep.validators.checks import check_combine, check_dispatch, check_layout
 
     group, rank = runtime.cpu_group, runtime.env.rank
     lws = cfg.local_world_size
@@ -436,12 +449,7 @@ def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag:
             out, s.idx, s.w, y, local_world_size=lws, num_experts=cfg.num_experts,
             scatter=res.handle.scatter, require_coverage=False, group=group, algorithm=algorithm,
         )))  # fmt: skip
-    failed = [name for name, r in results if not r.passed]  # verdicts are the same on every rank
-    for name, r in results:
-        if not r.passed:
-            report(r, f"{tag} {name}", group, say)  # collective: every rank takes this branch
-    if failed:
-        raise CheckFailed(f"{tag}: the {', '.join(failed)} check(s) failed (details above); not timing it")
+    raise_if_failed(results, tag, group, say)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -452,7 +460,7 @@ def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag:
 def checked_rank_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, tag: str, say: Any) -> None:
     """One rank-layout dispatch and combine on ``s``, checked bit for bit against the torch references
     (``validators.checks.check_rank_dispatch`` / ``check_rank_combine``); raise CheckFailed on every rank."""
-    from cute_ep.validators.checks import check_rank_combine, check_rank_dispatch, report
+    from cute_ep.validators.checks import check_rank_combine, check_rank_dispatch
 
     group, lws = runtime.cpu_group, cfg.local_world_size
     buf.poison()
@@ -469,12 +477,7 @@ def checked_rank_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, tag: str, 
         out, s.idx, res.handle.scatter, y, num_experts=cfg.num_experts, local_world_size=lws,
         require_coverage=False, group=group,
     )))  # fmt: skip
-    failed = [name for name, r in results if not r.passed]  # verdicts are the same on every rank
-    for name, r in results:
-        if not r.passed:
-            report(r, f"{tag} {name}", group, say)  # collective: every rank takes this branch
-    if failed:
-        raise CheckFailed(f"{tag}: the {', '.join(failed)} check(s) failed (details above); not timing it")
+    raise_if_failed(results, tag, group, say)
     say(f"{tag} checked: dispatch and combine bit-identical to the reference")
 
 

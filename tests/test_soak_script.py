@@ -370,13 +370,19 @@ def _patched(patch: str, *args: str) -> subprocess.CompletedProcess:
     return run_single("-c", _PATCHED, SCRIPT, patch, *args, timeout=TIMEOUT)
 
 
-def test_wrong_results_are_counted_and_the_soak_goes_on():
-    proc = _patched("corrupt", *SIZES, "--iters", "30", "--show-failures", "2", "--report-every", "0")
-    assert proc.returncode == 1, _text(proc)
+def _corrupted(proc) -> tuple[int, int, int]:
+    """The rows the patched soak corrupted (dispatch, combine) and in how many iterations; both kinds > 0."""
     m = re.search(r"corrupted: dispatch (\d+) combine (\d+) iterations (\d+)", proc.stdout)
     assert m, _text(proc)
     bad_d, bad_c, bad_iters = (int(v) for v in m.groups())
     assert bad_d > 0 and bad_c > 0
+    return bad_d, bad_c, bad_iters
+
+
+def test_wrong_results_are_counted_and_the_soak_goes_on():
+    proc = _patched("corrupt", *SIZES, "--iters", "30", "--show-failures", "2", "--report-every", "0")
+    assert proc.returncode == 1, _text(proc)
+    bad_d, bad_c, bad_iters = _corrupted(proc)
     counts = _summary(proc)
     assert counts["iterations run"] == 30  # it went on after the failures
     assert counts["wrong dispatch rows"] == bad_d and counts["wrong combine rows"] == bad_c, _text(proc)
@@ -394,10 +400,7 @@ def test_wrong_rank_layout_results_are_counted_per_layout(tmp_path):
     proc = _patched("corrupt-rank", *SIZES, "--iters", "24", "--layouts", "expert,rank", "--show-failures",
                     "1", "--report-every", "0", "--straggler-prob", "0", "--out-json", str(path))  # fmt: skip
     assert proc.returncode == 1, _text(proc)
-    m = re.search(r"corrupted: dispatch (\d+) combine (\d+) iterations (\d+)", proc.stdout)
-    assert m, _text(proc)
-    bad_d, bad_c, bad_iters = (int(v) for v in m.groups())
-    assert bad_d > 0 and bad_c > 0
+    bad_d, bad_c, bad_iters = _corrupted(proc)
     counts = _summary(proc)
     assert counts["iterations run"] == 24 and counts["failed iterations"] == bad_iters
     assert counts["wrong dispatch rows"] == bad_d and counts["wrong combine rows"] == bad_c, _text(proc)
