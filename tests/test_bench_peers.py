@@ -461,6 +461,49 @@ def test_check_perf_json_refuses_a_non_object():
         bp.check_perf_json([])
 
 
+PEERS_BASELINE = REPO / "baselines" / "perf" / "h200x2_vs_deepep.json"
+
+
+def check_peers_baseline(report: dict) -> None:
+    """What the committed 2x H200 report must hold (issue 14, "Done when"): a valid results object from 2
+    ranks with a row per (tokens, num_sms, layout) for tokens 4096 and 8192, num_sms 24 and the full GPU,
+    both layouts, and DeepEP measured in each at its budget for ours (128 for the full GPU)."""
+    bp.check_perf_json(report)
+    assert report["meta"]["world_size"] == 2, report["meta"]["world_size"]
+    rows = report["rows"]
+    have = {(r["tokens"], r["num_sms"], r["layout"]) for r in rows}
+    want = {(t, s, lay) for t in (4096, 8192) for s in (24, bp.FULL_GPU_SMS) for lay in ("rank", "expert")}
+    assert want <= have, sorted(want - have)
+    for r in rows:
+        assert r["deepep_skipped"] is None, (r["tokens"], r["num_sms"], r["deepep_skipped"])
+        assert r["deepep_num_sms"] == bp.deepep_num_sms(r["num_sms"]), r
+        assert r["dispatch_link_gbps"] > 0, r
+
+
+def test_committed_h200x2_vs_deepep_report():
+    if not PEERS_BASELINE.exists():
+        pytest.skip(f"{PEERS_BASELINE.relative_to(REPO)} is not committed yet (scripts/gpu_session.sh peers)")
+    check_peers_baseline(json.loads(PEERS_BASELINE.read_text()))
+    assert PEERS_BASELINE.with_suffix(".png").exists()
+
+
+def test_the_peers_baseline_check_can_fail():
+    report = json.loads(PEERS_BASELINE.read_text()) if PEERS_BASELINE.exists() else None
+    if report is None:
+        pytest.skip("no committed report to mutate")
+    dropped = {**report, "rows": [r for r in report["rows"] if r["num_sms"] != 24]}
+    with pytest.raises(AssertionError, match="24"):
+        check_peers_baseline(dropped)
+    one = {**report, "meta": {**report["meta"], "world_size": 1}}
+    with pytest.raises(AssertionError):
+        check_peers_baseline(one)
+    skipped = {**report, "rows": [{**report["rows"][0], "deepep_skipped": "x", "deepep_dispatch_us": None,
+                                   "deepep_combine_us": None, "deepep_full_dispatch_us": None,
+                                   "deepep_dispatch_permute_us": None}, *report["rows"][1:]]}  # fmt: skip
+    with pytest.raises(AssertionError):
+        check_peers_baseline(skipped)
+
+
 def test_peer_table_and_plot(tmp_path):
     results = _good_results()
     for r in results["rows"]:
