@@ -27,6 +27,7 @@ class PartialSumKernel(CombineFamily):
 
     grid_factor = REDUCED_GRID_FACTOR
     ctas_per_sm = REDUCED_GRID_FACTOR  # the grid is REDUCED_GRID_FACTOR CTAs per SM of the budget
+    # (so 128 registers a thread: the row sum keeps at most 4 pieces per lane, kernels/rowsum.py)
 
     @cute.kernel
     def kernel(self, p: EpParams):
@@ -68,7 +69,7 @@ class PartialSumKernel(CombineFamily):
                             n = n + 1
             cute.arch.sync_warp()
             dst = out_base + Int64(t) * ROW_BYTES
-            weighted_sum_rows(dtype, my_addr, my_weight, n, v_begin, v_end, lane, dst)
+            weighted_sum_rows(dtype, my_addr, my_weight, n, v_begin, v_end, lane, dst, max_pieces=4)
             cute.arch.sync_warp()
 
         self.finish(p, Int32(DONE_COMBINE), epoch)

@@ -55,6 +55,7 @@ class ReducePushKernel(CombineFamily):
 
     grid_factor = REDUCED_GRID_FACTOR
     ctas_per_sm = REDUCED_GRID_FACTOR  # the grid is REDUCED_GRID_FACTOR CTAs per SM of the budget
+    # (so 128 registers a thread: the row sum keeps at most 4 pieces per lane, kernels/rowsum.py)
 
     @cute.kernel
     def kernel(self, p: EpParams):
@@ -107,9 +108,10 @@ class ReducePushKernel(CombineFamily):
                     row = Int64(t * R + rank) * ROW_BYTES  # this rank's partial of token t
                     if owner // L == my_node:
                         weighted_sum_rows(dtype, my_addr, my_weight, cnt, v_begin, v_end, lane,
-                                          nvshmem_ptr(partials_base, owner) + row)
+                                          nvshmem_ptr(partials_base, owner) + row, max_pieces=4)
                     else:
-                        weighted_sum_rows(dtype, my_addr, my_weight, cnt, v_begin, v_end, lane, stage_row)
+                        weighted_sum_rows(dtype, my_addr, my_weight, cnt, v_begin, v_end, lane, stage_row,
+                                          max_pieces=4)
                         cute.arch.sync_warp()  # the put reads what every lane stored
                         nvshmem_cute.put_warp(
                             row_view(dtype, partials_base + row, H), row_view(dtype, stage_row, H), owner

@@ -7,10 +7,14 @@ dst = dtype(sum over i ascending of weight[i] * row_i) with fp32 products and su
 
 Why it is shaped this way: a warp that loads one piece of one row, uses it and moves on waits a full
 memory latency per load, so the time goes to latency, not bandwidth. Each lane therefore works on
-PIECES pieces (32 pieces apart) at once, and walks the rows in groups of 8 (then 4, 2, 1) whose loads,
-for every piece, are all issued before the first is used: up to 8 x PIECES 128-bit loads in flight per
-lane. The order of the sum of each element is unchanged (ascending i). Loads bypass L1 (``.cg``): rows
-written by other GPUs, or rewritten staging rows, must not be served from a stale L1 line.
+several pieces (32 pieces apart) at once, and walks the rows in groups of up to 8 whose loads, for every
+piece, are all issued before the first is used: LOADS_IN_FLIGHT 128-bit loads per lane. How the 16 are
+split depends on how many rows there are (``SHAPES``): 8 or more rows, 2 pieces of 8 rows; fewer, more
+pieces of fewer rows (4 x 4, 8 x 2) — with 2 pieces per lane a sum of 2 rows (the rank layout's combine
+and the reduced combine's second phase on 2 ranks) had 4 loads in flight per lane and was latency-bound
+(rank combine 1100 us at 4096 tokens and 24 SMs on 2x H200, DeepEP's 419 us). The order of the sum of
+each element is unchanged (ascending i). Loads bypass L1 (``.cg``): rows written by other GPUs, or
+rewritten staging rows, must not be served from a stale L1 line.
 """
 
 from __future__ import annotations
@@ -22,7 +26,16 @@ from cutlass import Float32, Int32, Int64
 from cute_ep.kernels.config import VECTOR_BYTES, WARP
 from cute_ep.kernels.ptx import add_rn, gmem_tensor, mul_rn
 
-PIECES = 2  # 128-bit pieces per lane in flight per row (with 8 rows: 16 loads of 16 bytes)
+LOADS_IN_FLIGHT = 16  # 128-bit loads a lane issues before it uses the first
+# (fewest rows, pieces per lane, largest row group): pieces x group = LOADS_IN_FLIGHT
+SHAPES = ((8, 2, 8), (4, 4, 4), (0, 8, 2))
+
+
+def shapes_upto(max_pieces: int) -> tuple[tuple[int, int, int], ...]:
+    """SHAPES with at most ``max_pieces`` pieces per lane (the last one taking any number of rows): a
+    kernel with two CTAs per SM (128 registers a thread) keeps 4 (8 pieces of fp32 sums would spill)."""
+    kept = [shape for shape in SHAPES if shape[1] <= max_pieces]
+    return (*kept[:-1], (0, *kept[-1][1:]))
 
 
 @cute.jit
@@ -61,6 +74,7 @@ def accumulate_group(
 def sum_pieces(
     dtype: cutlass.Constexpr,
     pieces: cutlass.Constexpr,
+    max_group: cutlass.Constexpr,
     row_addr: cute.Tensor,
     weight: cute.Tensor,
     n: Int32,
@@ -68,21 +82,18 @@ def sum_pieces(
     dst_addr: Int64,
 ):
     """``pieces`` pieces (WARP pieces apart, from ``offset``) of the weighted sum of the n listed rows,
-    stored to ``dst_addr`` at the same offsets."""
+    stored to ``dst_addr`` at the same offsets; rows in groups of ``max_group`` (then halves)."""
     V = VECTOR_BYTES // (dtype.width // 8)
-    n8 = n // 8 * 8
-    n4 = n8 + (n - n8) // 4 * 4
-    n2 = n4 + (n - n4) // 2 * 2
     acc = cute.make_rmem_tensor(cute.make_layout(V * pieces), Float32)
     acc.fill(0.0)
-    for c in range(0, n8, 8):
-        accumulate_group(dtype, 8, pieces, acc, row_addr, weight, c, offset)
-    for c in range(n8, n4, 4):
-        accumulate_group(dtype, 4, pieces, acc, row_addr, weight, c, offset)
-    for c in range(n4, n2, 2):
-        accumulate_group(dtype, 2, pieces, acc, row_addr, weight, c, offset)
-    for c in range(n2, n):
-        accumulate_group(dtype, 1, pieces, acc, row_addr, weight, c, offset)
+    done = Int32(0)
+    for group in cutlass.range_constexpr(4):  # groups of 8, 4, 2, 1 rows, those <= max_group
+        size = 8 >> group
+        if cutlass.const_expr(size <= max_group):
+            end = done + (n - done) // size * size
+            for c in range(done, end, size):
+                accumulate_group(dtype, size, pieces, acc, row_addr, weight, c, offset)
+            done = end
     for q in cutlass.range_constexpr(pieces):
         res = cute.make_rmem_tensor(cute.make_layout(V), dtype)
         part = cute.make_rmem_tensor(cute.make_layout(V), Float32)
@@ -91,6 +102,35 @@ def sum_pieces(
         res.store(part.load().to(dtype))
         dst = dst_addr + offset + Int64(q * WARP * VECTOR_BYTES)
         cute.autovec_copy(res, gmem_tensor(dtype, dst, cute.make_layout(V), VECTOR_BYTES))
+
+
+@cute.jit
+def sum_span(
+    dtype: cutlass.Constexpr,
+    pieces: cutlass.Constexpr,
+    max_group: cutlass.Constexpr,
+    row_addr: cute.Tensor,
+    weight: cute.Tensor,
+    n: Int32,
+    v_begin: Int32,
+    v_end: Int32,
+    lane: Int32,
+    dst_addr: Int64,
+):
+    """Pieces [v_begin, v_end) of the sum: ``pieces`` per lane while whole steps of the warp fit, then
+    half as many once, then one."""
+    step = pieces * WARP
+    v = v_begin + (v_end - v_begin) // step * step
+    for u in range(v_begin + lane, v, step):
+        sum_pieces(dtype, pieces, max_group, row_addr, weight, n, Int64(u * VECTOR_BYTES), dst_addr)
+    if cutlass.const_expr(pieces >= 4):  # e.g. H 7168 bf16: 896 pieces = 3 x 256 + 128
+        half = pieces // 2
+        if v_end - v >= half * WARP:
+            sum_pieces(dtype, half, max_group * 2, row_addr, weight, n, Int64((v + lane) * VECTOR_BYTES),
+                       dst_addr)
+            v = v + half * WARP
+    for u in range(v + lane, v_end, WARP):
+        sum_pieces(dtype, 1, max_group, row_addr, weight, n, Int64(u * VECTOR_BYTES), dst_addr)
 
 
 @cute.jit
@@ -103,13 +143,17 @@ def weighted_sum_rows(
     v_end: Int32,
     lane: Int32,
     dst_addr: Int64,
+    max_pieces: cutlass.Constexpr = 8,
 ):
     """Pieces [v_begin, v_end) of dst = sum over i in [0, n) ascending of weight[i] * row_addr[i]'s row
     (fp32, then ``dtype``); ``row_addr``/``weight``: the warp's list (shared memory, written before a
-    ``sync_warp``). n == 0 writes zeros. ``dst_addr`` may be a peer's memory (peer pointer)."""
-    step = PIECES * WARP
-    full = v_begin + (v_end - v_begin) // step * step
-    for v in range(v_begin + lane, full, step):
-        sum_pieces(dtype, PIECES, row_addr, weight, n, Int64(v * VECTOR_BYTES), dst_addr)
-    for v in range(full + lane, v_end, WARP):
-        sum_pieces(dtype, 1, row_addr, weight, n, Int64(v * VECTOR_BYTES), dst_addr)
+    ``sync_warp``). n == 0 writes zeros. ``dst_addr`` may be a peer's memory (peer pointer).
+    ``max_pieces``: see ``shapes_upto``."""
+    shapes = shapes_upto(max_pieces)
+    taken = Int32(0)
+    for shape in cutlass.range_constexpr(len(shapes)):
+        min_rows, pieces, max_group = shapes[shape]
+        if taken == 0:
+            if n >= min_rows:
+                taken = Int32(1)
+                sum_span(dtype, pieces, max_group, row_addr, weight, n, v_begin, v_end, lane, dst_addr)
