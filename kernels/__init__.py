@@ -2,7 +2,8 @@
 
 Importing this package imports no GPU library: ``EpConfig`` (sizes and constraints, kernels/config.py)
 and ``BUFFERS`` (the one table of buffers, kernels/buffers.py) are plain Python. The kernels themselves
-(one file each: layout, dispatch, fanout, combine, reduce_push, partial_sum) are imported by
+(one file each: layout, dispatch, fanout, combine, reduce_push, partial_sum and the rank layout's
+rank_layout, rank_dispatch, rank_combine) are imported by
 ``kernels/module.py`` when a buffer compiles them.
 """
 

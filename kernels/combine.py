@@ -73,6 +73,10 @@ class CombineKernel(CombineFamily):
             t, v_begin, v_end = self.part_of(u, parts, span, NV)
             # Routing of token t; rows on other nodes are fetched whole, once, into the staging rows.
             n = Int32(0)
+            rank_d = Int32(-1)  # rank layout: this lane's pair of token t across the lanes (rank_lanes)
+            rank_lead = Int32(0)
+            if cutlass.const_expr(self.by_rank):
+                rank_d, rank_lead = self.rank_lanes(p, t, lane)
             for k in range(K):
                 e = p.topk_idx[t, k]
                 slot = p.scatter[t, k]  # -1: dropped beyond the expert's capacity (or id -1)
@@ -86,7 +90,7 @@ class CombineKernel(CombineFamily):
                 weight = Float32(1.0)
                 if cutlass.const_expr(self.by_rank):
                     if valid != 0:
-                        valid, at = self.rank_place(p, t, k)
+                        valid, at = self.rank_place(p, t, k, rank_d, rank_lead)
                 else:
                     weight = p.topk_w[t, k]
                 if valid != 0:

@@ -26,6 +26,7 @@ from cute_ep.kernels.layout import LayoutKernel
 from cute_ep.kernels.partial_sum import PartialSumKernel
 from cute_ep.kernels.rank_combine import RankCombineKernel
 from cute_ep.kernels.rank_dispatch import RankDispatchKernel
+from cute_ep.kernels.rank_layout import RankLayoutKernel
 from cute_ep.kernels.reduce_push import ReducePushKernel
 
 
@@ -36,6 +37,7 @@ class EpModule:
     def __init__(self, dtype) -> None:
         self.dtype = dtype
         self.layout = LayoutKernel(dtype)
+        self.rank_layout = RankLayoutKernel(dtype)
         self.dispatch = DispatchKernel(dtype)
         self.rank_dispatch = RankDispatchKernel(dtype)
         self.fanout = FanoutKernel(dtype)
@@ -48,13 +50,16 @@ class EpModule:
     def __call__(self, scalars: Scalars, pointers: Pointers, stream):
         p = EpParams(*scalars, *pointers)
         if p.op == OP_LAYOUT:
-            self.layout(p, stream)
+            if p.layout == LAYOUT_RANK:
+                self.rank_layout(p, stream)
+            else:
+                self.layout(p, stream)
         if p.op == OP_DISPATCH:
             # The layout first: its own kernel, or for small batches in the expert layout CTA 0 of the
             # dispatch launch (the rank layout's per-pair scans make a 256-thread layout cost more than
             # the launch it saves: 36.1 against 29.6 us at 128 tokens on one H200).
             if p.layout == LAYOUT_RANK:
-                self.layout(p, stream)
+                self.rank_layout(p, stream)
                 self.rank_dispatch(p, stream)
             else:
                 if p.num_tokens > p.layout_in_dispatch:

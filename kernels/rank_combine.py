@@ -20,6 +20,7 @@ from cutlass import Int32
 
 from cute_ep.kernels.buffers import EpParams
 from cute_ep.kernels.combine import CombineKernel
+from cute_ep.kernels.config import WARP
 
 
 class RankCombineKernel(CombineKernel):
@@ -28,25 +29,55 @@ class RankCombineKernel(CombineKernel):
     by_rank = True
 
     @cute.jit
-    def rank_place(self, p: EpParams, t: Int32, k: Int32):
-        """For a valid pair (t, k): (1, place) if k is the token's first pair bound for its rank, place
-        being how many lower ranks the token is bound for (its position in the sum); else (0, 0)."""
+    def rank_lanes(self, p: EpParams, t: Int32, lane: Int32):
+        """Token t's pairs across the lanes, once per token (K <= WARP; else (-1, 0)): (d, lead) of lane
+        j's pair (t, j): its destination rank (-1: none, or j >= K) and 1 if it is the token's first pair
+        bound for d. Every lane calls it."""
         K, El = p.topk, p.experts_per_rank
-        d = p.topk_idx[t, k] // El
+        d = Int32(-1)
+        lead = Int32(0)
+        if K <= WARP:
+            if lane < K:
+                d = self.rank_of_pair(p, t, lane, El)
+            for k in range(K):
+                same = cute.arch.vote_ballot_sync(d == cute.arch.shuffle_sync(d, k))
+                if lane == k:
+                    if d >= 0:
+                        if Int32(cute.arch.clz(cute.arch.brev(same))) == k:
+                            lead = Int32(1)
+        return d, lead
+
+    @cute.jit
+    def rank_place(self, p: EpParams, t: Int32, k: Int32, d: Int32, lead: Int32):
+        """For a valid pair (t, k): (1, place) if k is the token's first pair bound for its rank, place
+        being how many lower ranks the token is bound for (its position in the sum); else (0, 0).
+        ``d``, ``lead``: this lane's from ``rank_lanes`` (K <= WARP: a shuffle and a ballot instead of
+        O(K^2) loads per pair, which were most of the rank combine at 4096 tokens and 24 SMs)."""
+        K, El = p.topk, p.experts_per_rank
         first = Int32(1)
         place = Int32(0)
-        for j in range(K):
-            dj = self.rank_of_pair(p, t, j, El)
-            if dj == d:
-                if j < k:
-                    first = Int32(0)
-            if dj >= 0:
-                if dj < d:
-                    lead = Int32(1)  # count rank dj once: at its first pair
-                    for i in range(j):
-                        if self.rank_of_pair(p, t, i, El) == dj:
-                            lead = Int32(0)
-                    place = place + lead
+        if K <= WARP:
+            dk = cute.arch.shuffle_sync(d, k)
+            first = cute.arch.shuffle_sync(lead, k)
+            lower = Int32(0)
+            if lead != 0:
+                if d < dk:
+                    lower = Int32(1)
+            place = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(lower != 0)))
+        else:
+            dk = p.topk_idx[t, k] // El
+            for j in range(K):
+                dj = self.rank_of_pair(p, t, j, El)
+                if dj == dk:
+                    if j < k:
+                        first = Int32(0)
+                if dj >= 0:
+                    if dj < dk:
+                        lead_j = Int32(1)  # count rank dj once: at its first pair
+                        for i in range(j):
+                            if self.rank_of_pair(p, t, i, El) == dj:
+                                lead_j = Int32(0)
+                        place = place + lead_j
         if first == 0:
             place = Int32(0)
         return first, place

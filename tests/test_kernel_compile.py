@@ -23,20 +23,21 @@ from cute_ep.kernels.host import build
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "half", torch.float32: "float"}
 
 
-# Entry points per kernel: the DSL emits one per launch site, and the module launches the layout kernel from
-# three (alone, before the rank dispatch, before an expert dispatch above cfg.layout_in_dispatch tokens).
-LAUNCH_SITES = {"Layout": 3}
+# Entry points per kernel: the DSL emits one per launch site, and the module launches each layout kernel from
+# two (the expert layout's alone and before an expert dispatch above cfg.layout_in_dispatch tokens; the rank
+# layout's alone and before the rank dispatch).
+LAUNCH_SITES = {"Layout": 2, "RankLayout": 2}
 
 
 def _entries(ptx: str) -> list[tuple[str, str]]:
     """(kind, PTX text) of each entry point in order; kind is Layout / Dispatch / Fanout / Combine /
-    ReducePush / PartialSum / RankDispatch / RankCombine (the rank layout's variants)."""
+    ReducePush / PartialSum / RankLayout / RankDispatch / RankCombine (the rank layout's variants)."""
     out = []
     for part in re.split(r"(?m)^(?=\.visible \.entry|\.func|\.visible \.func|\.weak \.func)", ptx):
         m = re.match(r"\.visible \.entry (\w+)", part)
         if m:
             # The longer names first: the leftmost match of "RankDispatchKernel" is the whole name.
-            names = "RankDispatch|RankCombine|Layout|Dispatch|Fanout|Combine|ReducePush|PartialSum"
+            names = "RankLayout|RankDispatch|RankCombine|Layout|Dispatch|Fanout|Combine|ReducePush|PartialSum"
             out.append((re.search(rf"({names})Kernel", m.group(1)).group(1), part))
     return out
 
@@ -64,12 +65,12 @@ def compiled_ptx(request, tmp_path_factory):
     return request.param, compiled.artifacts.PTX
 
 
-def test_targets_sm90_with_eight_kernels(compiled_ptx):
+def test_targets_sm90_with_nine_kernels(compiled_ptx):
     _, ptx = compiled_ptx
     assert re.search(r"(?m)^\.target sm_90$", ptx)
     kinds = Counter(kind for kind, _ in _entries(ptx))
     assert sorted(kinds) == ["Combine", "Dispatch", "Fanout", "Layout", "PartialSum", "RankCombine",
-                             "RankDispatch", "ReducePush"]
+                             "RankDispatch", "RankLayout", "ReducePush"]
     assert kinds == {kind: LAUNCH_SITES.get(kind, 1) for kind in kinds}  # no entry point twice by mistake
 
 
