@@ -4,6 +4,7 @@ their sweep, with a plot beside each."""
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -23,11 +24,22 @@ def test_there_are_committed_reports():
 def test_report_holds_every_configuration_of_its_sweep(path):
     report = br.load_json(path)  # schema and required keys
     cfg = report["meta"]["config"]
-    # Per mode, one row per combine (pull: the mode's own name; reduced: "<mode>+reduced").
-    labels = [m for m in cfg["modes"] if "pull" in cfg.get("combines", ["pull"])]
-    labels += [f"{m}+reduced" for m in cfg["modes"] if "reduced" in cfg.get("combines", [])]
-    want = set(itertools.product(cfg["routings"], cfg["tokens"], labels))
-    got = [(r["routing"], r["tokens"], r["mode"]) for r in report["rows"]]
+    # The receive layouts swept (--layouts, default expert; the config does not record them).
+    named = re.search(r"--layouts[ =](\S+)", report["meta"].get("command", ""))
+    layouts = cfg.get("layouts") or (named.group(1).split(",") if named else ["expert"])
+    # Expert layout: per mode, one row per combine (pull: the mode's own name; reduced: "<mode>+reduced");
+    # rank layout: one row, mode "rank".
+    labels = []
+    if "expert" in layouts:
+        labels += [m for m in cfg["modes"] if "pull" in cfg.get("combines", ["pull"])]
+        labels += [f"{m}+reduced" for m in cfg["modes"] if "reduced" in cfg.get("combines", [])]
+    if "rank" in layouts:
+        labels.append("rank")
+    # A sweep over SM budgets (--num-sms) repeats every configuration per budget; older reports have one
+    # budget and may not name it in meta.
+    budgets = report["meta"].get("num_sms_budgets") or sorted({r.get("num_sms") for r in report["rows"]})
+    want = set(itertools.product(cfg["routings"], cfg["tokens"], labels, budgets))
+    got = [(r["routing"], r["tokens"], r["mode"], r.get("num_sms")) for r in report["rows"]]
     assert len(got) == len(set(got)), f"{path.name}: a configuration appears twice"
     missing, extra = sorted(want - set(got)), sorted(set(got) - want)
     assert not missing and not extra, f"{path.name}: missing {missing}, extra {extra}"
