@@ -865,6 +865,7 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
             "routings": args.routing_list,
             "modes": args.mode_list,
             "combines": args.combine_list,
+            "layouts": args.layout_list,
             "iters": args.iters,
             "warmup": args.warmup,
             "input_sets": args.input_sets,

@@ -690,6 +690,7 @@ def test_sweep_times_the_rank_layout_as_its_own_checked_rows(tmp_path):
         (24, "rank", "rank", False), (24, "scatter", "expert", False),
     ]
     assert "[skewed T=8 rank layout] checked: dispatch and combine bit-identical to the reference" in out
+    assert br.load_json(out_json)["meta"]["config"]["layouts"] == ["expert", "rank"]
 
 
 def test_sweep_aborts_when_the_rank_layout_check_fails(tmp_path):

@@ -24,7 +24,8 @@ def test_there_are_committed_reports():
 def test_report_holds_every_configuration_of_its_sweep(path):
     report = br.load_json(path)  # schema and required keys
     cfg = report["meta"]["config"]
-    # The receive layouts swept (--layouts, default expert; the config does not record them).
+    # The receive layouts swept (config "layouts"; reports written before it was recorded: the command's
+    # --layouts, default expert).
     named = re.search(r"--layouts[ =](\S+)", report["meta"].get("command", ""))
     layouts = cfg.get("layouts") or (named.group(1).split(",") if named else ["expert"])
     # Expert layout: per mode, one row per combine (pull: the mode's own name; reduced: "<mode>+reduced");
