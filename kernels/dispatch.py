@@ -28,10 +28,12 @@ the slot of a pair is its token's row on the destination rank (one
 per (token, rank), from the layout kernel); only the token's first pair for a rank sends the row there,
 with ``recv_src`` = rank * max_tokens + t and the token's K ids and weights in ``recv_topk_idx`` /
 ``recv_topk_w`` (local expert ids; -1 and weight 0 for experts of other ranks). No fan-out follows.
+With K <= 32 (``send_token_by_rank``) lane j holds pair j, loaded once per token, and the primaries are
+found with one ``match_sync``; a lane per k with group votes of global loads before (kept for K > 32).
 
 Layout folded in (expert layout, ``num_tokens <= layout_in_dispatch``: small batches): the module
 launches no layout kernel; CTA 0 runs the layout's steps (kernels/layout.py, ``LayoutKernel.route``) with
-this CTA's 256 threads, then publishes this call's dispatch epoch in ``layout_done``; the other CTAs wait
+this CTA's threads, then publishes this call's dispatch epoch in ``layout_done``; the other CTAs wait
 for it (acquire) before they read the slots. One launch and one kernel boundary less per dispatch. The
 rank layout always launches its layout kernel: its per-pair scans make the 256-thread layout cost more
 than the launch it saves.
@@ -96,10 +98,82 @@ def bound_for(p: EpParams, t: Int32, j: Int32, end: Int32, d: Int32, kept_only: 
     return same
 
 
+@cute.jit
+def send_row(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d: Int32, slot: Int32, row_bytes: Int32,
+             lane: Int32):
+    """The warp moves one row (``row_bytes``, from ``src_addr``) into row ``slot`` of rank d's ``recv_x``:
+    128-bit stores through the peer pointer on this node (ALGO_PUT_WARP: only to this rank itself),
+    ``put_warp`` to other nodes."""
+    ROW_BYTES = Int64(row_bytes)
+    recv_x_base = p.recv_x.iterator.toint()
+    store = Int32(0)
+    if d // p.local_world_size == p.rank // p.local_world_size:
+        store = Int32(1)
+        if p.algo == ALGO_PUT_WARP:
+            if d != p.rank:
+                store = Int32(0)
+    if store != 0:
+        copy_row_warp(dtype, src_addr, nvshmem_ptr(recv_x_base, d) + Int64(slot) * ROW_BYTES,
+                      row_bytes // VECTOR_BYTES, lane)
+    else:
+        n = row_bytes // (dtype.width // 8)
+        nvshmem_cute.put_warp(row_view(dtype, recv_x_base + Int64(slot) * ROW_BYTES, n),
+                              row_view(dtype, src_addr, n), d)
+
+
+@cute.jit
+def send_token_by_rank(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin: Int32, k_end: Int32,
+                       src_addr: Int64, row_bytes: Int32, lane: Int32):
+    """Rank layout with K <= 32: lane j holds the token's pair j (its rank and its row there, loaded once);
+    the primaries (a rank's first pair, ``match_sync``) among pairs [k_begin, k_end) each send the row
+    and, from lanes j < K, the token's ids and weights masked to that rank's experts."""
+    K, El = p.topk, p.experts_per_rank
+    e = Int32(-1)
+    slot = Int32(-1)
+    w = Float32(0.0)
+    if lane < K:
+        e = p.topk_idx[t, lane]
+        slot = p.scatter[t, lane]
+        w = p.topk_w[t, lane]
+    d = Int32(-1)
+    if e >= 0:
+        d = e // El
+    same = Int32(cute.arch.match_sync(cute.arch.FULL_MASK, d))  # lanes bound for the same rank
+    lead = Int32(0)
+    if d >= 0:
+        if slot >= 0:
+            if (same & Int32(cute.arch.lanemask_lt())) == 0:
+                if lane >= k_begin:
+                    if lane < k_end:
+                        lead = Int32(1)
+    sends = Int32(cute.arch.vote_ballot_sync(lead != 0))
+    for _ in range(cute.arch.popc(sends)):
+        j = Int32(cute.arch.clz(cute.arch.brev(sends)))  # the lowest primary left
+        sends = sends & (sends - 1)
+        dj = cute.arch.shuffle_sync(d, j)
+        row = cute.arch.shuffle_sync(slot, j)
+        send_row(dtype, p, src_addr, dj, row, row_bytes, lane)
+        if lane < K:
+            local = Int32(-1)
+            wj = Float32(0.0)
+            if d == dj:
+                local = e - dj * El
+                wj = w
+            nvshmem_cute.p(element(p.recv_topk_idx, (row, lane)), local, dj)
+            nvshmem_cute.p(element(p.recv_topk_w, (row, lane)), wj, dj)
+        if lane == 0:
+            nvshmem_cute.p(element(p.recv_src, row), p.rank * p.max_tokens + t, dj)
+
+
 class DispatchKernel(EpKernel):
     """The dispatch kernel (see the module docstring); every size is a run-time argument."""
 
     by_rank = False  # compile-time: the rank layout's variant (kernels/rank_dispatch.py) is compiled apart
+    # 16 warps per SM: a warp's token waits on chains of small loads (its ids, slots, group votes) before
+    # its rows move, and more warps per SM keep more rows in flight at a 24-SM budget. One CTA per SM by
+    # design, so the hint lets ptxas use up to 128 registers.
+    threads = 512
+    ctas_per_sm = 1
 
     def __init__(self, dtype) -> None:
         super().__init__(dtype)
@@ -108,7 +182,7 @@ class DispatchKernel(EpKernel):
 
     @cute.kernel
     def kernel(self, p: EpParams):
-        L, K, El, M, rank = p.local_world_size, p.topk, p.experts_per_rank, p.max_tokens, p.rank
+        K, El, M, rank = p.topk, p.experts_per_rank, p.max_tokens, p.rank
         mode, algo = p.mode, p.algo
         groups = p.combine_algo  # a reduced-combine buffer: record each (token, rank) group
         by_rank = self.by_rank  # one row per (token, destination rank), at the layout's row
@@ -123,18 +197,14 @@ class DispatchKernel(EpKernel):
         if p.fp8 != 0:
             row_bytes = p.fp8_row_bytes
         ROW_BYTES = Int64(row_bytes)
-        NV = row_bytes // VECTOR_BYTES  # 128-bit pieces per row
-        ROW_ELEMS = row_bytes // (dtype.width // 8)  # the moved bytes as elements, for put_warp
 
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp = tid // WARP
         lane = tid % WARP
         epoch = p.epochs[OP_DISPATCH] + Int64(1)
-        my_node = rank // L
         x_base = p.x.iterator.toint()
         packed_base = p.packed.iterator.toint()
-        recv_x_base = p.recv_x.iterator.toint()
         if cutlass.const_expr(not by_rank):  # the rank layout's layout is always a kernel of its own
             if p.num_tokens <= p.layout_in_dispatch:
                 # Small batches: the layout runs here, in CTA 0, instead of in a kernel of its own (one launch
@@ -187,7 +257,13 @@ class DispatchKernel(EpKernel):
                 quantize_row_warp(dtype, src_addr, dst, H, row_bytes, lane)
                 cute.arch.sync_warp()  # lanes copy bytes other lanes wrote
                 src_addr = dst
-            for k in range(k_begin, k_end):
+            k_stop = k_end
+            if cutlass.const_expr(by_rank):
+                if K <= WARP:
+                    # a token's pairs in lanes, loaded once (the per-pair loop below then only for K > 32)
+                    send_token_by_rank(dtype, p, t, k_begin, k_end, src_addr, row_bytes, lane)
+                    k_stop = k_begin
+            for k in range(k_begin, k_stop):
                 e = topk_idx[t, k]
                 if e >= 0:
                     d = e // El
@@ -250,24 +326,7 @@ class DispatchKernel(EpKernel):
                         if cutlass.const_expr(by_rank):
                             first = g  # the rank layout has one row per (token, rank), whoever sends it
                         if first == k:
-                            # Peer-pointer stores on the node, except the put_warp primitive's remote rows.
-                            store = Int32(0)
-                            if d // L == my_node:
-                                store = Int32(1)
-                                if algo == ALGO_PUT_WARP:
-                                    if d != rank:
-                                        store = Int32(0)
-                            if store != 0:
-                                copy_row_warp(
-                                    dtype, src_addr, nvshmem_ptr(recv_x_base, d) + Int64(slot) * ROW_BYTES,
-                                    NV, lane,
-                                )
-                            else:
-                                nvshmem_cute.put_warp(
-                                    row_view(dtype, recv_x_base + Int64(slot) * ROW_BYTES, ROW_ELEMS),
-                                    row_view(dtype, src_addr, ROW_ELEMS),
-                                    d,
-                                )
+                            send_row(dtype, p, src_addr, d, slot, row_bytes, lane)
                         if cutlass.const_expr(by_rank):
                             if first == k:
                                 # The token's ids and weights, those of other ranks' experts masked.

@@ -20,14 +20,8 @@ that CTA's 256 threads; kernels/dispatch.py):
    the column sums);
 4. scatter slots: each warp walks its contiguous range of pairs in row-major order, 32 at a time; a
    lane's slot is its warp's running base for the expert plus the number of earlier lanes with the
-   same expert (found with shuffles), so the order inside an (expert, source) group is the (t, k)
-   order, deterministically.
-
-In the rank layout with K <= 32 (``token_lanes``) steps 1 and 4 take whole tokens per warp step
-(32 // K * K pairs), and a pair learns about its token's earlier pairs (a repeated id; the first pair
-bound for its rank) by shuffles, not by K global loads per pair; a later pair then takes its first
-pair's row by a shuffle in step 4 (step 5 only runs for K > 32). With the loads the rank layout's kernel
-took 301 us at 4096 tokens on 2x H200 (the expert layout's: 79 us).
+   same expert (``match_sync``, one instruction), so the order inside an (expert, source) group is the
+   (t, k) order, deterministically.
 
 Capacity: an expert keeps its first ``expert_capacity`` rows in that order (source 0's first, each
 source's in (t, k) order); a pair whose slot would be at or past its expert's ``send_limit`` is dropped
@@ -35,11 +29,14 @@ source's in (t, k) order); a pair whose slot would be at or past its expert's ``
 every count, so every rank counts the same; the host reads and resets it).
 
 Rank layout (``RankLayoutKernel``, kernels/rank_layout.py: this kernel compiled with ``by_rank``;
-DeepEP's receive layout: one row per (source rank, token) bound for a rank): step 1 also counts, per
-warp, the tokens bound for each rank (at the token's first pair for it); they travel in columns E + 1 + d
-of the count row; num_recv is the column of this rank summed over the sources; the slots of step 4 are
-rows on the destination rank (lower source ranks first, then this rank's tokens in order), and a token's
-later pairs for the same rank take its first pair's row (step 4 or 5).
+DeepEP's receive layout: one row per (source rank, token) bound for a rank): a lane per token instead of
+per pair, 32 tokens per warp step. Step 1 also counts, per warp, the tokens bound for each rank (a ballot
+per rank over the step's tokens); they travel in columns E + 1 + d of the count row; num_recv is the
+column of this rank summed over the sources. Step 4 gives each (token, destination rank) a row there
+(lower source ranks first, then this rank's tokens in order: the warp's running base plus the earlier
+lanes in the rank's ballot), and every pair of the token bound for that rank takes it. With a lane per
+pair and the token's earlier pairs found by global loads this kernel took 301 us at 4096 tokens on 2x
+H200, 229 us with shuffles (the expert layout's: 79 us).
 Expert counts and tokens_per_expert are as in the expert layout (that layout has no expert capacity).
 
 Outputs (device): scatter [T*K] int32 (-1: id -1 or dropped), send_offsets [E] and cursor [E] int32
@@ -71,53 +68,10 @@ from cute_ep.kernels.ptx import (
 
 
 @cute.jit
-def first_for_rank(pair_ids: cute.Tensor, i: Int32, K: Int32, El: Int32) -> Int32:
-    """1 if pair i (a valid id) is its token's first pair bound for its expert's rank, else 0."""
-    d = pair_ids[i] // El
-    first = Int32(1)
-    for j in range(i - i % K, i):
-        ej = pair_ids[j]
-        if ej >= 0:
-            if ej // El == d:
-                first = Int32(0)
-    return first
-
-
-@cute.jit
-def token_lanes(e: Int32, lane: Int32, K: Int32, El: Int32):
-    """For a warp step that holds whole tokens (K <= WARP; lane l holds pair l % K of the token in lanes
-    [l - l % K, l - l % K + K)), with e this lane's expert id (-1: none or invalid): (dup, lead) — dup 1
-    if an earlier pair of the token has the same id, lead the place in the token of its first pair bound
-    for this pair's rank (-1 for e < 0). Shuffles instead of K global loads per pair; every lane calls it
-    (lanes past the tokens pass e = -1)."""
-    g0 = lane - lane % K
-    k = lane % K
-    d = Int32(-1)
-    if e >= 0:
-        d = e // El
-    dup = Int32(0)
-    lead = Int32(-1)
-    for j in range(K):
-        ej = cute.arch.shuffle_sync(e, g0 + j)
-        dj = Int32(-1)
-        if ej >= 0:
-            dj = ej // El
-        if d >= 0:
-            if j < k:
-                if ej == e:
-                    dup = Int32(1)
-            if lead < 0:
-                if dj == d:
-                    lead = j
-    return dup, lead
-
-
-@cute.jit
-def count_pairs(pair_ids: cute.Tensor, hist: cute.Tensor, rhist: cute.Tensor, invalid: cute.Tensor,
-                start: Int32, end: Int32, warp: Int32, lane: Int32, E: Int32, K: Int32, El: Int32, R: Int32,
-                by_rank: cutlass.Constexpr):
-    """Step 1 for the warp's pairs [start, end), any K: a lane per pair, the token's earlier pairs by
-    global loads."""
+def count_pairs(pair_ids: cute.Tensor, hist: cute.Tensor, invalid: cute.Tensor, start: Int32, end: Int32,
+                warp: Int32, lane: Int32, E: Int32, K: Int32):
+    """Step 1 of the expert layout for the warp's pairs [start, end): a lane per pair, the token's earlier
+    pairs (the repeated-id check) by global loads that the L1 serves."""
     for i in range(start + lane, end, WARP):
         e = pair_ids[i]
         bad = Int32(0)
@@ -128,9 +82,6 @@ def count_pairs(pair_ids: cute.Tensor, hist: cute.Tensor, rhist: cute.Tensor, in
         if e >= 0:
             if e < E:
                 cute.arch.atomic_add(hist.iterator + (warp * E + e), Int32(1))
-                if cutlass.const_expr(by_rank):
-                    if first_for_rank(pair_ids, i, K, El) != 0:
-                        cute.arch.atomic_add(rhist.iterator + (warp * R + e // El), Int32(1))
                 for j in range(i - i % K, i):
                     if pair_ids[j] == e:
                         bad = Int32(1)
@@ -138,34 +89,183 @@ def count_pairs(pair_ids: cute.Tensor, hist: cute.Tensor, rhist: cute.Tensor, in
             cute.arch.atomic_add(invalid.iterator, Int32(1))
 
 
+# A token's ids are held in registers when K <= TOKEN_REGS (loaded together, one memory latency per warp
+# step); larger K reads them one at a time from global memory (through the L1).
+TOKEN_REGS = 8
+
+
 @cute.jit
-def count_pairs_by_lanes(pair_ids: cute.Tensor, hist: cute.Tensor, rhist: cute.Tensor, invalid: cute.Tensor,
-                         start: Int32, end: Int32, warp: Int32, lane: Int32, E: Int32, K: Int32, El: Int32,
-                         R: Int32):
-    """Step 1 of the rank layout with K <= WARP (``start`` at a token): steps of whole tokens, a token's
-    earlier pairs by shuffles (``token_lanes``)."""
-    G = WARP // K * K
-    for base in range(start, end, G):  # warp-uniform bounds: all lanes shuffle together
-        i = base + lane
-        raw = Int32(-1)
-        if lane < G:
-            if i < end:
-                raw = pair_ids[i]
-        e = raw
-        if raw >= E:
-            e = Int32(-1)
-        dup, lead = token_lanes(e, lane, K, El)
-        bad = dup
-        if raw < -1:
-            bad = Int32(1)
-        if raw >= E:
-            bad = Int32(1)
-        if e >= 0:
-            cute.arch.atomic_add(hist.iterator + (warp * E + e), Int32(1))
-            if lead == lane % K:
-                cute.arch.atomic_add(rhist.iterator + (warp * R + e // El), Int32(1))
+def valid_id(e: Int32, E: Int32) -> Int32:
+    """``e`` if it names an expert (0 <= e < E), else -1."""
+    v = e
+    if e >= E:
+        v = Int32(-1)
+    if e < 0:
+        v = Int32(-1)
+    return v
+
+
+@cute.jit
+def token_regs(token_pairs: cute.Tensor, t: Int32, live: cutlass.Boolean, t_safe: Int32, K: Int32):
+    """Token t's K <= TOKEN_REGS raw ids as a list of TOKEN_REGS values (-1 past K or when not ``live``).
+    Every load is issued (at a clamped, valid address: token ``t_safe``, pair K - 1), so all are in flight
+    at once."""
+    ids = []
+    for k in cutlass.range_constexpr(TOKEN_REGS):
+        kk = Int32(k)
+        if kk >= K:
+            kk = K - 1
+        tt = t
+        if not live:
+            tt = t_safe
+        v = token_pairs[tt, kk]
+        if not live:
+            v = Int32(-1)
+        if kk != k:
+            v = Int32(-1)
+        ids.append(v)
+    return ids
+
+
+@cute.jit
+def rank_bit(bits: Int32, raw: Int32, E: Int32, El: Int32, d0: Int32) -> Int32:
+    """``bits`` with the bit of raw id ``raw``'s rank set (if it names an expert on ranks d0 .. d0 + 31)."""
+    out = bits
+    e = valid_id(raw, E)
+    if e >= 0:
+        b = e // El - d0
+        if b >= 0:
+            if b < WARP:
+                out = bits | (Int32(1) << b)
+    return out
+
+
+@cute.jit
+def rank_bits(token_pairs: cute.Tensor, ids, t: Int32, live: cutlass.Boolean, K: Int32, E: Int32, El: Int32,
+              d0: Int32, regs: cutlass.Constexpr) -> Int32:
+    """Bit b set: token t (when ``live``) has an expert on rank d0 + b (0 <= b < 32). ``regs``: its ids
+    are the registers ``ids`` (token_regs), else they are read from ``token_pairs``."""
+    bits = Int32(0)
+    if live:
+        if cutlass.const_expr(regs):
+            for k in cutlass.range_constexpr(TOKEN_REGS):
+                bits = rank_bit(bits, ids[k], E, El, d0)
+        else:
+            for k in range(K):
+                bits = rank_bit(bits, token_pairs[t, k], E, El, d0)
+    return bits
+
+
+@cute.jit
+def pair_fault(token_pairs: cute.Tensor, ids, hist: cute.Tensor, t: Int32, k, raw: Int32, warp: Int32,
+               E: Int32, regs: cutlass.Constexpr) -> Int32:
+    """Counts pair k of token t (raw id ``raw``) in the warp's histogram and returns 1 if it is invalid:
+    outside [-1, E), or an expert an earlier pair of the token already named. ``regs``: k is a
+    compile-time index into the registers ``ids``."""
+    bad = Int32(0)
+    if raw < -1:
+        bad = Int32(1)
+    if raw >= E:
+        bad = Int32(1)
+    if raw >= 0:
+        if raw < E:
+            cute.arch.atomic_add(hist.iterator + (warp * E + raw), Int32(1))
+            if cutlass.const_expr(regs):
+                for j in cutlass.range_constexpr(k):
+                    if ids[j] == raw:
+                        bad = Int32(1)
+            else:
+                for j in range(k):
+                    if token_pairs[t, j] == raw:
+                        bad = Int32(1)
+    return bad
+
+
+@cute.jit
+def count_tokens(token_pairs: cute.Tensor, hist: cute.Tensor, rhist: cute.Tensor, invalid: cute.Tensor,
+                 t_start: Int32, t_end: Int32, warp: Int32, lane: Int32, E: Int32, K: Int32, El: Int32,
+                 R: Int32, regs: cutlass.Constexpr):
+    """Step 1 of the rank layout for the warp's tokens [t_start, t_end): a lane per token, 32 tokens per
+    step. The lane checks its token's ids and counts its pairs per expert; a ballot per destination rank
+    counts the step's tokens bound there (``rhist``, lane 0 of the warp keeps the running count).
+    ``regs``: K <= TOKEN_REGS, the ids in registers."""
+    for base in range(t_start, t_end, WARP):  # warp-uniform bounds: every lane votes
+        t = base + lane
+        live = t < t_end
+        ids = None
+        if cutlass.const_expr(regs):
+            ids = token_regs(token_pairs, t, live, t_start, K)
+        bad = Int32(0)
+        if live:
+            if cutlass.const_expr(regs):
+                for k in cutlass.range_constexpr(TOKEN_REGS):
+                    bad = bad + pair_fault(token_pairs, ids, hist, t, k, ids[k], warp, E, True)
+            else:
+                for k in range(K):
+                    bad = bad + pair_fault(token_pairs, ids, hist, t, k, token_pairs[t, k], warp, E, False)
         if bad != 0:
-            cute.arch.atomic_add(invalid.iterator, Int32(1))
+            cute.arch.atomic_add(invalid.iterator, bad)
+        for d0 in range(0, R, WARP):
+            bits = rank_bits(token_pairs, ids, t, live, K, E, El, d0, regs)
+            nb = R - d0
+            if nb > WARP:
+                nb = WARP
+            for b in range(nb):
+                ballot = cute.arch.vote_ballot_sync(((bits >> b) & 1) != 0)
+                if lane == 0:
+                    rhist[warp * R + d0 + b] = rhist[warp * R + d0 + b] + cute.arch.popc(ballot)
+
+
+@cute.jit
+def place_pair(token_slots: cute.Tensor, t: Int32, k, raw: Int32, d: Int32, row: Int32, E: Int32, El: Int32):
+    """Pair k of token t takes ``row`` if its raw id ``raw`` names an expert on rank d."""
+    e = valid_id(raw, E)
+    if e >= 0:
+        if e // El == d:
+            token_slots[t, k] = row
+
+
+@cute.jit
+def place_tokens(token_pairs: cute.Tensor, token_slots: cute.Tensor, rhist: cute.Tensor, t_start: Int32,
+                 t_end: Int32, warp: Int32, lane: Int32, E: Int32, K: Int32, El: Int32, R: Int32,
+                 accepted: cutlass.Boolean, regs: cutlass.Constexpr):
+    """Step 4 of the rank layout: a lane per token, 32 tokens per step. For each destination rank d, a
+    ballot of the step's tokens bound for d: a token's row on d is the warp's running row base
+    (``rhist``) plus the tokens of earlier lanes bound for d, and every pair of the token on d takes that
+    row. Pairs with no valid id, and every pair of a refused call, get -1. ``regs`` as in count_tokens."""
+    lt = cute.arch.lanemask_lt()
+    for base in range(t_start, t_end, WARP):  # warp-uniform bounds: every lane votes
+        t = base + lane
+        live = t < t_end
+        ids = None
+        if cutlass.const_expr(regs):
+            ids = token_regs(token_pairs, t, live, t_start, K)
+        if live:
+            for k in range(K):
+                token_slots[t, k] = Int32(-1)
+        for d0 in range(0, R, WARP):
+            bits = rank_bits(token_pairs, ids, t, live, K, E, El, d0, regs)
+            nb = R - d0
+            if nb > WARP:
+                nb = WARP
+            for b in range(nb):
+                d = d0 + b
+                bound = ((bits >> b) & 1) != 0
+                ballot = cute.arch.vote_ballot_sync(bound)
+                row_base = rhist[warp * R + d]
+                if bound:
+                    if accepted:
+                        row = row_base + cute.arch.popc(Int32(ballot) & Int32(lt))
+                        if cutlass.const_expr(regs):
+                            for k in cutlass.range_constexpr(TOKEN_REGS):
+                                place_pair(token_slots, t, k, ids[k], d, row, E, El)
+                        else:
+                            for k in range(K):
+                                place_pair(token_slots, t, k, token_pairs[t, k], d, row, E, El)
+                cute.arch.sync_warp()  # every lane read the base before lane 0 moves it
+                if lane == 0:
+                    rhist[warp * R + d] = row_base + cute.arch.popc(ballot)
+                cute.arch.sync_warp()
 
 
 @cute.jit
@@ -295,29 +395,31 @@ class LayoutKernel(EpKernel):
             invalid[0] = Int32(0)
         cute.arch.sync_threads()
 
+        # Each warp takes a contiguous range (any contiguous split gives the same slots): pairs in the expert
+        # layout, whole tokens in the rank layout (a lane per token there).
         chunk = (num_pairs + NW - 1) // NW
+        limit = num_pairs
         if cutlass.const_expr(by_rank):
-            # whole tokens per warp (any contiguous split gives the same slots): with K <= WARP a step of
-            # 32 // K * K pairs then holds whole tokens, and a pair finds its token's others by shuffles
-            chunk = (p.num_tokens + NW - 1) // NW * K
+            chunk = (p.num_tokens + NW - 1) // NW
+            limit = p.num_tokens
         start = warp * chunk
         end = start + chunk
-        if end > num_pairs:
-            end = num_pairs
+        if end > limit:
+            end = limit
         if warp >= NW:
-            end = start  # no pairs for warps beyond the histograms
+            end = start  # no work for warps beyond the histograms
 
         # 1. per-warp histograms, and the ids' values, checked here instead of on the host (which would cost
-        # a host sync): every id in [-1, E), no expert twice in a token (a lane compares its pair with the
-        # token's earlier ones). Ids outside the range stay out of everything below (they would index
-        # shared memory); a call with an invalid pair anywhere moves no data.
+        # a host sync): every id in [-1, E), no expert twice in a token (a pair is compared with the token's
+        # earlier ones). Ids outside the range stay out of everything below (they would index shared
+        # memory); a call with an invalid pair anywhere moves no data.
         if cutlass.const_expr(by_rank):
-            if K <= WARP:
-                count_pairs_by_lanes(pair_ids, hist, rhist, invalid, start, end, warp, lane, E, K, El, R)
+            if K <= TOKEN_REGS:
+                count_tokens(p.topk_idx, hist, rhist, invalid, start, end, warp, lane, E, K, El, R, True)
             else:
-                count_pairs(pair_ids, hist, rhist, invalid, start, end, warp, lane, E, K, El, R, True)
+                count_tokens(p.topk_idx, hist, rhist, invalid, start, end, warp, lane, E, K, El, R, False)
         else:
-            count_pairs(pair_ids, hist, rhist, invalid, start, end, warp, lane, E, K, El, R, False)
+            count_pairs(pair_ids, hist, invalid, start, end, warp, lane, E, K)
         cute.arch.sync_threads()
         # 2. this rank's count row (and its invalid pairs), then the exchange
         for e in range(tid, E, NT):
@@ -404,11 +506,12 @@ class LayoutKernel(EpKernel):
             p.cursor[e] = off
             # slots >= this are beyond the expert's capacity
             p.send_limit[e] = prefix_at(colsum, total, e + 1, E) - owner_first
-            run = off
-            for w in range(NW):
-                c = hist[w * E + e]
-                hist[w * E + e] = run
-                run = run + c
+            if cutlass.const_expr(not by_rank):  # the warps' running slot bases (step 4, expert layout)
+                run = off
+                for w in range(NW):
+                    c = hist[w * E + e]
+                    hist[w * E + e] = run
+                    run = run + c
         for le in range(tid, El, NT):
             rows = Int32(0)  # a refused call receives nothing
             if accepted:
@@ -436,93 +539,44 @@ class LayoutKernel(EpKernel):
                     run = run + c
         cute.arch.sync_threads()
 
-        # 4. scatter slots, 32 pairs per step in row-major order (the rank layout with K <= WARP: whole
-        # tokens per step, 32 // K * K pairs)
-        step = Int32(WARP)
-        lanes = K < 0  # the rank layout with K <= WARP: a token's pairs meet by shuffles
+        # 4. scatter slots. Expert layout: 32 pairs per warp step in row-major order; a pair's slot is its
+        # warp's running base for the expert plus the earlier lanes with the same expert (``match_sync``
+        # finds them in one instruction; 32 shuffles did before). Rank layout: a lane per token
+        # (``place_tokens``).
         if cutlass.const_expr(by_rank):
-            lanes = K <= WARP
-            if lanes:
-                step = WARP // K * K
-        lead_lane = lane  # (lanes) the lane of this pair's token's first pair bound for its rank
-        for base in range(start, end, step):  # warp-uniform bounds: all lanes shuffle together
-            i = base + lane
-            e = Int32(-1)
-            if lane < step:
+            ids, slots = p.topk_idx, p.scatter
+            if K <= TOKEN_REGS:
+                place_tokens(ids, slots, rhist, start, end, warp, lane, E, K, El, R, accepted, True)
+            else:
+                place_tokens(ids, slots, rhist, start, end, warp, lane, E, K, El, R, accepted, False)
+        else:
+            lt = cute.arch.lanemask_lt()
+            gt = cute.arch.lanemask_gt()
+            for base in range(start, end, WARP):  # warp-uniform bounds: every lane takes part in the match
+                i = base + lane
+                e = Int32(-1)
                 if i < end:
                     e = pair_ids[i]
                     if e >= E:
                         e = Int32(-1)  # invalid (the call is refused): no slot, and no shared-memory index
                     if e < -1:
                         e = Int32(-1)
-            # The key the slots are counted under: the expert, or in the rank layout the destination rank
-            # of a token's first pair for it (later pairs take that pair's row below).
-            key = e
-            if cutlass.const_expr(by_rank):
-                if lanes:
-                    _, lead = token_lanes(e, lane, K, El)
-                    if e >= 0:
-                        key = Int32(-1)
-                        if lead == lane % K:
-                            key = e // El
-                        lead_lane = lane - lane % K + lead
-                else:
-                    if e >= 0:
-                        key = Int32(-1)
-                        if first_for_rank(pair_ids, i, K, El) != 0:
-                            key = e // El
-            before = Int32(0)
-            later = Int32(0)
-            for j in cutlass.range_constexpr(WARP):
-                kj = cute.arch.shuffle_sync(key, j)
-                if kj == key:
-                    if j < lane:
-                        before = before + 1
-                    if j > lane:
-                        later = later + 1
-            # The warp's running base of the key: in hist (experts) or in rhist (ranks, after hist).
-            at = warp * E + key
-            if cutlass.const_expr(by_rank):
-                at = NW * E + warp * R + key
-            slot = Int32(-1)
-            if key >= 0:
-                slot = hist[at] + before
-                if cutlass.const_expr(not by_rank):
+                same = Int32(cute.arch.match_sync(cute.arch.FULL_MASK, e))  # lanes holding this expert
+                before = cute.arch.popc(same & Int32(lt))
+                slot = Int32(-1)
+                if e >= 0:
+                    slot = hist[warp * E + e] + before
                     if slot >= p.send_limit[e]:
                         slot = Int32(-1)  # dropped: beyond the expert's capacity
-            if cutlass.const_expr(by_rank):
-                if lanes:
-                    lead_slot = cute.arch.shuffle_sync(slot, lead_lane)
-                    if e >= 0:
-                        if key < 0:
-                            slot = lead_slot  # a later pair for the rank: its token's row there
-            if refused:
-                slot = Int32(-1)
-            if lane < step:
+                if refused:
+                    slot = Int32(-1)
                 if i < end:
                     pair_slots[i] = slot
-            cute.arch.sync_warp()
-            if key >= 0:
-                if later == 0:
-                    hist[at] = hist[at] + before + 1
-            cute.arch.sync_warp()
-
-        # 5. rank layout with K > WARP: a token's later pairs for a rank share the row of its first pair for
-        # that rank (written above, possibly by another warp: after the CTA barrier).
-        if cutlass.const_expr(by_rank):
-            if K > WARP:
-                cute.arch.sync_threads()
-                for i in range(start + lane, end, WARP):
-                    e = pair_ids[i]
-                    if e >= 0:
-                        if e < E:
-                            if accepted:
-                                for j in range(i - i % K, i):
-                                    if pair_slots[i] == Int32(-1):
-                                        ej = pair_ids[j]
-                                        if ej >= 0:
-                                            if ej // El == e // El:
-                                                pair_slots[i] = pair_slots[j]
+                cute.arch.sync_warp()  # every lane read its base before the expert's last lane moves it
+                if e >= 0:
+                    if (same & Int32(gt)) == 0:
+                        hist[warp * E + e] = hist[warp * E + e] + before + 1
+                cute.arch.sync_warp()
 
         if tid == 0:
             if fault_free(p.fault):  # a timed-out call does not count as run

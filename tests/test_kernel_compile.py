@@ -125,14 +125,17 @@ def test_reduced_combine_pushes_partials_and_signals(compiled_ptx):
     assert "put_warp" not in kernels["PartialSum"]  # phase 2 reads local memory only
 
 
-def test_reduced_combine_kernels_declare_their_ctas_per_sm(compiled_ptx):
+def test_kernels_declare_their_ctas_per_sm(compiled_ptx):
     """Both phases of the reduced combine launch 2 CTAs per SM of the budget and say so (.minnctapersm),
-    so ptxas may give them up to 128 registers instead of spilling in the row sum (kernels/base.py)."""
+    so ptxas may give them up to 128 registers instead of spilling in the row sum (kernels/base.py); the
+    dispatch kernels (16 warps per CTA) declare one CTA per SM, for the same 128 registers."""
     _, ptx = compiled_ptx
     kernels = _kernels(ptx)
     for name in ("ReducePush", "PartialSum"):
         assert re.search(r"\.minnctapersm 2\b", kernels[name]), name
-    for name in ("Layout", "Dispatch", "Fanout", "Combine", "RankDispatch", "RankCombine"):
+    for name in ("Dispatch", "RankDispatch"):
+        assert re.search(r"\.minnctapersm 1\b", kernels[name]), name
+    for name in ("Layout", "Fanout", "Combine", "RankCombine"):
         assert ".minnctapersm" not in kernels[name], name
 
 
@@ -141,8 +144,22 @@ def test_row_copies_are_128_bit(compiled_ptx):
     kernels = _kernels(ptx)
     for name in ("Dispatch", "Fanout", "RankDispatch"):
         ops = _ops(kernels[name])
-        assert ops["st.global.v4.b32"] >= 9, (name, ops)  # 8 unrolled pieces + the remainder loop
-        assert ops["ld.global.v4.b32"] >= 9, (name, ops)
+        assert ops["st.global.v4.b32"] >= 8, (name, ops)  # 8 unrolled pieces in flight per lane
+        assert ops["ld.global.v4.b32"] >= 8, (name, ops)
+
+
+def test_layout_steps_use_warp_votes(compiled_ptx):
+    """The expert layout's slots count earlier lanes with one match.any per step (not 32 shuffles); the
+    rank layout takes a lane per token and counts and places tokens per destination rank by ballots; the
+    rank dispatch holds a token's pairs in lanes."""
+    _, ptx = compiled_ptx
+    kernels = _kernels(ptx)
+    assert _ops(kernels["Layout"])["match.any.sync.b32"] >= 1
+    rank = _ops(kernels["RankLayout"])
+    assert rank["vote.sync.ballot.b32"] >= 2 and rank["popc.b32"] >= 2, rank
+    assert "match.any.sync.b32" not in rank
+    # the rank dispatch finds a token's first pair per rank with one match.any over the token's lanes
+    assert _ops(kernels["RankDispatch"])["match.any.sync.b32"] >= 1
 
 
 def test_every_wait_for_a_peer_is_bounded(compiled_ptx):
