@@ -1,0 +1,164 @@
+"""Each kernel of a dispatch / combine alone, for both receive layouts: where the GPU time goes.
+
+To run (one process per GPU; keep NVLink multicast off, as on the lent hosts):
+
+    torchrun --nproc-per-node 2 scripts/kernel_times.py --tokens 128,4096 --num-sms 24,132
+    torchrun --nproc-per-node 1 scripts/kernel_times.py --layouts rank --tokens 4096 --out-json k.json
+
+For each receive layout, SM budget and tokens-per-rank value (DeepSeek-V3 shapes by default: H 7168,
+top-k 8, 256 experts, bf16, uniform routing, input seed 0), with ``scripts/benchmark.py``'s timer (GPU
+held by a sleep while the host enqueues, CUDA events per iteration, slowest rank's median), times:
+    * ``layout``: the layout op alone (counts, count exchange with every peer, offsets, slots);
+    * ``dispatch``: what ``launch_dispatch`` enqueues (layout + dispatch, + fan-out in the expert layout);
+      ``dispatch - layout`` is the row movement's share when the layout runs as a kernel of its own;
+    * ``combine``: ``launch_combine`` on the latest handle (the pull combine; in the expert layout also
+      the reduced one, on a buffer built for it).
+Nothing is validated here (``scripts/benchmark.py`` checks every configuration it times); the expert
+outputs are whatever ``recv_y`` holds.
+
+Output on rank 0: one line per (layout, num_sms, tokens); with ``--out-json PATH`` the rows as
+``{"meta": {...}, "rows": [...]}`` (every value the slowest rank's median in us).
+
+Constraints: GPUs with NVSHMEM, one per rank; the constraints of ``EpConfig``; --tokens in [1, 65536];
+--num-sms integers >= 1; --layouts from expert, rank; --iters >= 1, --warmup >= 0. Exit status (the same
+on every rank): 0 done, 1 a run-time error, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchmark as bm  # noqa: E402  (the timer and input sets of the benchmark)
+
+from cute_ep import bench_report as br  # noqa: E402
+
+EXIT_USAGE = 2
+LAYOUT_CHOICES = ("expert", "rank")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tokens", default="128,4096", help="comma list of tokens per rank")
+    p.add_argument("--num-sms", default="24,132", help="comma list of SM budgets (EpConfig.num_sms)")
+    p.add_argument("--layouts", default="expert,rank", help="comma list of receive layouts")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--num-experts", type=int, default=256)
+    p.add_argument("--dtype", choices=sorted(bm.DTYPE_CHOICES), default="bfloat16")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--combine", choices=("pull", "reduced"), default="reduced",
+                   help="the buffer's combine_algorithm (reduced also times the pull combine)")
+    p.add_argument("--out-json", metavar="PATH", help="write the rows here (rank 0)")
+    p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
+    return p
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Parses the comma lists into ``token_list`` / ``num_sms_list`` / ``layout_list``; raises
+    bm.UsageError naming the bad value."""
+    try:
+        args.token_list = br.parse_int_list(args.tokens, "--tokens")
+        args.num_sms_list = br.parse_int_list(args.num_sms, "--num-sms")
+        args.layout_list = br.parse_name_list(args.layouts, "--layouts", LAYOUT_CHOICES)
+    except br.BenchReportError as exc:
+        raise bm.UsageError(str(exc)) from None
+    if max(args.token_list) > bm.MAX_TOKENS_PER_RANK:
+        most = max(args.token_list)
+        raise bm.UsageError(f"--tokens values must be <= {bm.MAX_TOKENS_PER_RANK}, got {most}")
+    if args.iters < 1 or args.warmup < 0:
+        raise bm.UsageError(f"need --iters >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+
+
+def time_kernels(buf: Any, s: Any, layout: str, timer: Any, args: argparse.Namespace) -> dict[str, float]:
+    """This rank's medians (us) of the layout op, the dispatch op and the combine(s) on input set ``s``."""
+    from cute_ep.kernels.config import LAYOUTS, OP_LAYOUT
+
+    t = s.x.shape[0]
+
+    def run(step: Any) -> float:
+        return br.median(timer.run(step, args.warmup, args.iters))
+
+    med = {
+        "layout_us": run(lambda i: buf._launch(OP_LAYOUT, t, idx=s.idx, layout=LAYOUTS[layout])),
+        "dispatch_us": run(lambda i: buf.launch_dispatch(s.x, s.idx, s.w, layout=layout)),
+    }
+    res = buf.dispatch(s.x, s.idx, s.w, layout=layout)  # a checked call: raises if a launch did not run
+    algorithms = ["pull"]
+    if layout == "expert" and buf.cfg.combine_algorithm == "reduced":
+        algorithms.append("reduced")
+    for a in algorithms:
+        med[f"{a}_combine_us"] = run(lambda i, a=a: buf.launch_combine(res.handle, s.out, a))
+    buf.check_ran()
+    return med
+
+
+def report(args: argparse.Namespace, cfg: Any, runtime: Any, say: Any) -> int:
+    import dataclasses
+
+    import torch
+
+    from cute_ep.cli import all_gather
+
+    make_buffer = bm.shared_module_buffers(runtime)
+    timer = bm.Timer(runtime)
+    env = runtime.env
+    device = torch.cuda.get_device_name(runtime.device)
+    meta = {"device": device, "world_size": env.world_size, "local_world_size": env.local_world_size,
+            "hidden": cfg.hidden, "topk": cfg.topk, "num_experts": cfg.num_experts, "dtype": args.dtype,
+            "iters": args.iters, "warmup": args.warmup, "routing": "uniform", "seed": 0,
+            "git_sha": br.git_sha(), "timestamp": br.utc_timestamp(),
+            "command": shlex.join([Path(sys.executable).name, *sys.argv])}
+    say(f"kernel times: {device} x {env.world_size}, H {cfg.hidden}, K {cfg.topk}, E {cfg.num_experts}, "
+        f"{args.dtype}; slowest rank's median of {args.iters} (us); git {meta['git_sha']}")
+    rows = []
+    for budget in args.num_sms_list:
+        with make_buffer(runtime, dataclasses.replace(cfg, num_sms=budget)) as buf:
+            for tokens in args.token_list:
+                s = bm.InputSet(args, cfg, env.rank, runtime.device, tokens, "uniform", 0)
+                for layout in args.layout_list:
+                    mine = time_kernels(buf, s, layout, timer, args)
+                    every = all_gather(mine, runtime.cpu_group)
+                    row = {"layout": layout, "num_sms": budget, "tokens": tokens}
+                    row.update({k: round(max(r[k] for r in every), 1) for k in mine})
+                    rows.append(row)
+                    say("  " + "  ".join(f"{k} {v}" for k, v in row.items()))
+                    if args.out_json and env.rank == 0:
+                        Path(args.out_json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bm.checked_args(build_parser(), validate_args, argv, bm.UsageError)
+    if args is None:
+        return EXIT_USAGE
+    from cute_ep.bootstrap.dist_env import DistEnv
+    from cute_ep.bootstrap.runtime import Runtime
+    from cute_ep.cli import DTYPES, Printer, run_guarded
+    from cute_ep.kernels.config import EpConfig
+
+    env = DistEnv.from_environ()
+    cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
+                   num_experts=args.num_experts, topk=args.topk, hidden=args.hidden, dtype=DTYPES[args.dtype],
+                   max_tokens=max(args.token_list), num_sms=args.num_sms_list[0],
+                   combine_algorithm=args.combine)
+
+    def body(args: argparse.Namespace, env: Any, cfg: Any) -> int:
+        import dataclasses
+
+        heap = max(dataclasses.replace(cfg, num_sms=b).symmetric_bytes() for b in args.num_sms_list)
+        with Runtime(env, symmetric_bytes=heap) as rt:
+            return report(args, cfg, rt, Printer(env.rank))
+
+    return run_guarded(body, args, env, cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
