@@ -67,7 +67,8 @@ INPUT_FAULT_WORDS = 2
 DONE_DISPATCH = 0
 DONE_COMBINE = 1  # the pull combine, and phase 2 of the reduced combine
 DONE_PUSH = 2  # phase 1 of the reduced combine
-DONE_SLOTS = 3
+DONE_LAYOUT = 3  # the layout's CTAs (the last one to arrive exchanges the counts)
+DONE_SLOTS = 4
 
 # Element types: torch dtype name, CuTe type name, bytes per element. "row" is the buffer's dtype.
 ROW = "row"
@@ -194,8 +195,13 @@ BUFFERS: tuple[Buffer, ...] = (
            "rows each local expert receives"),
     Buffer("done", lambda s: (DONE_SLOTS,), "int32", LOCAL, ("dispatch", "combine"),
            "arrival counters (DONE_* slots)"),
+    Buffer("layout_parts", lambda s: (s.num_sms + 2, s.num_experts + 1 + s.world_size), "int32", LOCAL,
+           ("layout", "dispatch"), "the layout's count row of each CTA (rows 0 .. num_sms - 1, columns as in "
+           "counts), their sum (row num_sms, zero between calls) and this rank's first slot / row per "
+           "column (row num_sms + 1)"),
     Buffer("layout_done", lambda s: (1,), "int64", LOCAL, ("layout", "dispatch"),
-           "the latest dispatch epoch whose layout ran inside the dispatch launch (layout_in_dispatch)"),
+           "the layout's leader: 2 * epoch - 1 once every CTA's counts are in, 2 * epoch once the offsets "
+           "are published (layout epoch)"),
     # -- the status block: read by the host in one copy after a call ------------------------------
     Buffer("epochs", lambda s: (3,), "int64", STATUS, ("layout", "dispatch", "combine"),
            "completed calls per operation (indexed by OP_*)"),

@@ -1,27 +1,33 @@
 """Layout kernel: tokens per expert, the count exchange between ranks, receive offsets, scatter slots.
 
-One CTA per rank (the work is a few histogram passes over T*K expert ids): a kernel of its own, or, for
-batches of at most ``layout_in_dispatch`` tokens, the first CTA of the dispatch launch (``route``, with
-that CTA's 256 threads; kernels/dispatch.py):
-1. per-warp histograms of this rank's (t, k) pairs per expert (shared-memory atomics), and the ids'
+``num_sms`` CTAs per rank, each owning a contiguous range of tokens (``cta_tokens``): a kernel of its own,
+or, for batches of at most ``layout_in_dispatch`` tokens, the first part of every CTA of the dispatch
+launch (``route``; kernels/dispatch.py), which then sends the same tokens.
+1. per-warp histograms of the CTA's (t, k) pairs per expert (shared-memory atomics), and the ids'
    values: each in [-1, E) and no expert twice in a token (checked here rather than on the host, which
    would cost a host sync). The count of invalid pairs travels with the count row (column E), so every
    rank learns that some rank's inputs were invalid and refuses the call alike: ``input_fault`` names how
    many ranks and the lowest, nothing is received, no slot is given, and the dispatch kernel moves no
    data; the epochs still advance, so the buffer stays usable and the host raises;
-2. the rank's count row goes into row ``rank`` of every peer's symmetric ``counts[R, E + 1]`` with
-   ``put_signal_warp``, raising ``signals[SIGNAL_COUNT, rank]`` there,
-   and the kernel waits until every peer's row has arrived (signal >= this call's epoch), at most
-   ``timeout_ms`` per peer: a peer that never arrives is recorded in ``fault`` (kernels.ptx) and the
-   call does not advance its epoch, so the host raises instead of hanging;
-3. expert-major offsets: the slot range of (dst rank d, local expert l, source s) starts at the sum of
-   count[s'][d*El + l'] over (l', s') before (l, s) in l-major order — identical to
+2. each CTA writes its count row into its row of ``layout_parts`` and adds it into the totals row there,
+   then arrives (``done[DONE_LAYOUT]``); the last CTA to arrive is the leader. It announces in
+   ``layout_done`` that every CTA's counts are in (2 * epoch - 1), puts the rank's count row into row
+   ``rank`` of every peer's symmetric ``counts[R, E + 1 + R]`` with ``put_signal_warp`` (raising
+   ``signals[SIGNAL_COUNT, rank]`` there) and waits until every peer's row has arrived (signal >= this
+   call's epoch), at most ``timeout_ms`` per peer: a peer that never arrives is recorded in ``fault``
+   (kernels.ptx) and the call does not advance its epoch, so the host raises instead of hanging;
+3. the leader computes the expert-major offsets: the slot range of (dst rank d, local expert l, source s)
+   starts at the sum of count[s'][d*El + l'] over (l', s') before (l, s) in l-major order — identical to
    ``cute_ep.reference.reference_layout`` (the sums over experts come from one CTA-wide prefix scan of
-   the column sums);
-4. scatter slots: each warp walks its contiguous range of pairs in row-major order, 32 at a time; a
-   lane's slot is its warp's running base for the expert plus the number of earlier lanes with the
-   same expert (``match_sync``, one instruction), so the order inside an (expert, source) group is the
-   (t, k) order, deterministically.
+   the column sums) — writes this rank's first slot per expert into ``layout_parts`` and publishes
+   (2 * epoch). Meanwhile every other CTA sums the earlier CTAs' counts (its first slot relative to this
+   rank's) and then waits for the leader's offsets;
+4. scatter slots: each warp walks its contiguous part of the CTA's pairs in row-major order, 32 at a time;
+   a lane's slot is its warp's running base for the expert plus the number of earlier lanes with the same
+   expert (``match_sync``, one instruction), so the order inside an (expert, source) group is the (t, k)
+   order, deterministically.
+Why many CTAs: one CTA of 1024 threads walked all T * K pairs; at 4096 tokens the walks took 65 us of the
+expert layout's kernel on one H200 (58 us in the rank layout's), and a dispatch waited for them.
 
 Capacity: an expert keeps its first ``expert_capacity`` rows in that order (source 0's first, each
 source's in (t, k) order); a pair whose slot would be at or past its expert's ``send_limit`` is dropped
@@ -54,13 +60,15 @@ import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Int32, Int64
 
 from cute_ep.kernels.base import EpKernel
-from cute_ep.kernels.buffers import INPUT_FAULT_FIRST, INPUT_FAULT_RANKS, SIGNAL_COUNT, EpParams
-from cute_ep.kernels.config import LAYOUT_SMEM_INTS, OP_LAYOUT, WARP
+from cute_ep.kernels.buffers import DONE_LAYOUT, INPUT_FAULT_FIRST, INPUT_FAULT_RANKS, SIGNAL_COUNT, EpParams
+from cute_ep.kernels.config import LAYOUT_SMEM_INTS, LAYOUT_THREADS, OP_LAYOUT, WARP
 from cute_ep.kernels.ptx import (
     SIGNAL_SET,
     element,
     element_addr,
     fault_free,
+    fence_sys,
+    last_cta_arrives,
     ld_volatile_i32,
     record_fault,
     wait_signal_ge,
@@ -327,20 +335,76 @@ def prefix_at(prefix: cute.Tensor, total: Int32, i: Int32, n: Int32) -> Int32:
     return v
 
 
+@cute.jit
+def cta_tokens(num_tokens: Int32, cta: Int32, ncta: Int32):
+    """Tokens [first, end) of CTA ``cta`` of ``ncta``: contiguous ranges in CTA order whose sizes differ by
+    at most one. The layout's CTAs count and place these tokens, and a dispatch with the layout folded in
+    sends them from the same CTA (so it reads only slots its own CTA wrote)."""
+    first = Int32(Int64(num_tokens) * Int64(cta) // Int64(ncta))
+    end = Int32(Int64(num_tokens) * Int64(cta + 1) // Int64(ncta))
+    return first, end
+
+
+PARTS_IN_FLIGHT = 16  # loads of earlier CTAs' counts a thread issues before it adds the first
+
+
+@cute.jit
+def sum_earlier_ctas(parts: cute.Tensor, col0: Int32, ncols: Int32, n: Int32, acc: cute.Tensor,
+                     NT: cutlass.Constexpr):
+    """``acc[i]`` (shared memory) = the sum of ``parts[c, col0 + i]`` over CTAs c < n, for i < ncols. Every
+    thread of the CTA (NT threads) calls it; it ends with a CTA barrier.
+
+    The CTAs of this launch wrote those rows (volatile loads). Why this shape: a CTA far down a grid of 132
+    sums 131 rows per column; each column is split over NT // ncols threads (all of them for the rank
+    layout's R columns), each with PARTS_IN_FLIGHT loads issued before the first is added, so the CTA waits
+    for a few memory latencies rather than one per row."""
+    tid, _, _ = cute.arch.thread_idx()
+    per_col = NT // ncols
+    if per_col < 1:
+        per_col = Int32(1)
+    for i in range(tid, ncols, NT):
+        acc[i] = Int32(0)
+    cute.arch.sync_threads()
+    for item in range(tid, ncols * per_col, NT):
+        col = item % ncols
+        total = Int32(0)
+        for c0 in range(item // ncols, n, per_col * PARTS_IN_FLIGHT):
+            vals = []
+            for j in cutlass.range_constexpr(PARTS_IN_FLIGHT):
+                c = c0 + j * per_col
+                if c >= n:
+                    c = n - 1  # a valid address; its value is not counted
+                vals.append(ld_volatile_i32(element_addr(parts, (c, col0 + col))))
+            for j in cutlass.range_constexpr(PARTS_IN_FLIGHT):
+                if c0 + j * per_col < n:
+                    total = total + vals[j]
+        if total != 0:
+            cute.arch.atomic_add(acc.iterator + col, total)
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def wait_for_leader(p: EpParams, value: Int64, epoch: Int64):
+    """Thread 0 waits until ``layout_done`` reaches ``value`` (the leader's announcements), then a CTA
+    barrier. The leader always gets there, within its own bounded waits for the peers' counts (one
+    timeout_ms each), and a peer's timeout must be recorded there, not here: this bound is twice that and a
+    second, only against a hang (a CTA of the launch never scheduled)."""
+    tid, _, _ = cute.arch.thread_idx()
+    if tid == 0:
+        timeout_ns = Int64(p.timeout_ms) * 2000000 + Int64(1000000000)
+        if wait_signal_ge(element_addr(p.layout_done, 0), value, timeout_ns) == 0:
+            record_fault(p.fault, Int32(OP_LAYOUT), p.rank, epoch)
+    cute.arch.sync_threads()
+
+
 class LayoutKernel(EpKernel):
     """The layout kernel (see the module docstring); every size is a run-time argument.
 
-    ``threads``: the CTA's size. The kernel is one CTA of 1024; the dispatch kernel runs the same steps
-    (``route``) in its first CTA of 256 threads when the layout is folded into its launch."""
+    ``num_sms`` CTAs of ``threads`` threads, as many as the dispatch kernel, which runs the same steps
+    (``route``) in every CTA when the layout is folded into its launch."""
 
     by_rank = False  # compile-time: the rank layout's variant (kernels/rank_layout.py) is compiled apart
-
-    def __init__(self, dtype, threads: int = 32 * WARP) -> None:
-        super().__init__(dtype)
-        self.threads = threads
-
-    def grid_ctas(self, p: EpParams):
-        return 1  # one CTA: a few histogram passes over T * K ids
+    threads = LAYOUT_THREADS
 
     @cute.kernel
     def kernel(self, p: EpParams):
@@ -348,26 +412,30 @@ class LayoutKernel(EpKernel):
 
     @cute.jit
     def route(self, p: EpParams):
-        """Steps 1-5 of the module docstring, by every thread of one CTA of ``self.threads``."""
-        R, E, K, El, rank = p.world_size, p.num_experts, p.topk, p.experts_per_rank, p.rank
+        """Steps 1-4 of the module docstring, by every thread of every CTA of the launch; each CTA counts
+        and places the tokens ``cta_tokens`` gives it. Ends with a CTA barrier after the CTA's slots."""
+        R, E, K, El = p.world_size, p.num_experts, p.topk, p.experts_per_rank
         NT = self.threads
-        # [R, E + 1 + R]: row s is source rank s's count row, column E its invalid pairs, columns E + 1 + d
-        # its tokens bound for rank d (the rank layout's rows)
-        counts = p.counts
         by_rank = self.by_rank
-        # The pairs in row-major (t, k) order: the histogram and slot walks split them into ranges.
+        parts = p.layout_parts  # [num_sms + 2, E + 1 + R]: each CTA's count row, the totals, the bases
+        TOTALS = p.num_sms  # the row the CTAs add their counts into (the leader reads and zeroes it)
+        BASES = p.num_sms + 1  # the row of this rank's first slot (row) per column, from the leader
+        ncols = E + 1 + R
         num_pairs = p.num_tokens * K
         pair_ids = cute.make_tensor(p.topk_idx.iterator, cute.make_layout(num_pairs))
         pair_slots = cute.make_tensor(p.scatter.iterator, cute.make_layout(num_pairs))
 
         tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        NCTA, _, _ = cute.arch.grid_dim()
         warp = tid // WARP
         lane = tid % WARP
+        t_first, t_end = cta_tokens(p.num_tokens, bid, NCTA)
 
         smem = cutlass.memory.SmemAllocator()
         # hist[w * E + e]: pairs of warp w routed to expert e; later the warp's running slot base.
         hist = smem.allocate_tensor(Int32, cute.make_layout(LAYOUT_SMEM_INTS), 16)
-        # colsum[e]: rows all ranks send to expert e (after the exchange); it takes the last E ints.
+        # colsum[e]: rows all ranks send to expert e (the leader, after the exchange); the last E ints.
         colsum = cute.make_tensor(hist.iterator + (LAYOUT_SMEM_INTS - E), cute.make_layout(E))
         # As many histogram warps as fit the rest (E <= LAYOUT_SMEM_INTS // 2 is checked on the host; the
         # rank layout's per-warp token counts take R more ints per warp: 2 E + R <= LAYOUT_SMEM_INTS).
@@ -377,13 +445,11 @@ class LayoutKernel(EpKernel):
         NW = (LAYOUT_SMEM_INTS - E) // per_warp
         if NW > NT // WARP:
             NW = NT // WARP
-        # rank layout: rhist[w * R + d]: tokens of warp w's pairs bound for rank d (counted at the token's
-        # first pair for d, its "primary"); later the warp's running row base on d.
+        # rank layout: rhist[w * R + d]: warp w's tokens bound for rank d; later the warp's running row base.
         rhist = cute.make_tensor(hist.iterator + NW * E, cute.make_layout(NW * R))
-
-        # invalid[0]: this rank's pairs with invalid ids; invalid[1]: ranks that had some (after the
-        # exchange), so that every thread of the CTA sees the verdict.
-        invalid = smem.allocate_tensor(Int32, cute.make_layout(2), 4)
+        # flags[0]: this CTA's pairs with invalid ids; flags[1]: ranks that had some (after the exchange);
+        # flags[2]: this CTA arrived last (it is the leader).
+        flags = smem.allocate_tensor(Int32, cute.make_layout(3), 4)
         # scan[w]: the prefix scan's per-warp totals, then scan[NT // WARP] the column sums' total.
         scan = smem.allocate_tensor(Int32, cute.make_layout(WARP + 1), 4)
 
@@ -392,20 +458,21 @@ class LayoutKernel(EpKernel):
         for i in range(tid, NW * per_warp, NT):
             hist[i] = Int32(0)
         if tid == 0:
-            invalid[0] = Int32(0)
+            flags[0] = Int32(0)
         cute.arch.sync_threads()
 
-        # Each warp takes a contiguous range (any contiguous split gives the same slots): pairs in the expert
-        # layout, whole tokens in the rank layout (a lane per token there).
-        chunk = (num_pairs + NW - 1) // NW
-        limit = num_pairs
+        # Each warp takes a contiguous part of the CTA's range (any contiguous split gives the same slots):
+        # pairs in the expert layout, whole tokens in the rank layout (a lane per token there).
+        lo = t_first * K
+        hi = t_end * K
         if cutlass.const_expr(by_rank):
-            chunk = (p.num_tokens + NW - 1) // NW
-            limit = p.num_tokens
-        start = warp * chunk
+            lo = t_first
+            hi = t_end
+        chunk = (hi - lo + NW - 1) // NW
+        start = lo + warp * chunk
         end = start + chunk
-        if end > limit:
-            end = limit
+        if end > hi:
+            end = hi
         if warp >= NW:
             end = start  # no work for warps beyond the histograms
 
@@ -415,128 +482,84 @@ class LayoutKernel(EpKernel):
         # memory); a call with an invalid pair anywhere moves no data.
         if cutlass.const_expr(by_rank):
             if K <= TOKEN_REGS:
-                count_tokens(p.topk_idx, hist, rhist, invalid, start, end, warp, lane, E, K, El, R, True)
+                count_tokens(p.topk_idx, hist, rhist, flags, start, end, warp, lane, E, K, El, R, True)
             else:
-                count_tokens(p.topk_idx, hist, rhist, invalid, start, end, warp, lane, E, K, El, R, False)
+                count_tokens(p.topk_idx, hist, rhist, flags, start, end, warp, lane, E, K, El, R, False)
         else:
-            count_pairs(pair_ids, hist, invalid, start, end, warp, lane, E, K)
+            count_pairs(pair_ids, hist, flags, start, end, warp, lane, E, K)
         cute.arch.sync_threads()
-        # 2. this rank's count row (and its invalid pairs), then the exchange
-        for e in range(tid, E, NT):
+
+        # 2. the CTA's count row: into its row of parts, and added into the totals row
+        for col in range(tid, ncols, NT):
             total = Int32(0)
-            for w in range(NW):
-                total = total + hist[w * E + e]
-            counts[rank, e] = total
-        if tid == 0:
-            counts[rank, E] = invalid[0]
-        for d in range(tid, R, NT):
-            total = Int32(0)
-            if cutlass.const_expr(by_rank):
+            if col < E:
                 for w in range(NW):
-                    total = total + rhist[w * R + d]
-            counts[rank, E + 1 + d] = total
+                    total = total + hist[w * E + col]
+            if col == E:
+                total = flags[0]
+            if col > E:
+                if cutlass.const_expr(by_rank):
+                    for w in range(NW):
+                        total = total + rhist[w * R + (col - E - 1)]
+            parts[bid, col] = total
+            if total != 0:
+                cute.arch.atomic_add(parts.iterator + cute.crd2idx((TOTALS, col), parts.layout), total)
         cute.arch.sync_threads()
-
-        my_row = counts[rank, None]
-        NWT = NT // WARP
-        my_signal = element(p.signals, (SIGNAL_COUNT, rank))
-        # After a fault (an earlier timed-out wait) this buffer exchanges nothing more.
-        if fault_free(p.fault):
-            for q in range(warp, R, NWT):
-                if q != rank:
-                    nvshmem_cute.put_signal_warp(my_row, my_row, my_signal, epoch, SIGNAL_SET, q)
-            for q in range(tid, R, NT):
-                if q != rank:
-                    arrived = wait_signal_ge(element_addr(p.signals, (SIGNAL_COUNT, q)), epoch,
-                                             Int64(p.timeout_ms) * 1000000)
-                    if arrived == 0:
-                        record_fault(p.fault, Int32(OP_LAYOUT), q, epoch)
-        cute.arch.sync_threads()
-
-        # The verdict on the inputs: every rank's invalid pairs arrived with its count row, so every rank
-        # refuses the call alike (the host raises; the kernels move no data; the epochs still advance).
         if tid == 0:
-            ranks = Int32(0)
-            first = Int32(-1)
-            for s in range(R):
-                if ld_volatile_i32(element_addr(counts, (s, E))) != 0:
-                    if ranks == 0:
-                        first = s
-                    ranks = ranks + 1
-            invalid[1] = ranks
-            p.input_fault[INPUT_FAULT_RANKS] = ranks
-            p.input_fault[INPUT_FAULT_FIRST] = first
+            flags[2] = last_cta_arrives(p.done, DONE_LAYOUT)  # fences this CTA's counts first
+            if flags[2] != 0:
+                fence_sys()  # the other CTAs' counts before this CTA's reads of them, and before the release
+                p.layout_done[0] = epoch * 2 - Int64(1)
         cute.arch.sync_threads()
-        accepted = invalid[1] == 0
-        refused = invalid[1] != 0
 
-        # 3. offsets. Each column sum over sources (count[s][e], written by peers: volatile loads) is
-        # read once, in parallel, into shared memory; the serial walks below then run over shared memory.
-        # (Reading the peers' counts inside those walks cost ~100 us per call at E=256.)
-        # Capacity: expert e keeps its first expert_capacity rows (sources in rank order); the column
-        # sum is clamped, and every rank counts the same drops (all ranks see all counts).
-        live = fault_free(p.fault)
-        for e in range(tid, E, NT):
-            tot = Int32(0)
-            mine_before = Int32(0)
-            for s in range(R):
-                c = ld_volatile_i32(element_addr(counts, (s, e)))
-                if s < rank:
-                    mine_before = mine_before + c
-                tot = tot + c
-            if tot > p.expert_capacity:
-                if live:
-                    if accepted:  # one writer per e; the host resets; a refused call drops nothing
-                        p.dropped[e] = p.dropped[e] + (tot - p.expert_capacity)
-                tot = p.expert_capacity
-            colsum[e] = tot
-            p.send_offsets[e] = mine_before  # this rank's start inside the (expert, source) groups
-        cute.arch.sync_threads()
-        # colsum becomes its exclusive prefix sums over all experts, P[e] (P[E], the total, in
-        # scan[NT // WARP]); expert e's first slot on its owner d is then P[e] - P[d * El] and its kept
-        # rows P[e + 1] - P[e]. Why a CTA-wide scan: a serial walk per expert over its owner's earlier
-        # experts (up to El - 1 steps, and El for num_recv) was the larger part of the layout's fixed cost.
-        exclusive_scan_cta(colsum, E, scan, NT)
-        total = scan[NT // WARP]
-        for e in range(tid, E, NT):
-            owner_first = colsum[e // El * El]
-            first_slot = colsum[e] - owner_first  # the expert's first slot on its owner
-            off = first_slot + p.send_offsets[e]
-            p.send_offsets[e] = off
-            p.cursor[e] = off
-            # slots >= this are beyond the expert's capacity
-            p.send_limit[e] = prefix_at(colsum, total, e + 1, E) - owner_first
-            if cutlass.const_expr(not by_rank):  # the warps' running slot bases (step 4, expert layout)
-                run = off
-                for w in range(NW):
-                    c = hist[w * E + e]
-                    hist[w * E + e] = run
-                    run = run + c
-        for le in range(tid, El, NT):
-            rows = Int32(0)  # a refused call receives nothing
-            if accepted:
-                rows = prefix_at(colsum, total, rank * El + le + 1, E) - colsum[rank * El + le]
-            p.tokens_per_expert[le] = rows
-        if tid == 0:
-            tot_all = Int32(0)
-            if accepted:
-                if cutlass.const_expr(by_rank):  # one row per (source, token) bound for this rank
-                    for s in range(R):
-                        tot_all = tot_all + ld_volatile_i32(element_addr(counts, (s, E + 1 + rank)))
-                else:
-                    tot_all = prefix_at(colsum, total, (rank + 1) * El, E) - colsum[rank * El]
-            p.num_recv[0] = tot_all
+        # 3. the last CTA to arrive (the leader: every CTA's counts are in) announces that in ``layout_done``
+        # (2 * epoch - 1), then runs the count exchange and the offsets and publishes them (2 * epoch). The
+        # other CTAs wait for the first value, sum the earlier CTAs' counts while the leader exchanges, and
+        # wait for the second.
+        leader = flags[2] != 0
+        if leader:
+            self.exchange_and_offsets(p, epoch, colsum, scan, flags)
+        else:
+            wait_for_leader(p, epoch * 2 - Int64(1), epoch)
+        # Each CTA's warps' first slots (rows) relative to this rank's first one per expert (destination
+        # rank): the earlier CTAs' counts (summed into colsum: the leader is done with it by now), then the
+        # earlier warps'.
         if cutlass.const_expr(by_rank):
-            # Row bases on each destination d: the rows of lower source ranks come first, then this rank's
-            # tokens in order, so warp w starts after the earlier warps' tokens.
+            sum_earlier_ctas(parts, E + 1, R, bid, colsum, NT)
             for d in range(tid, R, NT):
-                run = Int32(0)
-                for s in range(rank):
-                    run = run + ld_volatile_i32(element_addr(counts, (s, E + 1 + d)))
+                run = colsum[d]
                 for w in range(NW):
                     c = rhist[w * R + d]
                     rhist[w * R + d] = run
                     run = run + c
+        else:
+            sum_earlier_ctas(parts, Int32(0), E, bid, colsum, NT)
+            for e in range(tid, E, NT):
+                run = colsum[e]
+                for w in range(NW):
+                    c = hist[w * E + e]
+                    hist[w * E + e] = run
+                    run = run + c
+        if not leader:
+            wait_for_leader(p, epoch * 2, epoch)
+        cute.arch.sync_threads()
+        if tid == 0:
+            flags[1] = ld_volatile_i32(element_addr(p.input_fault, INPUT_FAULT_RANKS))
+        cute.arch.sync_threads()
+        accepted = flags[1] == 0
+        refused = flags[1] != 0
+
+        # 3c. the absolute bases: this rank's first slot of each expert (first row on each destination rank)
+        if cutlass.const_expr(by_rank):
+            for d in range(tid, R, NT):
+                first_row = ld_volatile_i32(element_addr(parts, (BASES, E + 1 + d)))
+                for w in range(NW):
+                    rhist[w * R + d] = rhist[w * R + d] + first_row
+        else:
+            for e in range(tid, E, NT):
+                first_slot = ld_volatile_i32(element_addr(parts, (BASES, e)))
+                for w in range(NW):
+                    hist[w * E + e] = hist[w * E + e] + first_slot
         cute.arch.sync_threads()
 
         # 4. scatter slots. Expert layout: 32 pairs per warp step in row-major order; a pair's slot is its
@@ -577,7 +600,127 @@ class LayoutKernel(EpKernel):
                     if (same & Int32(gt)) == 0:
                         hist[warp * E + e] = hist[warp * E + e] + before + 1
                 cute.arch.sync_warp()
+        cute.arch.sync_threads()  # the CTA's slots, before its warps send them (dispatch, layout folded in)
 
+        if leader:
+            if tid == 0:
+                if fault_free(p.fault):  # a timed-out call does not count as run
+                    p.epochs[OP_LAYOUT] = epoch
+
+    @cute.jit
+    def exchange_and_offsets(self, p: EpParams, epoch: Int64, colsum: cute.Tensor, scan: cute.Tensor,
+                             flags: cute.Tensor):
+        """Step 3 in the leader (the last CTA to arrive; every thread of it calls this): this rank's count
+        row from the totals, the exchange with every peer, the verdict on the inputs, the offsets, and
+        each column's first slot (row) of this rank in ``layout_parts[BASES]``; then ``layout_done``."""
+        R, E, El, rank = p.world_size, p.num_experts, p.experts_per_rank, p.rank
+        NT = self.threads
+        by_rank = self.by_rank
+        counts = p.counts
+        parts = p.layout_parts
+        TOTALS = p.num_sms
+        BASES = p.num_sms + 1
+        tid, _, _ = cute.arch.thread_idx()
+        warp = tid // WARP
+
+        # This rank's count row: the CTAs' sums (every CTA fenced its adds before it arrived). The totals
+        # row is zeroed for the next launch.
+        for col in range(tid, E + 1 + R, NT):
+            at = element_addr(parts, (TOTALS, col))
+            counts[rank, col] = ld_volatile_i32(at)
+            parts[TOTALS, col] = Int32(0)
+        cute.arch.sync_threads()
+
+        my_row = counts[rank, None]
+        NWT = NT // WARP
+        my_signal = element(p.signals, (SIGNAL_COUNT, rank))
+        # After a fault (an earlier timed-out wait) this buffer exchanges nothing more.
+        if fault_free(p.fault):
+            for q in range(warp, R, NWT):
+                if q != rank:
+                    nvshmem_cute.put_signal_warp(my_row, my_row, my_signal, epoch, SIGNAL_SET, q)
+            for q in range(tid, R, NT):
+                if q != rank:
+                    arrived = wait_signal_ge(element_addr(p.signals, (SIGNAL_COUNT, q)), epoch,
+                                             Int64(p.timeout_ms) * 1000000)
+                    if arrived == 0:
+                        record_fault(p.fault, Int32(OP_LAYOUT), q, epoch)
+        cute.arch.sync_threads()
+
+        # The verdict on the inputs: every rank's invalid pairs arrived with its count row, so every rank
+        # refuses the call alike (the host raises; the kernels move no data; the epochs still advance).
         if tid == 0:
-            if fault_free(p.fault):  # a timed-out call does not count as run
-                p.epochs[OP_LAYOUT] = epoch
+            ranks = Int32(0)
+            first = Int32(-1)
+            for s in range(R):
+                if ld_volatile_i32(element_addr(counts, (s, E))) != 0:
+                    if ranks == 0:
+                        first = s
+                    ranks = ranks + 1
+            flags[1] = ranks
+            p.input_fault[INPUT_FAULT_RANKS] = ranks
+            p.input_fault[INPUT_FAULT_FIRST] = first
+        cute.arch.sync_threads()
+        accepted = flags[1] == 0
+
+        # Offsets. Each column sum over sources (count[s][e], written by peers: volatile loads) is read once,
+        # in parallel, into shared memory; the walks below then run over shared memory. Capacity: expert e
+        # keeps its first expert_capacity rows (sources in rank order); the column sum is clamped, and every
+        # rank counts the same drops (all ranks see all counts).
+        live = fault_free(p.fault)
+        for e in range(tid, E, NT):
+            tot = Int32(0)
+            mine_before = Int32(0)
+            for s in range(R):
+                c = ld_volatile_i32(element_addr(counts, (s, e)))
+                if s < rank:
+                    mine_before = mine_before + c
+                tot = tot + c
+            if tot > p.expert_capacity:
+                if live:
+                    if accepted:  # one writer per e; the host resets; a refused call drops nothing
+                        p.dropped[e] = p.dropped[e] + (tot - p.expert_capacity)
+                tot = p.expert_capacity
+            colsum[e] = tot
+            p.send_offsets[e] = mine_before  # this rank's start inside the (expert, source) groups
+        cute.arch.sync_threads()
+        # colsum becomes its exclusive prefix sums over all experts, P[e] (P[E], the total, in
+        # scan[NT // WARP]); expert e's first slot on its owner d is then P[e] - P[d * El] and its kept
+        # rows P[e + 1] - P[e]. Why a CTA-wide scan: a serial walk per expert over its owner's earlier
+        # experts (up to El - 1 steps, and El for num_recv) was the larger part of the layout's fixed cost.
+        exclusive_scan_cta(colsum, E, scan, NT)
+        total = scan[NT // WARP]
+        for e in range(tid, E, NT):
+            owner_first = colsum[e // El * El]
+            first_slot = colsum[e] - owner_first  # the expert's first slot on its owner
+            off = first_slot + p.send_offsets[e]
+            p.send_offsets[e] = off
+            p.cursor[e] = off
+            parts[BASES, e] = off
+            # slots >= this are beyond the expert's capacity
+            p.send_limit[e] = prefix_at(colsum, total, e + 1, E) - owner_first
+        for le in range(tid, El, NT):
+            rows = Int32(0)  # a refused call receives nothing
+            if accepted:
+                rows = prefix_at(colsum, total, rank * El + le + 1, E) - colsum[rank * El + le]
+            p.tokens_per_expert[le] = rows
+        if tid == 0:
+            tot_all = Int32(0)
+            if accepted:
+                if cutlass.const_expr(by_rank):  # one row per (source, token) bound for this rank
+                    for s in range(R):
+                        tot_all = tot_all + ld_volatile_i32(element_addr(counts, (s, E + 1 + rank)))
+                else:
+                    tot_all = prefix_at(colsum, total, (rank + 1) * El, E) - colsum[rank * El]
+            p.num_recv[0] = tot_all
+        if cutlass.const_expr(by_rank):
+            # This rank's first row on each destination d: the rows of lower source ranks come first.
+            for d in range(tid, R, NT):
+                run = Int32(0)
+                for s in range(rank):
+                    run = run + ld_volatile_i32(element_addr(counts, (s, E + 1 + d)))
+                parts[BASES, E + 1 + d] = run
+        cute.arch.sync_threads()
+        if tid == 0:
+            fence_sys()  # everything above, before the release the other CTAs wait for
+            p.layout_done[0] = epoch * 2

@@ -16,6 +16,7 @@ table shape.
 from __future__ import annotations
 
 import cutlass.cute as cute
+from cutlass import Int32
 
 from cute_ep.kernels.buffers import EpParams, Pointers, Scalars
 from cute_ep.kernels.combine import CombineKernel
@@ -49,21 +50,23 @@ class EpModule:
     @cute.jit
     def __call__(self, scalars: Scalars, pointers: Pointers, stream):
         p = EpParams(*scalars, *pointers)
+        # The layout: alone, or before a dispatch of more than layout_in_dispatch tokens (up to that the
+        # dispatch kernel runs its steps). One launch site per kernel: the DSL emits an entry point per site.
+        layout_kernel = Int32(0)
         if p.op == OP_LAYOUT:
+            layout_kernel = Int32(1)
+        if p.op == OP_DISPATCH:
+            if p.num_tokens > p.layout_in_dispatch:
+                layout_kernel = Int32(1)
+        if layout_kernel != 0:
             if p.layout == LAYOUT_RANK:
                 self.rank_layout(p, stream)
             else:
                 self.layout(p, stream)
         if p.op == OP_DISPATCH:
-            # The layout first: its own kernel, or for small batches in the expert layout CTA 0 of the
-            # dispatch launch (the rank layout's per-pair scans make a 256-thread layout cost more than
-            # the launch it saves: 36.1 against 29.6 us at 128 tokens on one H200).
             if p.layout == LAYOUT_RANK:
-                self.rank_layout(p, stream)
                 self.rank_dispatch(p, stream)
             else:
-                if p.num_tokens > p.layout_in_dispatch:
-                    self.layout(p, stream)
                 self.dispatch(p, stream)
                 # Same stream, right after: copy the de-duplicated rows to their other slots.
                 self.fanout(p, stream)

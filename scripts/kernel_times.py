@@ -9,8 +9,9 @@ For each receive layout, SM budget and tokens-per-rank value (DeepSeek-V3 shapes
 top-k 8, 256 experts, bf16, uniform routing, input seed 0), with ``scripts/benchmark.py``'s timer (GPU
 held by a sleep while the host enqueues, CUDA events per iteration, slowest rank's median), times:
     * ``layout``: the layout op alone (counts, count exchange with every peer, offsets, slots);
-    * ``dispatch``: what ``launch_dispatch`` enqueues (layout + dispatch, + fan-out in the expert layout);
-      ``dispatch - layout`` is the row movement's share when the layout runs as a kernel of its own;
+    * ``dispatch``: what ``launch_dispatch`` enqueues (layout + dispatch, + fan-out in the expert layout;
+      up to ``--layout-in-dispatch`` tokens the layout runs inside the dispatch kernel); ``dispatch -
+      layout`` is the row movement's share when the layout runs as a kernel of its own;
     * ``combine``: ``launch_combine`` on the latest handle (the pull combine; in the expert layout also
       the reduced one, on a buffer built for it).
 Nothing is validated here (``scripts/benchmark.py`` checks every configuration it times); the expert
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--combine", choices=("pull", "reduced"), default="reduced",
                    help="the buffer's combine_algorithm (reduced also times the pull combine)")
+    p.add_argument("--layout-in-dispatch", type=int, metavar="TOKENS",
+                   help="EpConfig.layout_in_dispatch (default: the config's): dispatches up to this many "
+                        "tokens run the layout inside the dispatch launch; 0: always a kernel of its own")
     p.add_argument("--out-json", metavar="PATH", help="write the rows here (rank 0)")
     p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
     return p
@@ -73,6 +77,8 @@ def validate_args(args: argparse.Namespace) -> None:
     if max(args.token_list) > bm.MAX_TOKENS_PER_RANK:
         most = max(args.token_list)
         raise bm.UsageError(f"--tokens values must be <= {bm.MAX_TOKENS_PER_RANK}, got {most}")
+    if args.layout_in_dispatch is not None and args.layout_in_dispatch < 0:
+        raise bm.UsageError(f"--layout-in-dispatch must be >= 0 tokens, got {args.layout_in_dispatch}")
     if args.iters < 1 or args.warmup < 0:
         raise bm.UsageError(f"need --iters >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
 
@@ -114,6 +120,7 @@ def report(args: argparse.Namespace, cfg: Any, runtime: Any, say: Any) -> int:
     meta = {"device": device, "world_size": env.world_size, "local_world_size": env.local_world_size,
             "hidden": cfg.hidden, "topk": cfg.topk, "num_experts": cfg.num_experts, "dtype": args.dtype,
             "iters": args.iters, "warmup": args.warmup, "routing": "uniform", "seed": 0,
+            "layout_in_dispatch": cfg.layout_in_dispatch,
             "git_sha": br.git_sha(), "timestamp": br.utc_timestamp(),
             "command": shlex.join([Path(sys.executable).name, *sys.argv])}
     say(f"kernel times: {device} x {env.world_size}, H {cfg.hidden}, K {cfg.topk}, E {cfg.num_experts}, "
@@ -145,10 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     from cute_ep.kernels.config import EpConfig
 
     env = DistEnv.from_environ()
+    fold = {} if args.layout_in_dispatch is None else {"layout_in_dispatch": args.layout_in_dispatch}
     cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
                    num_experts=args.num_experts, topk=args.topk, hidden=args.hidden, dtype=DTYPES[args.dtype],
                    max_tokens=max(args.token_list), num_sms=args.num_sms_list[0],
-                   combine_algorithm=args.combine)
+                   combine_algorithm=args.combine, **fold)
 
     def body(args: argparse.Namespace, env: Any, cfg: Any) -> int:
         import dataclasses

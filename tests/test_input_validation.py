@@ -57,7 +57,7 @@ def test_timeout_travels_as_milliseconds():
 
 
 def test_layout_in_dispatch_travels_with_every_launch():
-    assert EpConfig(**BASE).layout_in_dispatch == 128  # decode batches fold the layout by default
+    assert EpConfig(**BASE).layout_in_dispatch == 2**31 - 1  # every batch folds the layout by default
     assert EpConfig(**{**BASE, "layout_in_dispatch": 0}).layout_in_dispatch == 0
     assert "layout_in_dispatch" in SIZE_SCALARS  # the module and the dispatch kernel decide alike from it
     # a size: ranks must agree on it (the config key compared at construction includes it)

@@ -23,10 +23,6 @@ from cute_ep.kernels.host import build
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "half", torch.float32: "float"}
 
 
-# Entry points per kernel: the DSL emits one per launch site, and the module launches each layout kernel from
-# two (the expert layout's alone and before an expert dispatch above cfg.layout_in_dispatch tokens; the rank
-# layout's alone and before the rank dispatch).
-LAUNCH_SITES = {"Layout": 2, "RankLayout": 2}
 
 
 def _entries(ptx: str) -> list[tuple[str, str]]:
@@ -71,7 +67,8 @@ def test_targets_sm90_with_nine_kernels(compiled_ptx):
     kinds = Counter(kind for kind, _ in _entries(ptx))
     assert sorted(kinds) == ["Combine", "Dispatch", "Fanout", "Layout", "PartialSum", "RankCombine",
                              "RankDispatch", "RankLayout", "ReducePush"]
-    assert kinds == {kind: LAUNCH_SITES.get(kind, 1) for kind in kinds}  # no entry point twice by mistake
+    # The DSL emits an entry point per launch site: the module launches each kernel from one site.
+    assert kinds == {kind: 1 for kind in kinds}
 
 
 def test_rank_layout_variants_carry_only_their_own_code(compiled_ptx):
@@ -162,11 +159,26 @@ def test_layout_steps_use_warp_votes(compiled_ptx):
     assert _ops(kernels["RankDispatch"])["match.any.sync.b32"] >= 1
 
 
+def test_layout_ctas_meet_once_and_dispatch_runs_the_layout_folded_in(compiled_ptx):
+    """The layout's CTAs add their counts into one row with global atomics, arrive on a counter, and the
+    others poll the leader's announcements with acquire loads; both dispatch kernels carry the layout's
+    steps (shared-memory histograms) for batches folded into their launch."""
+    _, ptx = compiled_ptx
+    kernels = _kernels(ptx)
+    for name in ("Layout", "RankLayout", "Dispatch", "RankDispatch"):
+        ops = _ops(kernels[name])
+        assert ops["atom.shared.add.u32"] > 0, name  # per-warp histograms
+        global_adds = sum(n for op, n in ops.items() if op.startswith(("atom.global.add", "red.global.add")))
+        assert global_adds >= 2, name  # the counts into the totals row, the arrival
+        assert "ld.acquire.sys.global.u64" in kernels[name], name
+
+
 def test_every_wait_for_a_peer_is_bounded(compiled_ptx):
     _, ptx = compiled_ptx
     assert "signal_wait_until" not in ptx  # NVSHMEM's wait has no timeout: one missing peer hangs all
     kernels = _kernels(ptx)
-    for name in ("Layout", "Dispatch", "Combine", "ReducePush", "PartialSum", "RankDispatch", "RankCombine"):
+    for name in ("Layout", "RankLayout", "Dispatch", "Combine", "ReducePush", "PartialSum", "RankDispatch",
+                 "RankCombine"):
         text = kernels[name]
         assert "ld.acquire.sys.global.u64" in text, name  # polls the signal with acquire semantics
         assert text.count("%globaltimer") >= 2, name  # start time + a fresh read inside the loop

@@ -31,8 +31,8 @@ CASES = [
     (torch.float32, 256, 3, 3, (33, 0, 17, 5), "dropped"),
 ]
 IDS = [f"{str(c[0]).removeprefix('torch.')}-h{c[1]}-k{c[2]}-{c[5]}" for c in CASES]
-# The rank layout always launches its layout kernel (EpConfig.layout_in_dispatch applies to the expert
-# layout only), so one placement is tested here; test_a2a_vs_kernels varies it.
+# One placement of the layout is tested here (folded into the dispatch: every case has at most 128
+# tokens); test_a2a_vs_kernels varies it.
 
 
 def _caller_rows(res, n: int, dtype: torch.dtype) -> torch.Tensor:
