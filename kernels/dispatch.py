@@ -1,7 +1,8 @@
 """Dispatch kernel: every (token, k) row goes to the rank that owns expert topk_idx[t, k].
 
-A warp per token (persistent grid-stride loop; with fewer tokens than warps, in scatter mode without
-FP8, a warp per (token, k) pair). For each k: skip -1; find the slot (precomputed
+Each CTA sends the contiguous range of tokens ``cta_tokens`` gives it (the layout's CTAs count and
+place the same ranges), a warp per token (with fewer tokens than warps in the CTA, in scatter mode
+without FP8, a warp per (token, k) pair). For each k: skip -1; find the slot (precomputed
 ``scatter`` in MODE_SCATTER, or an atomic add on this rank's per-expert cursor in MODE_ATOMIC, written
 back into ``scatter`` for combine); lane 0 ``p``-puts the fp32 weight into ``recv_w[slot]``, the source
 tag (rank * max_tokens + t) * K + k into ``recv_src[slot]`` and ``recv_from[slot]``.
@@ -31,12 +32,11 @@ with ``recv_src`` = rank * max_tokens + t and the token's K ids and weights in `
 With K <= 32 (``send_token_by_rank``) lane j holds pair j, loaded once per token, and the primaries are
 found with one ``match_sync``; a lane per k with group votes of global loads before (kept for K > 32).
 
-Layout folded in (expert layout, ``num_tokens <= layout_in_dispatch``: small batches): the module
-launches no layout kernel; CTA 0 runs the layout's steps (kernels/layout.py, ``LayoutKernel.route``) with
-this CTA's threads, then publishes this call's dispatch epoch in ``layout_done``; the other CTAs wait
-for it (acquire) before they read the slots. One launch and one kernel boundary less per dispatch. The
-rank layout always launches its layout kernel: its per-pair scans make the 256-thread layout cost more
-than the launch it saves.
+Layout folded in (``num_tokens <= layout_in_dispatch``, either receive layout): the module launches
+no layout kernel; every CTA first runs the layout's steps for its own tokens (kernels/layout.py,
+``LayoutKernel.route``: counts, the leader's count exchange and offsets, slots), then sends those tokens.
+A CTA reads only slots it wrote itself, so no grid-wide wait follows the slots. One launch and one kernel
+boundary less per dispatch.
 
 Completion: each thread ``quiet``s its puts and fences its stores; the last CTA to finish (a
 self-resetting arrival counter, ``done[DONE_DISPATCH]``) raises ``signals[SIGNAL_DISPATCH, rank]`` on
@@ -66,20 +66,20 @@ from cute_ep.kernels.config import (
     VECTOR_BYTES,
     WARP,
 )
-from cute_ep.kernels.layout import LayoutKernel
+from cute_ep.kernels.layout import LayoutKernel, cta_tokens
 from cute_ep.kernels.ptx import (
-    copy_row_warp,
+    copy_row_to_lanes,
     element,
     element_addr,
     fault_free,
     fence_sys,
     last_cta_arrives,
-    record_fault,
+    ld_volatile_i32,
     row_view,
     signal_and_wait_peers,
-    wait_signal_ge,
 )
 from cute_ep.kernels.quantize import quantize_row_warp
+from cute_ep.kernels.rank_layout import RankLayoutKernel
 
 
 @cute.jit
@@ -99,26 +99,112 @@ def bound_for(p: EpParams, t: Int32, j: Int32, end: Int32, d: Int32, kept_only: 
 
 
 @cute.jit
-def send_row(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d: Int32, slot: Int32, row_bytes: Int32,
-             lane: Int32):
-    """The warp moves one row (``row_bytes``, from ``src_addr``) into row ``slot`` of rank d's ``recv_x``:
-    128-bit stores through the peer pointer on this node (ALGO_PUT_WARP: only to this rank itself),
-    ``put_warp`` to other nodes."""
+def send_row_to_lanes(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d: Int32, slot: Int32,
+                      sends: Int32, row_bytes: Int32, lane: Int32):
+    """The warp moves one row (``row_bytes`` from ``src_addr``) into row ``slot`` of rank ``d``'s
+    ``recv_x`` for each lane set in ``sends`` (each such lane holds its own d and slot; every lane calls
+    this): 128-bit stores through the peer pointers of this node, every destination from one load of each
+    piece (ALGO_PUT_WARP: only to this rank itself), then ``put_warp`` to each destination on other nodes."""
     ROW_BYTES = Int64(row_bytes)
     recv_x_base = p.recv_x.iterator.toint()
     store = Int32(0)
-    if d // p.local_world_size == p.rank // p.local_world_size:
-        store = Int32(1)
-        if p.algo == ALGO_PUT_WARP:
-            if d != p.rank:
-                store = Int32(0)
+    if ((sends >> lane) & 1) != 0:
+        if d // p.local_world_size == p.rank // p.local_world_size:
+            store = Int32(1)
+            if p.algo == ALGO_PUT_WARP:
+                if d != p.rank:
+                    store = Int32(0)
+    stores = Int32(cute.arch.vote_ballot_sync(store != 0))
+    dst = Int64(0)
     if store != 0:
-        copy_row_warp(dtype, src_addr, nvshmem_ptr(recv_x_base, d) + Int64(slot) * ROW_BYTES,
-                      row_bytes // VECTOR_BYTES, lane)
-    else:
-        n = row_bytes // (dtype.width // 8)
-        nvshmem_cute.put_warp(row_view(dtype, recv_x_base + Int64(slot) * ROW_BYTES, n),
-                              row_view(dtype, src_addr, n), d)
+        dst = nvshmem_ptr(recv_x_base, d) + Int64(slot) * ROW_BYTES
+    copy_row_to_lanes(dtype, src_addr, dst, stores, row_bytes // VECTOR_BYTES, lane)
+    n = row_bytes // (dtype.width // 8)
+    puts = sends & ~stores
+    for _ in range(cute.arch.popc(puts)):
+        j = Int32(cute.arch.clz(cute.arch.brev(puts)))  # the lowest destination left
+        puts = puts & (puts - 1)
+        dj = cute.arch.shuffle_sync(d, j)
+        row = cute.arch.shuffle_sync(slot, j)
+        nvshmem_cute.put_warp(row_view(dtype, recv_x_base + Int64(row) * ROW_BYTES, n),
+                              row_view(dtype, src_addr, n), dj)
+
+
+@cute.jit
+def send_row(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d: Int32, slot: Int32, row_bytes: Int32,
+             lane: Int32):
+    """``send_row_to_lanes`` for one destination (``d`` and ``slot`` the same in every lane)."""
+    send_row_to_lanes(dtype, p, src_addr, d, slot, Int32(1), row_bytes, lane)
+
+
+@cute.jit
+def send_token_by_lanes(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin: Int32, k_end: Int32,
+                        src_addr: Int64, row_bytes: Int32, lane: Int32):
+    """Expert layout with K <= 32: lane j holds the token's pair j (expert, slot, weight: loaded once, and
+    in atomic mode every pair's slot taken at once, the token's experts being distinct). Each pair's
+    group (the token's pairs bound for its rank) is one ``match_sync``; its primary (the group's first
+    kept pair) the lowest bit of the group's kept lanes. Of the pairs [k_begin, k_end), the row goes in
+    one copy to every pair that receives it (all kept pairs, or under dedup the primaries and the pairs of
+    this rank), and each kept pair's lane writes its weight, source tag and from-slot; with ``groups`` the
+    later members enter their primary's list."""
+    K, El, M, rank = p.topk, p.experts_per_rank, p.max_tokens, p.rank
+    e = Int32(-1)
+    slot = Int32(-1)
+    w = Float32(0.0)
+    if lane < K:
+        e = p.topk_idx[t, lane]
+        w = p.topk_w[t, lane]
+        if p.mode == MODE_ATOMIC:
+            if e >= 0:
+                slot = cute.arch.atomic_add(p.cursor.iterator + e, Int32(1))
+                if slot >= p.send_limit[e]:
+                    slot = Int32(-1)  # beyond the expert's capacity: dropped
+            p.scatter[t, lane] = slot
+        else:
+            slot = p.scatter[t, lane]  # -1: dropped by the layout (capacity)
+    d = Int32(-1)
+    if e >= 0:
+        d = e // El
+    lt = Int32(cute.arch.lanemask_lt())
+    valid = Int32(cute.arch.vote_ballot_sync(d >= 0))
+    kept = Int32(cute.arch.vote_ballot_sync(slot >= 0))
+    same = Int32(cute.arch.match_sync(cute.arch.FULL_MASK, d))  # lanes bound for the same rank
+    group = same & valid  # this pair's group, dropped pairs too (0 without an expert)
+    g = Int32(cute.arch.clz(cute.arch.brev(same & kept)))  # the primary's lane (32: none kept)
+    if g >= WARP:
+        g = lane
+    slot_g = cute.arch.shuffle_sync(slot, g)
+    mine = Int32(0)
+    if lane >= k_begin:
+        if lane < k_end:
+            mine = Int32(1)
+    receives = Int32(0)  # this pair's row arrives itself (else its receiver fans it out)
+    if slot >= 0:
+        receives = Int32(1)
+        if p.algo == ALGO_DEDUP:
+            if d != rank:
+                if g != lane:
+                    receives = Int32(0)
+    sends = Int32(cute.arch.vote_ballot_sync(receives * mine != 0))
+    send_row_to_lanes(dtype, p, src_addr, d, slot, sends, row_bytes, lane)
+    if mine != 0:
+        if slot >= 0:
+            from_slot = Int32(-1)
+            if receives == 0:
+                from_slot = slot_g
+            if p.combine_algo != 0:
+                if g == lane:
+                    from_slot = Int32(-1) - cute.arch.popc(group & ~lt)  # a primary: its group from here on
+            nvshmem_cute.p(element(p.recv_w, slot), w, d)
+            nvshmem_cute.p(element(p.recv_src, slot), (rank * M + t) * K + lane, d)
+            nvshmem_cute.p(element(p.recv_from, slot), from_slot, d)
+        if p.combine_algo != 0:
+            if d >= 0:
+                if g < lane:
+                    # A later member (or a dropped pair: -1) enters the primary's list at its place: the
+                    # group's pairs in [g, lane).
+                    m = cute.arch.popc(group & lt & ~((Int32(1) << g) - Int32(1)))
+                    nvshmem_cute.p(element(p.recv_group, (slot_g, m)), slot, d)
 
 
 @cute.jit
@@ -147,12 +233,12 @@ def send_token_by_rank(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin:
                     if lane < k_end:
                         lead = Int32(1)
     sends = Int32(cute.arch.vote_ballot_sync(lead != 0))
+    send_row_to_lanes(dtype, p, src_addr, d, slot, sends, row_bytes, lane)  # one load for every rank
     for _ in range(cute.arch.popc(sends)):
         j = Int32(cute.arch.clz(cute.arch.brev(sends)))  # the lowest primary left
         sends = sends & (sends - 1)
         dj = cute.arch.shuffle_sync(d, j)
         row = cute.arch.shuffle_sync(slot, j)
-        send_row(dtype, p, src_addr, dj, row, row_bytes, lane)
         if lane < K:
             local = Int32(-1)
             wj = Float32(0.0)
@@ -171,14 +257,15 @@ class DispatchKernel(EpKernel):
     by_rank = False  # compile-time: the rank layout's variant (kernels/rank_dispatch.py) is compiled apart
     # 16 warps per SM: a warp's token waits on chains of small loads (its ids, slots, group votes) before
     # its rows move, and more warps per SM keep more rows in flight at a 24-SM budget. One CTA per SM by
-    # design, so the hint lets ptxas use up to 128 registers.
-    threads = 512
+    # design, so the hint lets ptxas use up to 128 registers. The layout's CTAs have the same shape, so
+    # its steps run here unchanged when it is folded in.
+    threads = LayoutKernel.threads
     ctas_per_sm = 1
 
     def __init__(self, dtype) -> None:
         super().__init__(dtype)
-        # The layout's steps, run by CTA 0 of this launch for small batches (``layout_in_dispatch``).
-        self.folded_layout = LayoutKernel(dtype, threads=self.threads)
+        # The layout's steps, run by every CTA of this launch up to ``layout_in_dispatch`` tokens.
+        self.folded_layout = (RankLayoutKernel if self.by_rank else LayoutKernel)(dtype)
 
     @cute.kernel
     def kernel(self, p: EpParams):
@@ -205,30 +292,17 @@ class DispatchKernel(EpKernel):
         epoch = p.epochs[OP_DISPATCH] + Int64(1)
         x_base = p.x.iterator.toint()
         packed_base = p.packed.iterator.toint()
-        if cutlass.const_expr(not by_rank):  # the rank layout's layout is always a kernel of its own
-            if p.num_tokens <= p.layout_in_dispatch:
-                # Small batches: the layout runs here, in CTA 0, instead of in a kernel of its own (one launch
-                # and one kernel boundary less on the critical path); the other CTAs wait for its slots.
-                if bid == 0:
-                    self.folded_layout.route(p)
-                    cute.arch.sync_threads()  # every thread's slots and offsets, before the release below
-                    if tid == 0:
-                        fence_sys()
-                        p.layout_done[0] = epoch
-                else:
-                    if tid == 0:
-                        # CTA 0 always gets there, within its own bounded waits for the peers' counts (one
-                        # timeout_ms), and a peer's timeout must be recorded there, not here: this bound is
-                        # twice that and a second, only against a hang.
-                        timeout_ns = Int64(p.timeout_ms) * 2000000 + Int64(1000000000)
-                        if wait_signal_ge(element_addr(p.layout_done, 0), epoch, timeout_ns) == 0:
-                            record_fault(p.fault, Int32(OP_DISPATCH), rank, epoch)
-                    cute.arch.sync_threads()
+        if p.num_tokens <= p.layout_in_dispatch:
+            # The layout runs here, in every CTA for its own tokens, instead of in a kernel of its own (one
+            # launch and one kernel boundary less on the critical path).
+            self.folded_layout.route(p)
         # After a fault (a timed-out wait here or in the layout) this buffer moves no more data.
+        t_first, t_end = cta_tokens(p.num_tokens, bid, NCTA)
         work = Int32(0)
         if fault_free(p.fault):
-            if p.input_fault[INPUT_FAULT_RANKS] == 0:  # the layout refused invalid inputs (on any rank)
-                work = p.num_tokens
+            # the layout refused invalid inputs (on any rank); written in this launch when folded in
+            if ld_volatile_i32(element_addr(p.input_fault, INPUT_FAULT_RANKS)) == 0:
+                work = t_end - t_first
 
         # Fewer tokens than warps (decode): a warp per (token, k) pair instead of per token, so that all
         # warps work. Only in scatter mode without FP8: there a pair needs nothing an earlier pair of
@@ -237,17 +311,17 @@ class DispatchKernel(EpKernel):
         split = Int32(0)
         if mode != MODE_ATOMIC:
             if p.fp8 == 0:
-                if work < NCTA * WPC:
+                if work < WPC:
                     split = Int32(1)
         items = work
         if split != 0:
             items = work * K
-        for u in range(bid * WPC + warp, items, NCTA * WPC):
-            t = u
+        for u in range(warp, items, WPC):
+            t = t_first + u
             k_begin = Int32(0)
             k_end = K
             if split != 0:
-                t = u // K
+                t = t_first + u // K
                 k_begin = u % K
                 k_end = k_begin + 1
             src_addr = x_base + Int64(t) * X_ROW_BYTES
@@ -258,11 +332,13 @@ class DispatchKernel(EpKernel):
                 cute.arch.sync_warp()  # lanes copy bytes other lanes wrote
                 src_addr = dst
             k_stop = k_end
-            if cutlass.const_expr(by_rank):
-                if K <= WARP:
-                    # a token's pairs in lanes, loaded once (the per-pair loop below then only for K > 32)
+            if K <= WARP:
+                # a token's pairs in lanes, loaded once (the per-pair loop below then only for K > 32)
+                if cutlass.const_expr(by_rank):
                     send_token_by_rank(dtype, p, t, k_begin, k_end, src_addr, row_bytes, lane)
-                    k_stop = k_begin
+                else:
+                    send_token_by_lanes(dtype, p, t, k_begin, k_end, src_addr, row_bytes, lane)
+                k_stop = k_begin
             for k in range(k_begin, k_stop):
                 e = topk_idx[t, k]
                 if e >= 0:

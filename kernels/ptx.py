@@ -142,10 +142,14 @@ ROW_COPY_UNROLL = 8  # 128-bit pieces per lane in flight while a warp copies a r
 
 
 @cute.jit
-def copy_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, num_pieces: Int32, lane: Int32):
-    """A warp copies ``num_pieces`` 128-bit pieces from ``src_addr`` to ``dst_addr`` (both 16-byte
-    aligned; the destination may be a peer's memory through its NVSHMEM peer pointer).
+def copy_row_to_lanes(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, dests: Int32,
+                      num_pieces: Int32, lane: Int32):
+    """A warp copies ``num_pieces`` 128-bit pieces from ``src_addr`` to the address ``dst_addr`` held by
+    each lane whose bit is set in ``dests`` (all 16-byte aligned; a destination may be a peer's memory
+    through its NVSHMEM peer pointer). Every lane calls it with the same ``dests``.
 
+    Why one call for every destination: each piece is loaded once and stored to all of them (a token's
+    row bound for several slots or ranks is read from memory once, not once per copy).
     Why unrolled: a warp that loads one piece, stores it and moves on has one load in flight and waits
     a full memory latency per 512 bytes; ROW_COPY_UNROLL independent loads before the stores hide it.
     Why the last step is predicated rather than a loop of single pieces: a row of 7168 bf16 (896 pieces)
@@ -161,10 +165,22 @@ def copy_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, nu
             v = base + j * 32 + lane
             if v < num_pieces:
                 cute.autovec_copy(gmem_tensor(dtype, src_addr + Int64(v * 16), layout, 16), frags[j])
-        for j in cutlass.range_constexpr(U):
-            v = base + j * 32 + lane
-            if v < num_pieces:
-                cute.autovec_copy(frags[j], gmem_tensor(dtype, dst_addr + Int64(v * 16), layout, 16))
+        left = dests
+        for _ in range(cute.arch.popc(dests)):
+            holder = Int32(cute.arch.clz(cute.arch.brev(left)))  # the lowest destination left
+            left = left & (left - 1)
+            dst = cute.arch.shuffle_sync(dst_addr, holder)
+            for j in cutlass.range_constexpr(U):
+                v = base + j * 32 + lane
+                if v < num_pieces:
+                    cute.autovec_copy(frags[j], gmem_tensor(dtype, dst + Int64(v * 16), layout, 16))
+
+
+@cute.jit
+def copy_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, num_pieces: Int32, lane: Int32):
+    """A warp copies ``num_pieces`` 128-bit pieces from ``src_addr`` to ``dst_addr`` (the same values in
+    every lane): ``copy_row_to_lanes`` with one destination."""
+    copy_row_to_lanes(dtype, src_addr, dst_addr, Int32(1), num_pieces, lane)
 
 
 # -- bounded waits -----------------------------------------------------------------------------------
