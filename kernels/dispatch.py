@@ -62,6 +62,7 @@ from cute_ep.kernels.config import (
     ALGO_DEDUP,
     ALGO_PUT_WARP,
     MODE_ATOMIC,
+    MODE_SCATTER,
     OP_DISPATCH,
     VECTOR_BYTES,
     WARP,
@@ -98,6 +99,13 @@ def bound_for(p: EpParams, t: Int32, j: Int32, end: Int32, d: Int32, kept_only: 
     return same
 
 
+# 128-bit pieces per lane in flight in the dispatch's row copies. With 8 (ROW_COPY_UNROLL) the dispatch
+# kernels, 16 warps at 128 registers, spilled (ptxas: 248 / 308 bytes of spill stores in Dispatch /
+# RankDispatch; ncu at 4096 tokens: 581,632 local-memory requests each); with 4 they use 122 / 128
+# registers and spill nothing, and 16 warps x 4 pieces keep as many bytes in flight per SM as 8 x 8.
+DISPATCH_ROW_UNROLL = 4
+
+
 @cute.jit
 def send_row_to_lanes(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d: Int32, slot: Int32,
                       sends: Int32, row_bytes: Int32, lane: Int32):
@@ -118,7 +126,7 @@ def send_row_to_lanes(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d:
     dst = Int64(0)
     if store != 0:
         dst = nvshmem_ptr(recv_x_base, d) + Int64(slot) * ROW_BYTES
-    copy_row_to_lanes(dtype, src_addr, dst, stores, row_bytes // VECTOR_BYTES, lane)
+    copy_row_to_lanes(dtype, src_addr, dst, stores, row_bytes // VECTOR_BYTES, lane, DISPATCH_ROW_UNROLL)
     n = row_bytes // (dtype.width // 8)
     puts = sends & ~stores
     for _ in range(cute.arch.popc(puts)):
@@ -138,23 +146,17 @@ def send_row(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d: Int32, s
 
 
 @cute.jit
-def send_token_by_lanes(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin: Int32, k_end: Int32,
-                        src_addr: Int64, row_bytes: Int32, lane: Int32):
-    """Expert layout with K <= 32: lane j holds the token's pair j (expert, slot, weight: loaded once, and
-    in atomic mode every pair's slot taken at once, the token's experts being distinct). Each pair's
-    group (the token's pairs bound for its rank) is one ``match_sync``; its primary (the group's first
-    kept pair) the lowest bit of the group's kept lanes. Of the pairs [k_begin, k_end), the row goes in
-    one copy to every pair that receives it (all kept pairs, or under dedup the primaries and the pairs of
-    this rank), and each kept pair's lane writes its weight, source tag and from-slot; with ``groups`` the
-    later members enter their primary's list."""
-    K, El, M, rank = p.topk, p.experts_per_rank, p.max_tokens, p.rank
+def pair_in_lane(p: EpParams, t: Int32, lane: Int32, mode: Int32):
+    """Token t's pair ``lane`` (K <= 32 lanes hold a token): (expert, slot, weight, destination rank), with
+    -1 / -1 / 0.0 / -1 past K or without an expert. The slot is the layout's (-1: dropped for capacity),
+    or in MODE_ATOMIC taken now from the expert's cursor (and written back into ``scatter``)."""
     e = Int32(-1)
     slot = Int32(-1)
     w = Float32(0.0)
-    if lane < K:
+    if lane < p.topk:
         e = p.topk_idx[t, lane]
         w = p.topk_w[t, lane]
-        if p.mode == MODE_ATOMIC:
+        if mode == MODE_ATOMIC:
             if e >= 0:
                 slot = cute.arch.atomic_add(p.cursor.iterator + e, Int32(1))
                 if slot >= p.send_limit[e]:
@@ -164,7 +166,22 @@ def send_token_by_lanes(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin
             slot = p.scatter[t, lane]  # -1: dropped by the layout (capacity)
     d = Int32(-1)
     if e >= 0:
-        d = e // El
+        d = e // p.experts_per_rank
+    return e, slot, w, d
+
+
+@cute.jit
+def send_token_by_lanes(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin: Int32, k_end: Int32,
+                        src_addr: Int64, row_bytes: Int32, lane: Int32):
+    """Expert layout with K <= 32: lane j holds the token's pair j (expert, slot, weight: loaded once, and
+    in atomic mode every pair's slot taken at once, the token's experts being distinct). Each pair's
+    group (the token's pairs bound for its rank) is one ``match_sync``; its primary (the group's first
+    kept pair) the lowest bit of the group's kept lanes. Of the pairs [k_begin, k_end), the row goes in
+    one copy to every pair that receives it (all kept pairs, or under dedup the primaries and the pairs of
+    this rank), and each kept pair's lane writes its weight, source tag and from-slot; with ``groups`` the
+    later members enter their primary's list."""
+    K, M, rank = p.topk, p.max_tokens, p.rank
+    e, slot, w, d = pair_in_lane(p, t, lane, p.mode)
     lt = Int32(cute.arch.lanemask_lt())
     valid = Int32(cute.arch.vote_ballot_sync(d >= 0))
     kept = Int32(cute.arch.vote_ballot_sync(slot >= 0))
@@ -214,16 +231,7 @@ def send_token_by_rank(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin:
     the primaries (a rank's first pair, ``match_sync``) among pairs [k_begin, k_end) each send the row
     and, from lanes j < K, the token's ids and weights masked to that rank's experts."""
     K, El = p.topk, p.experts_per_rank
-    e = Int32(-1)
-    slot = Int32(-1)
-    w = Float32(0.0)
-    if lane < K:
-        e = p.topk_idx[t, lane]
-        slot = p.scatter[t, lane]
-        w = p.topk_w[t, lane]
-    d = Int32(-1)
-    if e >= 0:
-        d = e // El
+    e, slot, w, d = pair_in_lane(p, t, lane, Int32(MODE_SCATTER))  # one order in this layout
     same = Int32(cute.arch.match_sync(cute.arch.FULL_MASK, d))  # lanes bound for the same rank
     lead = Int32(0)
     if d >= 0:

@@ -74,29 +74,6 @@ from cute_ep.kernels.ptx import (
     wait_signal_ge,
 )
 
-
-@cute.jit
-def count_pairs(pair_ids: cute.Tensor, hist: cute.Tensor, invalid: cute.Tensor, start: Int32, end: Int32,
-                warp: Int32, lane: Int32, E: Int32, K: Int32):
-    """Step 1 of the expert layout for the warp's pairs [start, end): a lane per pair, the token's earlier
-    pairs (the repeated-id check) by global loads that the L1 serves."""
-    for i in range(start + lane, end, WARP):
-        e = pair_ids[i]
-        bad = Int32(0)
-        if e < -1:
-            bad = Int32(1)
-        if e >= E:
-            bad = Int32(1)
-        if e >= 0:
-            if e < E:
-                cute.arch.atomic_add(hist.iterator + (warp * E + e), Int32(1))
-                for j in range(i - i % K, i):
-                    if pair_ids[j] == e:
-                        bad = Int32(1)
-        if bad != 0:
-            cute.arch.atomic_add(invalid.iterator, Int32(1))
-
-
 # A token's ids are held in registers when K <= TOKEN_REGS (loaded together, one memory latency per warp
 # step); larger K reads them one at a time from global memory (through the L1).
 TOKEN_REGS = 8
@@ -187,6 +164,17 @@ def pair_fault(token_pairs: cute.Tensor, ids, hist: cute.Tensor, t: Int32, k, ra
                     if token_pairs[t, j] == raw:
                         bad = Int32(1)
     return bad
+
+
+@cute.jit
+def count_pairs(pair_ids: cute.Tensor, token_pairs: cute.Tensor, hist: cute.Tensor, invalid: cute.Tensor,
+                start: Int32, end: Int32, warp: Int32, lane: Int32, E: Int32, K: Int32):
+    """Step 1 of the expert layout for the warp's pairs [start, end): a lane per pair, the token's earlier
+    pairs (the repeated-id check) by global loads that the L1 serves."""
+    for i in range(start + lane, end, WARP):
+        bad = pair_fault(token_pairs, None, hist, i // K, i % K, pair_ids[i], warp, E, False)
+        if bad != 0:
+            cute.arch.atomic_add(invalid.iterator, Int32(1))
 
 
 @cute.jit
@@ -486,7 +474,7 @@ class LayoutKernel(EpKernel):
             else:
                 count_tokens(p.topk_idx, hist, rhist, flags, start, end, warp, lane, E, K, El, R, False)
         else:
-            count_pairs(pair_ids, hist, flags, start, end, warp, lane, E, K)
+            count_pairs(pair_ids, p.topk_idx, hist, flags, start, end, warp, lane, E, K)
         cute.arch.sync_threads()
 
         # 2. the CTA's count row: into its row of parts, and added into the totals row

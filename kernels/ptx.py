@@ -143,7 +143,7 @@ ROW_COPY_UNROLL = 8  # 128-bit pieces per lane in flight while a warp copies a r
 
 @cute.jit
 def copy_row_to_lanes(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, dests: Int32,
-                      num_pieces: Int32, lane: Int32):
+                      num_pieces: Int32, lane: Int32, unroll: cutlass.Constexpr = ROW_COPY_UNROLL):
     """A warp copies ``num_pieces`` 128-bit pieces from ``src_addr`` to the address ``dst_addr`` held by
     each lane whose bit is set in ``dests`` (all 16-byte aligned; a destination may be a peer's memory
     through its NVSHMEM peer pointer). Every lane calls it with the same ``dests``.
@@ -151,12 +151,13 @@ def copy_row_to_lanes(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64
     Why one call for every destination: each piece is loaded once and stored to all of them (a token's
     row bound for several slots or ranks is read from memory once, not once per copy).
     Why unrolled: a warp that loads one piece, stores it and moves on has one load in flight and waits
-    a full memory latency per 512 bytes; ROW_COPY_UNROLL independent loads before the stores hide it.
+    a full memory latency per 512 bytes; ``unroll`` independent loads per lane before the stores hide it
+    (ROW_COPY_UNROLL, or fewer where registers are short: kernels/dispatch.py).
     Why the last step is predicated rather than a loop of single pieces: a row of 7168 bf16 (896 pieces)
     is 3 full steps and 128 pieces, and that tail piece by piece was 4 more latencies per row.
     """
     V = 16 // (dtype.width // 8)
-    U = ROW_COPY_UNROLL
+    U = unroll
     step = U * 32
     layout = cute.make_layout(V)
     for base in range(0, num_pieces, step):

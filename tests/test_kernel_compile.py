@@ -18,7 +18,9 @@ import torch
 
 from cute_ep.bootstrap.compile import ModuleRegistry, compile_kernel, use_cpu_target
 from cute_ep.kernels.config import EpConfig
+from cute_ep.kernels.dispatch import DISPATCH_ROW_UNROLL
 from cute_ep.kernels.host import build
+from cute_ep.kernels.ptx import ROW_COPY_UNROLL
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "half", torch.float32: "float"}
 
@@ -139,10 +141,12 @@ def test_kernels_declare_their_ctas_per_sm(compiled_ptx):
 def test_row_copies_are_128_bit(compiled_ptx):
     _, ptx = compiled_ptx
     kernels = _kernels(ptx)
-    for name in ("Dispatch", "Fanout", "RankDispatch"):
+    # unrolled pieces in flight per lane: ROW_COPY_UNROLL in the fan-out, DISPATCH_ROW_UNROLL in dispatch
+    for name, unroll in (("Dispatch", DISPATCH_ROW_UNROLL), ("Fanout", ROW_COPY_UNROLL),
+                         ("RankDispatch", DISPATCH_ROW_UNROLL)):
         ops = _ops(kernels[name])
-        assert ops["st.global.v4.b32"] >= 8, (name, ops)  # 8 unrolled pieces in flight per lane
-        assert ops["ld.global.v4.b32"] >= 8, (name, ops)
+        assert ops["st.global.v4.b32"] >= unroll, (name, ops)
+        assert ops["ld.global.v4.b32"] >= unroll, (name, ops)
 
 
 def test_layout_steps_use_warp_votes(compiled_ptx):
