@@ -4,8 +4,10 @@ Each CTA sends the contiguous range of tokens ``cta_tokens`` gives it (the layou
 place the same ranges), a warp per token (with fewer tokens than warps in the CTA, in scatter mode
 without FP8, a warp per (token, k) pair). For each k: skip -1; find the slot (precomputed
 ``scatter`` in MODE_SCATTER, or an atomic add on this rank's per-expert cursor in MODE_ATOMIC, written
-back into ``scatter`` for combine); lane 0 ``p``-puts the fp32 weight into ``recv_w[slot]``, the source
-tag (rank * max_tokens + t) * K + k into ``recv_src[slot]`` and ``recv_from[slot]``.
+back into ``scatter`` for combine); ``p``-put the fp32 weight into ``recv_w[slot]``, the source tag
+(rank * max_tokens + t) * K + k into ``recv_src[slot]`` and ``recv_from[slot]``. With K <= 32 lane k
+holds pair k (``pair_in_lane``) and the lanes do this for all pairs at once (``send_token_by_lanes``);
+larger K walks the pairs one at a time, lane 0 writing.
 
 Rank de-duplication (``algo`` ALGO_DEDUP, the default primitive; ALGO_PER_PAIR and ALGO_PUT_WARP send
 every pair's own row, see kernels.config): the row itself crosses the link once per destination RANK,
