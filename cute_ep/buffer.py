@@ -85,7 +85,7 @@ class EpBuffer(BackendBase):
         from cute_ep.kernels.host import Launcher, build, make_pointer, size_scalars
 
         check_dispatch_algorithm(algorithm, allow_auto=True)
-        check_buffer_config(runtime, cfg)
+        check_buffer_config(runtime, cfg, kernels=True)
         self.runtime = runtime
         self.cfg = cfg
         self.rank = runtime.env.rank

@@ -193,23 +193,41 @@ def check_combine_input(cfg: EpConfig, device: torch.device, y: torch.Tensor) ->
         raise ValueError(f"y has {y.shape[0]} rows, more than the capacity {cfg.capacity}")
 
 
-def check_buffer_config(runtime: Any, cfg: EpConfig) -> None:
-    """A buffer's configuration must fit the launch and be the same on every rank (collective).
+def check_buffer_config(runtime: Any, cfg: EpConfig, *, kernels: bool = False) -> None:
+    """A buffer's configuration must fit the launch and be the same on every rank (collective); with
+    ``kernels`` (the GPU backend) ``cfg.num_sms`` must also fit every rank's GPU (``check_sm_budget``).
 
     A mismatch between ranks would otherwise hang in the first kernel; the error names the ranks.
     """
     import torch.distributed as dist
 
     env = runtime.env
+    device = getattr(runtime, "device", None)
+    sms = None  # this rank's GPU's SM count (None: no GPU)
+    if device is not None and device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    mine = (cfg.key(), sms)
     if dist.is_initialized() and dist.get_world_size() > 1:
         # Gather before raising anything, so that every rank raises (none waits alone).
         group = getattr(runtime, "cpu_group", None)
-        keys: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(keys, cfg.key(), group=group)
+        every: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
     else:
-        keys = [cfg.key()]
+        every = [mine]
+    keys = [k for k, _ in every]
     if cfg.world_size != env.world_size:
         raise ConfigError(f"cfg.world_size={cfg.world_size} but the launch has world_size={env.world_size}")
     if any(k != keys[0] for k in keys):
         diff = {r: k for r, k in enumerate(keys) if k != keys[0]}
         raise ConfigError(f"ranks built different EpConfigs: rank 0 has {keys[0]}, others {diff}")
+    if kernels:
+        check_sm_budget(cfg.num_sms, [s for _, s in every if s is not None])
+
+
+def check_sm_budget(num_sms: int, device_sms: list[int]) -> None:
+    """``num_sms`` CTAs of the layout (and of a dispatch with the layout folded in) wait for each other, so
+    they must all be resident at once, one per SM: num_sms may not exceed any rank's GPU's SM count
+    (``device_sms``, one entry per rank with a GPU; empty on CPU runtimes)."""
+    if device_sms and num_sms > min(device_sms):
+        raise ConfigError(f"num_sms must be at most the GPU's SM count, {min(device_sms)} (the layout's "
+                          f"CTAs wait for each other, one per SM), got {num_sms}")

@@ -130,7 +130,8 @@ class EpConfig:
                        dropped silently and counted (``EpBuffer.dropped_rows``).
     capacity:          rows each rank can receive; the default (0) is the least that always fits:
                        min(R * M * min(K, E/R), E/R * expert_capacity). A smaller one is refused.
-    num_sms:           CTAs launched by dispatch/combine (persistent grid-stride loops).
+    num_sms:           CTAs launched by dispatch/combine (persistent grid-stride loops); at most the GPU's
+                       SM count (checked when a buffer is built: the layout's CTAs wait for each other).
     timeout_s:         longest a kernel waits for a peer's signal; past it the kernel records which
                        peer and operation, moves no more data, and the host raises ``PeerTimeout``.
     layout_in_dispatch: dispatches (either receive layout) of at most this many tokens run the layout
