@@ -27,7 +27,7 @@ closed and rebuilt.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import SimpleNamespace
 from typing import Any
 
@@ -57,9 +57,12 @@ from cute_ep.kernels.config import (
     OP_LAYOUT,
     EpConfig,
 )
+from cute_ep.launcher import current_stream_handle
 from cute_ep.status import StatusBlock, capacity_error
 
 __all__ = ["EpBuffer"]
+
+_CURRENT_STREAM = nullcontext()  # the body of a call without ``stream`` runs on the current stream
 
 
 class EpBuffer(BackendBase):
@@ -82,7 +85,8 @@ class EpBuffer(BackendBase):
     def __init__(self, runtime: Any, cfg: EpConfig, registry: Any = None, algorithm: str = "dedup",
                  profile_cache: Any = None) -> None:
         from cute_ep.bootstrap.compile import ModuleRegistry
-        from cute_ep.kernels.host import Launcher, build, make_pointer, size_scalars
+        from cute_ep.kernels.host import build, make_pointer, size_scalars
+        from cute_ep.launcher import Launcher
 
         check_dispatch_algorithm(algorithm, allow_auto=True)
         check_buffer_config(runtime, cfg, kernels=True)
@@ -90,6 +94,8 @@ class EpBuffer(BackendBase):
         self.cfg = cfg
         self.rank = runtime.env.rank
         self.device = runtime.device
+        index = self.device.index
+        self._device_index = torch.cuda.current_device() if index is None else index
         self._closed = False
         self._own_registry = registry is None
         self.registry = registry if registry is not None else ModuleRegistry(device_id=runtime.env.local_rank)
@@ -166,21 +172,25 @@ class EpBuffer(BackendBase):
         x, idx, w = check_dispatch_inputs(self.cfg, self.device, x, topk_idx, topk_weights, values=False)
         t, c = x.shape[0], self.cfg
         by_rank = layout == "rank"
+        # Host work is ordered around the one sync: before the launch only what the kernels write into (the
+        # handle's storage), then the handle while they run; after the status read, only the views whose
+        # length is the count. A tensor operation costs 1.4-5 us of host time on the lent H200's host (a
+        # torch.cat of three 20-37 us, a copy_ 15-19 us), so the calls below are counted.
         with self._on_stream(stream, previous_event, x, idx, w) as on:
-            self.launch_dispatch(x, idx, w, mode, fp8=fp8, algorithm=algorithm, layout=layout)
-            # The handle owns its routing (a caller editing its tensors later cannot change combine):
-            # copies of the int32 words, made by one kernel (enqueued before the status read, so the GPU
-            # makes them while the host waits).
-            parts = [self.tokens_per_expert, self.scatter[:t].reshape(-1), idx.reshape(-1),
-                     w.reshape(-1).view(torch.int32), self.num_recv]
-            owned = torch.cat(parts)
+            # The handle owns its routing (a caller editing its tensors later cannot change combine): one
+            # [3, T, K] int32 block; the layout writes the slots into its first plane and copies the ids
+            # and weights into the others.
+            owned = torch.empty((3, t, c.topk), dtype=torch.int32, device=self.device)
+            scatter, idx_own, w_bits = owned.unbind(0)
+            w_own = w_bits.view(torch.float32)
+            self._enqueue_dispatch(x, idx, w, mode, fp8, algorithm, layout,
+                                   own=(scatter, idx_own, w_own) if t else None)
             event = on.record_event() if stream is not None else None
+            handle = DispatchHandle(idx_own, w_own, scatter, t, mode, layout)
+            self._sent = (handle.topk_idx, handle.topk_weights)
             status = self.status.read() if sync else None
         if stream is not None:  # made on ``stream``, used on the caller's
             owned.record_stream(torch.cuda.current_stream(self.device))
-        tpe, scatter, idx_own, w_own, recv_count = owned.split([p.numel() for p in parts])
-        scatter, idx_own, w_own = scatter.view(t, c.topk), idx_own.view(t, c.topk), w_own.view(torch.float32)
-        w_own = w_own.view(t, c.topk)
         num_recv = c.rank_capacity if by_rank else c.capacity
         if status is not None:
             self._check_ran(status, OP_LAYOUT, OP_DISPATCH, OP_COMBINE)
@@ -189,16 +199,15 @@ class EpBuffer(BackendBase):
                 check_topk_values(c, topk_idx)  # this rank's own inputs: the message names them
                 raise ValueError(f"dispatch: {refused}")
             num_recv = status["num_recv"]
-        handle = DispatchHandle(idx_own, w_own, scatter, t, mode, layout)
-        self._sent = (handle.topk_idx, handle.topk_weights)
         recv_x, recv_scales = self.recv_x[:num_recv], None
         if fp8:  # either layout (the rank layout's num_recv <= cfg.rank_capacity <= cfg.capacity)
             recv_x, recv_scales = self.fp8_views(num_recv)
         # The rank layout's weights are per (row, k); the expert layout's per row.
         recv_w = None if by_rank else self.recv_w[:num_recv]
         per_k = (self.recv_topk_idx[:num_recv], self.recv_topk_w[:num_recv]) if by_rank else (None, None)
-        result = DispatchResult(recv_x, recv_w, self.recv_src[:num_recv], tpe, num_recv, handle, recv_scales,
-                                recv_count, event, *per_k)
+        # tokens_per_expert and the count are the buffer's own (views valid until the next dispatch).
+        result = DispatchResult(recv_x, recv_w, self.recv_src[:num_recv], self.tokens_per_expert, num_recv,
+                                handle, recv_scales, self.num_recv, event, *per_k)
         if status is not None:
             self._take_drops(status["dropped"], result)
         return result
@@ -231,20 +240,28 @@ class EpBuffer(BackendBase):
         ``dropped`` (see ``check_capacity``). Returns a handle that refers to (does not copy) the given
         routing tensors and the buffer's ``scatter``: valid for ``launch_combine`` until the next dispatch.
         """
+        self._enqueue_dispatch(x, topk_idx, topk_weights, mode, fp8, algorithm, layout)
         t = x.shape[0]
+        handle = DispatchHandle(topk_idx, topk_weights, self.scatter[:t], t, mode, layout)
+        self._sent = (topk_idx, topk_weights)
+        return handle
+
+    def _enqueue_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                          mode: str, fp8: bool, algorithm: str | None, layout: str,
+                          own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """One launch of the module: the layout (its own kernel, or folded into the dispatch's CTAs up to
+        cfg.layout_in_dispatch tokens), the dispatch and the fan-out. The slots go to the buffer's
+        ``scatter``, or with ``own`` = (slots, ids, weights), contiguous [T, K] int32 / int32 / fp32
+        tensors, to the first, and the layout copies ``topk_idx`` / ``topk_weights`` into the others."""
         by_rank = layout == "rank"
-        # One launch of the module: the layout (its own kernel, or folded into the dispatch's first CTA up
-        # to cfg.layout_in_dispatch tokens), the dispatch and the fan-out.
         # The rank layout's rows have one order: its slots always come from the layout kernel.
         kernel_mode = MODES["scatter" if by_rank else mode]
-        self._launch(OP_DISPATCH, t, x=x, idx=topk_idx, w=topk_weights, mode=kernel_mode, fp8=fp8,
+        self._launch(OP_DISPATCH, x.shape[0], x=x, idx=topk_idx, w=topk_weights, own=own,
+                     mode=kernel_mode, fp8=fp8,
                      algo=DISPATCH_ALGORITHMS[algorithm or self.algorithm], layout=LAYOUTS[layout],
                      # a reduced-combine buffer makes every expert-layout dispatch record the (token, rank)
                      # groups
                      combine_algo=0 if by_rank else COMBINE_ALGORITHMS[self.cfg.combine_algorithm])
-        handle = DispatchHandle(topk_idx, topk_weights, self.scatter[:t], t, mode, layout)
-        self._sent = (topk_idx, topk_weights)
-        return handle
 
     def launch_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None = None) -> None:
         """Enqueue the combine kernel(s) on the current stream: no checks, no host sync (capturable).
@@ -254,11 +271,15 @@ class EpBuffer(BackendBase):
         handle's combine has one algorithm (``algorithm`` is ignored).
         """
         t = handle.num_tokens
-        if handle.scatter.data_ptr() != self.scatter.data_ptr():  # a handle from dispatch() owns a copy
-            self.scatter[:t].copy_(handle.scatter)
+        # The kernels read the handle's slots where they are (a handle from dispatch() owns a copy): no
+        # copy into the buffer's ``scatter`` unless they are not laid out as it is.
+        scatter = handle.scatter
+        if scatter.dtype != torch.int32 or not scatter.is_contiguous() or scatter.device != self.device:
+            self.scatter[:t].copy_(scatter.reshape(t, self.cfg.topk))
+            scatter = self.scatter
         by_rank = handle.layout == "rank"
         combine_algo = 0 if by_rank else COMBINE_ALGORITHMS[algorithm or self.cfg.combine_algorithm]
-        self._launch(OP_COMBINE, t, idx=handle.topk_idx, w=handle.topk_weights, out=out,
+        self._launch(OP_COMBINE, t, idx=handle.topk_idx, w=handle.topk_weights, out=out, scatter=scatter,
                      combine_algo=combine_algo, layout=LAYOUTS[handle.layout])
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
@@ -350,18 +371,22 @@ class EpBuffer(BackendBase):
 
     # -- internals -------------------------------------------------------------------------------
 
-    @contextmanager
     def _on_stream(self, stream: torch.cuda.Stream | None, previous_event: torch.cuda.Event | None,
-                   *used: torch.Tensor) -> Iterator[torch.cuda.Stream]:
+                   *used: torch.Tensor) -> AbstractContextManager[torch.cuda.Stream | None]:
         """Enqueue the body on ``stream`` after ``previous_event`` (or after the caller's current stream);
         the caller's tensors it uses stay allocated until ``stream`` is done with them. Without a stream,
-        the current one (waiting for ``previous_event`` first, if given)."""
-        caller = torch.cuda.current_stream(self.device)
+        the current one (waiting for ``previous_event`` first, if given; the context's value is then
+        None)."""
         if stream is None:
             if previous_event is not None:
-                caller.wait_event(previous_event)
-            yield caller
-            return
+                torch.cuda.current_stream(self.device).wait_event(previous_event)
+            return _CURRENT_STREAM  # no generator to run: this is every plain call's path
+        return self._on_side_stream(stream, previous_event, used)
+
+    @contextmanager
+    def _on_side_stream(self, stream: torch.cuda.Stream, previous_event: torch.cuda.Event | None,
+                        used: tuple[torch.Tensor, ...]) -> Iterator[torch.cuda.Stream]:
+        caller = torch.cuda.current_stream(self.device)
         if previous_event is not None:
             stream.wait_event(previous_event)
         else:
@@ -397,20 +422,26 @@ class EpBuffer(BackendBase):
         if self._closed:
             raise RuntimeError("this EpBuffer is closed")
 
-    def _launch(self, op: int, num_tokens: int, *, x=None, idx=None, w=None, out=None, mode: int = 0,
-                fp8: bool = False, algo: int = 0, combine_algo: int = 0, layout: int = 0) -> None:
+    def _launch(self, op: int, num_tokens: int, *, x=None, idx=None, w=None, out=None, scatter=None,
+                own=None, mode: int = 0, fp8: bool = False, algo: int = 0, combine_algo: int = 0,
+                layout: int = 0) -> None:
         """Enqueue one op of the module on the current stream (absent or empty per-call tensors are
-        replaced by their stand-ins)."""
-        addrs = {}
-        for name, tensor in (("x", x), ("topk_idx", idx), ("topk_w", w), ("out", out)):
+        replaced by their stand-ins; ``scatter``: the slots to read, default the buffer's own; ``own``:
+        (slots, ids, weights) a dispatch writes into for its handle, see ``_enqueue_dispatch``)."""
+        own_idx = own_w = None
+        if own is not None:
+            scatter, own_idx, own_w = own
+        addrs = {"scatter": (self.scatter if scatter is None else scatter).data_ptr()}
+        for name, tensor in (("x", x), ("topk_idx", idx), ("topk_w", w), ("out", out), ("own_idx", own_idx),
+                             ("own_w", own_w)):
             if tensor is None or not tensor.numel():
                 tensor = self._empty[name]
             addr = addrs[name] = tensor.data_ptr()
             if addr % self._align[name]:
                 raise ValueError(f"{name} must be {self._align[name]}-byte aligned, got address {addr:#x}")
-        self._launcher(torch.cuda.current_stream(self.device).cuda_stream, addrs, op=op, mode=mode,
+        self._launcher(current_stream_handle(self._device_index), addrs, op=op, mode=mode,
                        fp8=int(fp8), algo=algo, combine_algo=combine_algo, layout=layout,
-                       num_tokens=num_tokens)
+                       num_tokens=num_tokens, own_routing=int(own is not None))
         if not torch.cuda.is_current_stream_capturing():  # a captured launch runs only when replayed
             for ran in (OP_LAYOUT, OP_DISPATCH) if op == OP_DISPATCH else (op,):  # OP_DISPATCH: both
                 self._calls[ran] += 1
@@ -419,11 +450,12 @@ class EpBuffer(BackendBase):
         pending, self._drops = self._drops, torch.zeros(self.cfg.num_experts, dtype=torch.int64)
         return pending
 
-    def _take_drops(self, dropped: torch.Tensor, result: Any = None) -> None:
-        """Account for device drop counts just read: raise (policy "raise") or keep them for dropped_rows."""
-        if not bool(dropped.any()):  # the common case, decided before any copy
+    def _take_drops(self, dropped: Any, result: Any = None) -> None:
+        """Account for drop counts just read (a tensor, or the status read's numpy array): raise (policy
+        "raise") or keep them for dropped_rows."""
+        if not dropped.any():  # the common case, decided before any copy
             return
-        counts = dropped.to(torch.int64)  # a copy: ``dropped`` may alias the status block zeroed next
+        counts = torch.as_tensor(dropped).to(torch.int64)  # a copy: ``dropped`` may alias the status block
         self.dropped.zero_()  # enqueued after the kernels that counted them: the next call counts afresh
         if self.cfg.on_overflow == "raise":
             error = capacity_error(self.cfg, counts + self._pending_drops(), result)

@@ -142,7 +142,9 @@ def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x: torch.Tensor, 
         check_topk_values(cfg, topk_idx)
     elif topk_idx.dtype == torch.int64:
         topk_idx = topk_idx.clamp(-2, c.num_experts)
-    return x, topk_idx.to(torch.int32).contiguous(), topk_weights
+    if topk_idx.dtype != torch.int32:  # (contiguous, checked above, and so is the converted copy)
+        topk_idx = topk_idx.to(torch.int32)
+    return x, topk_idx, topk_weights
 
 
 def check_dispatch_call(cfg: EpConfig, device: torch.device, x: torch.Tensor, topk_idx: torch.Tensor,

@@ -151,6 +151,10 @@ BUFFERS: tuple[Buffer, ...] = (
     Buffer("topk_w", lambda s: (s.num_tokens, s.topk), "float32", CALL, ("dispatch", "combine"),
            "weight of each (token, k)"),
     Buffer("out", lambda s: (s.num_tokens, s.hidden), ROW, CALL, ("combine",), "combine output"),
+    Buffer("own_idx", lambda s: (s.num_tokens, s.topk), "int32", CALL, ("layout",),
+           "the dispatch handle's copy of topk_idx (written when own_routing is 1)"),
+    Buffer("own_w", lambda s: (s.num_tokens, s.topk), "float32", CALL, ("layout",),
+           "the dispatch handle's copy of topk_w (written when own_routing is 1)"),
     # -- symmetric: peers read or write them ------------------------------------------------------
     Buffer("recv_x", lambda s: (s.capacity, s.hidden), ROW, SYMMETRIC, ("dispatch",),
            "received rows, expert-major (after an FP8 dispatch: packed FP8 rows, fp8_row_bytes apart)"),
@@ -220,7 +224,7 @@ BY_NAME = {b.name: b for b in BUFFERS}
 OPS = {OP_LAYOUT: "layout", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
 
 # Run-time scalars every launch passes: the call's own, then sizes named as EpConfig's attributes.
-CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "layout", "rank", "num_tokens")
+CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "layout", "rank", "num_tokens", "own_routing")
 SIZE_SCALARS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
                 "expert_capacity", "stage_rows", "num_sms", "timeout_ms", "layout_in_dispatch")
 SCALARS = CALL_SCALARS + SIZE_SCALARS

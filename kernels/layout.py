@@ -48,7 +48,8 @@ Expert counts and tokens_per_expert are as in the expert layout (that layout has
 Outputs (device): scatter [T*K] int32 (-1: id -1 or dropped), send_offsets [E] and cursor [E] int32
 (first slot of this rank's rows for each expert; cursor is the atomic-mode allocator), send_limit [E]
 int32 (end of each expert's kept slots), dropped [E] int32 (accumulated), tokens_per_expert [E/R] and
-num_recv [1] int32 (rows this rank receives), input_fault [2] int32, epochs[OP_LAYOUT] advanced by one.
+num_recv [1] int32 (rows this rank receives), input_fault [2] int32, epochs[OP_LAYOUT] advanced by one;
+with own_routing, own_idx / own_w [T, K]: copies of topk_idx / topk_w (the dispatch handle's).
 """
 
 from __future__ import annotations
@@ -419,6 +420,17 @@ class LayoutKernel(EpKernel):
         warp = tid // WARP
         lane = tid % WARP
         t_first, t_end = cta_tokens(p.num_tokens, bid, NCTA)
+
+        # The dispatch handle's own copy of the CTA's routing (own_routing: ``dispatch()``; a caller may edit
+        # its tensors before combine), here rather than by host-enqueued copies, which cost a driver call
+        # each and run after the kernels, before the status read.
+        if p.own_routing != 0:
+            own_ids = cute.make_tensor(p.own_idx.iterator, cute.make_layout(num_pairs))
+            own_w = cute.make_tensor(p.own_w.iterator, cute.make_layout(num_pairs))
+            pair_w = cute.make_tensor(p.topk_w.iterator, cute.make_layout(num_pairs))
+            for i in range(t_first * K + tid, t_end * K, NT):
+                own_ids[i] = pair_ids[i]
+                own_w[i] = pair_w[i]
 
         smem = cutlass.memory.SmemAllocator()
         # hist[w * E + e]: pairs of warp w routed to expert e; later the warp's running slot base.

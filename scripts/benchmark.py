@@ -34,9 +34,8 @@ and dispatch mode (--modes), with hidden H, top-k K, E experts (defaults: DeepSe
     * dispatch: CUDA events around ``EpBuffer.launch_dispatch`` (the layout kernel, with its count
       exchange, AND the dispatch kernel: both are in the dispatch time).
     * combine: after one real dispatch per input set (for its handle), CUDA events around
-      ``EpBuffer.launch_combine`` (which includes copying the handle's [T, K] int32 slots into the
-      buffer, T*K*4 bytes on the device, before the kernel). One more real combine checks afterwards
-      that every timed launch ran.
+      ``EpBuffer.launch_combine`` (the kernels read the handle's own [T, K] int32 slots in place). One
+      more real combine checks afterwards that every timed launch ran.
     * NCCL (--peers nccl): ``torch.distributed.all_to_all_single`` on the default (NCCL) group moving
       exactly the same rows (this rank's rows grouped by destination rank, self included, built once
       outside the timed region; split sizes exchanged first); for combine the reverse direction. It

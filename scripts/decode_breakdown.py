@@ -25,6 +25,8 @@ CUDA graph sees them (wall time from an idle GPU to the results, median of ``--i
       buffer's default algorithm), each against its kernels' time, the difference being the host's share;
     * that share's parts, each timed alone: the argument checks, enqueueing the kernels (pointers,
       scalars, launches) and, for ``dispatch()``, the status read after the kernels (copy + sync).
+With --host-costs, the host operations those calls are made of are timed alone as well (tensor views and
+copies, a launch of the module with and without a kernel, a stream sync, the status read).
 And DeepEP (--peers deepep; optional: when ``import deep_ep`` fails or the world cannot run it, its
 columns say why) at the same budget (``cute_ep.bench_peers.deepep_num_sms``: the largest even count <=
 min(budget, 128)), on the same inputs, with the same timer (``benchmark.measure_deepep``: checked first;
@@ -93,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout-in-dispatch", type=int, metavar="TOKENS",
                    help="EpConfig.layout_in_dispatch: batches up to this many tokens run the layout inside "
                         "the dispatch launch (0: never); default: EpConfig's")
+    p.add_argument("--host-costs", action="store_true",
+                   help="also time, on the first budget's buffer, the host operations a public call is made "
+                        "of (tensor views, copies, a launch of the module, a stream sync, the status read; "
+                        "us per call, printed and written to the report's meta as host_costs_us, rank 0's)")
     p.add_argument("--out-json", metavar="PATH",
                    help="write the decode report here (rank 0; after every row)")
     p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
@@ -295,6 +301,63 @@ def api_breakdown(buf: Any, s: Any, iters: int) -> dict[str, float]:
     return out
 
 
+HOST_COST_ITERS = 2000  # calls per operation in host_costs (each is a few us)
+
+
+def host_costs(buf: Any, iters: int = HOST_COST_ITERS) -> dict[str, float]:
+    """Host time (us per call, mean of ``iters`` calls after one untimed) of the operations a public call
+    is made of, on ``buf``'s device: torch tensor operations on [T, K] int32 routing tensors (T = 128), and
+    on a GPU also a stream handle, a stream sync of an idle GPU, one launch of the module with no kernel
+    to run and with one (the layout of 0 tokens: collective, every rank makes the same calls), and the
+    status read (idle GPU). What a dispatch or combine costs the host is the sum of what it does of
+    these (docs/design.md, the host path of a call)."""
+    import torch
+
+    from cute_ep.kernels.config import OP_LAYOUT
+    from cute_ep.launcher import current_stream_handle
+
+    dev, k = buf.device, buf.cfg.topk
+    a = torch.zeros(256, k, dtype=torch.int32, device=dev)
+    b = torch.zeros_like(a)
+    ops: dict[str, Callable[[], Any]] = {
+        "view": lambda: a.view(-1),
+        "slice": lambda: a[:128],
+        "empty [3, T, K]": lambda: torch.empty((3, 128, k), dtype=torch.int32, device=dev),
+        "cat of three": lambda: torch.cat((a[:128], b[:128], a[128:])),
+        "split into three": lambda: torch.split_with_sizes(a[:192], (64, 64, 64)),
+        "unbind into three": lambda: a[:192].view(3, 64, k).unbind(0),
+        "Tensor.copy_": lambda: b.copy_(a),
+    }
+    if dev.type == "cuda":
+        index = buf._device_index
+        ops["torch.cuda.current_stream"] = lambda: torch.cuda.current_stream(dev)
+        ops["stream handle (raw)"] = lambda: current_stream_handle(index)
+        ops["stream sync, idle GPU"] = lambda: torch.cuda.synchronize(dev)
+        ops["launch, no kernel"] = lambda: buf._launcher(current_stream_handle(index), {}, op=-1,
+                                                         num_tokens=0)
+        ops["launch, one kernel"] = lambda: buf._launch(OP_LAYOUT, 0, idx=a[:0])
+        ops["status read, idle GPU"] = buf.status.read
+    out = {}
+    for name, fn in ops.items():
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        out[name] = (time.perf_counter() - t0) / iters * 1e6
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    if dev.type == "cuda":
+        buf.check_ran()  # every layout launched above ran
+    return out
+
+
+def format_host_costs(costs: Mapping[str, float]) -> str:
+    """The host-costs table (us per call)."""
+    width = max(len(n) for n in costs)
+    lines = [f"  {name:<{width}} {us:8.2f}" for name, us in costs.items()]
+    return "\n".join(["host costs (us per call, rank 0):", *lines])
+
+
 def decode_report(
     args: argparse.Namespace,
     cfg: Any,
@@ -355,6 +418,11 @@ def decode_report(
             )  # fmt: skip
             rows.append(row)
             say(bp.format_decode_progress(row))
+            if env.rank == 0 and args.out_json:
+                bp.write_decode_json(args.out_json, meta, rows)
+        if getattr(args, "host_costs", False) and "host_costs_us" not in meta:
+            meta["host_costs_us"] = costs = host_costs(buf)
+            say(format_host_costs(costs))
             if env.rank == 0 and args.out_json:
                 bp.write_decode_json(args.out_json, meta, rows)
         buf.close()

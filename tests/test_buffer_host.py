@@ -115,7 +115,8 @@ class _FakeModule:
 
 def test_launcher_writes_only_what_a_call_changes_into_the_storage():
     from cute_ep.kernels.buffers import CALL_SCALARS, SIZE_SCALARS, Pointers
-    from cute_ep.kernels.host import Launcher, size_scalars
+    from cute_ep.kernels.host import size_scalars
+    from cute_ep.launcher import Launcher
 
     cfg = _buffer().cfg
     module = _FakeModule()
@@ -127,7 +128,7 @@ def test_launcher_writes_only_what_a_call_changes_into_the_storage():
     (ints1, ptrs1, stream1), (ints2, ptrs2, stream2) = module.runs
     call1, call2 = dict(zip(CALL_SCALARS, ints1, strict=False)), dict(zip(CALL_SCALARS, ints2, strict=False))
     assert call1 == {"op": 2, "mode": 0, "fp8": 0, "algo": 0, "combine_algo": 1, "layout": 0, "rank": 1,
-                     "num_tokens": 9}
+                     "num_tokens": 9, "own_routing": 0}
     assert call2 == {**call1, "op": 1, "mode": 1, "num_tokens": 5}  # what a call does not name stays
     sizes = ints2[len(CALL_SCALARS):]
     assert sizes == [getattr(cfg, n) for n in SIZE_SCALARS]  # the sizes were written once, at build
@@ -135,6 +136,59 @@ def test_launcher_writes_only_what_a_call_changes_into_the_storage():
     assert by1["x"] == 0x10000 and by1["out"] == 0x20000 and by2["topk_idx"] == 0x30000
     assert by2["recv_x"] == 4096 * (names.index("recv_x") + 1)  # the buffer's own pointers never change
     assert (stream1, stream2) == (77, 78)
+
+
+class _FakePackedModule(_FakeModule):
+    """A stand-in with the DSL's packed-call members: the address list it is called with must be the one
+    packed at build (with its trailing extras), reading the storage as a launch left it."""
+
+    def __init__(self, result: int = 0) -> None:
+        super().__init__()
+        self.cuda_result = ctypes.c_int32(result)
+        self.extras = [ctypes.c_uint64(0xAB), ctypes.c_uint64(0xCD)]  # the result word, a kernel handle
+        self._num_extra_args = len(self.extras)
+        self.packs = 0
+
+    def _get_invoke_packed_args(self, exe):
+        self.packs += 1
+        addrs = [a if isinstance(a, int) else a.value for a in exe]
+        packed = (ctypes.c_void_p * (len(addrs) + 5))()  # larger than needed, as the DSL's reused array
+        for i, a in enumerate(addrs + [ctypes.addressof(v) for v in self.extras]):
+            packed[i] = a
+        return packed
+
+    def capi_func(self, packed) -> None:
+        n, total = len(self.ints), len(self.ints) + len(self.words)
+        assert len(packed) == total + len(self.extras)
+        assert [ctypes.c_uint64.from_address(packed[total + i]).value for i in range(2)] == [0xAB, 0xCD]
+        ints = [ctypes.c_int32.from_address(packed[i]).value for i in range(n)]
+        words = [ctypes.c_uint64.from_address(packed[i]).value for i in range(n, total)]
+        self.runs.append((ints, words[:-1], words[-1]))
+
+    def run_compiled_program(self, exe) -> None:
+        raise AssertionError("the packed path must not repack the arguments")
+
+
+def test_launcher_packs_the_address_list_once_and_checks_the_result():
+    from cute_ep.kernels.buffers import CALL_SCALARS, Pointers
+    from cute_ep.kernels.host import size_scalars
+    from cute_ep.launcher import Launcher
+
+    cfg = _buffer().cfg
+    names = [b.name for b in BUFFERS]
+    own = Pointers(*(4096 * (i + 1) for i in range(len(names))))
+    module = _FakePackedModule()
+    launch = Launcher(module, size_scalars(cfg), own, rank=0)
+    launch(5, {"scatter": 0x40000}, op=3, num_tokens=7)
+    launch(6, {}, op=1, num_tokens=2)
+    assert module.packs == 1  # packed at build, never again
+    (ints1, ptrs1, s1), (ints2, ptrs2, s2) = module.runs
+    assert dict(zip(CALL_SCALARS, ints2, strict=False))["num_tokens"] == 2 and (s1, s2) == (5, 6)
+    assert dict(zip(names, ptrs2, strict=True))["scatter"] == 0x40000  # a pointer keeps its last value
+    failing = _FakePackedModule(result=700)  # cudaErrorIllegalAddress
+    launch = Launcher(failing, size_scalars(cfg), own, rank=0)
+    with pytest.raises(RuntimeError, match=r"launching the cute-ep module failed: .*700"):
+        launch(5, {}, op=1, num_tokens=1)
 
 
 def test_auto_algorithm_takes_the_least_slowest_rank_median():
@@ -200,6 +254,7 @@ def test_a_dispatch_is_one_launch_of_the_module_counting_layout_and_dispatch(mon
     buf = _buffer()
     cfg = buf.cfg
     buf.device = torch.device("cpu")
+    buf._device_index = 0
     buf.algorithm = "dedup"
     buf.scatter = torch.full((cfg.max_tokens, cfg.topk), -1, dtype=torch.int32)
     buf._empty = {b.name: torch.empty(16, dtype=b.torch_dtype(cfg)) for b in buffers_of(CALL)}
@@ -217,3 +272,37 @@ def test_a_dispatch_is_one_launch_of_the_module_counting_layout_and_dispatch(mon
     buf._launch(OP_LAYOUT, 4, idx=idx)  # the layout alone (tests of a rank that stops after it)
     buf._launch(OP_COMBINE, 4, idx=idx, w=w)
     assert buf._calls == [2, 1, 1]
+
+
+def test_combine_reads_the_handles_slots_in_place(monkeypatch):
+    """launch_combine points the kernels at the handle's own slots (a handle from dispatch() owns a copy):
+    no copy into the buffer's ``scatter``; slots laid out otherwise are copied there first. Every launch
+    names its slots, so a dispatch after a combine writes the buffer's own again."""
+    from types import SimpleNamespace
+
+    from cute_ep.kernels.buffers import CALL, buffers_of
+
+    buf = _buffer()
+    cfg = buf.cfg
+    buf.device, buf._device_index, buf.algorithm = torch.device("cpu"), 0, "dedup"
+    buf.scatter = torch.full((cfg.max_tokens, cfg.topk), -1, dtype=torch.int32)
+    buf._empty = {b.name: torch.empty(16, dtype=b.torch_dtype(cfg)) for b in buffers_of(CALL)}
+    buf._align = {b.name: 1 for b in buffers_of(CALL)}
+    seen = []
+    buf._launcher = lambda stream, addrs, **scalars: seen.append(addrs["scatter"])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    t = 3
+    idx = torch.zeros(t, cfg.topk, dtype=torch.int32)
+    w = torch.ones(t, cfg.topk)
+    out = torch.empty(t, cfg.hidden, dtype=cfg.dtype)
+    owned = torch.arange(t * cfg.topk, dtype=torch.int32).view(t, cfg.topk)
+    buf.launch_combine(DispatchHandle(idx, w, owned, t, "scatter"), out, "pull")
+    assert seen[-1] == owned.data_ptr() and int(buf.scatter.max()) == -1  # read in place, nothing copied
+    strided = torch.arange(2 * t * cfg.topk, dtype=torch.int32).view(t, 2 * cfg.topk)[:, ::2]
+    buf.launch_combine(DispatchHandle(idx, w, strided, t, "scatter"), out, "pull")
+    assert seen[-1] == buf.scatter.data_ptr() and torch.equal(buf.scatter[:t], strided)
+    x = torch.zeros(t, cfg.hidden, dtype=cfg.dtype)
+    buf.launch_combine(DispatchHandle(idx, w, owned, t, "scatter"), out, "pull")
+    buf.launch_dispatch(x, idx, w)
+    assert seen[-1] == buf.scatter.data_ptr()

@@ -23,3 +23,23 @@ def test_help_names_what_is_timed():
 def test_bad_tokens_exit_2_naming_the_argument():
     proc = _run("--tokens", "128,zero")
     assert proc.returncode == 2 and "--tokens" in proc.stderr, proc.stderr
+
+
+def test_host_costs_time_the_torch_operations_on_the_cpu():
+    """--host-costs on a CPU stand-in buffer: the torch operations are timed (the GPU-only ones, launches,
+    syncs, the driver copy and the status read, need a CUDA device), each a positive time per call."""
+    from types import SimpleNamespace
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import decode_breakdown as db
+
+    buf = SimpleNamespace(device=torch.device("cpu"), cfg=SimpleNamespace(topk=4))
+    costs = db.host_costs(buf, iters=5)
+    assert list(costs) == ["view", "slice", "empty [3, T, K]", "cat of three", "split into three",
+                           "unbind into three", "Tensor.copy_"]
+    assert all(us > 0 for us in costs.values())
+    table = db.format_host_costs(costs)
+    assert table.startswith("host costs (us per call, rank 0):") and "cat of three" in table
+    assert "--host-costs" in _run("--help").stdout

@@ -1,0 +1,52 @@
+"""The host path's own driver calls (cute_ep.cuda_driver), on the CPU: arguments pass through unchanged
+and an error names the call and the CUresult."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from cute_ep.cuda_driver import CudaDriverError, Driver
+
+
+class _FakeLib:
+    """Stands in for libcuda: records each call; ``fail`` makes every call return that CUresult."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.calls: list[tuple] = []
+
+        def entry(name: str):
+            def fn(*args):
+                self.calls.append((name, *args))
+                return fail
+
+            return fn
+
+        for name in ("cuMemcpyDtoHAsync_v2", "cuStreamSynchronize"):
+            setattr(self, name, entry(name))
+
+        def error_name(code, out):
+            out._obj.value = b"CUDA_ERROR_ILLEGAL_ADDRESS" if code == 700 else None
+            return 0
+
+        self.cuGetErrorName = error_name
+
+
+def test_driver_calls_pass_their_arguments_through():
+    lib = _FakeLib()
+    drv = Driver(lib)
+    drv.copy_to_host(0x1000, 0x2000, 64, 7)
+    drv.synchronize(9)
+    assert lib.calls == [("cuMemcpyDtoHAsync_v2", 0x1000, 0x2000, 64, 7), ("cuStreamSynchronize", 9)]
+    assert lib.cuMemcpyDtoHAsync_v2.restype is ctypes.c_int  # typed: 64-bit addresses are not truncated
+    assert lib.cuMemcpyDtoHAsync_v2.argtypes[1] is ctypes.c_uint64 and lib.cuStreamSynchronize.argtypes
+
+
+def test_driver_errors_name_the_call_and_the_result():
+    drv = Driver(_FakeLib(fail=700))
+    with pytest.raises(CudaDriverError, match=r"cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS"):
+        drv.synchronize(1)
+    drv = Driver(_FakeLib(fail=999))
+    with pytest.raises(CudaDriverError, match=r"cuMemcpyDtoHAsync failed: unknown \(999\)"):
+        drv.copy_to_host(1, 2, 3, 4)
