@@ -45,7 +45,7 @@ from cute_ep.input_checks import (
     check_topk_values,
     resolve_combine_algorithm,
 )
-from cute_ep.kernels.buffers import BUFFERS, CALL, STATUS, SYMMETRIC, Buffer, Pointers, buffers_of
+from cute_ep.kernels.buffers import BUFFERS, CALL, HOST, STATUS, SYMMETRIC, Buffer, Pointers, buffers_of
 from cute_ep.kernels.config import (
     COMBINE_ALGORITHMS,
     DISPATCH_ALGORITHMS,
@@ -137,6 +137,8 @@ class EpBuffer(BackendBase):
         c = self.cfg
         if b.place == STATUS:
             return self.status.views[b.name]
+        if b.place == HOST:
+            return self.status.mirror
         shape, dtype = b.alloc_shape(c), b.torch_dtype(c)
         if b.place == SYMMETRIC and b.is_needed(c):
             import nvshmem.core.interop.torch as nvshmem_torch
@@ -161,7 +163,9 @@ class EpBuffer(BackendBase):
         caller's current stream); the result's ``event`` marks their end on ``stream``. With only
         ``previous_event``, the current stream waits for it first.
 
-        Host syncs: one (the status read: sizes, faults, refused inputs, drops); none with sync=False.
+        Host syncs: one wait for the status (sizes, faults, refused inputs, drops), which the dispatch's
+        last CTA writes into pinned host memory (no copy, no stream sync; the expert layout's fan-out may
+        still run on the stream when the call returns); none with sync=False.
         The ids' values are checked on the device; a refused call raises ``ValueError`` on every rank
         (this rank's own inputs named as before, else the rank that passed invalid ones).
         """
@@ -183,12 +187,19 @@ class EpBuffer(BackendBase):
             owned = torch.empty((3, t, c.topk), dtype=torch.int32, device=self.device)
             scatter, idx_own, w_bits = owned.unbind(0)
             w_own = w_bits.view(torch.float32)
+            # A synced call's status: the dispatch's last CTA writes it into pinned host memory, which the
+            # host polls (no copy, no stream sync); ``read()`` when that is off or did not happen.
+            seq = self.status.next_seq() if sync and self.status.use_mirror() else 0
             self._enqueue_dispatch(x, idx, w, mode, fp8, algorithm, layout,
-                                   own=(scatter, idx_own, w_own) if t else None)
+                                   own=(scatter, idx_own, w_own) if t else None, mirror_seq=seq)
             event = on.record_event() if stream is not None else None
             handle = DispatchHandle(idx_own, w_own, scatter, t, mode, layout)
             self._sent = (handle.topk_idx, handle.topk_weights)
-            status = self.status.read() if sync else None
+            status = None
+            if seq:
+                status = self.status.read_mirror(seq, current_stream_handle(self._device_index))
+            if sync and status is None:
+                status = self.status.read()
         if stream is not None:  # made on ``stream``, used on the caller's
             owned.record_stream(torch.cuda.current_stream(self.device))
         num_recv = c.rank_capacity if by_rank else c.capacity
@@ -248,16 +259,19 @@ class EpBuffer(BackendBase):
 
     def _enqueue_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                           mode: str, fp8: bool, algorithm: str | None, layout: str,
-                          own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                          own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                          mirror_seq: int = 0) -> None:
         """One launch of the module: the layout (its own kernel, or folded into the dispatch's CTAs up to
         cfg.layout_in_dispatch tokens), the dispatch and the fan-out. The slots go to the buffer's
         ``scatter``, or with ``own`` = (slots, ids, weights), contiguous [T, K] int32 / int32 / fp32
-        tensors, to the first, and the layout copies ``topk_idx`` / ``topk_weights`` into the others."""
+        tensors, to the first, and the layout copies ``topk_idx`` / ``topk_weights`` into the others.
+        ``mirror_seq`` (not 0): the dispatch's last CTA mirrors the status block into pinned host memory
+        (``StatusBlock.read_mirror``)."""
         by_rank = layout == "rank"
         # The rank layout's rows have one order: its slots always come from the layout kernel.
         kernel_mode = MODES["scatter" if by_rank else mode]
         self._launch(OP_DISPATCH, x.shape[0], x=x, idx=topk_idx, w=topk_weights, own=own,
-                     mode=kernel_mode, fp8=fp8,
+                     mirror_seq=mirror_seq, mode=kernel_mode, fp8=fp8,
                      algo=DISPATCH_ALGORITHMS[algorithm or self.algorithm], layout=LAYOUTS[layout],
                      # a reduced-combine buffer makes every expert-layout dispatch record the (token, rank)
                      # groups
@@ -423,8 +437,8 @@ class EpBuffer(BackendBase):
             raise RuntimeError("this EpBuffer is closed")
 
     def _launch(self, op: int, num_tokens: int, *, x=None, idx=None, w=None, out=None, scatter=None,
-                own=None, mode: int = 0, fp8: bool = False, algo: int = 0, combine_algo: int = 0,
-                layout: int = 0) -> None:
+                own=None, mirror_seq: int = 0, mode: int = 0, fp8: bool = False, algo: int = 0,
+                combine_algo: int = 0, layout: int = 0) -> None:
         """Enqueue one op of the module on the current stream (absent or empty per-call tensors are
         replaced by their stand-ins; ``scatter``: the slots to read, default the buffer's own; ``own``:
         (slots, ids, weights) a dispatch writes into for its handle, see ``_enqueue_dispatch``)."""
@@ -441,7 +455,7 @@ class EpBuffer(BackendBase):
                 raise ValueError(f"{name} must be {self._align[name]}-byte aligned, got address {addr:#x}")
         self._launcher(current_stream_handle(self._device_index), addrs, op=op, mode=mode,
                        fp8=int(fp8), algo=algo, combine_algo=combine_algo, layout=layout,
-                       num_tokens=num_tokens, own_routing=int(own is not None))
+                       num_tokens=num_tokens, own_routing=int(own is not None), mirror_seq=mirror_seq)
         if not torch.cuda.is_current_stream_capturing():  # a captured launch runs only when replayed
             for ran in (OP_LAYOUT, OP_DISPATCH) if op == OP_DISPATCH else (op,):  # OP_DISPATCH: both
                 self._calls[ran] += 1

@@ -14,19 +14,24 @@ from __future__ import annotations
 import ctypes
 import functools
 
+CUDA_ERROR_NOT_READY = 600  # cuStreamQuery: work is still pending
+
 
 class CudaDriverError(RuntimeError):
     """A driver call returned an error (the message names the call and the CUresult)."""
 
 
 class Driver:
-    """Typed entry points of ``libcuda``: a device-to-host copy on a stream, and a stream sync."""
+    """Typed entry points of ``libcuda``: a device-to-host copy on a stream, a stream sync and query, and
+    the device address of pinned host memory."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         u64, size, ptr = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
         self._lib = lib
         self._dtoh = self._entry("cuMemcpyDtoHAsync_v2", ptr, u64, size, ptr)
         self._sync = self._entry("cuStreamSynchronize", ptr)
+        self._query = self._entry("cuStreamQuery", ptr)
+        self._host_dptr = self._entry("cuMemHostGetDevicePointer_v2", ctypes.POINTER(u64), ptr, ctypes.c_uint)
         self._name = self._entry("cuGetErrorName", ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
 
     def _entry(self, name: str, *argtypes):
@@ -48,6 +53,21 @@ class Driver:
     def synchronize(self, stream: int) -> None:
         """Wait until everything enqueued on ``stream`` has run."""
         self._check("cuStreamSynchronize", self._sync(stream))
+
+    def finished(self, stream: int) -> bool:
+        """Whether everything enqueued on ``stream`` has run (an error of an earlier launch raises)."""
+        code = self._query(stream)
+        if code == CUDA_ERROR_NOT_READY:
+            return False
+        self._check("cuStreamQuery", code)
+        return True
+
+    def device_pointer(self, host: int) -> int | None:
+        """The device address of pinned host memory at ``host`` (None: not mapped for the device)."""
+        out = ctypes.c_uint64()
+        if self._host_dptr(ctypes.byref(out), host, 0):
+            return None
+        return out.value
 
 
 @functools.cache

@@ -99,6 +99,20 @@ class StatusBlock:
         # read on the development machine, the numpy equivalent ~3 us.
         self._slices = {name: slice(first, first + count) for name, (first, count) in self.where.items()}
         self._copy = _raw_copy(self.words, self._host) if self.words.is_cuda else None
+        # The mirror a dispatch's last CTA writes (kernels/dispatch.py, mirror_status): the block, then the
+        # call's sequence number in the last word. Pinned memory is the device's at the same address
+        # (unified addressing); ``mirror_ok`` says the driver confirmed that.
+        self.mirror = torch.zeros(words + 1, dtype=torch.int32, pin_memory=self.words.is_cuda)
+        self._mirror_words = self.mirror.numpy()
+        self.mirror_ok = False
+        self._seq = 0
+        if self.words.is_cuda:
+            from cute_ep.cuda_driver import driver
+
+            lib = driver()
+            self._driver = lib
+            host = self.mirror.data_ptr()
+            self.mirror_ok = lib is not None and lib.device_pointer(host) == host
 
     def _member(self, words: torch.Tensor, name: str) -> torch.Tensor:
         first, count = self.where[name]
@@ -115,7 +129,37 @@ class StatusBlock:
             torch.cuda.current_stream(self.words.device).synchronize()
         else:
             self._host_words[:] = self.words.numpy()
-        host, at = self._host_words, self._slices  # decoded now: the next read overwrites the copy
+        return self._decode(self._host_words)
+
+    def next_seq(self) -> int:
+        """A sequence number for the next mirrored dispatch (``mirror_seq``: 1 .. 2**31 - 1, never 0)."""
+        self._seq = self._seq % (2**31 - 1) + 1
+        return self._seq
+
+    def use_mirror(self) -> bool:
+        """Whether a synced dispatch reads its status from the mirror: the driver mapped it, torch's sync
+        detector is off (with it on, the read goes through torch so that the detector sees it), and the
+        stream is not being captured (a captured kernel writes nothing until replayed: the plain read
+        then raises torch's capture error, as before)."""
+        return (self.mirror_ok and not torch.cuda.get_sync_debug_mode()
+                and not torch.cuda.is_current_stream_capturing())
+
+    def read_mirror(self, seq: int, stream: int) -> dict[str, Any] | None:
+        """``read()``'s dict from the mirror once the dispatch launched with ``mirror_seq = seq`` on
+        ``stream`` has written it: the host polls the mirror's last word (no copy, no stream sync), and
+        every 256 polls asks the driver whether the stream is done. None when the stream finished without
+        that write (the kernel did not run to its end, or an earlier launch's epoch differs): the caller
+        then reads the block itself. A failed launch raises ``CudaDriverError``."""
+        m, w = self._mirror_words, len(self._host_words)
+        polls = 0
+        while m[w] != seq:
+            polls += 1
+            if polls % 256 == 0 and self._driver.finished(stream) and m[w] != seq:
+                return None
+        return self._decode(m[:w])
+
+    def _decode(self, host: np.ndarray) -> dict[str, Any]:
+        at = self._slices  # decoded now: the next read overwrites the copy
         return {
             "epochs": host[at["epochs"]].view(np.int64).tolist(),
             "fault": host[at["fault"]].tolist(),

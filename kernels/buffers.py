@@ -43,6 +43,7 @@ CALL = "call"  # the caller's tensor, passed per call
 SYMMETRIC = "symmetric"  # NVSHMEM symmetric heap: same shape on every rank, peers read / write it
 LOCAL = "local"  # this rank's device memory
 STATUS = "status"  # local, inside the status block the host reads in one copy after a call
+HOST = "host"  # pinned host memory the kernels write through its unified address (the host polls it)
 
 # Rows of ``signals`` [SIGNAL_ROWS, R] uint64: row[p] is raised by peer p (epochs only grow: no resets).
 SIGNAL_COUNT = 0  # the layout's count row from p has arrived (value: layout epoch)
@@ -217,6 +218,10 @@ BUFFERS: tuple[Buffer, ...] = (
            "rows each expert dropped beyond its capacity, accumulated until the host resets it"),
     Buffer("input_fault", lambda s: (INPUT_FAULT_WORDS,), "int32", STATUS, ("layout", "dispatch"),
            "the latest layout's refusal: ranks whose topk_idx was invalid, the lowest of them (-1: none)"),
+    # -- pinned host memory -----------------------------------------------------------------------
+    Buffer("status_mirror", lambda s: (s.status_words + 1,), "int32", HOST, ("dispatch",),
+           "the status block as a dispatch's last CTA saw it (written when mirror_seq is not 0), then "
+           "mirror_seq: the host polls that word instead of copying the block and syncing"),
 )
 
 BUFFER_NAMES = tuple(b.name for b in BUFFERS)
@@ -224,7 +229,8 @@ BY_NAME = {b.name: b for b in BUFFERS}
 OPS = {OP_LAYOUT: "layout", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
 
 # Run-time scalars every launch passes: the call's own, then sizes named as EpConfig's attributes.
-CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "layout", "rank", "num_tokens", "own_routing")
+CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "layout", "rank", "num_tokens", "own_routing",
+                "mirror_seq")
 SIZE_SCALARS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
                 "expert_capacity", "stage_rows", "num_sms", "timeout_ms", "layout_in_dispatch")
 SCALARS = CALL_SCALARS + SIZE_SCALARS
@@ -246,6 +252,10 @@ class _Sizes:
     @property
     def rank_capacity(self):
         return self.world_size * self.max_tokens
+
+    @property
+    def status_words(self):
+        return status_words(self)
 
 
 class Scalars(_Sizes, namedtuple("Scalars", SCALARS)):
@@ -314,3 +324,15 @@ def status_layout(cfg: Any) -> tuple[dict[str, tuple[int, int]], int]:
         where[b.name] = (word, words)
         word += words
     return where, word
+
+
+def status_words(sizes: Any):
+    """The status block's length in int32 words (``status_layout``'s), from host or device sizes."""
+    word = 0
+    for b in buffers_of(STATUS):
+        per = ELEMENT_TYPES[b.dtype][2] // 4
+        word = -(-word // per) * per
+        for n in b.shape(sizes):
+            per = per * n
+        word = word + per
+    return word

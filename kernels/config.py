@@ -250,6 +250,13 @@ class EpConfig:
         return self.world_size * self.max_tokens
 
     @property
+    def status_words(self) -> int:
+        """int32 words of the status block the host reads after a call (``kernels.buffers.status_layout``)."""
+        from cute_ep.kernels.buffers import status_words
+
+        return status_words(self)
+
+    @property
     def expert_capacity(self) -> int:
         """Rows one expert may receive per dispatch: R * M (never drops) unless capacity_factor > 0."""
         most = self.world_size * self.max_tokens

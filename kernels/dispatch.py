@@ -261,6 +261,25 @@ def send_token_by_rank(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin:
             nvshmem_cute.p(element(p.recv_src, row), p.rank * p.max_tokens + t, dj)
 
 
+@cute.jit
+def mirror_status(p: EpParams, NT: cutlass.Constexpr):
+    """The dispatch's last CTA (every thread; NT of them), after the call's status is final: the status
+    block into ``status_mirror`` (pinned host memory), then ``mirror_seq`` into its last word. The host
+    polls that word instead of copying the block and syncing the stream (a driver copy and a stream sync
+    cost it 14 us on an idle H200). The status words were written by other CTAs: volatile loads."""
+    tid, _, _ = cute.arch.thread_idx()
+    W = p.status_words
+    words = cute.make_tensor(cute.recast_ptr(p.epochs.iterator, dtype=Int32), cute.make_layout(W))
+    mirror = p.status_mirror
+    cute.arch.sync_threads()  # thread 0's epoch, above
+    for i in range(tid, W, NT):
+        mirror[i] = ld_volatile_i32(element_addr(words, i))
+    fence_sys()  # each thread's words before the barrier, and so before thread 0's flag
+    cute.arch.sync_threads()
+    if tid == 0:
+        mirror[W] = p.mirror_seq
+
+
 class DispatchKernel(EpKernel):
     """The dispatch kernel (see the module docstring); every size is a run-time argument."""
 
@@ -459,3 +478,5 @@ class DispatchKernel(EpKernel):
             if tid == 0:
                 if fault_free(p.fault):
                     p.epochs[OP_DISPATCH] = epoch
+            if p.mirror_seq != 0:
+                mirror_status(p, self.threads)

@@ -13,6 +13,7 @@ from cute_ep.kernels.buffers import (
     BUFFERS,
     CALL,
     ELEMENT_TYPES,
+    HOST,
     LOCAL,
     ROW,
     SCALARS,
@@ -57,7 +58,7 @@ def test_symmetric_bytes_add_up(change):
 def test_every_buffer_is_declared_once_and_completely():
     assert len(set(BUFFER_NAMES)) == len(BUFFERS)
     for b in BUFFERS:
-        assert b.place in (CALL, SYMMETRIC, LOCAL, STATUS), b
+        assert b.place in (CALL, SYMMETRIC, LOCAL, STATUS, HOST), b
         assert b.dtype == ROW or b.dtype in ELEMENT_TYPES, b
         assert b.ops and set(b.ops) <= {"layout", "dispatch", "combine"}, b
         assert b.doc, b
@@ -119,7 +120,7 @@ class _Sym:
 
 SYMBOLS = dict(num_tokens="T", hidden="H", topk="K", capacity="C", world_size="R", num_experts="E",
                stage_rows="stage_rows", max_tokens="M", fp8_row_bytes="fp8_row_bytes", experts_per_rank="E/R",
-               rank_capacity="R * M", num_sms="num_sms")
+               rank_capacity="R * M", num_sms="num_sms", status_words="S")
 CONDITIONS = {"recv_group": 'only with `combine_algorithm="reduced"`',
               "partials": 'only with `combine_algorithm="reduced"`', "packed": "only when H % 128 == 0",
               "recv_topk_idx": "only with `capacity_factor == 0`",

@@ -23,8 +23,15 @@ class _FakeLib:
 
             return fn
 
-        for name in ("cuMemcpyDtoHAsync_v2", "cuStreamSynchronize"):
+        for name in ("cuMemcpyDtoHAsync_v2", "cuStreamSynchronize", "cuStreamQuery"):
             setattr(self, name, entry(name))
+
+        def host_pointer(out, host, flags):
+            self.calls.append(("cuMemHostGetDevicePointer_v2", host, flags))
+            out._obj.value = host + 7  # as if mapped elsewhere
+            return fail
+
+        self.cuMemHostGetDevicePointer_v2 = host_pointer
 
         def error_name(code, out):
             out._obj.value = b"CUDA_ERROR_ILLEGAL_ADDRESS" if code == 700 else None
@@ -50,3 +57,13 @@ def test_driver_errors_name_the_call_and_the_result():
     drv = Driver(_FakeLib(fail=999))
     with pytest.raises(CudaDriverError, match=r"cuMemcpyDtoHAsync failed: unknown \(999\)"):
         drv.copy_to_host(1, 2, 3, 4)
+
+
+def test_stream_query_and_host_pointer():
+    lib = _FakeLib()
+    drv = Driver(lib)
+    assert drv.finished(3) is True and drv.device_pointer(0x5000) == 0x5007
+    assert Driver(_FakeLib(fail=600)).finished(3) is False  # CUDA_ERROR_NOT_READY: still running
+    assert Driver(_FakeLib(fail=1)).device_pointer(0x5000) is None  # not mapped for the device
+    with pytest.raises(CudaDriverError, match=r"cuStreamQuery failed: CUDA_ERROR_ILLEGAL_ADDRESS"):
+        Driver(_FakeLib(fail=700)).finished(3)  # an earlier launch failed

@@ -5,13 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from _launch import REPO
+from _launch import REPO, run_single
 
 SCRIPT = REPO / "scripts" / "decode_breakdown.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+    return run_single(SCRIPT, *args, timeout=120)
 
 
 def test_help_names_what_is_timed():

@@ -94,3 +94,45 @@ def test_sync_free_dispatch_reports_drops_at_the_next_check(name):
             buf.check_capacity()
         with pytest.raises(CapacityExceeded):
             buf.dispatch(x, idx, w)  # a synced call raises at once
+
+
+class _Stream:
+    """Stands in for the driver's stream query: done after ``after`` queries; ``write`` runs on the
+    query that finds it done (a kernel whose last write lands just then)."""
+
+    def __init__(self, after: int, write=None) -> None:
+        self.after, self.write, self.queries = after, write, 0
+
+    def finished(self, stream: int) -> bool:
+        self.queries += 1
+        done = self.queries >= self.after
+        if done and self.write is not None:
+            self.write()
+        return done
+
+
+def test_status_mirror_is_read_once_its_sequence_number_lands():
+    cfg = host_config()
+    block = StatusBlock(cfg, CPU)
+    w = block.words.numel()
+    assert block.mirror.shape == (w + 1,) and not block.mirror_ok  # a CPU block: the plain read only
+    seq = block.next_seq()
+    assert seq == 1 and block.next_seq() == 2
+    where = block.where
+    mirror = block.mirror
+    mirror[where["num_recv"][0]] = 37
+    mirror[where["dropped"][0] + 1] = 5
+    mirror[w] = 2
+    block._driver = _Stream(after=10**9)
+    status = block.read_mirror(2, stream=0)
+    assert status["num_recv"] == 37 and status["dropped"].tolist()[:2] == [0, 5]
+    assert block._driver.queries == 0  # the word was there: no stream query
+
+    def land():
+        mirror[where["num_recv"][0]] = 41
+        mirror[w] = 3
+
+    block._driver = _Stream(after=3, write=land)  # the write lands as the stream finishes: still read
+    assert block.read_mirror(3, stream=0)["num_recv"] == 41
+    block._driver = _Stream(after=2)  # finished without the write: the caller reads the block itself
+    assert block.read_mirror(4, stream=0) is None and block._driver.queries == 2
