@@ -2,7 +2,9 @@
 
 The status block is every value the host reads after a kernel call (the ``STATUS`` buffers of
 ``kernels.buffers.BUFFERS``: epochs, fault record, num_recv, drop counts) in one int32 tensor, so that
-one device-to-host copy (one sync) reads them all. Importing this module imports no GPU library.
+one device-to-host copy (one sync) reads them all; a synced dispatch reads the copy its last CTA writes
+into pinned host memory instead (the status mirror: no copy, no sync). Importing this module imports no
+GPU library.
 """
 
 from __future__ import annotations
@@ -148,8 +150,8 @@ class StatusBlock:
         """``read()``'s dict from the mirror once the dispatch launched with ``mirror_seq = seq`` on
         ``stream`` has written it: the host polls the mirror's last word (no copy, no stream sync), and
         every 256 polls asks the driver whether the stream is done. None when the stream finished without
-        that write (the kernel did not run to its end, or an earlier launch's epoch differs): the caller
-        then reads the block itself. A failed launch raises ``CudaDriverError``."""
+        that write (the dispatch kernel did not run to its end): the caller then reads the block itself,
+        which names what happened. A failed launch raises ``CudaDriverError``."""
         m, w = self._mirror_words, len(self._host_words)
         polls = 0
         while m[w] != seq:
