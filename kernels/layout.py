@@ -179,6 +179,28 @@ def count_pairs(pair_ids: cute.Tensor, token_pairs: cute.Tensor, hist: cute.Tens
 
 
 @cute.jit
+def lane_token(token_pairs: cute.Tensor, base: Int32, lane: Int32, t_start: Int32, t_end: Int32, K: Int32,
+               regs: cutlass.Constexpr):
+    """The rank layout's walks take a lane per token, 32 tokens per warp step: the lane's token of the step
+    starting at ``base`` as (t, live: t < t_end, its ids: ``token_regs`` when ``regs``, else None)."""
+    t = base + lane
+    live = t < t_end
+    ids = None
+    if cutlass.const_expr(regs):
+        ids = token_regs(token_pairs, t, live, t_start, K)
+    return t, live, ids
+
+
+@cute.jit
+def ranks_in_word(R: Int32, d0: Int32) -> Int32:
+    """Destination ranks d0 .. d0 + n - 1 share a 32-bit word of ``rank_bits``: n = min(R - d0, 32)."""
+    n = R - d0
+    if n > WARP:
+        n = WARP
+    return n
+
+
+@cute.jit
 def count_tokens(token_pairs: cute.Tensor, hist: cute.Tensor, rhist: cute.Tensor, invalid: cute.Tensor,
                  t_start: Int32, t_end: Int32, warp: Int32, lane: Int32, E: Int32, K: Int32, El: Int32,
                  R: Int32, regs: cutlass.Constexpr):
@@ -187,11 +209,7 @@ def count_tokens(token_pairs: cute.Tensor, hist: cute.Tensor, rhist: cute.Tensor
     counts the step's tokens bound there (``rhist``, lane 0 of the warp keeps the running count).
     ``regs``: K <= TOKEN_REGS, the ids in registers."""
     for base in range(t_start, t_end, WARP):  # warp-uniform bounds: every lane votes
-        t = base + lane
-        live = t < t_end
-        ids = None
-        if cutlass.const_expr(regs):
-            ids = token_regs(token_pairs, t, live, t_start, K)
+        t, live, ids = lane_token(token_pairs, base, lane, t_start, t_end, K, regs)
         bad = Int32(0)
         if live:
             if cutlass.const_expr(regs):
@@ -204,10 +222,7 @@ def count_tokens(token_pairs: cute.Tensor, hist: cute.Tensor, rhist: cute.Tensor
             cute.arch.atomic_add(invalid.iterator, bad)
         for d0 in range(0, R, WARP):
             bits = rank_bits(token_pairs, ids, t, live, K, E, El, d0, regs)
-            nb = R - d0
-            if nb > WARP:
-                nb = WARP
-            for b in range(nb):
+            for b in range(ranks_in_word(R, d0)):
                 ballot = cute.arch.vote_ballot_sync(((bits >> b) & 1) != 0)
                 if lane == 0:
                     rhist[warp * R + d0 + b] = rhist[warp * R + d0 + b] + cute.arch.popc(ballot)
@@ -232,20 +247,13 @@ def place_tokens(token_pairs: cute.Tensor, token_slots: cute.Tensor, rhist: cute
     row. Pairs with no valid id, and every pair of a refused call, get -1. ``regs`` as in count_tokens."""
     lt = cute.arch.lanemask_lt()
     for base in range(t_start, t_end, WARP):  # warp-uniform bounds: every lane votes
-        t = base + lane
-        live = t < t_end
-        ids = None
-        if cutlass.const_expr(regs):
-            ids = token_regs(token_pairs, t, live, t_start, K)
+        t, live, ids = lane_token(token_pairs, base, lane, t_start, t_end, K, regs)
         if live:
             for k in range(K):
                 token_slots[t, k] = Int32(-1)
         for d0 in range(0, R, WARP):
             bits = rank_bits(token_pairs, ids, t, live, K, E, El, d0, regs)
-            nb = R - d0
-            if nb > WARP:
-                nb = WARP
-            for b in range(nb):
+            for b in range(ranks_in_word(R, d0)):
                 d = d0 + b
                 bound = ((bits >> b) & 1) != 0
                 ballot = cute.arch.vote_ballot_sync(bound)
