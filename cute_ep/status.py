@@ -216,16 +216,16 @@ def _raw_copy(words: torch.Tensor, host: torch.Tensor) -> Callable[[], None] | N
     more host time per read on the lent H200's host (its dispatch, an event for the pinned block, a Stream
     object). None without the driver library (the torch path then)."""
     from cute_ep.cuda_driver import driver
+    from cute_ep.launcher import current_stream_handle
 
     lib = driver()
     if lib is None:
         return None
     dst, src, nbytes = host.data_ptr(), words.data_ptr(), words.numel() * words.element_size()
     index = words.device.index
-    current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
     def copy() -> None:
-        stream = current(index) if current is not None else torch.cuda.current_stream(index).cuda_stream
+        stream = current_stream_handle(index)
         lib.copy_to_host(dst, src, nbytes, stream)
         lib.synchronize(stream)
 

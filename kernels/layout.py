@@ -529,25 +529,20 @@ class LayoutKernel(EpKernel):
             self.exchange_and_offsets(p, epoch, colsum, scan, flags)
         else:
             wait_for_leader(p, epoch * 2 - Int64(1), epoch)
-        # Each CTA's warps' first slots (rows) relative to this rank's first one per expert (destination
-        # rank): the earlier CTAs' counts (summed into colsum: the leader is done with it by now), then the
-        # earlier warps'.
+        # The columns slots are placed by: experts (per-warp counts in hist, parts' columns 0 .. E - 1), or in
+        # the rank layout destination ranks (rhist, parts' columns E + 1 .. E + R).
+        base_of, col0, ncol = hist, Int32(0), E
         if cutlass.const_expr(by_rank):
-            sum_earlier_ctas(parts, E + 1, R, bid, colsum, NT)
-            for d in range(tid, R, NT):
-                run = colsum[d]
-                for w in range(NW):
-                    c = rhist[w * R + d]
-                    rhist[w * R + d] = run
-                    run = run + c
-        else:
-            sum_earlier_ctas(parts, Int32(0), E, bid, colsum, NT)
-            for e in range(tid, E, NT):
-                run = colsum[e]
-                for w in range(NW):
-                    c = hist[w * E + e]
-                    hist[w * E + e] = run
-                    run = run + c
+            base_of, col0, ncol = rhist, E + 1, R
+        # Each CTA's warps' first slots (rows) relative to this rank's first one per column: the earlier
+        # CTAs' counts (summed into colsum: the leader is done with it by now), then the earlier warps'.
+        sum_earlier_ctas(parts, col0, ncol, bid, colsum, NT)
+        for col in range(tid, ncol, NT):
+            run = colsum[col]
+            for w in range(NW):
+                c = base_of[w * ncol + col]
+                base_of[w * ncol + col] = run
+                run = run + c
         if not leader:
             wait_for_leader(p, epoch * 2, epoch)
         cute.arch.sync_threads()
@@ -558,16 +553,10 @@ class LayoutKernel(EpKernel):
         refused = flags[1] != 0
 
         # 3c. the absolute bases: this rank's first slot of each expert (first row on each destination rank)
-        if cutlass.const_expr(by_rank):
-            for d in range(tid, R, NT):
-                first_row = ld_volatile_i32(element_addr(parts, (BASES, E + 1 + d)))
-                for w in range(NW):
-                    rhist[w * R + d] = rhist[w * R + d] + first_row
-        else:
-            for e in range(tid, E, NT):
-                first_slot = ld_volatile_i32(element_addr(parts, (BASES, e)))
-                for w in range(NW):
-                    hist[w * E + e] = hist[w * E + e] + first_slot
+        for col in range(tid, ncol, NT):
+            first = ld_volatile_i32(element_addr(parts, (BASES, col0 + col)))
+            for w in range(NW):
+                base_of[w * ncol + col] = base_of[w * ncol + col] + first
         cute.arch.sync_threads()
 
         # 4. scatter slots. Expert layout: 32 pairs per warp step in row-major order; a pair's slot is its
