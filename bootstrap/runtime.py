@@ -1,4 +1,4 @@
-"""Process group and NVSHMEM lifecycle for one process of a launch (one process per GPU).
+"""Process group and NVSHMEM lifecycle for one process of a launch (one or several processes per GPU).
 
 Usage::
 
@@ -10,9 +10,10 @@ Usage::
 Two backends:
 
 * ``"gloo"``: CPU only, a plain gloo process group. Used by the torch reference path and by CI.
-* ``"nvshmem"``: binds the GPU, starts a ``cpu:gloo,cuda:nccl`` process group plus a separate gloo
-  group, sizes the NVSHMEM symmetric heap, broadcasts NVSHMEM's unique id over gloo and initialises
-  NVSHMEM with the *global* rank.
+* ``"nvshmem"``: binds the GPU (local rank r: GPU r % G, ``bootstrap/gpu_share.py``), starts a
+  ``cpu:gloo,cuda:nccl`` process group plus a separate gloo group (gloo only when ranks share a GPU:
+  NCCL refuses that), sizes the NVSHMEM symmetric heap, broadcasts NVSHMEM's unique id over gloo and
+  initialises NVSHMEM with the *global* rank.
 
 This module must import on machines without a GPU, so torch, NVSHMEM and cuda.core are imported
 inside the functions that need them.
@@ -30,6 +31,17 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .dist_env import DistEnv
+from .gpu_share import (
+    MPS_PERCENTAGE_VAR,
+    GpuPlacement,
+    GpuShareError,
+    gpus_in_use,
+    mps_missing_message,
+    mps_thread_percentage,
+    place,
+    sm_share,
+    world_group_backend,
+)
 
 if TYPE_CHECKING:
     import numpy
@@ -42,6 +54,7 @@ __all__ = [
     "Runtime",
     "configure_symmetric_heap",
     "format_size",
+    "check_heap_fits",
     "heap_bytes_for",
     "parse_size",
     "share_unique_id",
@@ -65,6 +78,15 @@ TIB = 1 << 40
 HEAP_HEADROOM = 1.25
 HEAP_RESERVE_BYTES = 256 * MIB
 HEAP_MIN_BYTES = 2 * GIB
+# Ranks that share a GPU share its memory too: there the heap is the buffers plus 1/16, the same reserve,
+# rounded to 256 MiB (8 ranks at DeepSeek-V3 shapes, max_tokens 4096: 7.03 GiB of buffers, 7.75 GiB heaps,
+# 62 GiB in all, where the padded rule's 10 GiB heaps would not fit one 80 GB GPU).
+SHARED_HEAP_HEADROOM = 1 / 16
+SHARED_HEAP_GRANULE = 256 * MIB
+SHARED_HEAP_MIN_BYTES = GIB
+# GPU memory a rank needs beside its heap (CUDA context, NVSHMEM's own state, the compiled module, torch's
+# allocations for a call's inputs and outputs): what the fit check counts per rank on a shared GPU.
+RANK_OVERHEAD_BYTES = GIB
 
 
 class HeapConfigError(ValueError):
@@ -76,13 +98,18 @@ class HeapConfigError(ValueError):
 # --------------------------------------------------------------------------------------------------
 
 
-def heap_bytes_for(buffers_bytes: int) -> int:
+def heap_bytes_for(buffers_bytes: int, *, shared_gpu: bool = False) -> int:
     """Symmetric heap size (bytes) to request for `buffers_bytes` of symmetric buffers.
 
-    ``ceil_GiB(buffers * 1.25 + 256 MiB)``, at least 2 GiB.
+    ``ceil_GiB(buffers * 1.25 + 256 MiB)``, at least 2 GiB; with `shared_gpu` (the host's ranks share
+    GPUs) ``ceil_256MiB(buffers * 17/16 + 256 MiB)``, at least 1 GiB.
     """
     if buffers_bytes < 0:
         raise ValueError(f"buffers_bytes={buffers_bytes} is negative")
+    if shared_gpu:
+        wanted = buffers_bytes + math.ceil(buffers_bytes * SHARED_HEAP_HEADROOM) + HEAP_RESERVE_BYTES
+        rounded = -(-wanted // SHARED_HEAP_GRANULE) * SHARED_HEAP_GRANULE
+        return max(rounded, SHARED_HEAP_MIN_BYTES)
     wanted = math.ceil(buffers_bytes * HEAP_HEADROOM) + HEAP_RESERVE_BYTES
     rounded = -(-wanted // GIB) * GIB
     return max(rounded, HEAP_MIN_BYTES)
@@ -159,6 +186,39 @@ def configure_symmetric_heap(
     return value
 
 
+def check_heap_fits(
+    heap: str,
+    ranks_per_gpu: int,
+    gpu_bytes: int,
+    fit_hint: Callable[[int], str] | None = None,
+) -> None:
+    """Refuse heaps that cannot all fit one GPU: ``ranks_per_gpu`` ranks, each with a heap of ``heap``
+    (NVSHMEM_SYMMETRIC_SIZE) and ``RANK_OVERHEAD_BYTES`` beside it, in ``gpu_bytes``. The error names the
+    sizes and what fits: the symmetric buffers one rank may have, and ``fit_hint(that many bytes)`` (a
+    sentence naming a configuration that fits) when given."""
+    each = parse_size(heap)
+    need = ranks_per_gpu * (each + RANK_OVERHEAD_BYTES)
+    if need <= gpu_bytes:
+        return
+    # The largest buffer total whose shared-GPU heap (rounded up to the granule) still fits a rank's room.
+    granule = SHARED_HEAP_GRANULE
+    heap_room = (gpu_bytes // ranks_per_gpu - RANK_OVERHEAD_BYTES) // granule * granule
+    room = max(0, math.floor((heap_room - HEAP_RESERVE_BYTES) / (1 + SHARED_HEAP_HEADROOM)) - 1)
+    hint = f"; {fit_hint(room)}" if fit_hint is not None and room > 0 else ""
+    raise HeapConfigError(
+        f"{ranks_per_gpu} ranks share a GPU of {format_gib(gpu_bytes)}, and each needs a symmetric heap of "
+        f"{format_gib(each)} ({HEAP_ENV_VAR}={heap}) plus about {format_gib(RANK_OVERHEAD_BYTES)} beside it: "
+        f"{format_gib(need)} in all. What fits: at most {format_gib(room)} of symmetric buffers per rank "
+        f"(EpConfig.symmetric_bytes(); it grows with world_size x max_tokens x topk){hint}; or fewer ranks "
+        f"per GPU"
+    )
+
+
+def format_gib(nbytes: int) -> str:
+    """'7.03 GiB'."""
+    return f"{nbytes / GIB:.2f} GiB"
+
+
 # --------------------------------------------------------------------------------------------------
 # unique id broadcast
 # --------------------------------------------------------------------------------------------------
@@ -206,7 +266,8 @@ class Runtime:
 
     Attributes after `start()`: `env`, `backend`, `group` (default group), `cpu_group` (a gloo group
     for host-side collectives), `device` (torch.device), `symmetric_size` (NVSHMEM_SYMMETRIC_SIZE in
-    force, or None for gloo).
+    force, or None for gloo); with "nvshmem" also `placement` (`GpuPlacement`: the GPU and how many
+    ranks share it), `device_sms` and `sm_share` (the SMs this rank may count on).
     """
 
     def __init__(
@@ -216,6 +277,7 @@ class Runtime:
         symmetric_bytes: int = 0,
         backend: str = "nvshmem",
         timeout: timedelta | None = None,
+        fit_hint: Callable[[int], str] | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -225,10 +287,17 @@ class Runtime:
         self.backend = backend
         self.symmetric_bytes = symmetric_bytes
         self.timeout = timeout
+        self.fit_hint = fit_hint  # symmetric bytes a rank may have -> a sentence naming a config that fits
         self.group: Any = None
         self.cpu_group: Any = None
         self.device: torch.device | None = None
         self.symmetric_size: str | None = None
+        self.placement: GpuPlacement | None = None  # nvshmem: this rank's GPU and who shares it
+        self.device_sms: int | None = None  # nvshmem: the GPU's SM count
+        self.sm_share: int | None = None  # nvshmem: SMs this rank may count on (its share of the GPU)
+        self.mps: bool | None = None  # nvshmem on a shared GPU: whether CUDA MPS serves it
+        self.mps_sm_limit: int | None = None  # nvshmem: SMs MPS lets this process use, when fewer than all
+        self._mps_env_set_here = False
         self._finalizers: list[Callable[[], object]] = []
         self._owns_process_group = False
         self._heap_env_set_here = False
@@ -283,37 +352,59 @@ class Runtime:
         import torch.distributed as dist
 
         env = self.env
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend='nvshmem' needs CUDA, but torch.cuda.is_available() is False")
-        count = torch.cuda.device_count()
-        if env.local_rank >= count:
+        # Where this rank goes, from the GPU count (NVML: CUDA is not initialised by it): local rank r binds
+        # GPU r % G, and ranks beyond the GPU count share one (bootstrap/gpu_share.py).
+        visible = torch.cuda.device_count()
+        if visible == 0:
             raise RuntimeError(
-                f"local rank {env.local_rank} has no GPU: this host shows {count} "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+                "backend='nvshmem' needs a CUDA GPU, but torch.cuda.device_count() is 0: on a machine "
+                "without a GPU use Runtime(env, backend='gloo') with ReferenceEpBuffer (scripts: "
+                "--backend reference)"
             )
+        placement = place(env.local_rank, env.physical_local_world_size, gpus_in_use(visible, os.environ))
+        # A rank that shares its GPU takes its share of the threads under MPS, unless the user chose a
+        # percentage. MPS reads it when the process first initialises CUDA, so it is set before any CUDA
+        # call here; a process that initialised CUDA earlier runs unlimited (its share is then computed).
+        if placement.ranks_per_gpu > 1 and not os.environ.get(MPS_PERCENTAGE_VAR, "").strip():
+            os.environ[MPS_PERCENTAGE_VAR] = str(mps_thread_percentage(placement.ranks_per_gpu))
+            self._mps_env_set_here = True
+        self.placement = placement
         # Heap size first: NVSHMEM reads the variable when it initialises, and a user error here
         # should surface before any rendezvous.
         # Remember whether the size is ours: a later Runtime in this process must not take it for
         # the user's setting.
         self._heap_env_set_here = HEAP_ENV_VAR not in os.environ
         self.symmetric_size = configure_symmetric_heap(
-            heap_bytes_for(self.symmetric_bytes), minimum_bytes=self.symmetric_bytes
+            heap_bytes_for(self.symmetric_bytes, shared_gpu=placement.shared),
+            minimum_bytes=self.symmetric_bytes,
         )
+        if placement.ranks_per_gpu > 1:
+            total = torch.cuda.get_device_properties(placement.gpu).total_memory
+            check_heap_fits(self.symmetric_size, placement.ranks_per_gpu, total, self.fit_hint)
 
-        torch.cuda.set_device(env.local_rank)
-        self.device = torch.device("cuda", env.local_rank)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=self.device, **self._init_kwargs())
+        torch.cuda.set_device(placement.gpu)
+        self.device = torch.device("cuda", placement.gpu)
+        torch.cuda.init()
+        self._measure_sm_share(placement)
+
+        # NCCL refuses two ranks on one GPU: a launch that shares one keeps every collective on gloo.
+        backend = world_group_backend(placement)
+        device_id = {} if placement.shared else {"device_id": self.device}
+        dist.init_process_group(backend, **device_id, **self._init_kwargs())
         self._owns_process_group = True
         self.group = dist.group.WORLD
-        # A pure gloo group keeps host-side traffic (the unique id, barriers) off NCCL.
-        gloo_kwargs: dict[str, Any] = {"backend": "gloo"}
-        if self.timeout is not None:
-            gloo_kwargs["timeout"] = self.timeout
-        self.cpu_group = dist.new_group(**gloo_kwargs)
+        if placement.shared:
+            self.cpu_group = self.group
+        else:
+            # A pure gloo group keeps host-side traffic (the unique id, barriers) off NCCL.
+            gloo_kwargs: dict[str, Any] = {"backend": "gloo"}
+            if self.timeout is not None:
+                gloo_kwargs["timeout"] = self.timeout
+            self.cpu_group = dist.new_group(**gloo_kwargs)
 
         import nvshmem.core as nvshmem
 
-        device = _cuda_core_device(env.local_rank)
+        device = _cuda_core_device(placement.gpu)
         device.set_current()  # NVSHMEM initialises on the current context: make it this GPU's
 
         if env.rank == 0:
@@ -334,6 +425,29 @@ class Runtime:
             raise RuntimeError(
                 f"NVSHMEM reports PE {pe} of {npes}, expected rank {env.rank} of {env.world_size}"
             )
+
+    def _measure_sm_share(self, placement: GpuPlacement) -> None:
+        """The GPU's SM count and this rank's share of it; refuse a shared GPU that MPS does not serve.
+
+        Under an MPS active-thread limit this process's device attributes report its limit, so the GPU's
+        own count comes from a child process without one; the share is the least of the limit and an even
+        split of the GPU."""
+        import torch
+
+        from cute_ep.cuda_driver import driver, unlimited_sm_count
+
+        limit = torch.cuda.get_device_properties(self.device).multi_processor_count
+        lib = driver()
+        context_sms = lib.context_sm_count() if lib is not None else None
+        limit = min(limit, context_sms or limit)
+        self.device_sms = limit
+        if placement.ranks_per_gpu > 1:
+            self.mps = lib.mps_enabled(placement.gpu) if lib is not None else None
+            if self.mps is False:
+                raise GpuShareError(mps_missing_message(placement.gpu, placement.ranks_per_gpu))
+            self.device_sms = max(unlimited_sm_count(placement.gpu) or limit, limit)
+        self.mps_sm_limit = limit if limit < self.device_sms else None
+        self.sm_share = sm_share(self.device_sms, placement.ranks_per_gpu, limit)
 
     def add_finalizer(self, fn: Callable[[], object]) -> None:
         """Register `fn` to run at `close()`, before NVSHMEM is finalised; run in reverse order."""
@@ -395,6 +509,9 @@ class Runtime:
         if self._heap_env_set_here:
             os.environ.pop(HEAP_ENV_VAR, None)
             self._heap_env_set_here = False
+        if self._mps_env_set_here:
+            os.environ.pop(MPS_PERCENTAGE_VAR, None)
+            self._mps_env_set_here = False
 
         if errors and not swallow:
             raise errors[0]
@@ -431,9 +548,11 @@ def start(
     symmetric_bytes: int = 0,
     backend: str = "nvshmem",
     timeout: timedelta | None = None,
+    fit_hint: Callable[[int], str] | None = None,
 ) -> Runtime:
     """Create and start a `Runtime`; use it as ``with start(env, ...) as rt:``."""
-    return Runtime(env, symmetric_bytes=symmetric_bytes, backend=backend, timeout=timeout).start()
+    return Runtime(env, symmetric_bytes=symmetric_bytes, backend=backend, timeout=timeout,
+                   fit_hint=fit_hint).start()
 
 
 def _cuda_core_device(index: int) -> Any:

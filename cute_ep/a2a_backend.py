@@ -142,7 +142,8 @@ class A2aEpBuffer(HostEpBuffer):
     """Same public API as ``cute_ep.buffer.EpBuffer``, built on ``all_to_all_single`` (module docstring).
 
     runtime:     a started ``cute_ep.bootstrap.runtime.Runtime`` ("nvshmem": rows move over the NCCL
-                 part of its process group; "gloo": over gloo on the CPU). Anything with ``env``,
+                 part of its process group, or through host memory over gloo when ranks share a GPU;
+                 "gloo": over gloo on the CPU). Anything with ``env``,
                  ``device`` and ``group`` / ``cpu_group`` attributes works, e.g. in a world of one.
     cfg:         the ``EpConfig``; world_size must match the runtime's.
     preallocate: allocate the receive buffers at ``cfg.capacity`` rows now (as EpBuffer does), instead
@@ -165,6 +166,10 @@ class A2aEpBuffer(HostEpBuffer):
                     f"cfg.world_size is {cfg.world_size}"
                 )
         self._distributed = initialised and cfg.world_size > 1
+        # Ranks that share a GPU have a gloo-only group (NCCL refuses them): their CUDA rows then travel
+        # through host memory, the same bytes in the same order.
+        self._via_host = (self._distributed and self.device.type == "cuda"
+                          and dist.get_backend(self.group) == "gloo")
         self._calls = 0
         self._token = object()
 
@@ -476,6 +481,7 @@ class A2aEpBuffer(HostEpBuffer):
         """Every rank's 1-D int64 ``row`` (same length everywhere), stacked [R, len] on the CPU."""
         if not self._distributed:
             return row[None].cpu()
+        row = row.cpu() if self._via_host else row
         parts = [torch.empty_like(row) for _ in range(self.cfg.world_size)]
         dist.all_gather(parts, row, group=self.group)
         return torch.stack(parts).cpu()
@@ -494,6 +500,11 @@ class A2aEpBuffer(HostEpBuffer):
     def _all_to_all(self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]) -> None:
         if not self._distributed:
             out.copy_(inp)
+            return
+        if self._via_host:
+            staged = torch.empty(out.shape, dtype=out.dtype)
+            dist.all_to_all_single(staged, inp.cpu(), out_splits, in_splits, group=self.group)
+            out.copy_(staged)
             return
         dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
 

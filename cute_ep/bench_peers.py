@@ -99,6 +99,9 @@ __all__ = [
     "load_results",
     "pairs_per_expert",
     "parse_num_sms",
+    "resolve_num_sms",
+    "least_sm_share",
+    "SHARE_BUDGET",
     "parse_peers",
     "peer_fields",
     "plot_peers",
@@ -170,26 +173,51 @@ def parse_peers(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+SHARE_BUDGET = 0  # "max" in --num-sms: each rank's share of its GPU, a number once the runtime is up
+
+
 def parse_num_sms(text: str) -> list[int]:
-    """ "24,48,132" -> [24, 48, 132] (order kept, duplicates removed): SM budgets, each an integer >= 1.
+    """ "24,48,132" -> [24, 48, 132] (order kept, duplicates removed): SM budgets, each an integer >= 1 or
+    "max" (``SHARE_BUDGET``: the rank's share of its GPU, all of it when the rank has the GPU to itself;
+    ``resolve_num_sms`` turns it into a number).
 
     Raises BenchReportError naming the offending value and the constraint."""
     parts = _split(text)
     if not parts:
-        raise BenchReportError(f"--num-sms must list SM budgets (integers >= 1), got {text!r}")
+        raise BenchReportError(f"--num-sms must list SM budgets (integers >= 1 or max), got {text!r}")
     values = []
     for p in parts:
+        if p.lower() == "max":
+            values.append(SHARE_BUDGET)
+            continue
         try:
             v = int(p)
         except ValueError:
             raise BenchReportError(
-                f"--num-sms must be a comma-separated list of integers >= 1; {p!r} in {text!r} is not "
-                "an integer"
+                f"--num-sms must be a comma-separated list of integers >= 1 or max; {p!r} in {text!r} is "
+                "not one"
             ) from None
         if v < 1:
-            raise BenchReportError(f"--num-sms values must be integers >= 1; {v} in {text!r} is not")
+            raise BenchReportError(f"--num-sms values must be integers >= 1 (or max); {v} in {text!r} is not")
         values.append(v)
     return list(dict.fromkeys(values))
+
+
+def resolve_num_sms(budgets: Sequence[int], share: int | None) -> list[int]:
+    """``budgets`` with "max" (``SHARE_BUDGET``) replaced by ``share`` (the least SM share of any rank;
+    None: no GPU, then ``FULL_GPU_SMS``), duplicates removed, order kept."""
+    full = FULL_GPU_SMS if share is None else int(share)
+    return list(dict.fromkeys(full if b == SHARE_BUDGET else int(b) for b in budgets))
+
+
+def least_sm_share(runtime: Any) -> int | None:
+    """The least ``Runtime.sm_share`` over every rank (collective on ``runtime.cpu_group``), None without
+    GPUs."""
+    from cute_ep.collectives import all_gather_objects
+
+    every = all_gather_objects(getattr(runtime, "sm_share", None), getattr(runtime, "cpu_group", None))
+    known = [s for s in every if s is not None]
+    return min(known) if known else None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from cute_ep.kernels.config import (
     OP_COMBINE,
     OP_DISPATCH,
     OP_LAYOUT,
+    ConfigError,
     EpConfig,
 )
 from cute_ep.launcher import current_stream_handle
@@ -89,7 +90,11 @@ class EpBuffer(BackendBase):
         from cute_ep.launcher import Launcher
 
         check_dispatch_algorithm(algorithm, allow_auto=True)
-        check_buffer_config(runtime, cfg, kernels=True)
+        # num_sms 0 (the default) becomes the least SM share of any rank (its GPU, over the ranks on it).
+        cfg = check_buffer_config(runtime, cfg, kernels=True)
+        if cfg.num_sms < 1:
+            raise ConfigError(f"num_sms 0 (this rank's share of its GPU) needs a runtime on a GPU, got "
+                              f"device {getattr(runtime, 'device', None)}")
         self.runtime = runtime
         self.cfg = cfg
         self.rank = runtime.env.rank
@@ -98,7 +103,7 @@ class EpBuffer(BackendBase):
         self._device_index = torch.cuda.current_device() if index is None else index
         self._closed = False
         self._own_registry = registry is None
-        self.registry = registry if registry is not None else ModuleRegistry(device_id=runtime.env.local_rank)
+        self.registry = registry if registry is not None else ModuleRegistry(device_id=self._device_index)
         if self._own_registry:
             runtime.add_finalizer(self.registry.finalize_all)
         # Compile (or fetch) first: it is local work that can fail, and nothing is allocated yet.

@@ -15,6 +15,15 @@ import ctypes
 import functools
 
 CUDA_ERROR_NOT_READY = 600  # cuStreamQuery: work is still pending
+CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+CU_DEVICE_ATTRIBUTE_MPS_ENABLED = 133  # contexts made on this device are shared through CUDA MPS
+CU_EXEC_AFFINITY_TYPE_SM_COUNT = 0
+
+
+class _ExecAffinity(ctypes.Structure):
+    """CUexecAffinityParam with its one member in use: the SM count of a context."""
+
+    _fields_ = [("type", ctypes.c_int), ("sm_count", ctypes.c_uint)]
 
 
 class CudaDriverError(RuntimeError):
@@ -22,8 +31,8 @@ class CudaDriverError(RuntimeError):
 
 
 class Driver:
-    """Typed entry points of ``libcuda``: a device-to-host copy on a stream, a stream sync and query, and
-    the device address of pinned host memory."""
+    """Typed entry points of ``libcuda``: a device-to-host copy on a stream, a stream sync and query, the
+    device address of pinned host memory, device attributes (MPS) and the current context's SM count."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         u64, size, ptr = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
@@ -33,6 +42,9 @@ class Driver:
         self._query = self._entry("cuStreamQuery", ptr)
         self._host_dptr = self._entry("cuMemHostGetDevicePointer_v2", ctypes.POINTER(u64), ptr, ctypes.c_uint)
         self._name = self._entry("cuGetErrorName", ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
+        self._attribute = self._entry("cuDeviceGetAttribute", ctypes.POINTER(ctypes.c_int), ctypes.c_int,
+                                      ctypes.c_int)
+        self._affinity = self._entry("cuCtxGetExecAffinity", ctypes.POINTER(_ExecAffinity), ctypes.c_int)
 
     def _entry(self, name: str, *argtypes):
         fn = getattr(self._lib, name)
@@ -62,12 +74,59 @@ class Driver:
         self._check("cuStreamQuery", code)
         return True
 
+    def device_attribute(self, attribute: int, ordinal: int) -> int:
+        """``cuDeviceGetAttribute`` of device ``ordinal`` (the driver must be initialised: torch has
+        made a context)."""
+        out = ctypes.c_int()
+        self._check("cuDeviceGetAttribute", self._attribute(ctypes.byref(out), attribute, ordinal))
+        return out.value
+
+    def mps_enabled(self, ordinal: int) -> bool:
+        """Whether this process's contexts on device ``ordinal`` run through CUDA MPS."""
+        return bool(self.device_attribute(CU_DEVICE_ATTRIBUTE_MPS_ENABLED, ordinal))
+
+    def context_sm_count(self) -> int | None:
+        """SMs the current context may use (under MPS: its active-thread limit), None if unknown."""
+        out = _ExecAffinity()
+        if self._affinity(ctypes.byref(out), CU_EXEC_AFFINITY_TYPE_SM_COUNT):
+            return None
+        return int(out.sm_count) or None
+
     def device_pointer(self, host: int) -> int | None:
         """The device address of pinned host memory at ``host`` (None: not mapped for the device)."""
         out = ctypes.c_uint64()
         if self._host_dptr(ctypes.byref(out), host, 0):
             return None
         return out.value
+
+
+# Run in a child process without CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: under an MPS limit this process's own
+# device attributes report its limit, not the GPU.
+_SM_COUNT_CHILD = """
+import ctypes, sys
+lib = ctypes.CDLL("libcuda.so.1")
+dev, count = ctypes.c_int(), ctypes.c_int()
+ok = lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(dev), int(sys.argv[1])) == 0
+ok = ok and lib.cuDeviceGetAttribute(ctypes.byref(count), 16, dev) == 0
+print(count.value if ok else -1)
+"""
+
+
+def unlimited_sm_count(ordinal: int) -> int | None:
+    """The SM count of device ``ordinal`` as a process without an MPS active-thread limit sees it (a child
+    process asks the driver), or None if that fails."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _SM_COUNT_CHILD, str(ordinal)], env=env,
+                              capture_output=True, text=True, timeout=60)
+        count = int(done.stdout.strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    return count if count > 0 else None
 
 
 @functools.cache

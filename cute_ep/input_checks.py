@@ -7,6 +7,8 @@ this module imports no GPU library.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +25,10 @@ __all__ = [
     "check_dispatch_inputs",
     "check_dispatch_options",
     "check_layout",
+    "check_sm_budget",
     "check_topk_values",
+    "fit_hint",
+    "max_tokens_that_fit",
     "resolve_combine_algorithm",
 ]
 
@@ -195,20 +200,18 @@ def check_combine_input(cfg: EpConfig, device: torch.device, y: torch.Tensor) ->
         raise ValueError(f"y has {y.shape[0]} rows, more than the capacity {cfg.capacity}")
 
 
-def check_buffer_config(runtime: Any, cfg: EpConfig, *, kernels: bool = False) -> None:
+def check_buffer_config(runtime: Any, cfg: EpConfig, *, kernels: bool = False) -> EpConfig:
     """A buffer's configuration must fit the launch and be the same on every rank (collective); with
-    ``kernels`` (the GPU backend) ``cfg.num_sms`` must also fit every rank's GPU (``check_sm_budget``).
+    ``kernels`` (the GPU backend) ``cfg.num_sms`` must also fit every rank's share of its GPU
+    (``check_sm_budget``). Returns ``cfg``, with ``num_sms`` 0 (the default) resolved to the least share
+    of any rank when ``kernels`` is set.
 
     A mismatch between ranks would otherwise hang in the first kernel; the error names the ranks.
     """
     import torch.distributed as dist
 
     env = runtime.env
-    device = getattr(runtime, "device", None)
-    sms = None  # this rank's GPU's SM count (None: no GPU)
-    if device is not None and device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    mine = (cfg.key(), sms)
+    mine = (cfg.key(), sm_share_of(runtime))
     if dist.is_initialized() and dist.get_world_size() > 1:
         # Gather before raising anything, so that every rank raises (none waits alone).
         group = getattr(runtime, "cpu_group", None)
@@ -222,14 +225,65 @@ def check_buffer_config(runtime: Any, cfg: EpConfig, *, kernels: bool = False) -
     if any(k != keys[0] for k in keys):
         diff = {r: k for r, k in enumerate(keys) if k != keys[0]}
         raise ConfigError(f"ranks built different EpConfigs: rank 0 has {keys[0]}, others {diff}")
-    if kernels:
-        check_sm_budget(cfg.num_sms, [s for _, s in every if s is not None])
+    if not kernels:
+        return cfg
+    shares = [s for _, s in every if s is not None]
+    if cfg.num_sms == 0 and shares:
+        return dataclasses.replace(cfg, num_sms=min(shares)[0])
+    check_sm_budget(cfg.num_sms, shares)
+    return cfg
 
 
-def check_sm_budget(num_sms: int, device_sms: list[int]) -> None:
+def sm_share_of(runtime: Any) -> tuple[int, int, int] | None:
+    """(SMs this rank may count on, its GPU's SM count, ranks on that GPU), or None without a GPU. A
+    started nvshmem ``Runtime`` knows its share (``Runtime.sm_share``); any other runtime on a GPU has the
+    whole GPU."""
+    share = getattr(runtime, "sm_share", None)
+    if share is not None:
+        return share, runtime.device_sms, runtime.placement.ranks_per_gpu
+    device = getattr(runtime, "device", None)
+    if device is None or device.type != "cuda":
+        return None
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return sms, sms, 1
+
+
+def check_sm_budget(num_sms: int, shares: list[tuple[int, int, int]]) -> None:
     """``num_sms`` CTAs of the layout (and of a dispatch with the layout folded in) wait for each other, so
-    they must all be resident at once, one per SM: num_sms may not exceed any rank's GPU's SM count
-    (``device_sms``, one entry per rank with a GPU; empty on CPU runtimes)."""
-    if device_sms and num_sms > min(device_sms):
-        raise ConfigError(f"num_sms must be at most the GPU's SM count, {min(device_sms)} (the layout's "
-                          f"CTAs wait for each other, one per SM), got {num_sms}")
+    every rank's grid must be resident at once, one CTA per SM beside the other ranks on its GPU: num_sms
+    may not exceed any rank's share (``shares``: ``sm_share_of`` per rank with a GPU; empty on CPU
+    runtimes)."""
+    from cute_ep.bootstrap.gpu_share import sm_share_error
+
+    why = sm_share_error(num_sms, shares)
+    if why is not None:
+        raise ConfigError(why)
+
+
+def max_tokens_that_fit(cfg: EpConfig, symmetric_budget: int) -> int:
+    """The largest ``max_tokens`` (at most ``cfg.max_tokens``) whose symmetric buffers, with the least
+    capacity that always fits, take at most ``symmetric_budget`` bytes per rank; 0 if not even one token
+    fits. The bytes grow with max_tokens, so a bisection finds it."""
+    def fits(m: int) -> bool:
+        return dataclasses.replace(cfg, max_tokens=m, capacity=0).symmetric_bytes() <= symmetric_budget
+
+    lo, hi = 0, cfg.max_tokens  # fits(lo) holds (0 tokens: nothing to check), the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def fit_hint(cfg: EpConfig) -> Callable[[int], str]:
+    """``Runtime(fit_hint=...)`` for ``cfg``: given the symmetric bytes one rank may have, a sentence
+    naming the largest max_tokens that fits."""
+    def hint(symmetric_budget: int) -> str:
+        m = max_tokens_that_fit(cfg, symmetric_budget)
+        if m == 0:
+            return f"not even max_tokens=1 fits with world_size={cfg.world_size}, hidden={cfg.hidden}"
+        return f"max_tokens={m} fits with this configuration's other fields (it asks for {cfg.max_tokens})"
+
+    return hint

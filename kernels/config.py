@@ -64,6 +64,9 @@ COMBINE_WARPS_PER_CTA = 8
 # in flight hide more memory latency (they need no per-(warp, k) staging rows, only one per warp).
 REDUCED_GRID_FACTOR = 2
 MAX_WORLD_SIZE = COMBINE_WARPS_PER_CTA * WARP  # combine signals and waits with one thread per peer
+# num_sms 0 means "this rank's share of its GPU", known once the buffer is built; until then the buffers
+# that scale with num_sms (the combine's staging rows) are sized for this many SMs.
+MAX_SMS_PER_GPU = 160
 
 
 OVERFLOW_POLICIES = ("raise", "drop")  # what the host does after rows were dropped beyond expert capacity
@@ -130,8 +133,10 @@ class EpConfig:
                        dropped silently and counted (``EpBuffer.dropped_rows``).
     capacity:          rows each rank can receive; the default (0) is the least that always fits:
                        min(R * M * min(K, E/R), E/R * expert_capacity). A smaller one is refused.
-    num_sms:           CTAs launched by dispatch/combine (persistent grid-stride loops); at most the GPU's
-                       SM count (checked when a buffer is built: the layout's CTAs wait for each other).
+    num_sms:           CTAs launched by dispatch/combine (persistent grid-stride loops); at most this rank's
+                       share of its GPU (its SM count, divided by the ranks that share it), checked when a
+                       buffer is built (the layout's CTAs wait for each other). 0 (the default): that share,
+                       the least of any rank's (``EpBuffer.cfg`` holds the number).
     timeout_s:         longest a kernel waits for a peer's signal; past it the kernel records which
                        peer and operation, moves no more data, and the host raises ``PeerTimeout``.
     layout_in_dispatch: dispatches (either receive layout) of at most this many tokens run the layout
@@ -148,7 +153,7 @@ class EpConfig:
     dtype: torch.dtype
     max_tokens: int
     capacity: int = 0
-    num_sms: int = 132
+    num_sms: int = 0
     timeout_s: float = 60.0
     capacity_factor: float = 0.0
     on_overflow: str = "raise"
@@ -219,7 +224,8 @@ class EpConfig:
             f"rank * expert_capacity) = {self.required_capacity}, got {self.capacity}",
         )
         need(self.capacity < 2**31, f"capacity must be < 2**31 (int32 slots), got {self.capacity}")
-        need(self.num_sms >= 1, f"num_sms must be >= 1, got {self.num_sms}")
+        need(self.num_sms >= 0,
+             f"num_sms must be >= 1 (or 0: this rank's share of its GPU), got {self.num_sms}")
         need(
             type(self.layout_in_dispatch) is int and 0 <= self.layout_in_dispatch < 2**31,
             f"layout_in_dispatch must be in [0, 2**31) tokens (0: the layout is always a kernel of its own), "
@@ -308,7 +314,7 @@ class EpConfig:
 
     @property
     def combine_warps(self) -> int:
-        return self.num_sms * COMBINE_WARPS_PER_CTA
+        return (self.num_sms or MAX_SMS_PER_GPU) * COMBINE_WARPS_PER_CTA
 
     @property
     def stage_rows(self) -> int:

@@ -173,9 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-sets", type=int, default=3, help="input sets rotated across iterations")
     p.add_argument(
         "--num-sms",
-        default="132",
+        default="max",
         help="comma-separated SM budgets: our EpConfig.num_sms (CTAs of dispatch / combine) and DeepEP's "
-        "set_num_sms (even, 128 for 132), one sweep per budget",
+        "set_num_sms (even, 128 for 132), one sweep per budget; max: each rank's share of its GPU (the "
+        "whole GPU when it has one to itself)",
     )
     p.add_argument(
         "--peers",
@@ -817,6 +818,15 @@ def deepep_meta(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     }
 
 
+def shared_gpu_note(runtime: Any) -> str | None:
+    """A report's words for ranks that share a GPU (None: every rank has a GPU to itself)."""
+    placement = getattr(runtime, "placement", None)
+    if placement is None or not placement.shared:
+        return None
+    return (f"shared GPU: {placement.ranks_per_gpu} ranks per GPU under CUDA MPS, each at its share of the "
+            f"SMs; peers exchange rows through the GPU's own memory, not NVLink")
+
+
 def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any]:
     import torch
 
@@ -828,11 +838,17 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
     versions = br.package_versions()
     versions["nccl"] = nccl
     versions["cuda"] = torch.version.cuda
+    placement = getattr(runtime, "placement", None)
     return {
         "device": torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu",
         "world_size": env.world_size,
         "local_world_size": env.local_world_size,
         "virtual_nodes": env.is_virtual,
+        # Ranks sharing one GPU (CUDA MPS): the "link" is that GPU's own memory, not NVLink; compare
+        # ratios within such a report, not its times with NVLink reports.
+        "ranks_per_gpu": placement.ranks_per_gpu if placement is not None else 1,
+        "shared_gpu": shared_gpu_note(runtime),
+        "sm_share": getattr(runtime, "sm_share", None),
         # the results form's keys (bench_peers.PERF_META_FIELDS), beside the config below
         "hidden": cfg.hidden,
         "topk": cfg.topk,
@@ -918,7 +934,7 @@ def shared_module_buffers(runtime: Any) -> Callable[[Any, Any], Any]:
     from cute_ep.bootstrap.compile import ModuleRegistry
     from cute_ep.buffer import EpBuffer
 
-    registry = ModuleRegistry(device_id=runtime.env.local_rank)
+    registry = ModuleRegistry(device_id=runtime.device.index)
     runtime.add_finalizer(registry.finalize_all)
     return lambda rt, c: EpBuffer(rt, c, registry=registry)
 
@@ -947,6 +963,12 @@ def sweep(
     make_deepep = open_deepep if make_deepep is None else make_deepep
 
     env = runtime.env
+    # "max" in --num-sms: the least SM share of any rank (the whole GPU where a rank has one to itself).
+    args.num_sms_list = bp.resolve_num_sms(args.num_sms_list, bp.least_sm_share(runtime))
+    shared = shared_gpu_note(runtime)
+    if shared and "nccl" in args.peer_list:
+        args.peer_list = [p for p in args.peer_list if p != "nccl"]
+        say("NCCL not timed: NCCL refuses ranks that share a GPU")
     meta = make_meta(args, cfg, runtime)
     devices = sorted(set(all_gather(meta["device"], runtime.cpu_group)))
     sym = cfg.symmetric_bytes()

@@ -83,9 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--num-sms", default="132",
+    p.add_argument("--num-sms", default="max",
                    help="comma list of SM budgets (EpConfig.num_sms; DeepEP gets the largest even count <= "
-                        "min(budget, 128)); one EpBuffer per budget")
+                        "min(budget, 128)); one EpBuffer per budget; max: each rank's share of its GPU")
     p.add_argument("--combine", choices=bp.DECODE_COMBINES, default="reduced",
                    help="the buffer's default combine (EpConfig.combine_algorithm): what combine() and the "
                         "rows' combine_us use; 'reduced' also times the pull combine")
@@ -191,6 +191,8 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any, device: str) -> 
         "warmup": args.warmup,
         "tokens": args.token_list,
         "num_sms_budgets": args.num_sms_list,
+        "ranks_per_gpu": getattr(getattr(runtime, "placement", None), "ranks_per_gpu", 1),
+        "shared_gpu": bm.shared_gpu_note(runtime),
         "combine_algorithm": cfg.combine_algorithm,
         "layout_in_dispatch": cfg.layout_in_dispatch,
         "routing": "uniform",
@@ -384,6 +386,7 @@ def decode_report(
     measure_api = api_breakdown if measure_api is None else measure_api
 
     env = runtime.env
+    args.num_sms_list = bp.resolve_num_sms(args.num_sms_list, bp.least_sm_share(runtime))
     name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
     device = ", ".join(sorted(set(all_gather(name, runtime.cpu_group))))
     meta = make_meta(args, cfg, runtime, device)

@@ -1,37 +1,61 @@
 #!/usr/bin/env bash
-# Everything the open issues' "done when" asks of a 4-GPU host, in parts that each fit one call of the
-# lent machine (10 minutes), with logs and artifacts written under $OUT (default ./out/gpu-session).
+# A full verification of a GPU host in parts of a few minutes each, with logs and artifacts under $OUT
+# (default ./out/gpu-session).
 #
-#   bash scripts/gpu_session.sh tests-a     # GPU tests on 1 and 2 GPUs                     (~6 min)
-#   bash scripts/gpu_session.sh tests-b     # GPU tests on 2 virtual nodes x N/2 and N GPUs  (~5 min)
-#   bash scripts/gpu_session.sh examples    # design-card example, baselines compared and saved,
-#                                           # --benchmark at T=4096 H=7168 K=8 E=256 bf16     (~4 min)
+#   bash scripts/gpu_session.sh tests-a     # GPU tests: 1 and 2 GPUs (one GPU: 1 rank, 2 and 4 ranks on it)
+#   bash scripts/gpu_session.sh tests-b     # GPU tests: 2 virtual nodes and N GPUs (one GPU: 4 ranks as
+#                                           # 2 virtual nodes of 2, 8 ranks on it)
+#   bash scripts/gpu_session.sh examples    # the design card's example, both dtypes, one node and 2
+#                                           # virtual nodes, compared with baselines/ and saved
 #   bash scripts/gpu_session.sh bench       # the sweep against NCCL (JSON + PNG; pull and reduced
-#                                           # combine), FP8 rows                                (~2 min)
-#   bash scripts/gpu_session.sh soak        # 1000 iterations twice with one seed, capacity+FP8,
-#                                           # the reduced combine                               (~3 min)
-#   bash scripts/gpu_session.sh sanitizer   # compute-sanitizer memcheck, one GPU, no torchrun
-#   bash scripts/gpu_session.sh peers       # issue 14: ours (both layouts) vs DeepEP and NCCL at 24, 48
-#                                           # and 132 SMs, T=4096 and 8192 (build DeepEP first:
-#                                           # .gpu/b/peers/build_deepep.sh; PYTHONPATH=/tmp/deepep)
-#   bash scripts/gpu_session.sh decode      # issue 15: decode kernels and public calls vs DeepEP (JSON)
-#   N=2 bash scripts/gpu_session.sh tests-a # fewer GPUs than the host has
+#                                           # combine), FP8 rows
+#   bash scripts/gpu_session.sh soak        # 1000 validated iterations with stragglers: twice with one
+#                                           # seed, capacity + FP8, the reduced combine, both layouts
+#   bash scripts/gpu_session.sh sanitizer   # compute-sanitizer memcheck, one process, no torchrun
+#   bash scripts/gpu_session.sh peers       # ours (both layouts) vs DeepEP and NCCL at 24 SMs and each
+#                                           # rank's maximum, 128, 4096 and 8192 tokens (JSON + PNG)
+#   bash scripts/gpu_session.sh decode      # decode sizes: kernels and public calls vs DeepEP (JSON)
+#   bash scripts/gpu_session.sh grid-wait   # one rank: each kernel alone, then beside a side-stream kernel
+#
+#   RANKS=4 bash scripts/gpu_session.sh examples   # ranks per host (default: one per GPU); more ranks than
+#                                                  # GPUs share them under CUDA MPS
+#   N=2 bash scripts/gpu_session.sh tests-a        # use fewer GPUs than the host has
 #   DRY_RUN=1 N=4 bash scripts/gpu_session.sh examples   # print the commands only (any machine)
 #
-# The compiled modules are cached in $CUTE_EP_COMPILE_CACHE (default /tmp/cute_ep_objects): the first
-# part on a fresh machine compiles (about 1 minute per dtype), later parts load them in seconds.
-# Each part ends with a "=== <part>: rc=N" line; the exit status is non-zero if any step failed.
+# DeepEP is timed beside ours when `import deep_ep` works (PYTHONPATH), else skipped with the reason.
+# Ranks that share a GPU need CUDA MPS: a part whose RANKS exceed the GPUs starts it (scripts/mps.sh) and
+# stops it at the end only if it started it. The compiled modules are cached in $CUTE_EP_COMPILE_CACHE
+# (default /tmp/cute_ep_objects; fill it ahead with scripts/precompile.py): the first launch without them
+# compiles (about 1 minute per dtype). Each part ends with a "=== <part>: rc=N" line; the exit status is
+# non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"usage: bash scripts/gpu_session.sh tests-a|tests-b|examples|bench|soak|sanitizer|peers|decode"}
+usage="usage: bash scripts/gpu_session.sh tests-a|tests-b|examples|bench|soak|sanitizer|peers|decode|grid-wait"
+part=${1:?$usage}
 out=${OUT:-out/gpu-session}
 mkdir -p "$out"
 export CUTE_EP_COMPILE_CACHE=${CUTE_EP_COMPILE_CACHE:-/tmp/cute_ep_objects}
-n=${N:-$(nvidia-smi -L | wc -l)}
-half=$((n / 2 > 0 ? n / 2 : 1))
-T="python3 -m torch.distributed.run --nproc-per-node $n --local-ranks-filter 0"
+if [[ -n ${N:-} ]]; then n=$N; elif [[ -n ${DRY_RUN:-} ]]; then n=4; else n=$(nvidia-smi -L | wc -l); fi
+ranks=${RANKS:-$n}
+half=$((ranks / 2 > 0 ? ranks / 2 : 1))
+T="python3 -m torch.distributed.run --nproc-per-node $ranks --local-ranks-filter 0"
 A="--num-tokens 64 --hidden 256 --num-experts 32 --topk 2"
 status=0
+started_mps=0
+
+if ((ranks > n)) && [[ -z ${DRY_RUN:-} ]]; then
+  # More ranks than GPUs: rank r binds GPU r % N, and the ranks of one GPU run together under MPS.
+  export CUTE_EP_GPUS_PER_HOST=$n
+  # Each rank's share of the threads (MPS reads it when a process first initialises CUDA).
+  export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-$((100 / ((ranks + n - 1) / n)))}
+  said=$(bash scripts/mps.sh start) || { echo "$said" >&2; exit 1; }
+  echo "$said"
+  [[ $said == *started* ]] && started_mps=1
+fi
+stop_mps() {
+  ((started_mps)) && bash scripts/mps.sh stop
+}
+trap stop_mps EXIT
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, keep the log, print its last lines
   local name=$1 limit=$2
@@ -47,21 +71,27 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, keep the log, print its last li
   ((rc == 0)) || status=1
 }
 
+# Report names: shared_gpu_ep<ranks> when ranks share GPUs, else <gpu>x<n> (h200x2, h100x8, ...).
+gpu=gpu
+[[ -z ${DRY_RUN:-} ]] && gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 \
+  | grep -oiE 'h100|h200|h20|b200|b300|a100|gh200|gb200' | head -n 1 | tr '[:upper:]' '[:lower:]')
+tag=$(if ((ranks > n)); then echo "shared_gpu_ep$ranks"; else echo "${gpu:-gpu}x$n"; fi)
 case $part in
   tests-a)
-    step tests-1-2 580 env LAUNCHES="1 2" GPU_TEST_TIMEOUT=290 PYTEST_ARGS=-rs bash scripts/run_gpu_tests.sh "$n"
+    launches=$(if ((n == 1)); then echo "1 shared2 shared4"; else echo "1 2"; fi)
+    step tests-a 580 env LAUNCHES="$launches" GPU_TEST_TIMEOUT=290 PYTEST_ARGS=-rs bash scripts/run_gpu_tests.sh "$n"
     ;;
   tests-b)
-    step tests-virtual-full 580 env LAUNCHES="virtual full" GPU_TEST_TIMEOUT=290 PYTEST_ARGS=-rs \
-      bash scripts/run_gpu_tests.sh "$n"
+    launches=$(if ((n == 1)); then echo "shared4v shared8"; else echo "virtual full"; fi)
+    step tests-b 580 env LAUNCHES="$launches" GPU_TEST_TIMEOUT=290 PYTEST_ARGS=-rs bash scripts/run_gpu_tests.sh "$n"
     ;;
   examples)
     # Committed baselines of this world size (made on the CPU with --backend reference) must be
-    # reproduced bit for bit; the GPU run's own arrays are saved next to the logs for committing.
+    # reproduced bit for bit; the GPU run's own arrays are saved next to the logs.
     for dtype in bfloat16 float32; do
       short=$([[ $dtype == bfloat16 ]] && echo bf16 || echo fp32)
-      for lws in "$n" "$half"; do
-        name="ep${n}_l${lws}_${short}"
+      for lws in "$ranks" "$half"; do
+        name="ep${ranks}_l${lws}_${short}"
         cmp=()
         [[ -f baselines/$name.npz ]] && cmp=(--compare-baseline "baselines/$name.npz")
         step "example-$name" 150 env CUTE_EP_LOCAL_WORLD_SIZE="$lws" $T scripts/dispatch_and_combine.py $A \
@@ -72,17 +102,17 @@ case $part in
       --num-experts 256 --topk 8 --dtype bfloat16 --no-coverage --benchmark --bench-iters 30 --bench-warmup 5
     ;;
   bench)
-    step bench-sweep 400 $T scripts/benchmark.py --combine pull,reduced --out-json "$out/h200x$n.json" \
-      --out-png "$out/h200x$n.png"
+    step bench-sweep 400 $T scripts/benchmark.py --combine pull,reduced --out-json "$out/$tag.json" \
+      --out-png "$out/$tag.png"
     step bench-fp8 150 $T scripts/benchmark.py --tokens 128,4096 --routing uniform --fp8 --iters 20 \
-      --out-json "$out/h200x${n}_fp8.json"
+      --out-json "$out/${tag}_fp8.json"
     ;;
   soak)
     for run in 1 2; do
       step "soak-$run" 170 $T scripts/soak.py --iters 1000 --max-tokens 128 --hidden 1024 --seed 7 \
         --out-json "$out/soak-$run.json"
     done
-    grep -h "digest:" "$out/soak-1.log" "$out/soak-2.log"
+    [[ -z ${DRY_RUN:-} ]] && grep -h "digest:" "$out/soak-1.log" "$out/soak-2.log"
     step soak-capacity-fp8 170 $T scripts/soak.py --iters 1000 --max-tokens 64 --hidden 256 --seed 7 \
       --fp8 --capacity-factor 0.75 --out-json "$out/soak-capacity-fp8.json"
     step soak-reduced 170 $T scripts/soak.py --iters 1000 --max-tokens 128 --hidden 1024 --seed 7 \
@@ -91,14 +121,25 @@ case $part in
       --layouts expert,rank --out-json "$out/soak-layouts.json"
     ;;
   peers)
-    # One run, the same inputs and SM budget for every peer (DeepEP at 128 SMs for the full GPU).
-    step bench-peers 580 $T scripts/benchmark.py --tokens 4096,8192 --routing uniform --combine pull,reduced \
-      --layouts expert,rank --num-sms 24,48,132 --peers nccl,deepep --iters 20 --warmup 3 \
-      --out-json "$out/h200x${n}_vs_deepep.json" --out-png "$out/h200x${n}_vs_deepep.png"
+    # One run, the same inputs and SM budget for every peer (DeepEP at 128 SMs for a full 132-SM GPU).
+    step bench-peers 580 $T scripts/benchmark.py --tokens 128,4096,8192 --routing uniform --combine pull \
+      --layouts expert,rank --num-sms 24,max --peers nccl,deepep --iters 20 --warmup 3 \
+      --out-json "$out/${tag}_vs_deepep.json" --out-png "$out/${tag}_vs_deepep.png"
     ;;
   decode)
-    step decode 580 $T scripts/decode_breakdown.py --tokens 1,32,128,256 --num-sms 24,132 --peers deepep \
-      --out-json "$out/h200x${n}_decode.json"
+    step decode 580 $T scripts/decode_breakdown.py --tokens 1,32,128,256 --num-sms 24,max --peers deepep \
+      --out-json "$out/${tag}_decode.json"
+    ;;
+  grid-wait)
+    # The layout's CTAs wait for each other: at a budget of every SM, does a one-thread kernel on another
+    # stream (started with each step) hold it up? Each configuration twice, to tell a stall from noise.
+    for sleep_us in 0 200; do
+      for run in 1 2; do
+        step "grid-wait-$sleep_us-$run" 200 python3 -m torch.distributed.run --nproc-per-node 1 \
+          scripts/kernel_times.py --tokens 128,4096 --num-sms 24,max --layouts expert,rank \
+          --side-sleep-us "$sleep_us" --out-json "$out/grid_wait_${sleep_us}_$run.json"
+      done
+    done
     ;;
   sanitizer)
     # One process, no torchrun: only the script is instrumented (a world of one: self route only).
@@ -109,6 +150,7 @@ case $part in
     ;;
   *)
     echo "unknown part: $part" >&2
+    echo "$usage" >&2
     exit 2
     ;;
 esac

@@ -37,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark as bm  # noqa: E402  (the timer and input sets of the benchmark)
 
+from cute_ep import bench_peers as bp  # noqa: E402
 from cute_ep import bench_report as br  # noqa: E402
 
 EXIT_USAGE = 2
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tokens", default="128,4096", help="comma list of tokens per rank")
-    p.add_argument("--num-sms", default="24,132", help="comma list of SM budgets (EpConfig.num_sms)")
+    p.add_argument("--num-sms", default="24,max",
+                   help="comma list of SM budgets (EpConfig.num_sms); max: each rank's share of its GPU")
     p.add_argument("--layouts", default="expert,rank", help="comma list of receive layouts")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
@@ -60,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout-in-dispatch", type=int, metavar="TOKENS",
                    help="EpConfig.layout_in_dispatch (default: the config's): dispatches up to this many "
                         "tokens run the layout inside the dispatch launch; 0: always a kernel of its own")
+    p.add_argument("--side-sleep-us", type=float, default=0.0,
+                   help="with every timed step, a one-thread sleep kernel of this many us on a side stream, "
+                        "started with the step (another stream's kernel on one SM): shows whether the "
+                        "kernels' CTAs, which wait for each other, stall behind it (0: none)")
     p.add_argument("--out-json", metavar="PATH", help="write the rows here (rank 0)")
     p.add_argument("--traceback", action="store_true", help="print the full traceback of an error")
     return p
@@ -70,7 +76,7 @@ def validate_args(args: argparse.Namespace) -> None:
     bm.UsageError naming the bad value."""
     try:
         args.token_list = br.parse_int_list(args.tokens, "--tokens")
-        args.num_sms_list = br.parse_int_list(args.num_sms, "--num-sms")
+        args.num_sms_list = bp.parse_num_sms(args.num_sms)
         args.layout_list = br.parse_name_list(args.layouts, "--layouts", LAYOUT_CHOICES)
     except br.BenchReportError as exc:
         raise bm.UsageError(str(exc)) from None
@@ -88,12 +94,16 @@ def time_kernels(buf: Any, s: Any, layout: str, timer: Any, args: argparse.Names
     from cute_ep.kernels.config import LAYOUTS, OP_LAYOUT
 
     t = s.x.shape[0]
+    side = with_side_sleep(timer, args.side_sleep_us)
+    times: dict[str, list[float]] = {}
 
-    def run(step: Any) -> float:
-        return br.median(timer.run(step, args.warmup, args.iters))
+    def run(step: Any, name: str = "") -> float:
+        got = timer.run(side(step), args.warmup, args.iters)
+        times[name] = got
+        return br.median(got)
 
     med = {
-        "layout_us": run(lambda i: buf._launch(OP_LAYOUT, t, idx=s.idx, layout=LAYOUTS[layout])),
+        "layout_us": run(lambda i: buf._launch(OP_LAYOUT, t, idx=s.idx, layout=LAYOUTS[layout]), "layout"),
         "dispatch_us": run(lambda i: buf.launch_dispatch(s.x, s.idx, s.w, layout=layout)),
     }
     res = buf.dispatch(s.x, s.idx, s.w, layout=layout)  # a checked call: raises if a launch did not run
@@ -102,8 +112,34 @@ def time_kernels(buf: Any, s: Any, layout: str, timer: Any, args: argparse.Names
         algorithms.append("reduced")
     for a in algorithms:
         med[f"{a}_combine_us"] = run(lambda i, a=a: buf.launch_combine(res.handle, s.out, a))
+    med["layout_max_us"] = max(times["layout"])  # a stall shows in the slowest iteration first
     buf.check_ran()
     return med
+
+
+def with_side_sleep(timer: Any, sleep_us: float) -> Any:
+    """wrap(step): ``step`` as is (``sleep_us`` 0), or ``step`` with a one-thread sleep kernel of
+    ``sleep_us`` on a side stream that waits for the same point of the timed stream, so both become ready
+    together: a grid whose CTAs wait for each other and need every SM stalls until the sleep ends."""
+    import torch
+
+    if sleep_us <= 0:
+        return lambda step: step
+    side = torch.cuda.Stream(device=timer.device)
+    cycles = int(sleep_us * timer.cycles_per_us)
+
+    def wrap(step: Any) -> Any:
+        def step_beside_sleep(i: int) -> None:
+            ready = torch.cuda.Event()
+            ready.record()
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(cycles)
+            step(i)
+
+        return step_beside_sleep
+
+    return wrap
 
 
 def report(args: argparse.Namespace, cfg: Any, runtime: Any, say: Any) -> int:
@@ -116,11 +152,13 @@ def report(args: argparse.Namespace, cfg: Any, runtime: Any, say: Any) -> int:
     make_buffer = bm.shared_module_buffers(runtime)
     timer = bm.Timer(runtime)
     env = runtime.env
+    args.num_sms_list = bp.resolve_num_sms(args.num_sms_list, bp.least_sm_share(runtime))
     device = torch.cuda.get_device_name(runtime.device)
     meta = {"device": device, "world_size": env.world_size, "local_world_size": env.local_world_size,
+            "ranks_per_gpu": runtime.placement.ranks_per_gpu, "shared_gpu": bm.shared_gpu_note(runtime),
             "hidden": cfg.hidden, "topk": cfg.topk, "num_experts": cfg.num_experts, "dtype": args.dtype,
             "iters": args.iters, "warmup": args.warmup, "routing": "uniform", "seed": 0,
-            "layout_in_dispatch": cfg.layout_in_dispatch,
+            "layout_in_dispatch": cfg.layout_in_dispatch, "side_sleep_us": args.side_sleep_us,
             "git_sha": br.git_sha(), "timestamp": br.utc_timestamp(),
             "command": shlex.join([Path(sys.executable).name, *sys.argv])}
     say(f"kernel times: {device} x {env.world_size}, H {cfg.hidden}, K {cfg.topk}, E {cfg.num_experts}, "

@@ -105,7 +105,7 @@ def _factories(args: argparse.Namespace, runtime: Runtime) -> dict[str, Any]:
     if "cute" in args.backend_list:
         from cute_ep.bootstrap.compile import ModuleRegistry
 
-        registry = ModuleRegistry(device_id=runtime.env.local_rank)
+        registry = ModuleRegistry(device_id=runtime.device.index)
         runtime.add_finalizer(registry.finalize_all)
 
     def cute(algorithm: str) -> Any:

@@ -1,31 +1,70 @@
 #!/usr/bin/env bash
-# Run the GPU tests (pytest -m gpu) under torchrun on 1, 2 and N GPUs, and on N GPUs split into
-# virtual nodes of N/2 (so all four route classes happen on one host). One command for the matrix:
+# Run the GPU tests (pytest -m gpu) under torchrun in every launch shape this host allows: one command
+# for the matrix.
 #
 #   bash scripts/run_gpu_tests.sh            # N = number of GPUs on this host
 #   bash scripts/run_gpu_tests.sh 2          # at most 2 GPUs
 #   PYTEST_ARGS="-k h256" bash scripts/run_gpu_tests.sh
-#   LAUNCHES="virtual full" bash scripts/run_gpu_tests.sh 4   # a subset: 1, 2, virtual, full
+#   LAUNCHES="virtual full" bash scripts/run_gpu_tests.sh 4   # a subset (names below)
 #
-# Prints rank 0's pytest output for each launch and a summary line per launch; exits non-zero if
-# any launch failed.
+# Launches (LAUNCHES picks; default: every one this host can run that uses a GPU per rank, and on a
+# one-GPU host the shared ones):
+#   1          1 rank on 1 GPU
+#   2          2 ranks on 2 GPUs                      (N >= 2)
+#   virtual    N ranks on N GPUs as 2 virtual nodes    (N >= 2; all four route classes)
+#   full       N ranks on N GPUs                      (N >= 4)
+#   shared2    2 ranks on one GPU
+#   shared4    4 ranks on one GPU
+#   shared4v   4 ranks on one GPU as 2 virtual nodes of 2
+#   shared8    8 ranks on one GPU
+# Ranks that share a GPU need CUDA MPS: the script starts it (scripts/mps.sh) before the first shared
+# launch when it is not running, and stops it at the end only if it started it.
+#
+# Prints rank 0's pytest output for each launch and a summary line per launch; exits non-zero if any
+# launch failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ngpu=$(nvidia-smi -L | wc -l)
 n=${1:-$ngpu}
 ((n > ngpu)) && n=$ngpu
+if ((ngpu == 1)); then default="1 shared2 shared4 shared4v shared8"; else default="1 2 virtual full"; fi
 port=${MASTER_PORT:-29611}
 status=0
 summary=()
-launch() {  # launch NAME NPROC LOCAL_WORLD_SIZE
-  local name=$1 nproc=$2 lws=$3
-  echo "=== $name: $nproc GPU(s), local world size $lws"
+started_mps=0
+
+stop_mps() {
+  ((started_mps)) && bash scripts/mps.sh stop
+}
+trap stop_mps EXIT
+
+need_mps() {
+  ((started_mps)) && return 0
+  local said
+  said=$(bash scripts/mps.sh start) || { echo "$said"; return 1; }
+  echo "$said"
+  [[ $said == *started* ]] && started_mps=1
+  return 0
+}
+
+launch() {  # launch NAME NPROC LOCAL_WORLD_SIZE GPUS_USED
+  local name=$1 nproc=$2 lws=$3 gpus=$4
+  echo "=== $name: $nproc rank(s) on $gpus GPU(s), local world size $lws"
+  if ((nproc > gpus)) && ! need_mps; then
+    summary+=("$name: not run (CUDA MPS did not start)")
+    status=1
+    return
+  fi
   port=$((port + 1))
-  local log
+  local log share=()
   log=$(mktemp)
-  CUTE_EP_LOCAL_WORLD_SIZE=$lws timeout "${GPU_TEST_TIMEOUT:-900}" python3 -m torch.distributed.run --nproc-per-node "$nproc" \
-    --master-port "$port" --local-ranks-filter 0 -m pytest tests/gpu -m gpu -q -p no:cacheprovider \
-    ${PYTEST_ARGS:-} 2>&1 | tee "$log"
+  # Each rank's share of the threads under MPS, in the launch environment: pytest initialises CUDA before
+  # the runtime could set it (the percentage counts only when set before that).
+  ((nproc > gpus)) && [[ -z ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-} ]] &&
+    share=(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / ((nproc + gpus - 1) / gpus))))
+  env "${share[@]}" CUTE_EP_GPUS_PER_HOST=$gpus CUTE_EP_LOCAL_WORLD_SIZE=$lws timeout "${GPU_TEST_TIMEOUT:-900}" \
+    python3 -m torch.distributed.run --nproc-per-node "$nproc" --master-port "$port" --local-ranks-filter 0 \
+    -m pytest tests/gpu -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
   local last
   last=$(grep -E "passed|failed|error" "$log" | tail -n 1)
@@ -33,11 +72,15 @@ launch() {  # launch NAME NPROC LOCAL_WORLD_SIZE
   ((rc == 0)) || status=1
   rm -f "$log"
 }
-wanted() { [[ " ${LAUNCHES:-1 2 virtual full} " == *" $1 "* ]]; }
-wanted 1 && launch "1 GPU" 1 1
-((n >= 2)) && wanted 2 && launch "2 GPUs" 2 2
-((n >= 2)) && wanted virtual && launch "$n GPUs as 2 virtual nodes x $((n / 2))" "$n" $((n / 2))
-((n >= 4)) && wanted full && launch "$n GPUs" "$n" "$n"
+wanted() { [[ " ${LAUNCHES:-$default} " == *" $1 "* ]]; }
+wanted 1 && launch "1 GPU" 1 1 1
+((n >= 2)) && wanted 2 && launch "2 GPUs" 2 2 2
+((n >= 2)) && wanted virtual && launch "$n GPUs as 2 virtual nodes x $((n / 2))" "$n" $((n / 2)) "$n"
+((n >= 4)) && wanted full && launch "$n GPUs" "$n" "$n" "$n"
+wanted shared2 && launch "2 ranks on one GPU" 2 2 1
+wanted shared4 && launch "4 ranks on one GPU" 4 4 1
+wanted shared4v && launch "4 ranks on one GPU as 2 virtual nodes x 2" 4 2 1
+wanted shared8 && launch "8 ranks on one GPU" 8 8 1
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
 exit $status

@@ -45,11 +45,12 @@ def test_parse_num_sms():
     assert bp.parse_num_sms("24,48,132") == [24, 48, 132]
     assert bp.parse_num_sms("132, 24,132") == [132, 24]
     assert bp.parse_num_sms("1") == [1]
-    with pytest.raises(br.BenchReportError, match=r"integers >= 1; 0 in '24,0' is not"):
+    assert bp.parse_num_sms("24,max,max") == [24, bp.SHARE_BUDGET]
+    with pytest.raises(br.BenchReportError, match=r"integers >= 1 \(or max\); 0 in '24,0' is not"):
         bp.parse_num_sms("24,0")
-    with pytest.raises(br.BenchReportError, match=r"integers >= 1; -4 in '-4' is not"):
+    with pytest.raises(br.BenchReportError, match=r"integers >= 1 \(or max\); -4 in '-4' is not"):
         bp.parse_num_sms("-4")
-    with pytest.raises(br.BenchReportError, match=r"'x' in '24,x' is not an integer"):
+    with pytest.raises(br.BenchReportError, match=r"'x' in '24,x' is not one"):
         bp.parse_num_sms("24,x")
     with pytest.raises(br.BenchReportError, match="must list SM budgets"):
         bp.parse_num_sms("")
@@ -61,10 +62,11 @@ def test_validate_args_fills_the_lists(bm):
     assert (args.num_sms_list, args.num_sms, args.peer_list) == ([48, 24], 48, ["deepep"])
     bm.validate_args(args)  # again (a worker re-validates): the same result
     assert (args.num_sms_list, args.num_sms) == ([48, 24], 48)
-    # Today's defaults: one budget of 132, NCCL and DeepEP.
+    # The defaults: one budget, each rank's share of its GPU ("max", a number once the runtime is up),
+    # NCCL and DeepEP.
     args = bm.build_parser().parse_args([])
     bm.validate_args(args)
-    assert (args.num_sms_list, args.num_sms, args.peer_list) == ([132], 132, ["nccl", "deepep"])
+    assert (args.num_sms_list, args.num_sms, args.peer_list) == ([bp.SHARE_BUDGET], 0, ["nccl", "deepep"])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -39,6 +39,20 @@ class _FakeLib:
 
         self.cuGetErrorName = error_name
 
+        def attribute(out, attribute, ordinal):
+            self.calls.append(("cuDeviceGetAttribute", attribute, ordinal))
+            out._obj.value = {133: 1, 16: 132}.get(attribute, 0)  # MPS enabled, 132 SMs
+            return fail
+
+        self.cuDeviceGetAttribute = attribute
+
+        def affinity(out, kind):
+            self.calls.append(("cuCtxGetExecAffinity", kind))
+            out._obj.sm_count = 66  # as under an MPS limit of half the GPU
+            return fail
+
+        self.cuCtxGetExecAffinity = affinity
+
 
 def test_driver_calls_pass_their_arguments_through():
     lib = _FakeLib()
@@ -67,3 +81,16 @@ def test_stream_query_and_host_pointer():
     assert Driver(_FakeLib(fail=1)).device_pointer(0x5000) is None  # not mapped for the device
     with pytest.raises(CudaDriverError, match=r"cuStreamQuery failed: CUDA_ERROR_ILLEGAL_ADDRESS"):
         Driver(_FakeLib(fail=700)).finished(3)  # an earlier launch failed
+
+
+def test_mps_attribute_and_the_context_sm_limit():
+    lib = _FakeLib()
+    drv = Driver(lib)
+    assert drv.mps_enabled(3) is True and drv.device_attribute(16, 3) == 132
+    assert drv.context_sm_count() == 66
+    assert lib.calls == [("cuDeviceGetAttribute", 133, 3), ("cuDeviceGetAttribute", 16, 3),
+                         ("cuCtxGetExecAffinity", 0)]
+    failing = Driver(_FakeLib(fail=700))
+    assert failing.context_sm_count() is None  # unknown: the caller falls back to the device attribute
+    with pytest.raises(CudaDriverError, match="cuDeviceGetAttribute failed: CUDA_ERROR_ILLEGAL_ADDRESS"):
+        failing.mps_enabled(0)

@@ -46,8 +46,8 @@ def db():
     (["--tokens", "1,x"], "--tokens must be a comma-separated list of integers, got '1,x'"),
     (["--tokens", "0,32"], "--tokens must list integers >= 1, got '0,32'"),
     (["--tokens", "1,70000"], "--tokens values must be <= 65536, got 70000"),
-    (["--num-sms", "24,0"], "--num-sms values must be integers >= 1; 0 in '24,0' is not"),
-    (["--num-sms", "24,full"], "--num-sms must be a comma-separated list of integers >= 1; 'full' in"),
+    (["--num-sms", "24,0"], "--num-sms values must be integers >= 1 (or max); 0 in '24,0' is not"),
+    (["--num-sms", "24,full"], "--num-sms must be a comma-separated list of integers >= 1 or max; 'full' in"),
     (["--peers", "nccl"], "--peers takes 'deepep' or 'none' here (NCCL is scripts/benchmark.py's peer); "
                           "'nccl' in 'nccl' is not one"),
     (["--peers", "deepep,pplx"], "--peers must be a comma-separated list of ['nccl', 'deepep'] (or 'none'); "

@@ -42,8 +42,9 @@ def test_examples_compare_the_committed_baselines_and_save_the_gpu_run(tmp_path)
     ("bench", "scripts/benchmark.py --tokens 128,4096 --routing uniform --fp8"),
     ("soak", "--fp8 --capacity-factor 0.75"),
     ("soak", "--layouts expert,rank"),
-    ("peers", "--layouts expert,rank --num-sms 24,48,132 --peers nccl,deepep"),
-    ("decode", "--tokens 1,32,128,256 --num-sms 24,132 --peers deepep"),
+    ("peers", "--layouts expert,rank --num-sms 24,max --peers nccl,deepep"),
+    ("decode", "--tokens 1,32,128,256 --num-sms 24,max --peers deepep"),
+    ("grid-wait", "kernel_times.py --tokens 128,4096 --num-sms 24,max --layouts expert,rank --side-sleep-us 200"),  # noqa: E501
     ("sanitizer", "compute-sanitizer --tool memcheck --report-api-errors no --print-limit 100 python3 "
                   "scripts/dispatch_and_combine.py"),
 ])  # fmt: skip
@@ -52,6 +53,21 @@ def test_every_part_names_its_commands(tmp_path, part, expect):
     assert proc.returncode == 0, proc.stderr
     assert expect in proc.stdout
     assert f"=== {part}: rc=0" in proc.stdout
+
+
+@pytest.mark.parametrize("part,expect", [
+    ("tests-a", "LAUNCHES=1 shared2 shared4"),
+    ("tests-b", "LAUNCHES=shared4v shared8"),
+    ("examples", "--nproc-per-node 4 --local-ranks-filter 0 scripts/dispatch_and_combine.py"),
+    ("examples", "--compare-baseline baselines/ep4_l2_fp32.npz"),
+    ("soak", "--nproc-per-node 4 --local-ranks-filter 0 scripts/soak.py --iters 1000"),
+    ("peers", "--out-json {out}/shared_gpu_ep4_vs_deepep.json"),
+])  # fmt: skip
+def test_ranks_that_share_one_gpu(tmp_path, part, expect):
+    """RANKS above the GPU count: the design card's 4-rank runs, the soak and the reports on one GPU."""
+    proc = _run(part, OUT=str(tmp_path), N="1", RANKS="4")
+    assert proc.returncode == 0, proc.stderr
+    assert expect.format(out=tmp_path) in proc.stdout
 
 
 def test_unknown_part_exits_2(tmp_path):

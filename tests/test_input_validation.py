@@ -181,22 +181,24 @@ def test_combine_input_is_checked():
 
 def test_sm_budget_fits_the_gpu(monkeypatch):
     """The layout's num_sms CTAs wait for each other, one per SM: a budget above the GPU's SM count is
-    refused at construction (it would wait until the timeout), naming both numbers."""
+    refused at construction (it would wait until the timeout), naming both numbers; the default (0) becomes
+    the GPU's SM count."""
     from types import SimpleNamespace
 
     from cute_ep.input_checks import check_buffer_config, check_sm_budget
 
-    check_sm_budget(132, [132, 132])
+    check_sm_budget(132, [(132, 132, 1), (132, 132, 1)])
     check_sm_budget(500, [])  # CPU runtimes: no GPU to fit
-    with pytest.raises(ConfigError, match=r"num_sms must be at most the GPU's SM count, 114 .*got 132"):
-        check_sm_budget(132, [132, 114])
+    with pytest.raises(ConfigError, match=r"num_sms must be at most the GPU's SM count, 114.*got 132"):
+        check_sm_budget(132, [(132, 132, 1), (114, 114, 1)])
     props = SimpleNamespace(multi_processor_count=78)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     runtime = SimpleNamespace(env=SimpleNamespace(world_size=4), device=torch.device("cuda", 0))
-    cfg = EpConfig(**BASE)  # num_sms 132 by default
-    with pytest.raises(ConfigError, match="SM count, 78 .*got 132"):
+    cfg = EpConfig(**{**BASE, "num_sms": 132})
+    with pytest.raises(ConfigError, match="SM count, 78.*got 132"):
         check_buffer_config(runtime, cfg, kernels=True)
-    check_buffer_config(runtime, EpConfig(**{**BASE, "num_sms": 78}), kernels=True)
+    assert check_buffer_config(runtime, EpConfig(**{**BASE, "num_sms": 78}), kernels=True).num_sms == 78
+    assert check_buffer_config(runtime, EpConfig(**BASE), kernels=True).num_sms == 78  # the default: all
     check_buffer_config(runtime, cfg)  # the CPU / all-to-all backends launch no kernels of ours
 
 

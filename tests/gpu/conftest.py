@@ -37,7 +37,7 @@ def runtime():
         symmetric_bytes=int(os.environ.get("CUTE_EP_TEST_HEAP_BYTES", 2 << 30)),
         timeout=timedelta(seconds=300),
     ).start()
-    rt.registry = ModuleRegistry(device_id=env.local_rank)
+    rt.registry = ModuleRegistry(device_id=rt.device.index)
     rt.add_finalizer(rt.registry.finalize_all)
     try:
         yield rt

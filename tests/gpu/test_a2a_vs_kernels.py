@@ -60,7 +60,7 @@ def _setup(runtime, case, seed, fold="folded"):
     R, rank = env.world_size, env.rank
     E = el * R
     cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=min(topk, E),
-                   hidden=hidden, dtype=dtype, max_tokens=max(tokens), num_sms=16,
+                   hidden=hidden, dtype=dtype, max_tokens=max(tokens), num_sms=min(16, runtime.sm_share),
                    layout_in_dispatch=FOLDS[fold])
     x, idx, w = make_inputs(rank, tokens[rank % 4], hidden, E, cfg.topk, dtype, seed, routing=routing,
                             idx_dtype=torch.int32)

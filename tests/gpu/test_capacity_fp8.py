@@ -97,8 +97,8 @@ def test_capacity_drops_and_fp8(runtime, dtype, hidden, topk, el, factor, routin
     tokens = (48, 40, 32, 56)
     T = tokens[rank % 4]
     cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=min(topk, E),
-                   hidden=hidden, dtype=dtype, max_tokens=max(tokens), num_sms=16, capacity_factor=factor,
-                   on_overflow="drop")
+                   hidden=hidden, dtype=dtype, max_tokens=max(tokens), num_sms=min(16, runtime.sm_share),
+                   capacity_factor=factor, on_overflow="drop")
     dev = runtime.device
     total_dropped = 0
     with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:

@@ -49,7 +49,7 @@ def _run_case(runtime, dtype, hidden, topk, el, tokens, routing, coverage, seed,
         hidden=hidden,
         dtype=dtype,
         max_tokens=max_tokens,
-        num_sms=16,
+        num_sms=min(16, runtime.sm_share),
     )
     dev = runtime.device
     with EpBuffer(runtime, cfg, registry=runtime.registry, algorithm=algorithm) as buf:

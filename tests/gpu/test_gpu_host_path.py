@@ -37,7 +37,7 @@ def _setup(runtime, T=32, H=256, K=4, num_sms=16, seed=7):
     R, rank = env.world_size, env.rank
     E = 8 * R
     cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=K, hidden=H,
-                   dtype=torch.bfloat16, max_tokens=T, num_sms=num_sms)
+                   dtype=torch.bfloat16, max_tokens=T, num_sms=min(num_sms, runtime.sm_share))
     x, idx, w = make_inputs(rank, T, H, E, K, torch.bfloat16, seed, routing="uniform")
     dev = runtime.device
     return cfg, rank, (x.to(dev), idx.to(dev), w.to(dev))  # idx int64, as a router returns it
@@ -233,4 +233,6 @@ def test_dispatch_and_combine_overlap_a_gemm_on_their_own_stream(runtime):
         buf.check_ran()
         print(f"[rank {rank}] dispatch + combine {comm_ms:.3f} ms, GEMMs {gemm_ms:.3f} ms, "
               f"together {both_ms:.3f} ms (sum {comm_ms + gemm_ms:.3f} ms)")
-        assert both_ms < comm_ms + gemm_ms, (both_ms, comm_ms, gemm_ms)
+        if runtime.placement.ranks_per_gpu == 1:
+            # Ranks that share a GPU also run each other's GEMMs meanwhile: the sum is no bound there.
+            assert both_ms < comm_ms + gemm_ms, (both_ms, comm_ms, gemm_ms)

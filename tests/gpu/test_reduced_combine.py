@@ -65,8 +65,8 @@ def test_reduced_combine_matches_reference(runtime, dtype, hidden, topk, el, rou
     E = el * R
     T = tokens[rank % 4]
     cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=min(topk, E),
-                   hidden=hidden, dtype=dtype, max_tokens=max(tokens), num_sms=16, capacity_factor=factor,
-                   on_overflow="drop", combine_algorithm="reduced")
+                   hidden=hidden, dtype=dtype, max_tokens=max(tokens), num_sms=min(16, runtime.sm_share),
+                   capacity_factor=factor, on_overflow="drop", combine_algorithm="reduced")
     dev = runtime.device
     with EpBuffer(runtime, cfg, registry=runtime.registry, algorithm=algorithm) as buf:
         assert buf.partials.shape == (cfg.max_tokens * R, hidden)

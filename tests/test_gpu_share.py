@@ -1,0 +1,230 @@
+"""Ranks that share a GPU (bootstrap/gpu_share.py and where the runtime, the buffer and the benchmark use
+it): the binding rule, the world group, the MPS check's message, the SM share and the heap fit. CPU only."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _launch import REPO
+
+from cute_ep import bench_peers as bp
+from cute_ep.bootstrap.gpu_share import (
+    GPUS_PER_HOST_VAR,
+    GpuPlacement,
+    GpuShareError,
+    gpus_in_use,
+    mps_missing_message,
+    mps_thread_percentage,
+    place,
+    sm_share,
+    sm_share_error,
+    world_group_backend,
+)
+from cute_ep.bootstrap.runtime import GIB, HeapConfigError, check_heap_fits, format_size, heap_bytes_for
+from cute_ep.input_checks import check_buffer_config, check_sm_budget, fit_hint, max_tokens_that_fit
+from cute_ep.kernels.config import ConfigError, EpConfig
+
+DSV3 = dict(num_experts=256, topk=8, hidden=7168, dtype=torch.bfloat16, max_tokens=4096)
+
+
+# -- binding ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ranks,gpus,expect", [
+    (8, 8, [(r, 1) for r in range(8)]),           # one rank per GPU: GPU = local rank
+    (4, 1, [(0, 4)] * 4),                          # all on one GPU
+    (8, 2, [(r % 2, 4) for r in range(8)]),       # round robin
+    (6, 4, [(0, 2), (1, 2), (2, 1), (3, 1), (0, 2), (1, 2)]),  # uneven: GPUs 0, 1 serve two ranks
+    (1, 8, [(0, 1)]),
+])  # fmt: skip
+def test_local_rank_r_binds_gpu_r_mod_g(ranks, gpus, expect):
+    got = [place(r, ranks, gpus) for r in range(ranks)]
+    assert [(p.gpu, p.ranks_per_gpu) for p in got] == expect
+    assert all(p.shared == (ranks > gpus) for p in got)  # the whole host's verdict, the same on every rank
+    # Every rank of a GPU agrees on how many share it.
+    for g in {p.gpu for p in got}:
+        assert len({p.ranks_per_gpu for p in got if p.gpu == g}) == 1
+        assert sum(p.gpu == g for p in got) == got[[p.gpu for p in got].index(g)].ranks_per_gpu
+
+
+def test_placement_describes_itself():
+    assert place(3, 4, 1).describe() == "gpu 0 of 1, shared by 4 ranks"
+    assert place(3, 8, 8).describe() == "gpu 3 of 8"
+
+
+def test_gpus_in_use_reads_the_override():
+    assert gpus_in_use(2, {}) == 2
+    assert gpus_in_use(2, {GPUS_PER_HOST_VAR: "1"}) == 1
+    assert gpus_in_use(2, {GPUS_PER_HOST_VAR: " "}) == 2
+    with pytest.raises(GpuShareError, match=r"CUTE_EP_GPUS_PER_HOST='3' must be in 1..2"):
+        gpus_in_use(2, {GPUS_PER_HOST_VAR: "3"})
+    with pytest.raises(GpuShareError, match=r"CUTE_EP_GPUS_PER_HOST='one' is not an integer"):
+        gpus_in_use(2, {GPUS_PER_HOST_VAR: "one"})
+    with pytest.raises(GpuShareError, match="shows no CUDA GPU"):
+        gpus_in_use(0, {})
+    with pytest.raises(ValueError, match="local_rank must be in 0..3, got 4"):
+        place(4, 4, 1)
+
+
+# -- the world group and MPS -------------------------------------------------------------------------------
+
+
+def test_world_group_is_gloo_only_when_ranks_share_a_gpu():
+    assert world_group_backend(place(0, 4, 4)) == "cpu:gloo,cuda:nccl"
+    assert world_group_backend(place(0, 4, 1)) == "gloo"
+    # Uneven sharing: a rank alone on its GPU still joins the host's gloo group (every rank must agree).
+    assert world_group_backend(place(3, 6, 4)) == "gloo"
+
+
+def test_mps_percentage_keeps_the_sum_within_the_gpu():
+    for n in range(1, 17):
+        assert n * mps_thread_percentage(n) <= 100
+        assert (n + 1) * mps_thread_percentage(n) > 100 - n  # no more than n - 1 percent left over
+    assert [mps_thread_percentage(n) for n in (1, 2, 4, 8)] == [100, 50, 25, 12]
+
+
+def test_mps_missing_message_says_how_to_start_it():
+    msg = mps_missing_message(0, 4)
+    assert msg.startswith("4 ranks share GPU 0, but CUDA MPS is not serving it")
+    assert "bash scripts/mps.sh start" in msg and "nvidia-cuda-mps-control -d" in msg
+    assert "one rank per GPU" in msg
+
+
+# -- SM share ----------------------------------------------------------------------------------------------
+
+
+def test_sm_share_splits_the_gpu_and_respects_the_mps_limit():
+    assert sm_share(132, 1) == 132
+    assert [sm_share(132, n) for n in (2, 3, 4, 8)] == [66, 44, 33, 16]
+    assert sm_share(132, 4, context_sms=34) == 33  # MPS rounds its limit up to whole TPCs: still 33
+    assert sm_share(132, 8, context_sms=14) == 14  # a stricter limit wins
+    assert sm_share(132, 1, context_sms=None) == 132
+
+
+def test_num_sms_above_the_share_is_refused_naming_it():
+    assert sm_share_error(66, [(66, 132, 2), (66, 132, 2)]) is None
+    assert sm_share_error(500, []) is None  # no GPU: nothing to fit
+    msg = sm_share_error(132, [(66, 132, 2), (66, 132, 2)])
+    assert msg == ("num_sms must be at most a rank's share of its GPU, 66 SMs (132 SMs shared by 2 ranks): "
+                   "the layout's CTAs wait for each other, one per SM, got 132")
+    assert sm_share_error(133, [(132, 132, 1)]).startswith("num_sms must be at most the GPU's SM count, 132:")
+    with pytest.raises(ConfigError, match=r"share of its GPU, 16 SMs \(132 SMs shared by 8 ranks\).*got 24"):
+        check_sm_budget(24, [(16, 132, 8)] * 8)
+
+
+def _runtime(share, ranks, device_sms=132, world_size=4):
+    placement = GpuPlacement(gpu=0, gpus=1, ranks_per_gpu=ranks, shared=ranks > 1)
+    return SimpleNamespace(env=SimpleNamespace(world_size=world_size), device=torch.device("cuda", 0),
+                           sm_share=share, device_sms=device_sms, placement=placement)
+
+
+def test_default_num_sms_is_the_share_and_an_explicit_one_above_it_is_refused():
+    base = dict(world_size=4, local_world_size=4, **DSV3)
+    assert EpConfig(**base).num_sms == 0  # "the rank's share", resolved by the GPU buffer
+    resolved = check_buffer_config(_runtime(33, 4), EpConfig(**base), kernels=True)
+    assert resolved.num_sms == 33
+    assert check_buffer_config(_runtime(33, 4), EpConfig(**base, num_sms=24), kernels=True).num_sms == 24
+    with pytest.raises(ConfigError, match=r"share of its GPU, 33 SMs \(132 SMs shared by 4 ranks\).*got 34"):
+        check_buffer_config(_runtime(33, 4), EpConfig(**base, num_sms=34), kernels=True)
+    # The CPU and all-to-all backends launch no kernels of ours: nothing is resolved or refused.
+    assert check_buffer_config(_runtime(33, 4), EpConfig(**base, num_sms=500)).num_sms == 500
+    with pytest.raises(ConfigError, match=r"num_sms must be >= 1 \(or 0: this rank's share .*got -1"):
+        EpConfig(**base, num_sms=-1)
+
+
+def test_benchmark_budgets_take_max_as_the_share():
+    assert bp.parse_num_sms("24,max") == [24, bp.SHARE_BUDGET]
+    assert bp.parse_num_sms("MAX") == [bp.SHARE_BUDGET]
+    assert bp.resolve_num_sms([24, bp.SHARE_BUDGET], 66) == [24, 66]
+    assert bp.resolve_num_sms([bp.SHARE_BUDGET, 132], 132) == [132]  # duplicates go
+    assert bp.resolve_num_sms([bp.SHARE_BUDGET], None) == [bp.FULL_GPU_SMS]  # no GPU: the full-GPU label
+    with pytest.raises(bp.BenchReportError, match="integers >= 1 or max; 'most' in '24,most' is not one"):
+        bp.parse_num_sms("24,most")
+
+
+# -- the heap on a shared GPU ------------------------------------------------------------------------------
+
+
+def test_eight_ranks_at_deepseek_v3_shapes_fit_one_80gb_gpu():
+    cfg = EpConfig(world_size=8, local_world_size=8, **DSV3)
+    heap = heap_bytes_for(cfg.symmetric_bytes(), shared_gpu=True)
+    assert heap < cfg.symmetric_bytes() * 1.1 + GIB  # tight: the buffers, 1/16 and the reserve
+    assert heap_bytes_for(cfg.symmetric_bytes()) * 8 >= 80 * GIB  # the padded rule alone would not fit
+    check_heap_fits(format_size(heap), 8, 80 * 10**9)  # an H100 80GB
+    with pytest.raises(HeapConfigError):
+        check_heap_fits(format_size(heap_bytes_for(cfg.symmetric_bytes())), 8, 80 * 10**9)
+
+
+def test_a_heap_that_does_not_fit_says_what_does():
+    cfg = EpConfig(world_size=8, local_world_size=8, **{**DSV3, "max_tokens": 8192})
+    heap = format_size(heap_bytes_for(cfg.symmetric_bytes(), shared_gpu=True))
+    budgets: list[int] = []
+
+    def hint(budget: int) -> str:
+        budgets.append(budget)
+        return fit_hint(cfg)(budget)
+
+    with pytest.raises(HeapConfigError) as err:
+        check_heap_fits(heap, 8, 80 * 10**9, hint)
+    msg = str(err.value)
+    assert msg.startswith("8 ranks share a GPU of 74.51 GiB, and each needs a symmetric heap of ")
+    assert "What fits: at most 7.53 GiB of symmetric buffers per rank" in msg
+    fits = max_tokens_that_fit(cfg, budgets[0])
+    assert f"max_tokens={fits} fits with this configuration's other fields (it asks for 8192)" in msg
+    # The hint is exact: that many tokens fit the GPU, one more does not.
+    smaller = dataclasses.replace(cfg, max_tokens=fits, capacity=0)
+    check_heap_fits(format_size(heap_bytes_for(smaller.symmetric_bytes(), shared_gpu=True)), 8, 80 * 10**9)
+    assert dataclasses.replace(cfg, max_tokens=fits + 1, capacity=0).symmetric_bytes() > budgets[0]
+    assert max_tokens_that_fit(cfg, 1) == 0
+    assert "not even max_tokens=1 fits" in fit_hint(cfg)(1)
+
+
+# -- scripts -----------------------------------------------------------------------------------------------
+
+
+def test_mps_script_syntax_and_usage():
+    script = REPO / "scripts" / "mps.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    proc = subprocess.run(["bash", str(script), "restart"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "usage: bash scripts/mps.sh start|stop|status" in proc.stderr
+
+
+def test_gpu_test_launches_on_one_gpu(tmp_path):
+    """run_gpu_tests.sh on a one-GPU host: 1 rank, then 2, 4, 4 as 2 virtual nodes and 8 ranks sharing it,
+    starting MPS first (stand-ins for nvidia-smi, torchrun and mps.sh record what it runs)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3'\n")
+    (bin_dir / "python3").write_text(
+        f"#!/bin/sh\necho \"launch GPUS=$CUTE_EP_GPUS_PER_HOST LWS=$CUTE_EP_LOCAL_WORLD_SIZE "
+        f"MPS=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE $*\" >> {log}\n"
+        "echo '3 passed'\n"
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("run_gpu_tests.sh",):
+        (repo / "scripts" / name).write_text((REPO / "scripts" / name).read_text())
+    (repo / "scripts" / "mps.sh").write_text(f"#!/bin/sh\necho \"mps $1\" >> {log}\necho 'mps: started'\n")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
+    proc = subprocess.run(["bash", str(repo / "scripts" / "run_gpu_tests.sh")], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    launches = [(*c.split()[1:4], c.split("--nproc-per-node ")[1].split()[0])
+                for c in calls if c.startswith("launch")]
+    # Each shared launch gives its ranks an even share of the GPU's threads under MPS.
+    assert launches == [("GPUS=1", "LWS=1", "MPS=", "1"), ("GPUS=1", "LWS=2", "MPS=50", "2"),
+                        ("GPUS=1", "LWS=4", "MPS=25", "4"), ("GPUS=1", "LWS=2", "MPS=25", "4"),
+                        ("GPUS=1", "LWS=8", "MPS=12", "8")]
+    # MPS starts before the first shared launch and, having been started here, stops at the end.
+    assert calls[1] == "mps start" and calls[-1] == "mps stop"
+    assert "8 ranks on one GPU: rc=0 3 passed" in proc.stdout
