@@ -49,6 +49,7 @@ __all__ = [
     "check_fp8_capacity_args",
     "check_run_args",
     "config_from_args",
+    "describe_rank",
     "exit_process",
     "expert_ids",
     "launch_rank",
@@ -276,6 +277,19 @@ def world_banner(script: str, backend: str, env: DistEnv, cfg: EpConfig, runtime
         f"cute-ep {script}: backend {backend} ({via}), world {env.world_size} = "
         f"{cfg.nnodes} node(s) x {cfg.local_world_size}{virtual}"
         + (", reduced combine" if cfg.combine_algorithm == "reduced" else "")
+    )
+
+
+def describe_rank(env: DistEnv, *, gpu: bool) -> str:
+    """One line about this rank for a script's topology listing: ``env.describe()`` on a GPU runtime; on a
+    CPU one the same without the GPU (the local rank picks no device there)."""
+    if gpu:
+        return env.describe()
+    virtual = f" virtual nodes of {env.local_world_size}" if env.is_virtual else ""
+    return (
+        f"rank {env.rank}/{env.world_size} node {env.node_id}/{env.nnodes} "
+        f"local {env.local_index}/{env.local_world_size} ({env.physical_local_world_size} processes/host)"
+        f"{virtual} {env.launcher} {env.init_method}"
     )
 
 
