@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from cute_ep._version import git_sha, package_versions
+from cute_ep.usage import ScriptArgumentParser
 
 __all__ = [
     "META_KEYS",
@@ -576,8 +577,10 @@ def plot(report: Mapping[str, Any], png_path: str | os.PathLike) -> Path:
 
 def script_parser(doc: str, epilog: str) -> argparse.ArgumentParser:
     """The argument parser of a script: the first paragraph of its docstring ``doc`` as the description,
-    ``epilog`` after the options, and every option's default shown in --help."""
-    return argparse.ArgumentParser(
+    ``epilog`` after the options, every option's default shown in --help, and a syntax error reported as
+    one line ``error: ...`` (exit status 2) that reaches the user under a launcher
+    (``cute_ep.usage.ScriptArgumentParser``)."""
+    return ScriptArgumentParser(
         description=doc.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog=epilog,

@@ -61,9 +61,29 @@ from cute_ep.kernels.config import (
 from cute_ep.launcher import current_stream_handle
 from cute_ep.status import StatusBlock, capacity_error
 
-__all__ = ["EpBuffer"]
+__all__ = ["EpBuffer", "check_gpu_runtime"]
 
 _CURRENT_STREAM = nullcontext()  # the body of a call without ``stream`` runs on the current stream
+
+
+def check_gpu_runtime(runtime: Any) -> None:
+    """RuntimeError unless ``runtime`` can carry the GPU backend: CUDA present and a Runtime started with
+    backend "nvshmem" (its device a GPU). The message names the CPU backends, so that a machine without
+    CUDA gets the way out instead of torch's "Torch not compiled with CUDA enabled" from deep inside."""
+    cpu_way = ('on a CPU use cute_ep.ReferenceEpBuffer(runtime, cfg) (or A2aEpBuffer) on '
+               'Runtime(env, backend="gloo")')
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "EpBuffer runs the CuTe kernels on a CUDA GPU, and torch.cuda.is_available() is False here; "
+            + cpu_way
+        )
+    backend, device = getattr(runtime, "backend", None), getattr(runtime, "device", None)
+    if backend != "nvshmem" or device is None or device.type != "cuda":
+        raise RuntimeError(
+            f'EpBuffer needs a started Runtime(env, backend="nvshmem") (one GPU per rank), got backend='
+            f"{backend!r} with device {device}; ReferenceEpBuffer and A2aEpBuffer run on "
+            'Runtime(env, backend="gloo")'
+        )
 
 
 class EpBuffer(BackendBase):
@@ -85,11 +105,13 @@ class EpBuffer(BackendBase):
 
     def __init__(self, runtime: Any, cfg: EpConfig, registry: Any = None, algorithm: str = "dedup",
                  profile_cache: Any = None) -> None:
+        check_dispatch_algorithm(algorithm, allow_auto=True)
+        check_gpu_runtime(runtime)  # before anything touches CUDA or imports the GPU stack
+
         from cute_ep.bootstrap.compile import ModuleRegistry
         from cute_ep.kernels.host import build, make_pointer, size_scalars
         from cute_ep.launcher import Launcher
 
-        check_dispatch_algorithm(algorithm, allow_auto=True)
         # num_sms 0 (the default) becomes the least SM share of any rank (its GPU, over the ranks on it).
         cfg = check_buffer_config(runtime, cfg, kernels=True)
         if cfg.num_sms < 1:

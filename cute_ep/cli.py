@@ -1,10 +1,12 @@
-"""Helpers shared by the scripts in scripts/ (dispatch_and_combine.py, soak.py, benchmark.py).
+"""Helpers shared by the scripts in scripts/ (dispatch_and_combine.py, soak.py, benchmark.py) and the
+quick start example.
 
 Small collectives on the Runtime's CPU (gloo) group, rank-0 printing, the report of a failed check,
 the expert of each received row, the arguments the launched scripts share, the buffer of a backend
 and its run, the run's banner line, the exit statuses and the ``main`` every launched script shares,
-and the collective way out of a run after an error every rank got alike. Importing this module
-imports torch: scripts that must answer ``--help`` without torch import it after parsing.
+the check that a backend can run on this machine, and the collective way out of a run after an error
+every rank got alike. Usage errors are printed by ``cute_ep.usage`` (re-exported here). Importing this
+module imports torch: scripts that must answer ``--help`` without torch import it after parsing.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import math
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -22,6 +25,7 @@ import torch
 from cute_ep.collectives import all_gather_objects as all_gather
 from cute_ep.collectives import broadcast_from_root as broadcast_from_rank0
 from cute_ep.reference import global_expert_of_rows
+from cute_ep.usage import EXIT_USAGE, REPEAT_DELAY_S, UsageError, launch_rank, report_usage_error
 
 if TYPE_CHECKING:
     from cute_ep.bootstrap.dist_env import DistEnv
@@ -41,24 +45,31 @@ __all__ = [
     "add_fp8_capacity_args",
     "add_launch_args",
     "add_shape_args",
+    "check_backends_run_here",
     "check_fp8_capacity_args",
     "check_run_args",
     "config_from_args",
+    "describe_rank",
     "exit_process",
     "expert_ids",
     "launch_rank",
     "leave",
     "make_buffer",
     "print_run_error",
+    "report_setup_error",
+    "report_usage_error",
+    "require_cuda",
     "run_buffer",
     "run_guarded",
     "runtime_backend",
     "script_main",
+    "setup_errors",
     "world_banner",
 ]
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-"""Exit statuses of the scripts: every check passed / a check failed or a run-time error / bad usage."""
+EXIT_PASS, EXIT_FAIL = 0, 1
+"""Exit statuses of the scripts: every check passed / a check failed or a run-time error (and
+``EXIT_USAGE``, 2: bad usage, from ``cute_ep.usage``)."""
 
 
 def exit_process(code: int) -> None:
@@ -77,10 +88,6 @@ def exit_process(code: int) -> None:
 BACKENDS = ("cute", "reference", "a2a")
 """--backend choices: the CuTe kernels on GPUs, the torch reference (CPU, gloo), or the
 ``all_to_all_single`` fallback (NCCL on GPUs, gloo on CPUs)."""
-
-
-class UsageError(ValueError):
-    """An argument combination a script cannot run; exit status 2."""
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 """The --dtype choices of the scripts and their torch dtypes."""
@@ -129,7 +136,7 @@ def runtime_backend(backend: str) -> str:
     """The Runtime backend a --backend needs: "gloo" for the reference, "nvshmem" for the kernels (its
     process group also carries NCCL), and for the all-to-all fallback whichever the machine has."""
     if backend == "a2a":
-        return "nvshmem" if torch.cuda.is_available() else "gloo"
+        return "nvshmem" if cuda_gpus() else "gloo"
     return "gloo" if backend == "reference" else "nvshmem"
 
 
@@ -273,9 +280,75 @@ def world_banner(script: str, backend: str, env: DistEnv, cfg: EpConfig, runtime
     )
 
 
+def describe_rank(env: DistEnv, runtime: Any = None) -> str:
+    """One line about this rank for a script's topology listing: rank, node, local index, and on a GPU
+    runtime its GPU and the ranks that share it (``Runtime.placement``, e.g. "gpu 0 of 1, shared by 4
+    ranks"); on a CPU one the processes per host (the local rank picks no device there)."""
+    virtual = f" virtual nodes of {env.local_world_size}" if env.is_virtual else ""
+    placement = getattr(runtime, "placement", None)
+    where = (placement.describe() if placement is not None
+             else f"({env.physical_local_world_size} processes/host)")
+    return (
+        f"rank {env.rank}/{env.world_size} node {env.node_id}/{env.nnodes} "
+        f"local {env.local_index}/{env.local_world_size} {where}{virtual} {env.launcher} {env.init_method}"
+    )
+
+
 # --------------------------------------------------------------------------------------------------
 # errors and the way out
 # --------------------------------------------------------------------------------------------------
+
+
+def setup_errors() -> tuple[type[BaseException], ...]:
+    """The errors of a script's setup (its arguments, its ``EpConfig``, the launch environment, a backend
+    this machine cannot run) that end the run with ``report_setup_error`` before any collective."""
+    from cute_ep.bootstrap.dist_env import DistEnvError
+    from cute_ep.kernels.config import ConfigError
+
+    return (UsageError, ConfigError, DistEnvError)
+
+
+def report_setup_error(exc: BaseException) -> int:
+    """Print one of ``setup_errors()`` as one line ``error: ...`` and return EXIT_USAGE.
+
+    Arguments and configuration are checked alike on every rank (``report_usage_error``: rank 0 first);
+    a launch environment error may differ per rank, so every rank prints its own at once.
+    """
+    from cute_ep.bootstrap.dist_env import DistEnvError
+
+    return report_usage_error(exc, alike=not isinstance(exc, DistEnvError))
+
+
+def require_cuda(what: str, instead: str = "") -> None:
+    """UsageError unless torch sees a CUDA GPU: ``what`` needs one, ``instead`` (if any) is the way out on a
+    CPU.
+
+    Checked before a Runtime starts, so that a CPU machine gets one line instead of a traceback.
+    """
+    if not cuda_gpus():
+        way_out = f"; {instead}" if instead else ""
+        raise UsageError(f"{what} needs a CUDA GPU (torch sees none){way_out}")
+
+
+def cuda_gpus() -> int:
+    """The CUDA GPUs torch sees, counted without starting CUDA (NVML): a Runtime started later can then
+    still give ranks that share a GPU their MPS thread percentage, which counts only when set before CUDA
+    starts in the process."""
+    return torch.cuda.device_count()
+
+
+def check_backends_run_here(args: argparse.Namespace) -> None:
+    """UsageError when a script's ``--backend`` (or ``--backends``, parsed into ``args.backend_list``)
+    names the GPU kernels ("cute") and this machine has no CUDA GPU (the other backends run on CPUs)."""
+    names = getattr(args, "backend_list", None)
+    if names is not None:
+        gpu = [n for n in names if runtime_backend(n) == "nvshmem"]
+        if gpu:
+            require_cuda(f"--backends {','.join(names)}: {gpu[0]}", "on a CPU use --backends reference,a2a")
+        return
+    backend = getattr(args, "backend", None)
+    if backend is not None and runtime_backend(backend) == "nvshmem":
+        require_cuda(f"--backend {backend}", "on a CPU use --backend reference")
 
 
 def script_main(
@@ -285,25 +358,23 @@ def script_main(
     make_config: Callable[[argparse.Namespace, DistEnv], EpConfig],
     run: Callable[[argparse.Namespace, DistEnv, EpConfig], int],
 ) -> int:
-    """The ``main`` of a launched script: parse (argparse exits 2 on bad syntax), ``validate_args``, read
-    the launch environment (``--local-world-size`` as the virtual-node override) and ``make_config``
-    (``UsageError`` / ``ConfigError`` / ``DistEnvError``: exit 2, printed once, or by every rank for a
-    launch error that may differ per rank), then ``run`` and return its status. A bad heap size
-    (checked when the Runtime starts, on every rank alike) exits 2 with one message; any other
+    """The ``main`` of a launched script: parse (bad syntax exits 2; with ``ScriptArgumentParser`` in one
+    line), ``validate_args``, read the launch environment (``--local-world-size``, where the script has
+    it, as the virtual-node override), ``make_config`` and check that the backend can run here
+    (``check_backends_run_here``); any of ``setup_errors()`` exits 2 with one line (``report_setup_error``:
+    printed by every rank, before any rank can exit silently). Then ``run`` and return its status. A bad
+    heap size (checked when the Runtime starts, on every rank alike) exits 2 with one message; any other
     exception is printed by the rank that got it and exits 1 (``run_guarded``)."""
-    from cute_ep.bootstrap.dist_env import DistEnv, DistEnvError
-    from cute_ep.kernels.config import ConfigError
+    from cute_ep.bootstrap.dist_env import DistEnv
 
     args = build_parser().parse_args(argv)
-    rank_hint = launch_rank()
     try:
         validate_args(args)
-        env = DistEnv.from_environ(local_world_size=args.local_world_size)
+        env = DistEnv.from_environ(local_world_size=getattr(args, "local_world_size", None))
         cfg = make_config(args, env)
-    except (UsageError, ConfigError, DistEnvError) as exc:
-        if rank_hint == "0" or isinstance(exc, DistEnvError):
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        check_backends_run_here(args)
+    except setup_errors() as exc:
+        return report_setup_error(exc)
     return run_guarded(run, args, env, cfg)
 
 
@@ -314,27 +385,17 @@ def run_guarded(
     cfg: EpConfig,
 ) -> int:
     """``run(args, env, cfg)``'s status, with the scripts' handling of what escapes it: a bad heap size
-    (the same on every rank) exits 2 with rank 0's message; any other exception is printed by the rank
-    that got it (``--traceback`` for the traceback) and exits 1."""
+    (the same on every rank) exits 2 with one line (``report_usage_error``); any other exception is
+    printed by the rank that got it (``--traceback`` for the traceback) and exits 1."""
     from cute_ep.bootstrap.runtime import HeapConfigError
 
     try:
         return run(args, env, cfg)
     except HeapConfigError as exc:
-        if env.rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return report_usage_error(exc)
     except Exception as exc:
-        print_run_error(env.rank, exc, args.traceback)
+        print_run_error(env.rank, exc, getattr(args, "traceback", False))
         return EXIT_FAIL
-
-
-def launch_rank() -> str:
-    """This process's rank as the launcher names it ($RANK, else $SLURM_PROCID, else "0"), unparsed.
-
-    For messages printed before the launch environment is validated.
-    """
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
 
 
 def print_run_error(rank: int, exc: BaseException, show_traceback: bool) -> None:
@@ -353,10 +414,15 @@ def leave(runtime: Runtime, exc: BaseException, code: int, *, meet: bool = True)
     """An error every rank got alike: print it once, meet the others, return ``code``.
 
     Returning (instead of raising through the Runtime's ``with``) keeps the teardown collective, so
-    no rank tears its connections down under another that is still talking.
+    no rank tears its connections down under another that is still talking. Rank 0 prints before the
+    meeting, so no rank exits before the line is out. Without the meeting (``meet=False``) the other
+    ranks pause ``REPEAT_DELAY_S`` instead: a launcher stops every rank once one exits with an error
+    status, and rank 0 must not be stopped before it has printed.
     """
     if runtime.env.rank == 0:
         print(f"error: {exc}", file=sys.stderr, flush=True)
     if meet:
         runtime.barrier()
+    elif runtime.env.rank != 0:
+        time.sleep(REPEAT_DELAY_S)
     return code

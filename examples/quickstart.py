@@ -15,7 +15,9 @@ To run:
     # the all_to_all_single fallback (NCCL on GPUs, gloo on CPUs)
     torchrun --nproc-per-node 2 examples/quickstart.py --backend a2a
 
-Rank 0 prints one line per rank, then PASS (exit status 0) or FAIL (exit status 1).
+Rank 0 prints one line per rank, then PASS (exit status 0) or FAIL (exit status 1). A bad argument, a
+configuration EpConfig refuses or the GPU backend on a machine without CUDA stops the run before it
+starts, with one line ``error: ...`` and exit status 2.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from torch import Tensor
 import cute_ep.reference as ref
 from cute_ep import EpConfig
 from cute_ep.bootstrap import DistEnv, Runtime
-from cute_ep.cli import BACKENDS, DTYPES, Printer, exit_process, make_buffer, runtime_backend
+from cute_ep.cli import BACKENDS, DTYPES, Printer, exit_process, make_buffer, runtime_backend, script_main
 from cute_ep.collectives import all_gather_objects, world_of
+from cute_ep.usage import ScriptArgumentParser
 
 
 def make_inputs(rank: int, args: argparse.Namespace, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
@@ -70,20 +73,33 @@ def check(out: Tensor, x: Tensor, idx: Tensor, w: Tensor, num_experts: int, grou
     return same, diff
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", choices=BACKENDS, default="cute", help="cute (GPUs), reference (CPU), a2a")
+def build_parser() -> argparse.ArgumentParser:
+    p = ScriptArgumentParser(description=__doc__.split("\n\n")[0],
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--backend", choices=BACKENDS, default="cute",
+                   help="cute: the CuTe kernels, one GPU per rank; reference: the torch reference on the CPU "
+                        "(gloo); a2a: all_to_all_single (NCCL on GPUs, gloo on CPUs)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank (T, also max_tokens)")
     p.add_argument("--hidden", type=int, default=256, help="elements per token row (H)")
     p.add_argument("--experts", type=int, default=16, help="experts in total (E), divisible by the ranks")
     p.add_argument("--topk", type=int, default=4, help="experts per token (K)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                   help="element type of the token rows and of the combine output")
+    p.add_argument("--seed", type=int, default=0,
+                   help="input seed: rank r's tokens, experts and weights come from seed 1000 * SEED + r")
+    p.add_argument("--traceback", action="store_true", help="print the full traceback of a run-time error")
+    return p
 
-    env = DistEnv.from_environ()  # torchrun / srun variables, or a world of one
-    cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size, num_experts=args.experts,
-                   topk=args.topk, hidden=args.hidden, dtype=DTYPES[args.dtype], max_tokens=args.tokens)
+
+def make_config(args: argparse.Namespace, env: DistEnv) -> EpConfig:
+    """The configuration every rank builds alike (EpConfig raises ConfigError naming a bad value)."""
+    return EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
+                    num_experts=args.experts, topk=args.topk, hidden=args.hidden, dtype=DTYPES[args.dtype],
+                    max_tokens=args.tokens)
+
+
+def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
+    """The round trip on every rank, the check, and rank 0's report; returns the exit status."""
     say = Printer(env.rank)
     with Runtime(env, backend=runtime_backend(args.backend), symmetric_bytes=cfg.symmetric_bytes()) as rt:
         with make_buffer(args.backend, rt, cfg) as buf:
@@ -97,6 +113,12 @@ def main() -> int:
     passed = all(good for *_, good in ranks)  # the same verdict on every rank
     say("PASS" if passed else "FAIL")
     return 0 if passed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    # script_main: a bad argument or configuration, or the GPU backend without CUDA, is one line
+    # `error: ...` and exit status 2 before any rank starts; run-time errors exit 1.
+    return script_main(argv, build_parser, lambda args: None, make_config, run)
 
 
 if __name__ == "__main__":

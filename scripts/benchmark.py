@@ -117,8 +117,9 @@ from typing import Any
 
 from cute_ep import bench_peers as bp  # pure Python + numpy (deep_ep only when a peer is opened)
 from cute_ep import bench_report as br  # pure Python + numpy: safe before parsing
+from cute_ep.usage import EXIT_USAGE, UsageError, report_usage_error  # torch-free: safe before parsing
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAIL = 0, 1
 ROUTING_CHOICES = ("uniform", "skewed", "dropped")  # cute_ep.inputs.ROUTINGS (checked at run time)
 MODE_CHOICES = ("scatter", "atomic")  # kernels.config.MODES (checked at run time)
 DTYPE_CHOICES = ("bfloat16", "float16", "float32")
@@ -132,12 +133,10 @@ RECORDED_VARS = (
     "NCCL_ALGO",
     "NCCL_PROTO",
 )
+CPU_WAY_OUT = "on a CPU, scripts/profile_backends.py --backends reference,a2a times the CPU backends"
+"""What the GPU-only timing scripts suggest on a machine without CUDA."""
 MIN_HOST_US_PER_ITER = 20.0  # floor of the host enqueue estimate that sizes the sleep
 MAX_HOLD_MS = 5000.0
-
-
-class UsageError(ValueError):
-    """Arguments the script cannot run with; exit status 2."""
 
 
 class CheckFailed(RuntimeError):
@@ -259,15 +258,13 @@ def checked_args(
     usage_error: type[Exception] = UsageError,
 ) -> argparse.Namespace | None:
     """``argv`` parsed by ``parser`` (argparse exits 2 with its message on bad syntax) and checked by
-    ``validate``; None if that raised ``usage_error``, whose message rank 0 prints (exit EXIT_USAGE)."""
+    ``validate``; None if that raised ``usage_error``, whose message every rank prints, rank 0 first
+    (``report_usage_error``; exit EXIT_USAGE)."""
     args = parser.parse_args(argv)
     try:
         validate(args)
     except usage_error as exc:
-        from cute_ep.cli import launch_rank  # imports torch: only after parsing (--help stays torch-free)
-
-        if launch_rank() == "0":
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+        report_usage_error(exc)
         return None
     return args
 
@@ -904,22 +901,27 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
 
 
 def run(args: argparse.Namespace) -> int:
-    from cute_ep.bootstrap.dist_env import DistEnv, DistEnvError
+    from cute_ep.bootstrap.dist_env import DistEnv
     from cute_ep.bootstrap.runtime import Runtime
-    from cute_ep.cli import Printer, config_from_args, launch_rank, run_guarded
+    from cute_ep.cli import (
+        Printer,
+        config_from_args,
+        report_setup_error,
+        require_cuda,
+        run_guarded,
+        setup_errors,
+    )
     from cute_ep.inputs import ROUTINGS
-    from cute_ep.kernels.config import MODES, ConfigError
+    from cute_ep.kernels.config import MODES
 
-    rank_hint = launch_rank()
     try:
         if set(args.routing_list) - set(ROUTINGS) or set(args.mode_list) - set(MODES):
             raise UsageError(f"routings must be in {ROUTINGS} and modes in {sorted(MODES)}")
         env = DistEnv.from_environ(local_world_size=args.local_world_size)
         cfg = config_from_args(args, env, max_tokens=max(args.token_list))
-    except (UsageError, ConfigError, DistEnvError) as exc:
-        if rank_hint == "0" or isinstance(exc, DistEnvError):
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        require_cuda("scripts/benchmark.py (it times the GPU kernels)", CPU_WAY_OUT)
+    except setup_errors() as exc:
+        return report_setup_error(exc)
 
     def timed_sweep(args: argparse.Namespace, env: Any, cfg: Any) -> int:
         with Runtime(env, symmetric_bytes=cfg.symmetric_bytes()) as runtime:

@@ -211,9 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args is None:
         return 2
+    import torch
+
+    if not torch.cuda.is_available():  # one line instead of a traceback from the first CUDA tensor
+        print("error: scripts/copy_ceiling.py needs a CUDA GPU (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
     import cutlass
     import cutlass.cute as cute
-    import torch
     from cutlass import Int32, Int64
 
     cdtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}

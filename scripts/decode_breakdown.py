@@ -64,14 +64,11 @@ import benchmark as bm  # noqa: E402  (the timer, input sets and DeepEP peer of 
 
 from cute_ep import bench_peers as bp  # noqa: E402  (pure Python + numpy: safe before parsing)
 from cute_ep import bench_report as br  # noqa: E402
+from cute_ep.usage import EXIT_USAGE, UsageError  # noqa: E402  (torch-free: safe before parsing)
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAIL = 0, 1
 DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 PEERS = ("deepep",)  # of bench_peers.PEER_CHOICES, the ones this script times
-
-
-class UsageError(ValueError):
-    """Arguments the script cannot run with; exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,18 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     args = bm.checked_args(build_parser(), validate_args, argv, UsageError)
     if args is None:
         return EXIT_USAGE
-    from cute_ep.bootstrap.dist_env import DistEnv, DistEnvError
+    from cute_ep.bootstrap.dist_env import DistEnv
     from cute_ep.bootstrap.runtime import Runtime
-    from cute_ep.cli import Printer, launch_rank, run_guarded
-    from cute_ep.kernels.config import ConfigError
+    from cute_ep.cli import Printer, report_setup_error, require_cuda, run_guarded, setup_errors
 
     try:
         env = DistEnv.from_environ()
         cfg = make_config(args, env)
-    except (ConfigError, DistEnvError) as exc:
-        if launch_rank() == "0" or isinstance(exc, DistEnvError):
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        require_cuda("scripts/decode_breakdown.py (it times the GPU kernels)", bm.CPU_WAY_OUT)
+    except setup_errors() as exc:
+        return report_setup_error(exc)
 
     # The heap fits the largest budget's buffer (across nodes the staging rows grow with num_sms).
     heap = max(dataclasses.replace(cfg, num_sms=b).symmetric_bytes() for b in args.num_sms_list)

@@ -87,6 +87,7 @@ from cute_ep.cli import (
     check_fp8_capacity_args,
     check_run_args,
     config_from_args,
+    describe_rank,
     exit_process,
     expert_ids,
     leave,
@@ -393,23 +394,33 @@ def validate(buffer: Any, args: argparse.Namespace, cfg: EpConfig, runtime: Runt
     return EXIT_PASS if passed else EXIT_FAIL
 
 
+def sms_share_text(runtime: Runtime) -> str:
+    """What num_sms 0 becomes on this rank: its share of its GPU."""
+    return f"{runtime.sm_share} (this rank's share of its GPU)"
+
+
 def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
     say = Printer(env.rank)
     backend = runtime_backend(args.backend)
     sym = cfg.symmetric_bytes()
     with Runtime(env, symmetric_bytes=sym, backend=backend) as runtime:
-        topology = all_gather(env.describe(), runtime.cpu_group)
+        # Only what applies to the backend: SMs are the kernels', symmetric memory NVSHMEM's, and a
+        # CPU runtime uses no GPU.
+        nvshmem = backend == "nvshmem"
+        topology = all_gather(describe_rank(env, runtime), runtime.cpu_group)
         say(
             world_banner("dispatch_and_combine", args.backend, env, cfg),
             f"config: tokens/rank {cfg.max_tokens}, hidden {cfg.hidden}, experts {cfg.num_experts} "
             f"({cfg.experts_per_rank}/rank), topk {cfg.topk}, {args.dtype}, routing {args.routing}, "
             f"seed {args.seed}, modes {','.join(args.mode_list)}, iters {args.iters}, "
-            f"capacity {cfg.capacity} rows, num_sms {cfg.num_sms}"
+            f"capacity {cfg.capacity} rows"
+            + (f", num_sms {cfg.num_sms or sms_share_text(runtime)}" if args.backend == "cute" else "")
             + (f", fp8 ({cfg.fp8_row_bytes} B per row)" if args.fp8 else "")
             + (f", capacity_factor {cfg.capacity_factor:g} (expert_capacity {cfg.expert_capacity})"
                if cfg.capacity_factor else ""),
-            f"symmetric memory per rank: {sym} bytes ({sym / 2**20:.2f} MiB)"
-            + (f", NVSHMEM_SYMMETRIC_SIZE={runtime.symmetric_size}" if runtime.symmetric_size else ""),
+            *([f"symmetric memory per rank: {sym} bytes ({sym / 2**20:.2f} MiB)"
+               + (f", NVSHMEM_SYMMETRIC_SIZE={runtime.symmetric_size}" if runtime.symmetric_size else "")]
+              if nvshmem else []),
             "topology:",
             *(f"  {line}" for line in topology),
         )

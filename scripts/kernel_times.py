@@ -39,14 +39,14 @@ import benchmark as bm  # noqa: E402  (the timer and input sets of the benchmark
 
 from cute_ep import bench_peers as bp  # noqa: E402
 from cute_ep import bench_report as br  # noqa: E402
+from cute_ep.usage import EXIT_USAGE, ScriptArgumentParser  # noqa: E402  (torch-free)
 
-EXIT_USAGE = 2
 LAYOUT_CHOICES = ("expert", "rank")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ScriptArgumentParser(description=__doc__.split("\n\n")[0],
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tokens", default="128,4096", help="comma list of tokens per rank")
     p.add_argument("--num-sms", default="24,max",
                    help="comma list of SM budgets (EpConfig.num_sms); max: each rank's share of its GPU")
@@ -186,15 +186,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     from cute_ep.bootstrap.dist_env import DistEnv
     from cute_ep.bootstrap.runtime import Runtime
-    from cute_ep.cli import DTYPES, Printer, run_guarded
+    from cute_ep.cli import DTYPES, Printer, report_setup_error, require_cuda, run_guarded, setup_errors
     from cute_ep.kernels.config import EpConfig
 
-    env = DistEnv.from_environ()
     fold = {} if args.layout_in_dispatch is None else {"layout_in_dispatch": args.layout_in_dispatch}
-    cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
-                   num_experts=args.num_experts, topk=args.topk, hidden=args.hidden, dtype=DTYPES[args.dtype],
-                   max_tokens=max(args.token_list), num_sms=args.num_sms_list[0],
-                   combine_algorithm=args.combine, **fold)
+    try:
+        env = DistEnv.from_environ()
+        cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
+                       num_experts=args.num_experts, topk=args.topk, hidden=args.hidden,
+                       dtype=DTYPES[args.dtype], max_tokens=max(args.token_list),
+                       num_sms=args.num_sms_list[0], combine_algorithm=args.combine, **fold)
+        require_cuda("scripts/kernel_times.py (it times the GPU kernels)", bm.CPU_WAY_OUT)
+    except setup_errors() as exc:
+        return report_setup_error(exc)
 
     def body(args: argparse.Namespace, env: Any, cfg: Any) -> int:
         import dataclasses
@@ -207,4 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from cute_ep.cli import exit_process  # after main: --help and bad arguments exit before torch is imported
+
+    exit_process(code)

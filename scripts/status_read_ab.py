@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cute_ep import bench_report as br  # noqa: E402  (pure Python + numpy: safe before parsing)
+from cute_ep.usage import EXIT_USAGE, report_usage_error  # noqa: E402  (torch-free)
 
 VARIANTS = ("mirror", "plain read", "sync=False")
 MAX_TOKENS = 65536
@@ -47,17 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace | None:
-    """The arguments, or None after printing the error (exit status 2)."""
+    """The arguments, or None after printing the error (``report_usage_error``; exit status 2)."""
     args = build_parser().parse_args(argv)
     try:
         args.token_list = br.parse_int_list(args.tokens, "--tokens")
         args.sms_list = br.parse_int_list(args.num_sms, "--num-sms")
     except br.BenchReportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        report_usage_error(exc)
         return None
     if max(args.token_list) > MAX_TOKENS or min(args.sms_list) < 1 or args.iters < 1:
-        print(f"error: need --tokens values <= {MAX_TOKENS}, --num-sms >= 1 and --iters >= 1, got "
-              f"{args.tokens!r}, {args.num_sms!r}, {args.iters}", file=sys.stderr)
+        report_usage_error(f"need --tokens values <= {MAX_TOKENS}, --num-sms >= 1 and --iters >= 1, got "
+                           f"{args.tokens!r}, {args.num_sms!r}, {args.iters}")
         return None
     return args
 
@@ -69,7 +70,7 @@ def median(values: list[float]) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args is None:
-        return 2
+        return EXIT_USAGE
     import dataclasses
 
     import torch
@@ -77,12 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     from cute_ep import EpConfig
     from cute_ep.bootstrap import DistEnv, Runtime
     from cute_ep.buffer import EpBuffer
-    from cute_ep.cli import Printer, all_gather
+    from cute_ep.cli import Printer, all_gather, report_setup_error, require_cuda, setup_errors
 
-    env = DistEnv.from_environ()
-    base = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size, hidden=args.hidden,
-                    topk=args.topk, num_experts=args.num_experts, dtype=torch.bfloat16,
-                    max_tokens=max(args.token_list), num_sms=args.sms_list[0])
+    try:
+        env = DistEnv.from_environ()
+        base = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size, hidden=args.hidden,
+                        topk=args.topk, num_experts=args.num_experts, dtype=torch.bfloat16,
+                        max_tokens=max(args.token_list), num_sms=args.sms_list[0])
+        require_cuda("scripts/status_read_ab.py (it times the GPU kernels)")
+    except setup_errors() as exc:
+        return report_setup_error(exc)
     say = Printer(env.rank)
     with Runtime(env, symmetric_bytes=max(dataclasses.replace(base, num_sms=n).symmetric_bytes()
                                           for n in args.sms_list)) as rt:

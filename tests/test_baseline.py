@@ -131,6 +131,22 @@ def test_config_mismatch_raises(tmp_path):
         make_baseline([sample_arrays()], {"seed": 1})
 
 
+def test_versions_note_names_only_packages_both_record_with_other_versions():
+    """A baseline made when fewer packages were recorded matches a current run without a versions note;
+    a package whose version changed is named with both versions."""
+    a = make_baseline([sample_arrays()], META)
+    a.meta["versions"] = {"torch": "2.13.0+cpu", "numpy": "2.4.6"}
+    b = make_baseline([sample_arrays()], META)
+    b.meta["versions"] = {"torch": "2.13.0+cpu", "numpy": "2.4.6", "cuda-python": "13.4.4"}
+    b.meta["git_sha"] = a.meta["git_sha"]
+    result = compare_baselines(a, b)
+    assert result.passed and not any("note:" in line for line in result.lines), result.lines
+    b.meta["versions"].update(numpy="2.5.0", torch="2.14.0")
+    notes = [line for line in compare_baselines(a, b).lines if "note:" in line]
+    assert notes == ['  note: versions differ: numpy: expected "2.4.6", got "2.5.0"; '
+                     'torch: expected "2.13.0+cpu", got "2.14.0"'], notes
+
+
 def test_check_baseline_config_reads_only_the_configuration(tmp_path):
     path = tmp_path / "base.npz"
     save_baseline(path, sample_arrays(), META, local_world_size=1)

@@ -46,6 +46,7 @@ __all__ = [
     "load_baseline",
     "make_baseline",
     "save_baseline",
+    "version_differences",
 ]
 
 META_KEY = "__meta__"
@@ -334,6 +335,22 @@ def _compare_array(key: str, exp: Tensor, act: Tensor) -> str | None:
     )
 
 
+def version_differences(expected: Any, actual: Any) -> list[str]:
+    """``"package: expected X, got Y"`` for each package whose version both ``versions`` records hold and
+    that differs between them, sorted by name.
+
+    A package only one side records is no difference: the list of recorded packages has grown over time,
+    so an older baseline names fewer of them than a current run.
+    """
+    if not isinstance(expected, Mapping) or not isinstance(actual, Mapping):
+        return []
+    return [
+        f"{name}: expected {json.dumps(expected[name])}, got {json.dumps(actual[name])}"
+        for name in sorted(set(expected) & set(actual))
+        if expected[name] != actual[name]
+    ]
+
+
 def compare_baselines(expected: Baseline, actual: Baseline) -> Comparison:
     """Compare two baselines bit for bit.
 
@@ -380,7 +397,13 @@ def compare_baselines(expected: Baseline, actual: Baseline) -> Comparison:
     lines = [summary] + [f"  {d}" for d in details]
     for key in REPORTED_KEYS:
         e, a = expected.meta.get(key), actual.meta.get(key)
-        if key != "created" and e != a:
+        if key == "created":
+            continue
+        if key == "versions":
+            changed = version_differences(e, a)
+            if changed:
+                lines.append(f"  note: versions differ: {'; '.join(changed)}")
+        elif e != a:
             lines.append(f"  note: {key} differs: expected {json.dumps(e)}, got {json.dumps(a)}")
     return Comparison(
         passed=not differing, lines=lines, num_arrays=n, identical=identical, differing=differing

@@ -1,0 +1,74 @@
+"""Usage errors of the launched scripts: one line ``error: ...`` on stderr and exit status 2, which reaches
+the user under any launcher.
+
+Why this needs care: a launcher such as torchrun stops every other rank (SIGTERM) as soon as one rank
+exits with a non-zero status, so a rank that leaves without printing can get the rank that would have
+printed killed first, and the user sees no message at all. Here every rank that detects an error prints
+it before it exits; rank 0 prints at once and the other ranks only after a pause, so that under torchrun
+(which checks its workers every 0.1 s) rank 0's line is normally the only one.
+
+This module imports neither torch nor the GPU stack: scripts report argument errors before they import
+those (``--help`` and a bad argument stay fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import NoReturn
+
+__all__ = [
+    "EXIT_USAGE",
+    "REPEAT_DELAY_S",
+    "ScriptArgumentParser",
+    "UsageError",
+    "launch_rank",
+    "report_usage_error",
+]
+
+EXIT_USAGE = 2
+"""Exit status of a run stopped by a usage, configuration or launch error."""
+
+REPEAT_DELAY_S = 2.0
+"""How long a rank other than 0 waits before it prints an error that every rank detects alike: long
+enough for a launcher to stop it once rank 0 has printed the error and exited, short enough that a
+launch whose rank 0 is late (still importing) shows the error soon."""
+
+
+class UsageError(ValueError):
+    """An argument combination a script cannot run; exit status 2."""
+
+
+def launch_rank() -> str:
+    """This process's rank as the launcher names it ($RANK, else $SLURM_PROCID, else "0"), unparsed.
+
+    For messages printed before the launch environment is validated.
+    """
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+
+
+def report_usage_error(error: BaseException | str, *, alike: bool = True) -> int:
+    """Print ``error: <error>`` on stderr (flushed) so that it reaches the user, and return EXIT_USAGE.
+
+    ``alike``: every rank detects the same error before any collective (arguments, configuration). Rank 0
+    prints at once; any other rank first waits ``REPEAT_DELAY_S``, so that a launcher that stops it after
+    rank 0 exits leaves one line, and then prints the same line itself (rank 0 may have been stopped, or
+    may be late). ``alike=False`` (an error that may differ per rank, e.g. of the launch environment):
+    every rank prints at once.
+    """
+    if alike and launch_rank() != "0":
+        time.sleep(REPEAT_DELAY_S)
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+class ScriptArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose syntax errors (unknown option, invalid choice, a value of the wrong
+    type) are one line ``error: ...`` from ``report_usage_error`` (exit status 2), instead of argparse's
+    usage block, which every rank of a launch would print."""
+
+    def error(self, message: str) -> NoReturn:
+        report_usage_error(f"{message} (see {self.prog} --help)")
+        sys.exit(EXIT_USAGE)
