@@ -9,8 +9,12 @@ ranks). NVSHMEM supports several processes per GPU, with two conditions this mod
   (``GpuShareError`` says how to start it: ``bash scripts/mps.sh start``).
 * **Each rank counts on its share of the SMs.** The layout's CTAs wait for each other, one per SM: every
   rank's grid must be resident at once beside the other ranks', so ``num_sms`` may not exceed
-  ``SMs // ranks on the GPU`` (``sm_share``); the MPS active-thread percentage is set to match
-  (``mps_thread_percentage``) unless the user set one.
+  ``SMs // ranks on the GPU`` (``sm_share``), and then every rank's grid fits at once.
+* **No MPS thread percentage.** NVSHMEM asks that the ranks' ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` add up to
+  at most 100, unless ``NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1`` (``shared_gpu_environ`` sets
+  it). A percentage does not help these kernels: measured on an H100 with 2 ranks at 50% each (66 SMs per
+  process), kernels whose CTAs wait for each other stalled until their timeout, while unlimited ranks with
+  the same grids passed every test. A user's percentage is kept, and the share is then at most its limit.
 
 NCCL refuses two ranks on one GPU, so a launch with a shared GPU uses a gloo-only world group
 (``Runtime.group``); see ``cute_ep.a2a_backend`` for how the all-to-all backend moves rows then.
@@ -28,11 +32,12 @@ from dataclasses import dataclass
 __all__ = [
     "GPUS_PER_HOST_VAR",
     "MPS_PERCENTAGE_VAR",
+    "NVSHMEM_IGNORE_MPS_VAR",
     "GpuPlacement",
     "GpuShareError",
     "gpus_in_use",
     "mps_missing_message",
-    "mps_thread_percentage",
+    "shared_gpu_environ",
     "place",
     "sm_share",
     "sm_share_error",
@@ -41,6 +46,7 @@ __all__ = [
 
 GPUS_PER_HOST_VAR = "CUTE_EP_GPUS_PER_HOST"
 MPS_PERCENTAGE_VAR = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+NVSHMEM_IGNORE_MPS_VAR = "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 
 class GpuShareError(RuntimeError):
@@ -104,12 +110,14 @@ def world_group_backend(placement: GpuPlacement) -> str:
     return "gloo" if placement.shared else "cpu:gloo,cuda:nccl"
 
 
-def mps_thread_percentage(ranks_per_gpu: int) -> int:
-    """The MPS active-thread percentage of one of ``ranks_per_gpu`` ranks on a GPU: ``100 // n``, so the
-    ranks' limits add up to at most the whole GPU (NVSHMEM checks that sum)."""
-    if ranks_per_gpu < 1:
-        raise ValueError(f"ranks_per_gpu must be >= 1, got {ranks_per_gpu}")
-    return 100 // ranks_per_gpu
+def shared_gpu_environ(placement: GpuPlacement, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables a rank of ``placement`` sets before NVSHMEM starts: on a GPU it shares, NVSHMEM's leave
+    to run without MPS thread percentages, unless the user set a percentage or the variable."""
+    if placement.ranks_per_gpu < 2 or environ.get(MPS_PERCENTAGE_VAR, "").strip():
+        return {}
+    if NVSHMEM_IGNORE_MPS_VAR in environ:
+        return {}
+    return {NVSHMEM_IGNORE_MPS_VAR: "1"}
 
 
 def sm_share(device_sms: int, ranks_per_gpu: int, context_sms: int | None = None) -> int:

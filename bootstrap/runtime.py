@@ -32,13 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 from .dist_env import DistEnv
 from .gpu_share import (
-    MPS_PERCENTAGE_VAR,
     GpuPlacement,
     GpuShareError,
     gpus_in_use,
     mps_missing_message,
-    mps_thread_percentage,
     place,
+    shared_gpu_environ,
     sm_share,
     world_group_backend,
 )
@@ -297,7 +296,7 @@ class Runtime:
         self.sm_share: int | None = None  # nvshmem: SMs this rank may count on (its share of the GPU)
         self.mps: bool | None = None  # nvshmem on a shared GPU: whether CUDA MPS serves it
         self.mps_sm_limit: int | None = None  # nvshmem: SMs MPS lets this process use, when fewer than all
-        self._mps_env_set_here = False
+        self._env_set_here: list[str] = []  # variables this Runtime set (removed again at close)
         self._finalizers: list[Callable[[], object]] = []
         self._owns_process_group = False
         self._heap_env_set_here = False
@@ -362,12 +361,11 @@ class Runtime:
                 "--backend reference)"
             )
         placement = place(env.local_rank, env.physical_local_world_size, gpus_in_use(visible, os.environ))
-        # A rank that shares its GPU takes its share of the threads under MPS, unless the user chose a
-        # percentage. MPS reads it when the process first initialises CUDA, so it is set before any CUDA
-        # call here; a process that initialised CUDA earlier runs unlimited (its share is then computed).
-        if placement.ranks_per_gpu > 1 and not os.environ.get(MPS_PERCENTAGE_VAR, "").strip():
-            os.environ[MPS_PERCENTAGE_VAR] = str(mps_thread_percentage(placement.ranks_per_gpu))
-            self._mps_env_set_here = True
+        # Ranks that share a GPU run unlimited under MPS, each launching at most its share of CTAs, so that
+        # every rank's grid fits beside the others' (bootstrap/gpu_share.py says why no MPS percentage).
+        for name, value in shared_gpu_environ(placement, os.environ).items():
+            os.environ[name] = value
+            self._env_set_here.append(name)
         self.placement = placement
         # Heap size first: NVSHMEM reads the variable when it initialises, and a user error here
         # should surface before any rendezvous.
@@ -509,9 +507,9 @@ class Runtime:
         if self._heap_env_set_here:
             os.environ.pop(HEAP_ENV_VAR, None)
             self._heap_env_set_here = False
-        if self._mps_env_set_here:
-            os.environ.pop(MPS_PERCENTAGE_VAR, None)
-            self._mps_env_set_here = False
+        for name in self._env_set_here:
+            os.environ.pop(name, None)
+        self._env_set_here = []
 
         if errors and not swallow:
             raise errors[0]

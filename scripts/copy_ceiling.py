@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():  # one line instead of a traceback from the first CUDA tensor
-        print("error: scripts/copy_ceiling.py needs a CUDA GPU (torch.cuda.is_available() is False)",
+        print("error: scripts/copy_ceiling.py needs a CUDA GPU (torch sees none)",
               file=sys.stderr)
         return 2
     import cutlass

@@ -46,8 +46,6 @@ started_mps=0
 if ((ranks > n)) && [[ -z ${DRY_RUN:-} ]]; then
   # More ranks than GPUs: rank r binds GPU r % N, and the ranks of one GPU run together under MPS.
   export CUTE_EP_GPUS_PER_HOST=$n
-  # Each rank's share of the threads (MPS reads it when a process first initialises CUDA).
-  export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-$((100 / ((ranks + n - 1) / n)))}
   said=$(bash scripts/mps.sh start) || { echo "$said" >&2; exit 1; }
   echo "$said"
   [[ $said == *started* ]] && started_mps=1

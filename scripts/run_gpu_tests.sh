@@ -56,13 +56,9 @@ launch() {  # launch NAME NPROC LOCAL_WORLD_SIZE GPUS_USED
     return
   fi
   port=$((port + 1))
-  local log share=()
+  local log
   log=$(mktemp)
-  # Each rank's share of the threads under MPS, in the launch environment: pytest initialises CUDA before
-  # the runtime could set it (the percentage counts only when set before that).
-  ((nproc > gpus)) && [[ -z ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-} ]] &&
-    share=(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / ((nproc + gpus - 1) / gpus))))
-  env "${share[@]}" CUTE_EP_GPUS_PER_HOST=$gpus CUTE_EP_LOCAL_WORLD_SIZE=$lws timeout "${GPU_TEST_TIMEOUT:-900}" \
+  env CUTE_EP_GPUS_PER_HOST=$gpus CUTE_EP_LOCAL_WORLD_SIZE=$lws timeout "${GPU_TEST_TIMEOUT:-900}" \
     python3 -m torch.distributed.run --nproc-per-node "$nproc" --master-port "$port" --local-ranks-filter 0 \
     -m pytest tests/gpu -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}

@@ -19,8 +19,8 @@ from cute_ep.bootstrap.gpu_share import (
     GpuShareError,
     gpus_in_use,
     mps_missing_message,
-    mps_thread_percentage,
     place,
+    shared_gpu_environ,
     sm_share,
     sm_share_error,
     world_group_backend,
@@ -81,11 +81,14 @@ def test_world_group_is_gloo_only_when_ranks_share_a_gpu():
     assert world_group_backend(place(3, 6, 4)) == "gloo"
 
 
-def test_mps_percentage_keeps_the_sum_within_the_gpu():
-    for n in range(1, 17):
-        assert n * mps_thread_percentage(n) <= 100
-        assert (n + 1) * mps_thread_percentage(n) > 100 - n  # no more than n - 1 percent left over
-    assert [mps_thread_percentage(n) for n in (1, 2, 4, 8)] == [100, 50, 25, 12]
+def test_ranks_that_share_a_gpu_tell_nvshmem_to_run_without_mps_percentages():
+    ignore = "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+    assert shared_gpu_environ(place(0, 4, 1), {}) == {ignore: "1"}
+    assert shared_gpu_environ(place(0, 4, 4), {}) == {}  # a GPU each: nothing to tell
+    assert shared_gpu_environ(place(3, 6, 4), {}) == {}  # alone on its GPU (uneven sharing)
+    # The user's choices stand: a percentage of their own, or the variable either way.
+    assert shared_gpu_environ(place(0, 4, 1), {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}) == {}
+    assert shared_gpu_environ(place(0, 4, 1), {ignore: "0"}) == {}
 
 
 def test_mps_missing_message_says_how_to_start_it():
@@ -101,8 +104,8 @@ def test_mps_missing_message_says_how_to_start_it():
 def test_sm_share_splits_the_gpu_and_respects_the_mps_limit():
     assert sm_share(132, 1) == 132
     assert [sm_share(132, n) for n in (2, 3, 4, 8)] == [66, 44, 33, 16]
-    assert sm_share(132, 4, context_sms=34) == 33  # MPS rounds its limit up to whole TPCs: still 33
-    assert sm_share(132, 8, context_sms=14) == 14  # a stricter limit wins
+    assert sm_share(132, 4, context_sms=34) == 33  # a looser MPS limit than the split: still 33
+    assert sm_share(132, 8, context_sms=14) == 14  # a user's 12% (14 SMs on an H100): the limit wins
     assert sm_share(132, 1, context_sms=None) == 132
 
 
@@ -202,8 +205,7 @@ def test_gpu_test_launches_on_one_gpu(tmp_path):
     log = tmp_path / "calls.log"
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3'\n")
     (bin_dir / "python3").write_text(
-        f"#!/bin/sh\necho \"launch GPUS=$CUTE_EP_GPUS_PER_HOST LWS=$CUTE_EP_LOCAL_WORLD_SIZE "
-        f"MPS=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE $*\" >> {log}\n"
+        f"#!/bin/sh\necho \"launch GPUS=$CUTE_EP_GPUS_PER_HOST LWS=$CUTE_EP_LOCAL_WORLD_SIZE $*\" >> {log}\n"
         "echo '3 passed'\n"
     )
     for f in bin_dir.iterdir():
@@ -214,17 +216,14 @@ def test_gpu_test_launches_on_one_gpu(tmp_path):
         (repo / "scripts" / name).write_text((REPO / "scripts" / name).read_text())
     (repo / "scripts" / "mps.sh").write_text(f"#!/bin/sh\necho \"mps $1\" >> {log}\necho 'mps: started'\n")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
     proc = subprocess.run(["bash", str(repo / "scripts" / "run_gpu_tests.sh")], capture_output=True,
                           text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     calls = log.read_text().splitlines()
-    launches = [(*c.split()[1:4], c.split("--nproc-per-node ")[1].split()[0])
+    launches = [(*c.split()[1:3], c.split("--nproc-per-node ")[1].split()[0])
                 for c in calls if c.startswith("launch")]
-    # Each shared launch gives its ranks an even share of the GPU's threads under MPS.
-    assert launches == [("GPUS=1", "LWS=1", "MPS=", "1"), ("GPUS=1", "LWS=2", "MPS=50", "2"),
-                        ("GPUS=1", "LWS=4", "MPS=25", "4"), ("GPUS=1", "LWS=2", "MPS=25", "4"),
-                        ("GPUS=1", "LWS=8", "MPS=12", "8")]
+    assert launches == [("GPUS=1", "LWS=1", "1"), ("GPUS=1", "LWS=2", "2"), ("GPUS=1", "LWS=4", "4"),
+                        ("GPUS=1", "LWS=2", "4"), ("GPUS=1", "LWS=8", "8")]
     # MPS starts before the first shared launch and, having been started here, stops at the end.
     assert calls[1] == "mps start" and calls[-1] == "mps stop"
     assert "8 ranks on one GPU: rc=0 3 passed" in proc.stdout
