@@ -12,9 +12,10 @@ ranks). NVSHMEM supports several processes per GPU, with two conditions this mod
   ``SMs // ranks on the GPU`` (``sm_share``), and then every rank's grid fits at once.
 * **No MPS thread percentage.** NVSHMEM asks that the ranks' ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` add up to
   at most 100, unless ``NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1`` (``shared_gpu_environ`` sets
-  it). A percentage does not help these kernels: measured on an H100 with 2 ranks at 50% each (66 SMs per
-  process), kernels whose CTAs wait for each other stalled until their timeout, while unlimited ranks with
-  the same grids passed every test. A user's percentage is kept, and the share is then at most its limit.
+  it). A percentage did not work with these kernels: on an H100 with 2 ranks at 50% each (66 SMs per
+  process), the first GPU test whose grids fill each rank's share (66 CTAs, waiting for each other) failed
+  and the launch then hung, while unlimited ranks with the same grids passed every test. MPS does not
+  promise two limited processes disjoint SMs. A user's percentage is kept, and caps the share.
 
 NCCL refuses two ranks on one GPU, so a launch with a shared GPU uses a gloo-only world group
 (``Runtime.group``); see ``cute_ep.a2a_backend`` for how the all-to-all backend moves rows then.
