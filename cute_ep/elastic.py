@@ -322,14 +322,11 @@ class CollectiveTransport:
         self.group = group
         self.rank, self.world_size = world_of(group)
 
-    def _nccl(self) -> bool:
-        return dist.is_initialized() and dist.get_backend(self.group) == "nccl"
-
     def all_gather(self, t: Tensor) -> Tensor:
         t = t.contiguous()
         if self.world_size == 1 and not dist.is_initialized():
             return t[None].clone()
-        if self._nccl():
+        if t.is_cuda:  # NCCL (alone or beside gloo in a "cpu:gloo,cuda:nccl" group): one flat buffer
             out = torch.empty((self.world_size, *t.shape), dtype=t.dtype, device=t.device)
             dist.all_gather_into_tensor(out, t, group=self.group)
             return out

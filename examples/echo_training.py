@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,10 +55,11 @@ def experts_forward(recv_x: Tensor, slots: Tensor, weights: Tensor) -> Tensor:
     return torch.tanh(torch.einsum("nh,nhg->ng", recv_x, weights[slots]))
 
 
-def train(args: argparse.Namespace, runtime: Any, group: Any, cloning: bool) -> dict:
-    """``args.steps`` SGD steps of the toy MoE on this rank's data; collective. Returns the final expert
-    weights of this rank's home experts and the router, the mean loss per step, and the rows each rank
-    received per step."""
+def train(args: argparse.Namespace, runtime: Any, group: Any, cloning: bool,
+          make: Callable[[EpConfig], Any] | None = None) -> dict:
+    """``args.steps`` SGD steps of the toy MoE on this rank's data; collective. ``make(cfg)`` builds the
+    buffer (default: the ``--backend``'s). Returns the final expert weights of this rank's home experts
+    and the router, the mean loss per step, and the rows each rank received per step."""
     env, dev = runtime.env, runtime.device
     R, rank = env.world_size, env.rank
     E, K, H, T = args.experts, args.topk, args.hidden, args.tokens
@@ -74,7 +76,7 @@ def train(args: argparse.Namespace, runtime: Any, group: Any, cloning: bool) -> 
     if ee is not None:
         cfg = dataclasses.replace(cfg, num_experts=ee.num_physical)  # home slots + spare slots per rank
     losses, rows = [], []
-    with make_buffer(args.backend, runtime, cfg) as buf:
+    with (make or (lambda c: make_buffer(args.backend, runtime, c)))(cfg) as buf:
         for step in range(args.steps):
             gen = torch.Generator().manual_seed(1000 * (args.seed * 1000 + step) + rank)  # a fresh batch
             data = torch.randn(T, H, generator=gen).to(dev)
