@@ -19,6 +19,9 @@ logical experts ``map.local_logical(r)`` (replicas hold copies of the same weigh
 the rows of a hot expert spread evenly over its replicas; dropped ids (-1) stay dropped, and distinct
 logical experts map to distinct physical slots (a slot holds one logical expert), so a token's
 physical ids stay distinct.
+
+The map is static: built once from earlier load. ``cute_ep.elastic.ElasticExperts`` re-plans replicas
+every step from the step's own routing, on the device, through the same ``route_replicas``.
 """
 
 from __future__ import annotations
