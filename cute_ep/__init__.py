@@ -6,7 +6,9 @@ The front door (imported on first use, so ``import cute_ep`` stays light):
   cute_ep.PeerTimeout, cute_ep.CapacityExceeded, cute_ep.KernelDidNotRun, cute_ep.ConfigError,
   cute_ep.ReferenceEpBuffer (same API on the CPU),
   cute_ep.A2aEpBuffer (same API on all_to_all_single: NCCL or gloo),
-  cute_ep.ReplicaMap (hot-expert replication), cute_ep.autograd (differentiable dispatch / combine).
+  cute_ep.ReplicaMap (hot-expert replication, static), cute_ep.ElasticExperts (hot experts cloned every
+  step: planner, routing, weight and gradient coherence),
+  cute_ep.autograd (differentiable dispatch / combine).
 
 Subpackages (installed from the top-level folders of the repository):
   cute_ep.bootstrap   -- launcher environment, torch.distributed + NVSHMEM init, kernel compile cache
@@ -34,6 +36,7 @@ _EXPORTS = {
     "ReferenceEpBuffer": "cute_ep.reference_backend",
     "A2aEpBuffer": "cute_ep.a2a_backend",
     "ReplicaMap": "cute_ep.replication",
+    "ElasticExperts": "cute_ep.elastic",
 }
 
 __all__ = ["__version__", "autograd", *_EXPORTS]

@@ -19,6 +19,9 @@ logical experts ``map.local_logical(r)`` (replicas hold copies of the same weigh
 the rows of a hot expert spread evenly over its replicas; dropped ids (-1) stay dropped, and distinct
 logical experts map to distinct physical slots (a slot holds one logical expert), so a token's
 physical ids stay distinct.
+
+The map is static: built once from earlier load. ``cute_ep.elastic.ElasticExperts`` re-plans replicas
+every step from the step's own routing, on the device, through the same ``route_replicas``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,35 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ReplicaMap", "ReplicaTable"]
+__all__ = ["ReplicaMap", "ReplicaTable", "route_replicas"]
+
+
+def route_replicas(topk_idx: Tensor, replicas: Tensor, count: Tensor,
+                   position: Tensor | None = None) -> Tensor:
+    """Physical ids [T, K] int32 of logical ``topk_idx`` [T, K] (int32 / int64, -1 kept): replica
+    ``position[t, k] % count[e]`` of each pair's expert e, read from ``replicas[e]``.
+
+    replicas: [E, W] int32 / int64, the physical slots of each logical expert, first ``count[e]`` valid.
+    count: [E] int32 / int64, replicas per logical expert (>= 1).
+    position: [T, K] int64, the pair's place in its expert's round robin; None: ``t + k`` (each rank
+        spreads its own pairs). ``cute_ep.elastic`` passes the pair's ordinal among all ranks' pairs of
+        the expert, which splits the expert's rows over its replicas to within one row.
+
+    Device ops only (no host sync, fixed shapes) when every tensor is on topk_idx's device. The static
+    ``ReplicaMap.route`` and the per-step ``ElasticExperts.route`` both route through here.
+    """
+    if topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx must be [T, K], got shape {tuple(topk_idx.shape)}")
+    idx = topk_idx.to(torch.int64)
+    logical = idx.clamp(min=0)
+    if position is None:
+        t = torch.arange(idx.shape[0], device=idx.device)[:, None]
+        k = torch.arange(idx.shape[1], device=idx.device)[None, :]
+        position = t + k
+    n = count.to(torch.int64)[logical]
+    pick = position % n
+    phys = replicas.to(torch.int64)[logical, pick]
+    return torch.where(idx >= 0, phys, torch.full_like(phys, -1)).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -156,18 +187,9 @@ class ReplicaMap:
         """Physical ids [T, K] int32 for logical ``topk_idx`` [T, K] (-1 kept): replica
         ``(t + k) % count[e]`` of each pair. Device ops only (no host sync) when ``table`` is on
         topk_idx's device."""
-        if topk_idx.dim() != 2:
-            raise ValueError(f"topk_idx must be [T, K], got shape {tuple(topk_idx.shape)}")
         if table is None:
             table = self.device_table(topk_idx.device)
-        idx = topk_idx.to(torch.int64)
-        logical = idx.clamp(min=0)
-        t = torch.arange(idx.shape[0], device=idx.device)[:, None]
-        k = torch.arange(idx.shape[1], device=idx.device)[None, :]
-        count = table.count.to(torch.int64)[logical]
-        pick = (t + k) % count
-        phys = table.replicas.to(torch.int64)[logical, pick]
-        return torch.where(idx >= 0, phys, torch.full_like(phys, -1)).to(torch.int32)
+        return route_replicas(topk_idx, table.replicas, table.count)
 
     def logical_of(self, physical: Tensor) -> Tensor:
         """Logical expert of physical ids (any shape; -1 kept)."""
