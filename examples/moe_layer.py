@@ -23,7 +23,7 @@ To run:
 What must hold: on the CPU the output and the expert, router and shared-expert gradients equal the
 reference's and the input gradient is within a few roundings of the dtype (validators/moe_checks.py says
 why); on a GPU, where the grouped GEMM and the reference's matmuls are different kernels, every quantity
-within GPU_RTOL of the reference. Rank 0 prints one line per rank, then PASS (exit status 0) or FAIL (1).
+within gpu_rtol of the reference. Rank 0 prints one line per rank, then PASS (exit status 0) or FAIL (1).
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from cute_ep.cli import BACKENDS, DTYPES, Printer, exit_process, make_buffer, ru
 from cute_ep.collectives import all_gather_objects
 from cute_ep.validators.moe_checks import (
     EXACT,
-    GPU_RTOL,
     MoECase,
     case_inputs,
     compare_results,
     dense_results,
     global_weights,
+    gpu_rtol,
     layer_results,
 )
 
@@ -102,7 +102,7 @@ def main() -> int:
         want = dense_results(case, env.rank, [e[0] for e in everyone], [e[1] for e in everyone], device)
         on_gpu = device.type == "cuda"
         verdict = compare_results(mine, want, case.dtype, case.topk, exact=() if on_gpu else EXACT,
-                                  rtol=GPU_RTOL[case.dtype] if on_gpu else None)  # fmt: skip
+                                  rtol=gpu_rtol(case.dtype, case.topk) if on_gpu else None)  # fmt: skip
         padding = 0 if case.sync else cfg.capacity - want["live_rows"]
         line = (x.shape[0], want["live_rows"], padding, verdict["exact_ok"], verdict["worst_rel"],
                 verdict["rtol"], verdict["passed"])

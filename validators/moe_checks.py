@@ -47,6 +47,7 @@ __all__ = [
     "EXACT",
     "GPU_RTOL",
     "TOLERANT",
+    "gpu_rtol",
     "x_grad_rtol",
     "MoECase",
     "dense_moe",
@@ -75,9 +76,14 @@ def x_grad_rtol(dtype: torch.dtype, topk: int) -> float:
     cancel: hence a whole epsilon per term)."""
     return (topk + 2) * torch.finfo(dtype).eps
 GPU_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2.0**-5, torch.float16: 2.0**-8}
-"""The same ratio for every quantity on a GPU: GEMMs of different kernels round each bf16 output once
-(2^-8 relative) and the differences travel through SwiGLU and the second GEMM; fp32 GEMMs may use
-other accumulation orders (and TF32 if the caller enabled it: then pass a looser rtol)."""
+"""The same ratio for every quantity on a GPU (``gpu_rtol``): GEMMs of different kernels round each bf16
+output once (2^-8 relative) and the differences travel through SwiGLU and the second GEMM; fp32 GEMMs
+may use other accumulation orders (and TF32 if the caller enabled it: then pass a looser rtol)."""
+
+
+def gpu_rtol(dtype: torch.dtype, topk: int) -> float:
+    """The tolerance of every quantity on a GPU: ``GPU_RTOL`` or, if larger, ``x_grad_rtol``."""
+    return max(GPU_RTOL[dtype], x_grad_rtol(dtype, topk))
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,7 @@ class MoECase:
     swiglu: str = "auto"
     tokens: tuple[int, ...] = (12, 7, 0, 9, 5, 11, 3, 8)  # by rank (cyclic): ragged, rank 2 has none
     max_tokens: int = 0  # the buffer's; 0: the largest T of any rank
+    num_sms: int = 0  # the buffer's SM budget; 0: EpConfig's default
     seed: int = 0
 
     def tokens_of(self, rank: int) -> int:
@@ -115,7 +122,8 @@ class MoECase:
         largest T of any rank)."""
         return EpConfig(world_size=world, local_world_size=local_world,
                         num_experts=self.experts_per_rank * world, topk=self.topk, hidden=self.hidden,
-                        dtype=self.dtype, max_tokens=self.max_tokens or self.largest_t(world), **kw)
+                        dtype=self.dtype, max_tokens=self.max_tokens or self.largest_t(world),
+                        **({"num_sms": self.num_sms} if self.num_sms else {}), **kw)
 
     def largest_t(self, world: int) -> int:
         return max(1, *(self.tokens_of(r) for r in range(world)))
