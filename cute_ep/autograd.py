@@ -125,7 +125,10 @@ class _Combine(torch.autograd.Function):
         buf, h = ctx.buf, ctx.handle
         dtype = buf.cfg.dtype
         grad_out = _rows(grad_out, dtype)
-        y_rows = _rows(y, dtype)
+        # y goes into the buffer's expert-output rows once: the K combines below read it there (passing
+        # y itself would copy it K times).
+        y_rows = buf.expert_output(y.shape[0])
+        y_rows.copy_(_rows(y, dtype))
         # grad_w[t, k] = <grad_out[t], y[slot(t, k)]>: fetch each k's row with a one-column combine.
         grad_w = torch.zeros_like(w)
         ones = torch.ones_like(w)

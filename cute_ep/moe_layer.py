@@ -140,7 +140,9 @@ def route_tokens(x: Tensor, weight: Tensor, cfg: RouterConfig,
         group_score = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
         keep = group_score.topk(c.topk_groups, dim=-1).indices
         allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(~allowed.repeat_interleave(per_group, dim=1), float("-inf"))
+        # expand + reshape, not repeat_interleave: no host round trip on a GPU.
+        eligible = allowed[:, :, None].expand(-1, -1, per_group).reshape(choice.shape)
+        choice = choice.masked_fill(~eligible, float("-inf"))
     idx = choice.topk(c.topk, dim=-1).indices
     w = scores.gather(1, idx)
     if c.normalize:
@@ -314,10 +316,14 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        """Every parameter from N(0, std^2), drawn on the CPU (same values on any device for one
-        generator); ``expert_bias`` to zeros."""
+        """Every parameter from N(0, std^2) (``generator``: on the parameters' device, or a CPU one whose
+        values are drawn one leading slice at a time and copied over); ``expert_bias`` to zeros."""
         for p in self.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).mul_(std))
+            if generator is None or generator.device == p.device:
+                p.normal_(0.0, std, generator=generator)
+                continue
+            for part in p.view(p.shape[0], -1):  # slice by slice: a CPU copy of all experts may not fit
+                part.copy_(torch.randn(part.shape, generator=generator).mul_(std))
         if self.expert_bias is not None:
             self.expert_bias.zero_()
 

@@ -341,15 +341,16 @@ def inputs(args: argparse.Namespace, rank: int, tokens: int, device: Any, dtype:
 
 
 def build_layer(args: argparse.Namespace, buf: Any, device: Any) -> Any:
-    """The benchmarked layer on ``buf`` (weights from the seed: the same on every backend)."""
+    """The benchmarked layer on ``buf``; its weights come from the device's generator seeded with --seed
+    (the same on every backend of a run)."""
     import torch
 
     from cute_ep.moe_layer import MoELayer
 
+    torch.manual_seed(args.seed)
     return MoELayer(buf, args.intermediate, score=args.score, num_groups=args.groups,
                     topk_groups=args.topk_groups, normalize=True, route_scale=2.5,
-                    shared_intermediate=args.shared, device=device,
-                    generator=torch.Generator().manual_seed(args.seed))  # fmt: skip
+                    shared_intermediate=args.shared, device=device)  # fmt: skip
 
 
 def variants(args: argparse.Namespace, backend: str, on_gpu: bool) -> list[dict[str, Any]]:
@@ -459,6 +460,8 @@ def deepep_rows(args: argparse.Namespace, runtime: Any, cfg: Any, layer: Any, sa
     if why is not None:
         return [dict(base, tokens=t, forward_us=None, forward_us_ranks=None, skipped=why)
                 for t in args.token_list]
+    # The experts as in the "kernel" rows, everything on the current stream.
+    layer.swiglu, layer.overlap, layer.comm_stream, layer.gemm_stream = "kernel", False, None, None
     peer = bp.DeepEpPeer(dist.group.WORLD, world_size=env.world_size, hidden=cfg.hidden,
                          num_experts=cfg.num_experts, module=module)
     rows = []
