@@ -8,7 +8,9 @@ The front door (imported on first use, so ``import cute_ep`` stays light):
   cute_ep.A2aEpBuffer (same API on all_to_all_single: NCCL or gloo),
   cute_ep.ReplicaMap (hot-expert replication, static), cute_ep.ElasticExperts (hot experts cloned every
   step: planner, routing, weight and gradient coherence),
-  cute_ep.autograd (differentiable dispatch / combine).
+  cute_ep.autograd (differentiable dispatch / combine),
+  cute_ep.MoELayer (router -> dispatch -> grouped expert GEMMs with an offset-aware SwiGLU -> combine,
+  a torch.nn.Module on any backend), cute_ep.RouterConfig, cute_ep.offset_swiglu.
 
 Subpackages (installed from the top-level folders of the repository):
   cute_ep.bootstrap   -- launcher environment, torch.distributed + NVSHMEM init, kernel compile cache
@@ -37,6 +39,9 @@ _EXPORTS = {
     "A2aEpBuffer": "cute_ep.a2a_backend",
     "ReplicaMap": "cute_ep.replication",
     "ElasticExperts": "cute_ep.elastic",
+    "MoELayer": "cute_ep.moe_layer",
+    "RouterConfig": "cute_ep.moe_layer",
+    "offset_swiglu": "cute_ep.swiglu",
 }
 
 __all__ = ["__version__", "autograd", *_EXPORTS]

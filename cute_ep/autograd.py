@@ -29,6 +29,14 @@ not differentiable here (the forward rows are quantized). Every combine here is 
 also on a buffer built for the reduced one: its weights (and, in the backward, its ids) are not the
 ones the dispatch sent.
 
+Without a host sync (``sync=False``, e.g. inside ``cute_ep.MoELayer`` or a CUDA graph): every dispatch,
+the forward's and the one in combine's backward, returns views of ``cfg.capacity`` rows (the worst
+case) and exact ``tokens_per_expert``; ``y`` then has ``cfg.capacity`` rows too (rows past the count are
+never read). ``stream`` (GPU buffer only): the buffer's kernels run on that stream, forward and
+backward (a communication stream beside the GEMMs); the caller's current stream waits for them before
+it uses their results. ``previous_event``: the forward dispatch / combine waits for it instead of the
+whole current stream (work enqueued on the current stream after the event overlaps it).
+
 Cost of a backward: combine's is one dispatch plus K combines, dispatch's one combine. A fused
 backward kernel (one pass for grad_y and grad_w) is the obvious next step.
 """
@@ -58,13 +66,33 @@ def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t.detach().to(dtype).contiguous()
 
 
+def _on(stream: Any, previous_event: Any = None) -> dict:
+    """The stream arguments of a buffer call: none at all without a stream or event (the host
+    backends take no ``stream=``)."""
+    kw = {}
+    if stream is not None:
+        kw["stream"] = stream
+    if previous_event is not None:
+        kw["previous_event"] = previous_event
+    return kw
+
+
+def _join(stream: Any) -> None:
+    """The current stream waits for ``stream`` (what the buffer enqueued there)."""
+    if stream is not None:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, buf: Any, topk_idx: Tensor, topk_weights: Tensor, mode: str,
-                box: dict) -> Tensor:
-        res = buf.dispatch(x.detach(), topk_idx, topk_weights, mode=mode)
+                box: dict, sync: bool, stream: Any, previous_event: Any) -> Tensor:
+        res = buf.dispatch(x.detach(), topk_idx, topk_weights, mode=mode, sync=sync,
+                           **_on(stream, previous_event))
+        if res.event is not None:  # the rows are written on ``stream``
+            torch.cuda.current_stream(x.device).wait_event(res.event)
         box["result"] = res
-        ctx.buf, ctx.handle, ctx.x_dtype = buf, res.handle, x.dtype
+        ctx.buf, ctx.handle, ctx.x_dtype, ctx.stream = buf, res.handle, x.dtype, stream
         # The buffer's rows are overwritten by the next dispatch: the graph keeps its own copy.
         return res.recv_x.clone()
 
@@ -73,17 +101,22 @@ class _Dispatch(torch.autograd.Function):
         buf, h = ctx.buf, ctx.handle
         ones = torch.ones_like(h.topk_weights)
         grad_rows = _rows(grad_recv, buf.cfg.dtype)
-        grad_x = buf.combine(grad_rows, replace(h, topk_weights=ones), algorithm="pull")
-        return grad_x.to(ctx.x_dtype), None, None, None, None, None
+        grad_x = buf.combine(grad_rows, replace(h, topk_weights=ones), algorithm="pull", **_on(ctx.stream))
+        _join(ctx.stream)
+        return grad_x.to(ctx.x_dtype), None, None, None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, y: Tensor, topk_weights: Tensor, buf: Any, handle: DispatchHandle) -> Tensor:
+    def forward(ctx: Any, y: Tensor, topk_weights: Tensor, buf: Any, handle: DispatchHandle, sync: bool,
+                stream: Any, previous_event: Any) -> Tensor:
         w = topk_weights.detach().to(torch.float32).contiguous()
-        out = buf.combine(_rows(y, buf.cfg.dtype), replace(handle, topk_weights=w), algorithm="pull")
+        out = buf.combine(_rows(y, buf.cfg.dtype), replace(handle, topk_weights=w), algorithm="pull",
+                          **_on(stream, previous_event))
+        _join(stream)
         ctx.save_for_backward(y.detach(), w)
         ctx.buf, ctx.handle, ctx.y_dtype, ctx.w_dtype = buf, handle, y.dtype, topk_weights.dtype
+        ctx.sync, ctx.stream = sync, stream
         return out
 
     @staticmethod
@@ -92,46 +125,60 @@ class _Combine(torch.autograd.Function):
         buf, h = ctx.buf, ctx.handle
         dtype = buf.cfg.dtype
         grad_out = _rows(grad_out, dtype)
-        y_rows = _rows(y, dtype)
+        # y goes into the buffer's expert-output rows once: the K combines below read it there (passing
+        # y itself would copy it K times).
+        y_rows = buf.expert_output(y.shape[0])
+        y_rows.copy_(_rows(y, dtype))
         # grad_w[t, k] = <grad_out[t], y[slot(t, k)]>: fetch each k's row with a one-column combine.
         grad_w = torch.zeros_like(w)
         ones = torch.ones_like(w)
+        on = _on(ctx.stream)
         for k in range(w.shape[1]):
             only_k = torch.full_like(h.topk_idx, -1)
             only_k[:, k] = h.topk_idx[:, k]
-            y_k = buf.combine(y_rows, replace(h, topk_idx=only_k, topk_weights=ones), algorithm="pull")
+            y_k = buf.combine(y_rows, replace(h, topk_idx=only_k, topk_weights=ones), algorithm="pull", **on)
+            _join(ctx.stream)
             grad_w[:, k] = (grad_out.float() * y_k.float()).sum(dim=1)
         # grad_y[slot(t, k)] = w[t, k] * grad_out[t]: the rows land where y's rows were.
-        res = buf.dispatch(grad_out, h.topk_idx, w, mode="scatter")
-        if res.num_recv != y.shape[0]:
+        res = buf.dispatch(grad_out, h.topk_idx, w, mode="scatter", sync=ctx.sync, **on)
+        _join(ctx.stream)
+        # Synced, the counts must agree; without a sync the views cover the capacity and y may too.
+        mismatch = res.num_recv != y.shape[0] if ctx.sync else y.shape[0] > res.num_recv
+        if mismatch:
             raise RuntimeError(
                 f"combine backward: the gradient dispatch received {res.num_recv} rows but y has "
                 f"{y.shape[0]}: the handle does not match the routing of y"
             )
-        grad_y = (res.recv_x.float() * res.recv_weights[:, None]).to(ctx.y_dtype)
-        return grad_y, grad_w.to(ctx.w_dtype), None, None
+        rows = y.shape[0]
+        grad_y = (res.recv_x[:rows].float() * res.recv_weights[:rows, None]).to(ctx.y_dtype)
+        return grad_y, grad_w.to(ctx.w_dtype), None, None, None, None, None
 
 
-def dispatch(buf: Any, x: Tensor, topk_idx: Tensor, topk_weights: Tensor,
-             mode: str = "scatter") -> DispatchResult:
+def dispatch(buf: Any, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: str = "scatter", *,
+             sync: bool = True, stream: Any = None, previous_event: Any = None) -> DispatchResult:
     """``buf.dispatch`` whose ``recv_x`` [num_recv, H] is differentiable with respect to ``x`` [T, H].
 
     topk_idx [T, K] int in [-1, E), topk_weights [T, K] fp32 (not differentiated here: pass them to
     ``combine``). The other fields are those of ``buf.dispatch`` (recv_weights / recv_src copied out
-    of the buffer). Collective.
+    of the buffer; ``tokens_per_expert`` and ``recv_count`` are the buffer's, valid until the next
+    dispatch). sync, stream, previous_event: see the module docstring (sync=False: ``cfg.capacity``
+    rows, no host sync). Collective.
     """
     _check_mode(mode)
     box: dict = {}
-    recv_x = _Dispatch.apply(x, buf, topk_idx, topk_weights, mode, box)
+    recv_x = _Dispatch.apply(x, buf, topk_idx, topk_weights, mode, box, sync, stream, previous_event)
     res = box["result"]
     return DispatchResult(recv_x, res.recv_weights.clone(), res.recv_src.clone(), res.tokens_per_expert,
-                          res.num_recv, res.handle)
+                          res.num_recv, res.handle, recv_count=res.recv_count)
 
 
-def combine(buf: Any, y: Tensor, topk_weights: Tensor, handle: DispatchHandle) -> Tensor:
+def combine(buf: Any, y: Tensor, topk_weights: Tensor, handle: DispatchHandle, *, sync: bool = True,
+            stream: Any = None, previous_event: Any = None) -> Tensor:
     """out [T, H] = sum over k of topk_weights[t, k] * y[slot(t, k)] on the owner, differentiable with
     respect to ``y`` [num_recv, H] (this rank's expert outputs, rows in recv_x's order) and
-    ``topk_weights`` [T, K] (e.g. a router's softmax). ``handle`` comes from ``dispatch``. Collective.
+    ``topk_weights`` [T, K] (e.g. a router's softmax). ``handle`` comes from ``dispatch``. sync: the
+    ``sync`` of the backward's dispatch (pass the forward dispatch's); stream, previous_event: see the
+    module docstring. Collective.
     """
     _check_mode(handle.mode)
-    return _Combine.apply(y, topk_weights, buf, handle)
+    return _Combine.apply(y, topk_weights, buf, handle, sync, stream, previous_event)
