@@ -264,7 +264,7 @@ def buf():
         (dict(intermediate=12), "intermediate must be a positive multiple of 8, got 12"),
         (dict(intermediate=32, shared_intermediate=4), "shared_intermediate must be 0 or a positive"),
         (dict(intermediate=32, swiglu="fast"), "swiglu must be one of"),
-        (dict(intermediate=32, num_sms=7), "num_sms must equal the buffer's cfg.num_sms=132"),
+        (dict(intermediate=32, num_sms=7), "num_sms must equal the buffer's cfg.num_sms=0"),
         (dict(intermediate=32, overlap=True), "need a buffer whose dispatch takes stream= .EpBuffer.; "
                                               "ReferenceEpBuffer has none"),
         (dict(intermediate=32, green_context=True), "ReferenceEpBuffer has none"),
