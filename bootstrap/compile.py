@@ -3,7 +3,7 @@ registration with a bound on how many are alive, and a CPU mode that compiles fo
 
 - ``cute.compile`` links NVSHMEM's device bitcode by itself (the nvshmem4py CuTe externs carry it);
   on a GPU host the compiled library is then registered with ``nvshmem.core.library_init``.
-- At most ``max_alive`` registered modules are kept (3 by default: on the lent 4x H200 a 4th alive
+- At most ``max_alive`` registered modules are kept (3 by default: on a 4x H200 host a 4th alive
   module faulted); the least recently used one is finalized and dropped from the cache first.
 - ``finalize_all`` must run before ``nvshmem.core.finalize()``: register it with
   ``Runtime.add_finalizer`` (``EpBuffer`` does for the registry it makes).

@@ -114,7 +114,7 @@ PEER_CHOICES = ("nccl", "deepep")
 LAYOUTS = ("expert", "rank")
 """Receive layouts a row may name: "expert" (expert-major, today's kernels) and "rank" (DeepEP's)."""
 FULL_GPU_SMS = 132  # H100 / H200 SXM: our default EpConfig.num_sms ("full GPU")
-DEEPEP_FULL_GPU_SMS = 128  # DeepEP's budget for the full-GPU rows (issue 14); also its largest here
+DEEPEP_FULL_GPU_SMS = 128  # DeepEP's budget for the full-GPU rows; also its largest here
 DEEPEP_WORLD_SIZES = (2, 4, 8)  # intranode kernels are instantiated for these rank counts (one node)
 # Limits of DeepEP v1.2.1's intranode kernels that the benchmark checks up front (a device-side assert
 # would end the process instead of skipping the peer):
@@ -230,7 +230,7 @@ def deepep_num_sms(num_sms: int) -> int:
     DEEPEP_FULL_GPU_SMS) (132 -> 128, 48 -> 48, 25 -> 24); 0 when ``num_sms`` is 1 (no even count).
 
     Why even: one DeepEP channel is a pair of SMs (sender, receiver). Why 128 for the full GPU: the
-    project compares our 132 with DeepEP at 128 (issue 14); budgets above 128 map there too."""
+    project compares our 132 with DeepEP at 128; budgets above 128 map there too."""
     if num_sms < 1:
         raise BenchReportError(f"num_sms must be >= 1, got {num_sms}")
     n = min(int(num_sms), DEEPEP_FULL_GPU_SMS)

@@ -205,7 +205,7 @@ class EpBuffer(BackendBase):
         by_rank = layout == "rank"
         # Host work is ordered around the one wait for the status: before the launch only what the kernels
         # write into (the handle's storage), then the handle while they run; after the wait, only the views
-        # whose length is the count. A tensor operation costs 1.4-5 us of host time on the lent H200's host (a
+        # whose length is the count. A tensor operation costs 1.4-5 us of host time on the H200 test host (a
         # torch.cat of three 20-37 us, a copy_ 15-19 us), so the calls below are counted.
         with self._on_stream(stream, previous_event, x, idx, w) as on:
             # The handle owns its routing (a caller editing its tensors later cannot change combine): one

@@ -1,6 +1,6 @@
 """The few CUDA driver calls the host path makes itself, through ctypes on ``libcuda``.
 
-Why not torch or cuda-python for these: on the lent H200's host the status read through torch (a
+Why not torch or cuda-python for these: on the H200 test host the status read through torch (a
 ``Tensor.copy_`` into pinned memory and a ``synchronize``) cost ~15 us more host time than these two
 driver calls, and cuda-python's wrappers convert every argument anew (~9 us for a ``cudaMemcpyAsync``).
 Streams are torch's (the driver's ``CUstream``

@@ -17,9 +17,9 @@ class Launcher:
     """Calls a compiled ``EpModule`` through argument storage that persists between calls.
 
     Why: the DSL's generic call converts every argument to C storage anew on each call (the bundle's 20
-    scalars and 30 pointers: about 50 us of host time per launch, measured on the development machine),
+    scalars and 30 pointers: about 50 us of host time per launch, measured on a 2-core CPU machine),
     and even its run on prepared storage packs the address list again (one ctypes conversion per
-    argument: 10-15 us per launch on the lent H200's host). A launch changes only the call's scalars, a
+    argument: 10-15 us per launch on the H200 test host). A launch changes only the call's scalars, a
     few pointers and the stream. So the storage is made once, from the module's own argument conversion
     (``generate_execution_args``), and so is the packed address list the compiled host function takes
     (``packed_runner``); a launch writes the values that change into the storage and calls that

@@ -98,7 +98,7 @@ class StatusBlock:
         self._host_words = self._host.numpy()
         self.views = {name: self._member(self.words, name) for name in self.where}
         # Decoding goes through numpy: five torch slices and tolist() calls cost ~25 us of host time per
-        # read on the development machine, the numpy equivalent ~3 us.
+        # read on a 2-core CPU machine, the numpy equivalent ~3 us.
         self._slices = {name: slice(first, first + count) for name, (first, count) in self.where.items()}
         self._copy = _raw_copy(self.words, self._host) if self.words.is_cuda else None
         # The mirror a dispatch's last CTA writes (kernels/dispatch.py, mirror_status): the block, then the
@@ -213,7 +213,7 @@ class StatusBlock:
 def _raw_copy(words: torch.Tensor, host: torch.Tensor) -> Callable[[], None] | None:
     """A function copying ``words`` (device) into the pinned ``host`` on the current stream and waiting for
     it, through two driver calls (``cute_ep.cuda_driver``): torch's ``copy_`` + ``synchronize`` cost ~15 us
-    more host time per read on the lent H200's host (its dispatch, an event for the pinned block, a Stream
+    more host time per read on the H200 test host (its dispatch, an event for the pinned block, a Stream
     object). None without the driver library (the torch path then)."""
     from cute_ep.cuda_driver import driver
     from cute_ep.launcher import current_stream_handle

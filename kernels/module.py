@@ -2,7 +2,7 @@
 reduced combine's two phases) of one element type, and the rank layout's dispatch and combine.
 
 Why one module: each module that calls NVSHMEM must be registered with ``nvshmem.core.library_init``,
-and on the lent 4x H200 a process faulted ("illegal memory access") once a 4th registered module was
+and on a 4x H200 host a process faulted ("illegal memory access") once a 4th registered module was
 alive; compiling one also takes tens of seconds (NVSHMEM's device library is linked in). With all
 kernels behind one host entry point (``op`` picks the launch) and every size a run-time argument, one
 registration per dtype serves every configuration.

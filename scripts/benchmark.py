@@ -1,6 +1,6 @@
 """Bandwidth sweep of cute-ep's dispatch and combine against NCCL all_to_all and DeepEP, on one or more GPUs.
 
-To run (one process per GPU; keep NVLink multicast off, as on the lent hosts):
+To run (one process per GPU; keep NVLink multicast off, as on the H100 / H200 test hosts):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
     torchrun --nproc-per-node 4 scripts/benchmark.py \\
         --out-json baselines/perf/h200x4.json --out-png baselines/perf/h200x4.png

@@ -1,10 +1,10 @@
 """Where a dispatch / combine call's GPU time goes, kernel by kernel, at small (decode) batches.
 
-To run (one process per GPU; keep NVLink multicast off, as on the lent hosts):
+To run (one process per GPU; keep NVLink multicast off, as on the H100 / H200 test hosts):
 
     torchrun --nproc-per-node 2 scripts/decode_breakdown.py --tokens 128,4096
 
-    # the decode report of issue 15 (baselines/perf/h200x2_decode.json), DeepEP beside ours
+    # the committed decode report (baselines/perf/h200x2_decode.json), DeepEP beside ours
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
     torchrun --nproc-per-node 2 scripts/decode_breakdown.py --tokens 1,32,128,256 --num-sms 24,132 \\
         --peers deepep --out-json baselines/perf/h200x2_decode.json

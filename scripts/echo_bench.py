@@ -1,7 +1,7 @@
 """ECHO under Zipf skew: rows per rank without cloning, with a static ReplicaMap and with ElasticExperts,
 and what ECHO costs (planner, weight copy) and saves (dispatch + expert + combine per step).
 
-To run (GPUs, one process per GPU; keep NVLink multicast off, as on the lent hosts):
+To run (GPUs, one process per GPU; keep NVLink multicast off, as on the H100 / H200 test hosts):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
     torchrun --nproc-per-node 4 scripts/echo_bench.py --out-json echo.json --out-png echo.png
 

@@ -1,6 +1,6 @@
 """Each kernel of a dispatch / combine alone, for both receive layouts: where the GPU time goes.
 
-To run (one process per GPU; keep NVLink multicast off, as on the lent hosts):
+To run (one process per GPU; keep NVLink multicast off, as on the H100 / H200 test hosts):
 
     torchrun --nproc-per-node 2 scripts/kernel_times.py --tokens 128,4096 --num-sms 24,132
     torchrun --nproc-per-node 1 scripts/kernel_times.py --layouts rank --tokens 4096 --out-json k.json

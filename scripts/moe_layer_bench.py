@@ -2,7 +2,7 @@
 all-to-all and against DeepEP's dispatch/combine with a torch permute; the SwiGLU with and without the
 padding rows skipped; the communication overlap on and off.
 
-To run (one process per GPU; keep NVLink multicast off, as on the lent hosts):
+To run (one process per GPU; keep NVLink multicast off, as on the H100 / H200 test hosts):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
     torchrun --nproc-per-node 2 scripts/moe_layer_bench.py \\
         --out-json baselines/perf/moe_layer_h200x2.json --out-png baselines/perf/moe_layer_h200x2.png

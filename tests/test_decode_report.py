@@ -1,4 +1,4 @@
-"""The decode report of scripts/decode_breakdown.py on the CPU (issue 15): its arguments (exit 2, messages),
+"""The decode report of scripts/decode_breakdown.py on the CPU: its arguments (exit 2, messages),
 row assembly from per-rank medians (cute_ep.bench_peers.decode_row), the report's check
 (check_decode_json), the committed baselines/perf/h200x2_decode.json, and a whole run of the script's
 driver over gloo with stand-ins for the GPU parts (EpBuffer, the CUDA-event timer, deep_ep)."""
@@ -27,8 +27,8 @@ from cute_ep import bench_report as br
 
 SCRIPT = REPO / "scripts" / "decode_breakdown.py"
 BASELINE = REPO / "baselines" / "perf" / "h200x2_decode.json"
-ISSUE_TOKENS = (1, 32, 128, 256)
-ISSUE_BUDGETS = (24, bp.FULL_GPU_SMS)
+REPORT_TOKENS = (1, 32, 128, 256)
+REPORT_BUDGETS = (24, bp.FULL_GPU_SMS)
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ def _meta() -> dict:
             "dtype": "bfloat16", "iters": 50}  # fmt: skip
 
 
-def _report(tokens=ISSUE_TOKENS, budgets=ISSUE_BUDGETS, *, skip_at: int | None = 132) -> dict:
+def _report(tokens=REPORT_TOKENS, budgets=REPORT_BUDGETS, *, skip_at: int | None = 132) -> dict:
     """A decode report as the script writes it (DeepEP measured, skipped at the ``skip_at`` budget)."""
     rows = []
     for b in budgets:
@@ -220,14 +220,14 @@ def _report(tokens=ISSUE_TOKENS, budgets=ISSUE_BUDGETS, *, skip_at: int | None =
 def test_check_decode_json_accepts_a_good_report_and_requires_the_grid(tmp_path):
     good = _report()
     bp.check_decode_json(good)
-    bp.check_decode_json(good, tokens=ISSUE_TOKENS, num_sms=ISSUE_BUDGETS)
+    bp.check_decode_json(good, tokens=REPORT_TOKENS, num_sms=REPORT_BUDGETS)
     bp.check_perf_json(good, ("tokens", "num_sms", "dispatch_us", "combine_us"))  # the results form holds
     written = bp.write_decode_json(tmp_path / "sub" / "d.json", good["meta"], good["rows"])
     assert json.loads((tmp_path / "sub" / "d.json").read_text()) == written == good
     partial = {**good, "rows": [r for r in good["rows"] if (r["tokens"], r["num_sms"]) != (256, 24)]}
-    bp.check_decode_json(partial)  # fine as a report, but not the issue's grid
+    bp.check_decode_json(partial)  # fine as a report, but not the committed report's grid
     with pytest.raises(br.BenchReportError, match=r"no row for \(tokens, num_sms\) \[\(256, 24\)\]"):
-        bp.check_decode_json(partial, tokens=ISSUE_TOKENS, num_sms=ISSUE_BUDGETS)
+        bp.check_decode_json(partial, tokens=REPORT_TOKENS, num_sms=REPORT_BUDGETS)
 
 
 def _set(path: str, value):
@@ -313,10 +313,10 @@ def test_tables_and_progress_lines():
 
 
 def check_decode_baseline(report: dict) -> None:
-    """What the committed 2x H200 report must hold (issue 15, "Done when"): a valid decode report from
+    """What the committed 2x H200 report must hold: a valid decode report from
     2 ranks with a row for every tokens in 1, 32, 128, 256 at 24 SMs and the full GPU, DeepEP measured in
     each at its budget for ours."""
-    bp.check_decode_json(report, tokens=ISSUE_TOKENS, num_sms=ISSUE_BUDGETS)
+    bp.check_decode_json(report, tokens=REPORT_TOKENS, num_sms=REPORT_BUDGETS)
     assert report["meta"]["world_size"] == 2, report["meta"]["world_size"]
     for row in report["rows"]:
         assert row["deepep_skipped"] is None, (row["tokens"], row["num_sms"], row["deepep_skipped"])

@@ -1,7 +1,7 @@
 """EP8 on the CPU: the main script's whole flow with 8 ranks (the reference backend on gloo).
 
-The standard expert-parallel configuration is 8 GPUs on one NVLink node; until an 8-GPU host is
-lent, this runs the same layout, routing classes, checks and baselines with 8 processes, as one node
+The standard expert-parallel configuration is 8 GPUs on one NVLink node; without an 8-GPU host, this
+runs the same layout, routing classes, checks and baselines with 8 processes, as one node
 of 8 and as 2 virtual nodes of 4.
 """
 

@@ -1,4 +1,5 @@
-"""scripts/gpu_session.sh, the 4-GPU session in parts: its commands (dry run, no GPU) and its errors."""
+"""scripts/gpu_session.sh, a GPU host's verification in parts: its commands (dry run, no GPU) and its
+errors."""
 
 from __future__ import annotations
 
