@@ -174,6 +174,16 @@ def _replica_rows(total: Tensor, holder: Tensor) -> Tensor:
     return torch.where(holder, rows, torch.zeros_like(rows))
 
 
+def check_clone_limits(spare_slots: int, max_clones: int | None, min_gain_rows: int) -> None:
+    """ValueError naming the first of the planner's limits out of range."""
+    if spare_slots < 0:
+        raise ValueError(f"spare_slots must be >= 0, got {spare_slots}")
+    if max_clones is not None and max_clones < 0:
+        raise ValueError(f"max_clones must be >= 0 or None, got {max_clones}")
+    if min_gain_rows < 1:
+        raise ValueError(f"min_gain_rows must be >= 1, got {min_gain_rows}")
+
+
 def plan_clones(counts: Tensor, spare_slots: int, *, max_clones: int | None = None,
                 min_gain_rows: int = 1) -> ClonePlan:
     """The step's clone placement from every rank's counts (the module docstring states the rule).
@@ -196,12 +206,7 @@ def plan_clones(counts: Tensor, spare_slots: int, *, max_clones: int | None = No
     R, E = counts.shape
     if R < 1 or E < 1 or E % R:
         raise ValueError(f"counts: the number of experts E={E} must be >= 1 and divisible by the ranks R={R}")
-    if spare_slots < 0:
-        raise ValueError(f"spare_slots must be >= 0, got {spare_slots}")
-    if max_clones is not None and max_clones < 0:
-        raise ValueError(f"max_clones must be >= 0 or None, got {max_clones}")
-    if min_gain_rows < 1:
-        raise ValueError(f"min_gain_rows must be >= 1, got {min_gain_rows}")
+    check_clone_limits(spare_slots, max_clones, min_gain_rows)
     dev = counts.device
     counts = counts.to(torch.int64)
     el, S = E // R, spare_slots
@@ -405,12 +410,7 @@ class ElasticExperts:
         R = self.world_size
         if num_experts < 1 or num_experts % R:
             raise ValueError(f"num_experts={num_experts} must be >= 1 and divisible by the world size {R}")
-        if spare_slots < 0:
-            raise ValueError(f"spare_slots must be >= 0, got {spare_slots}")
-        if max_clones is not None and max_clones < 0:
-            raise ValueError(f"max_clones must be >= 0 or None, got {max_clones}")
-        if min_gain_rows < 1:
-            raise ValueError(f"min_gain_rows must be >= 1, got {min_gain_rows}")
+        check_clone_limits(spare_slots, max_clones, min_gain_rows)
         self.num_experts = num_experts
         self.spare_slots = spare_slots
         self.max_clones = max_clones

@@ -28,6 +28,8 @@ compiled function per (direction, element type), with every size a run-time argu
 
 from __future__ import annotations
 
+from typing import Any
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -75,6 +77,18 @@ class SwiGLUKernel:
         """A [rows, cols] row-major view of ``ptr``."""
         return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
 
+    def thread_copy(self) -> tuple[cute.TiledCopy, Any]:
+        """The tiled copy and this thread's slice of it."""
+        tid, _, _ = cute.arch.thread_idx()
+        copier = self.tiled_copy()
+        return copier, copier.get_slice(tid)
+
+    def tile_counts(self, live: Int32, inter: Int32) -> tuple[Int32, Int32]:
+        """(column tiles, tiles that hold live rows): a CTA walks tiles bid, bid + ctas, ... below the
+        second, row-major over the first."""
+        col_tiles = (inter + self.tile_cols - 1) // self.tile_cols
+        return col_tiles, (live + self.tile_rows - 1) // self.tile_rows * col_tiles
+
     @cute.jit
     def live_rows(self, offsets: cute.Tensor, groups: Int32, rows: Int32) -> Int32:
         """min(offsets[groups - 1], rows): the live rows, never more than the buffer holds."""
@@ -121,14 +135,11 @@ class SwiGLUForward(SwiGLUKernel):
     @cute.kernel
     def kernel(self, gate: cute.Tensor, up: cute.Tensor, dst: cute.Tensor, coords: cute.Tensor,
                offs: cute.Tensor, rows: Int32, inter: Int32, groups: Int32):
-        tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
-        copier = self.tiled_copy()
-        thr = copier.get_slice(tid)
+        copier, thr = self.thread_copy()
         live = self.live_rows(offs, groups, rows)
-        col_tiles = (inter + self.tile_cols - 1) // self.tile_cols
-        live_tiles = (live + self.tile_rows - 1) // self.tile_rows * col_tiles
+        col_tiles, live_tiles = self.tile_counts(live, inter)
         for tile in range(bid, live_tiles, ctas):
             at = ((None, None), (tile // col_tiles, tile % col_tiles))
             t_gate = thr.partition_S(gate[at])
@@ -172,14 +183,11 @@ class SwiGLUBackward(SwiGLUKernel):
     def kernel(self, gate: cute.Tensor, up: cute.Tensor, d_out: cute.Tensor, d_gate: cute.Tensor,
                d_up: cute.Tensor, coords: cute.Tensor, offs: cute.Tensor, rows: Int32, inter: Int32,
                groups: Int32):
-        tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
-        copier = self.tiled_copy()
-        thr = copier.get_slice(tid)
+        copier, thr = self.thread_copy()
         live = self.live_rows(offs, groups, rows)
-        col_tiles = (inter + self.tile_cols - 1) // self.tile_cols
-        live_tiles = (live + self.tile_rows - 1) // self.tile_rows * col_tiles
+        col_tiles, live_tiles = self.tile_counts(live, inter)
         for tile in range(bid, live_tiles, ctas):
             at = ((None, None), (tile // col_tiles, tile % col_tiles))
             t_gate = thr.partition_S(gate[at])

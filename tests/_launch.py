@@ -119,6 +119,18 @@ RANK0_OF_FOUR = dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE=
 launched script before any rendezvous, so the lone rank never waits for the other three)."""
 
 
+def example_rank_lines(proc: subprocess.CompletedProcess, world: int) -> tuple[list[str], str]:
+    """An example's run: exit 0, ``PASS`` last, one "rows received" line per rank (from rank 0). Returns
+    those lines and the output's tail (for assertion messages)."""
+    text = f"{proc.stdout}\n{proc.stderr}"[-6000:]
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{text}"
+    lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
+    assert lines[-1] == "PASS", text
+    rank_lines = [ln for ln in lines if "rows received" in ln]
+    assert len(rank_lines) == world, text
+    return rank_lines, text
+
+
 def assert_argument_error(proc: subprocess.CompletedProcess, message: str) -> None:
     """A script's run stopped by a bad argument: exit status 2, ``error: message`` on stderr, and no
     traceback."""

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 import torch.distributed as dist
-from _launch import REPO, run_single, torchrun
+from _launch import REPO, example_rank_lines, run_single, torchrun
 
 EXAMPLE = REPO / "examples" / "moe_layer.py"
 TIMEOUT = 240
@@ -17,12 +17,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 
 def _assert_passed(proc: subprocess.CompletedProcess, world: int) -> None:
-    text = f"{proc.stdout}\n{proc.stderr}"[-6000:]
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{text}"
-    lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
-    assert lines[-1] == "PASS", text
-    rank_lines = [ln for ln in lines if "rows received" in ln]
-    assert len(rank_lines) == world, text
+    rank_lines, text = example_rank_lines(proc, world)
     assert all("gradients equal" in ln and "MISMATCH" not in ln for ln in rank_lines), text
     assert all("(0 padding rows)" not in ln for ln in rank_lines), text  # the buffer had padding
 

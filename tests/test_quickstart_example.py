@@ -12,7 +12,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import REPO, run_single, torchrun
+from _launch import REPO, example_rank_lines, run_single, torchrun
 from torch import Tensor
 
 from cute_ep.bootstrap.dist_env import DistEnv
@@ -26,13 +26,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 
 def _assert_passed(proc: subprocess.CompletedProcess, world: int) -> None:
-    text = f"{proc.stdout}\n{proc.stderr}"[-6000:]
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{text}"
-    lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
-    assert lines[-1] == "PASS", text
-    # One line per rank from rank 0, none of them a mismatch.
-    rank_lines = [ln for ln in lines if "rows received" in ln]
-    assert len(rank_lines) == world, text
+    rank_lines, text = example_rank_lines(proc, world)  # one line per rank from rank 0
     assert not any("MISMATCH" in ln for ln in rank_lines), text
 
 
