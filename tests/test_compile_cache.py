@@ -8,26 +8,28 @@ import shutil
 
 import pytest
 import torch
+from _sm90 import sm90_group
 
 from cute_ep.bootstrap import compile as compile_mod
-from cute_ep.bootstrap.compile import CACHE_ENV, ModuleRegistry, ObjectCache, code_fingerprint, use_cpu_target
+from cute_ep.bootstrap.compile import CACHE_ENV, ModuleRegistry, ObjectCache, code_fingerprint
 from cute_ep.kernels.config import EpConfig
-from cute_ep.kernels.host import build
 
 CFG = EpConfig(world_size=2, local_world_size=1, num_experts=8, topk=2, hidden=128, dtype=torch.float32,
                max_tokens=16, num_sms=4)
+FP32 = sm90_group(torch.float32)  # the tests that use the run's fp32 module run where it was compiled
 
 
 @pytest.fixture(scope="module")
-def stored(tmp_path_factory):
-    """A registry with a disk cache compiles once and stores the module."""
-    use_cpu_target()
-    cache = ObjectCache(tmp_path_factory.mktemp("objects"))
-    reg = ModuleRegistry(register=False, disk=cache)
-    compiled = reg.get(CFG.compile_key(), lambda: build(CFG))
-    return cache, reg, compiled
+def stored(sm90_module):
+    """A registry with a disk cache compiles once and stores the module: the fp32 module of this test
+    run (tests/_sm90.py; tests/test_kernel_compile.py reads its PTX), compiled for sm_90 through a
+    ``ModuleRegistry`` with an ``ObjectCache``. Its key holds the dtype alone, so it is CFG's module."""
+    module = sm90_module(torch.float32)
+    assert module.key == CFG.compile_key()
+    return module.cache, module.registry, module.compiled
 
 
+@FP32
 def test_a_compile_is_stored_as_an_object_file(stored):
     cache, reg, _ = stored
     path = cache.path(CFG.compile_key())
@@ -36,6 +38,7 @@ def test_a_compile_is_stored_as_an_object_file(stored):
     assert path.name.startswith("cute_ep_ep_module_torch_float32-")
 
 
+@FP32
 def test_a_second_registry_loads_instead_of_compiling(stored):
     cache, _, first = stored
     reg = ModuleRegistry(register=False, disk=ObjectCache(cache.folder, cache.fingerprint))
@@ -45,12 +48,13 @@ def test_a_second_registry_loads_instead_of_compiling(stored):
     assert reg.get(CFG.compile_key(), lambda: pytest.fail("cached in memory")) is loaded
 
 
+@FP32
 def test_a_damaged_file_is_recompiled_and_replaced(stored, tmp_path, monkeypatch):
     cache, _, first = stored
     other = ObjectCache(tmp_path, cache.fingerprint)
     shutil.copy(cache.path(CFG.compile_key()), other.path(CFG.compile_key()))
     other.path(CFG.compile_key()).write_bytes(b"not an object file")
-    # The "recompile" hands back the module compiled above (a real compile takes ~40 s on a CPU).
+    # The "recompile" hands back the module compiled above (a real compile takes minutes on a CPU).
     monkeypatch.setattr(compile_mod, "compile_kernel", lambda fn, *args: first)
     reg = ModuleRegistry(register=False, disk=other)
     reg.get(CFG.compile_key(), lambda: (None, ()))
@@ -86,6 +90,7 @@ def _precompile_main():
     return module.main
 
 
+@FP32
 def test_precompile_script_stores_then_finds_the_module(stored, tmp_path, monkeypatch, capsys):
     """scripts/precompile.py fills an empty cache folder and, run again, loads instead of compiling."""
     _, _, first = stored

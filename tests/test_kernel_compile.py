@@ -14,17 +14,11 @@ import re
 from collections import Counter
 
 import pytest
-import torch
+from _sm90 import DTYPES, sm90_params
 
-from cute_ep.bootstrap.compile import ModuleRegistry, compile_kernel, use_cpu_target
-from cute_ep.kernels.config import EpConfig
+from cute_ep.bootstrap.compile import ModuleRegistry
 from cute_ep.kernels.dispatch import DISPATCH_ROW_UNROLL
-from cute_ep.kernels.host import build
 from cute_ep.kernels.ptx import ROW_COPY_UNROLL
-
-DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "half", torch.float32: "float"}
-
-
 
 
 def _entries(ptx: str) -> list[tuple[str, str]]:
@@ -52,15 +46,11 @@ def _ops(text: str) -> Counter:
     return Counter(re.findall(r"(?m)^\s*([a-z]+(?:\.[\w]+)+)", text))
 
 
-@pytest.fixture(scope="module", params=list(DTYPES), ids=list(DTYPES.values()))
-def compiled_ptx(request, tmp_path_factory):
-    use_cpu_target()
-    cfg = EpConfig(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256,
-                   dtype=request.param, max_tokens=64, num_sms=8)
-    fn, args = build(cfg)
-    dump = tmp_path_factory.mktemp("ptx")  # --keep-ptx writes a file; keep it out of the checkout
-    compiled = compile_kernel(fn, *args, options=f"--keep-ptx --dump-dir {dump}")
-    return request.param, compiled.artifacts.PTX
+@pytest.fixture(scope="module", params=sm90_params())
+def compiled_ptx(request, sm90_module):
+    """(dtype, PTX) of the dtype's module, compiled once per test run (tests/_sm90.py)."""
+    module = sm90_module(request.param)
+    return module.dtype, module.ptx
 
 
 def test_targets_sm90_with_nine_kernels(compiled_ptx):
