@@ -1,8 +1,8 @@
 """Worker of tests/test_capacity_fp8_torchrun.py: one rank of a gloo world launched by torchrun.
 
-To run (what the tests do; PART is "capacity" or "fp8"):
+To run (what the tests do; PARTS is "capacity", "fp8" or both, comma-separated):
     python -m torch.distributed.run --nproc-per-node 4 --master-port 29543 \
-        tests/_torchrun_capacity_fp8_worker.py OUT_DIR PART
+        tests/_torchrun_capacity_fp8_worker.py OUT_DIR capacity,fp8
 
 Every rank runs ``A2aEpBuffer`` and ``ReferenceEpBuffer`` on the same inputs and compares them bit for
 bit with each other and with the validators run on every rank's routing (gathered here):
@@ -285,8 +285,8 @@ def fp8_bad(rt: Runtime) -> dict:
     return out
 
 
-def results(rt: Runtime, part: str) -> dict:
-    """This rank's findings for PART (``gloo_worker_main`` writes them to OUT_DIR/rank{r}.json)."""
+def part_results(rt: Runtime, part: str) -> dict:
+    """This rank's findings for one PART."""
     if part == "capacity":
         return {
             "cases": [capacity_case(rt, i, c) for i, c in enumerate(CAPACITY_CASES)],
@@ -295,6 +295,12 @@ def results(rt: Runtime, part: str) -> dict:
     if part == "fp8":
         return {"cases": [fp8_case(rt, i, c) for i, c in enumerate(FP8_CASES)], "bad": fp8_bad(rt)}
     raise SystemExit(f"unknown part {part!r} (capacity or fp8)")
+
+
+def results(rt: Runtime, parts: str) -> dict:
+    """This rank's findings by part, for the comma-separated PARTS (``gloo_worker_main`` writes them to
+    OUT_DIR/rank{r}.json): one launch runs several parts, as the world's start-up is the slow part."""
+    return {part: part_results(rt, part) for part in parts.split(",")}
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Worker of tests/test_rank_layout.py and tests/test_rank_layout_fp8.py: one rank of a gloo world launched
 by torchrun.
 
-To run (what the tests do; PART is "layout", the default, or "fp8"):
+To run (what the tests do; PARTS is "layout", "fp8" or both, comma-separated, the default):
     python -m torch.distributed.run --nproc-per-node 4 --master-port 29547 \
-        tests/_torchrun_rank_layout_worker.py OUT_DIR [PART]
+        tests/_torchrun_rank_layout_worker.py OUT_DIR [PARTS]
 
 Every rank dispatches with ``layout="rank"`` on ``A2aEpBuffer`` and ``ReferenceEpBuffer`` and compares
 every field bit for bit with the literal specification (tests/_rank_layout_spec.py) and with the torch
@@ -239,13 +239,19 @@ def bad_calls_of(rt: Runtime, backend: str, buf, capped) -> dict:
     return out
 
 
-def results(rt: Runtime, part: str = "layout") -> dict:
-    """This rank's findings for PART (``gloo_worker_main`` writes them to OUT_DIR/rank{r}.json)."""
+def part_results(rt: Runtime, part: str) -> dict:
+    """This rank's findings for one PART."""
     if part == "layout":
         return {"cases": [run_case(rt, i, case) for i, case in enumerate(CASES)], "bad": bad_calls(rt)}
     if part == "fp8":
         return {"cases": [run_case(rt, i, case, fp8=True) for i, case in enumerate(FP8_CASES)]}
     raise SystemExit(f"unknown part {part!r} (layout or fp8)")
+
+
+def results(rt: Runtime, parts: str = "layout,fp8") -> dict:
+    """This rank's findings by part, for the comma-separated PARTS (``gloo_worker_main`` writes them to
+    OUT_DIR/rank{r}.json): one launch runs several parts, as the world's start-up is the slow part."""
+    return {part: part_results(rt, part) for part in parts.split(",")}
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -77,17 +77,24 @@ def expert_outputs(res: Any, rows: torch.Tensor | None = None, *, rank: int = 0)
     return apply_test_expert(res.recv_x if rows is None else rows, experts)
 
 
-def gloo_worlds_fixture(worker: Arg, tag: str, *args: Arg, timeout: float) -> Callable[..., list[dict]]:
-    """A module-scoped fixture, for a test module to bind as ``ranks`` (or another name: the fixture's
-    name): the per-rank results of ``worker`` (``worker_results``; its arguments: a fresh folder named
-    ``{tag}{world}``, then ``args``) in gloo worlds of 2 and 4 ranks (test ids ep2, ep4)."""
+def gloo_worlds_fixture(worker: Arg, tag: str, *args: Arg, timeout: float,
+                        scope: Literal["module", "session"] = "module") -> Callable[..., list[dict]]:
+    """A fixture of ``scope``, for a test module (or, session-scoped, tests/conftest.py) to bind as
+    ``ranks`` (or another name: the fixture's name): the per-rank results of ``worker``
+    (``worker_results``; its arguments: a fresh folder named ``{tag}{world}``, then ``args``) in gloo
+    worlds of 2 and 4 ranks (test ids ep2, ep4)."""
 
-    @pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
+    @pytest.fixture(scope=scope, params=[2, 4], ids=["ep2", "ep4"])
     def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         world = request.param
         return worker_results(worker, world, tmp_path_factory.mktemp(f"{tag}{world}"), *args, timeout=timeout)
 
     return ranks
+
+
+RANK_LAYOUT_WORLDS = pytest.mark.xdist_group("rank_layout_worlds")
+"""The mark of the tests that use tests/conftest.py's ``rank_layout_worlds`` (one launch per world for
+both rank-layout test modules): under pytest-xdist with --dist loadgroup they run on one worker."""
 
 
 def assert_raised_on_every_rank(ranks: list[dict], key: str, at_fault: int | None, own: str,

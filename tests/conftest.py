@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 from _launch import REPO, import_script
 from _sm90 import DTYPES, Sm90Module, compile_sm90
+from _worlds import gloo_worlds_fixture
 
 MAX_WORKERS = 4
 """Most pytest-xdist workers ``-n auto`` starts: the slow tests launch 2-8 ranks each, so more workers
@@ -60,3 +62,11 @@ def sm90_module(tmp_path_factory: pytest.TempPathFactory) -> Callable[[torch.dty
 
     return get
 
+
+rank_layout_worlds = gloo_worlds_fixture(
+    Path(__file__).with_name("_torchrun_rank_layout_worker.py"), "rank_layout_", "layout,fp8", timeout=300,
+    scope="session",
+)
+"""The rank-layout worker's "layout" and "fp8" parts in one launch per world (ep2, ep4), shared by
+tests/test_rank_layout.py and tests/test_rank_layout_fp8.py (their tests that use it carry
+``RANK_LAYOUT_WORLDS``, so that under pytest-xdist one worker launches them)."""

@@ -1,20 +1,30 @@
 """Expert capacity and FP8 dispatch of the host backends (reference, all-to-all) under torchrun: gloo
 worlds of 2 and 4 ranks run tests/_torchrun_capacity_fp8_worker.py, whose "capacity" and "fp8" parts
-record their findings; the assertions live here. The world-of-one tests are in tests/test_capacity.py and
-tests/test_fp8.py."""
+record their findings (both parts in one launch per world); the assertions live here. The world-of-one
+tests are in tests/test_capacity.py and tests/test_fp8.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from _launch import assert_cases_match
 from _worlds import gloo_worlds_fixture, needs_gloo
 
 WORKER = Path(__file__).with_name("_torchrun_capacity_fp8_worker.py")
 
 pytestmark = needs_gloo
-capacity_ranks = gloo_worlds_fixture(WORKER, "cap", "capacity", timeout=120)
-fp8_ranks = gloo_worlds_fixture(WORKER, "fp8_", "fp8", timeout=120)
+ranks = gloo_worlds_fixture(WORKER, "cap_fp8_", "capacity,fp8", timeout=180)
+
+
+@pytest.fixture
+def capacity_ranks(ranks: list[dict]) -> list[dict]:
+    return [res["capacity"] for res in ranks]
+
+
+@pytest.fixture
+def fp8_ranks(ranks: list[dict]) -> list[dict]:
+    return [res["fp8"] for res in ranks]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ the value, on every rank. FP8 in the rank layout: tests/test_rank_layout_fp8.py.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +26,8 @@ from _rank_layout_spec import (
 )
 from _worlds import (
     HOST_BACKENDS,
+    RANK_LAYOUT_WORLDS,
     assert_raised_on_every_rank,
-    gloo_worlds_fixture,
     host_config,
     needs_gloo,
     world_of_one,
@@ -45,7 +44,6 @@ from cute_ep.reference import (
     reference_rank_layout,
 )
 
-WORKER = Path(__file__).with_name("_torchrun_rank_layout_worker.py")
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
@@ -436,19 +434,26 @@ def test_world_of_one_a_replaced_routing_drops_destinations(backend):
 # --------------------------------------------------------------------------------------------------
 
 
-ranks = gloo_worlds_fixture(WORKER, "rank", timeout=180)
+@pytest.fixture
+def ranks(rank_layout_worlds: list[dict]) -> list[dict]:
+    """The worker's "layout" part (tests/conftest.py launches it with the "fp8" part)."""
+    return [res["layout"] for res in rank_layout_worlds]
+
+
 CASE_NAMES = ["uniform-bf16-k4-el2-ragged", "dropped-fp32-k3-el2-alldrop", "skewed-fp16-k2-el3-atomic",
               "rank0-bf16-k2-el4-skew", "uniform-fp32-k1-el1-int32", "everyone-bf16-full",
               "uniform-bf16-k2-el2-empty"]
 
 
 @needs_gloo
+@RANK_LAYOUT_WORLDS
 def test_gloo_both_backends_match_the_specification_and_the_references(ranks):
     assert_cases_match(ranks, len(CASE_NAMES))
     assert [c["name"] for c in ranks[0]["cases"]] == CASE_NAMES
 
 
 @needs_gloo
+@RANK_LAYOUT_WORLDS
 def test_gloo_cases_cover_skew_ragged_empty_and_full_receives(ranks):
     assert_cases_cover_skew_ragged_empty_full(ranks, CASE_NAMES, "")
 
@@ -467,6 +472,7 @@ BAD = {
 
 
 @needs_gloo
+@RANK_LAYOUT_WORLDS
 @pytest.mark.parametrize("backend", sorted(HOST_BACKENDS))
 @pytest.mark.parametrize("scenario", sorted(BAD))
 def test_gloo_an_invalid_call_raises_on_every_rank(ranks, backend, scenario):
@@ -480,6 +486,7 @@ def test_gloo_an_invalid_call_raises_on_every_rank(ranks, backend, scenario):
 
 
 @needs_gloo
+@RANK_LAYOUT_WORLDS
 @pytest.mark.parametrize("backend", sorted(HOST_BACKENDS))
 def test_gloo_the_buffers_stay_usable_after_invalid_calls(ranks, backend):
     for res in ranks:

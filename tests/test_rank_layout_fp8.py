@@ -15,7 +15,6 @@ fp8=True)`` passes the right results and fails one wrong byte of a value or a sc
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,14 +27,13 @@ from _rank_layout_spec import (
     spec_fp8_rows,
     spec_scatter,
 )
-from _worlds import HOST_BACKENDS, gloo_worlds_fixture, host_config, needs_gloo, world_of_one
+from _worlds import HOST_BACKENDS, RANK_LAYOUT_WORLDS, host_config, needs_gloo, world_of_one
 
 from cute_ep.a2a_backend import A2aEpBuffer
 from cute_ep.fp8 import dequantize_fp8, pack_fp8_rows, unpack_fp8_rows
 from cute_ep.inputs import make_inputs
 from cute_ep.validators.checks import check_rank_dispatch
 
-WORKER = Path(__file__).with_name("_torchrun_rank_layout_worker.py")
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 E4M3 = torch.float8_e4m3fn
 HIDDEN = 256
@@ -224,18 +222,23 @@ def test_check_rank_dispatch_fp8_fails_a_wrong_value_or_scale_byte(backend):
 # --------------------------------------------------------------------------------------------------
 
 
-fp8_ranks = gloo_worlds_fixture(WORKER, "rank_fp8_", "fp8", timeout=240)
+@pytest.fixture
+def fp8_ranks(rank_layout_worlds: list[dict]) -> list[dict]:
+    """The worker's "fp8" part (tests/conftest.py launches it with the "layout" part)."""
+    return [res["fp8"] for res in rank_layout_worlds]
 FP8_CASE_NAMES = ["fp8-uniform-bf16-k4-el2-ragged", "fp8-dropped-fp32-k3-el2-alldrop",
                   "fp8-skewed-fp16-k2-el3-atomic", "fp8-rank0-bf16-k2-el4-skew", "fp8-everyone-bf16-full",
                   "fp8-uniform-bf16-k2-el2-empty"]
 
 
 @needs_gloo
+@RANK_LAYOUT_WORLDS
 def test_gloo_both_backends_deliver_the_specified_fp8_rows(fp8_ranks):
     assert_cases_match(fp8_ranks, len(FP8_CASE_NAMES))
     assert [c["name"] for c in fp8_ranks[0]["cases"]] == FP8_CASE_NAMES
 
 
 @needs_gloo
+@RANK_LAYOUT_WORLDS
 def test_gloo_fp8_cases_cover_skew_ragged_empty_and_full_receives(fp8_ranks):
     assert_cases_cover_skew_ragged_empty_full(fp8_ranks, FP8_CASE_NAMES, "fp8-")
