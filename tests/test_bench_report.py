@@ -488,8 +488,8 @@ def test_benchmark_help_imports_nothing_of_the_gpu():
     (["--iters", "0"], "need --iters >= 1, --warmup >= 0, --input-sets >= 1; got 0, 10, 3"),
     (["--tokens", "70000"], "--tokens values must be <= 65536, got 70000"),
     (["--fp8", "--hidden", "200"], "--fp8 needs --hidden to be a multiple of 128, got 200"),
-    (["--num-sms", "24,0"], "--num-sms values must be integers >= 1; 0 in '24,0' is not"),
-    (["--num-sms", "24,many"], "--num-sms must be a comma-separated list of integers >= 1; 'many' in"),
+    (["--num-sms", "24,0"], "--num-sms values must be integers >= 1 (or max); 0 in '24,0' is not"),
+    (["--num-sms", "24,many"], "--num-sms must be a comma-separated list of integers >= 1 or max; 'many' in"),
     (["--peers", "nccl,deepepp"], "--peers must be a comma-separated list of ['nccl', 'deepep'] (or 'none'); "
                                   "'deepepp' in 'nccl,deepepp' is not one"),
     (["--peers", ","], "--peers must name at least one of"),
@@ -564,6 +564,7 @@ def test_benchmark_heap_setting_error_exits_2(bm, monkeypatch, capsys, error, co
 
     monkeypatch.setattr(rt, "Runtime", runtime)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # past the check for a GPU
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
     assert bm.main(["--tokens", "8", "--hidden", "64", "--num-experts", "8", "--topk", "2"]) == code
     err = capsys.readouterr().err
     heap = "error: NVSHMEM_SYMMETRIC_SIZE='1M' is too small"

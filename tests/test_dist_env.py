@@ -639,10 +639,11 @@ def test_runtime_nvshmem_without_cuda_fails_cleanly(monkeypatch: pytest.MonkeyPa
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     rt = Runtime(DistEnv.from_environ({}), symmetric_bytes=GIB)
     ran: list[str] = []
     rt.add_finalizer(lambda: ran.append("finalizer"))
-    with pytest.raises(RuntimeError, match="needs CUDA"):
+    with pytest.raises(RuntimeError, match=r"needs a CUDA GPU.*backend='gloo'.*ReferenceEpBuffer"):
         rt.start()
     assert rt.closed and ran == ["finalizer"]
     with pytest.raises(RuntimeError, match="closed"):
