@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .dist_env import DistEnv
 from .gpu_share import (
+    MPS_PERCENTAGE_VAR,
     GpuPlacement,
     GpuShareError,
     gpus_in_use,
@@ -443,7 +444,8 @@ class Runtime:
             self.mps = lib.mps_enabled(placement.gpu) if lib is not None else None
             if self.mps is False:
                 raise GpuShareError(mps_missing_message(placement.gpu, placement.ranks_per_gpu))
-            self.device_sms = max(unlimited_sm_count(placement.gpu) or limit, limit)
+            if os.environ.get(MPS_PERCENTAGE_VAR, "").strip():  # only a limit makes the attributes differ
+                self.device_sms = max(unlimited_sm_count(placement.gpu) or limit, limit)
         self.mps_sm_limit = limit if limit < self.device_sms else None
         self.sm_share = sm_share(self.device_sms, placement.ranks_per_gpu, limit)
 
