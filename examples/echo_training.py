@@ -34,8 +34,9 @@ from torch import Tensor
 from cute_ep import ElasticExperts, EpConfig
 from cute_ep import autograd as ep
 from cute_ep.bootstrap import DistEnv, Runtime
-from cute_ep.cli import BACKENDS, Printer, exit_process, make_buffer, runtime_backend
+from cute_ep.cli import BACKENDS, Printer, UsageError, exit_process, make_buffer, runtime_backend, script_main
 from cute_ep.skew import zipf_topk
+from cute_ep.usage import ScriptArgumentParser
 
 TOLERANCE = 1e-5
 """Largest |difference| allowed between the two runs' weights, relative to the largest |weight|: a few
@@ -124,8 +125,9 @@ def max_over_mean(rows: list[list[int]]) -> tuple[float, float]:
     return sum(peaks) / len(peaks), sum(means) / len(means)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = ScriptArgumentParser(description=__doc__.split("\n\n")[0],
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--backend", choices=BACKENDS, default="cute", help="cute (GPUs), reference (CPU), a2a")
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank (T)")
     p.add_argument("--hidden", type=int, default=32, help="H")
@@ -133,16 +135,36 @@ def main() -> int:
     p.add_argument("--topk", type=int, default=2, help="experts per token (K)")
     p.add_argument("--spare-slots", type=int, default=2, help="spare expert slots per rank (S)")
     p.add_argument("--skew", type=float, default=1.2, help="Zipf exponent of the routing")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--lr", type=float, default=0.2)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    p.add_argument("--steps", type=int, default=12, help="training steps of each run")
+    p.add_argument("--lr", type=float, default=0.2, help="SGD learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, data and routing")
+    p.add_argument("--traceback", action="store_true", help="print the full traceback of a run-time error")
+    return p
 
-    env = DistEnv.from_environ()
+
+def validate_args(args: argparse.Namespace) -> None:
+    """UsageError naming the first bad value (before any rank starts)."""
+    if args.spare_slots < 0 or args.steps < 1 or args.tokens < 1 or not args.skew >= 0:
+        raise UsageError(f"need --spare-slots >= 0, --steps >= 1, --tokens >= 1 and --skew >= 0, got "
+                         f"{args.spare_slots}, {args.steps}, {args.tokens} and {args.skew}")
+
+
+def make_config(args: argparse.Namespace, env: DistEnv) -> EpConfig:
+    """The physical slots' buffer's configuration, which sizes the heap (ConfigError names a bad value)."""
+    if args.experts < 1 or args.experts % env.world_size:
+        raise UsageError(f"--experts must be positive and divisible by the world size {env.world_size}, got "
+                         f"{args.experts}")
+    if not 1 <= args.topk <= args.experts:
+        raise UsageError(f"--topk must be in [1, --experts={args.experts}], got {args.topk}")
+    return EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
+                    num_experts=args.experts + env.world_size * args.spare_slots, topk=args.topk,
+                    hidden=args.hidden, dtype=torch.float32, max_tokens=args.tokens)
+
+
+def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
+    """Both trainings on every rank, the weights compared; rank 0 reports."""
     say = Printer(env.rank)
-    heap = 4 * EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
-                        num_experts=args.experts + env.world_size * args.spare_slots, topk=args.topk,
-                        hidden=args.hidden, dtype=torch.float32, max_tokens=args.tokens).symmetric_bytes()
+    heap = 4 * cfg.symmetric_bytes()
     with Runtime(env, backend=runtime_backend(args.backend), symmetric_bytes=heap) as rt:
         group = rt.cpu_group if rt.device.type == "cpu" else rt.group  # the device's collectives
         runs = {name: train(args, rt, group, cloning) for name, cloning in (("plain", False), ("echo", True))}
@@ -161,6 +183,11 @@ def main() -> int:
     say(f"max |w_echo - w_plain| / max |w| = {float(worst):.3g} (tolerance {TOLERANCE:g})")
     say("PASS" if passed else "FAIL")
     return 0 if passed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    # A bad argument or configuration is one line `error: ...` and exit 2 before any rank starts.
+    return script_main(argv, build_parser, validate_args, make_config, run)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,20 @@ from __future__ import annotations
 
 import argparse
 
-from cute_ep import MoELayer
+from cute_ep import EpConfig, MoELayer, RouterConfig
 from cute_ep.bootstrap import DistEnv, Runtime
-from cute_ep.cli import BACKENDS, DTYPES, Printer, exit_process, make_buffer, runtime_backend
+from cute_ep.cli import (
+    BACKENDS,
+    DTYPES,
+    Printer,
+    UsageError,
+    exit_process,
+    make_buffer,
+    runtime_backend,
+    script_main,
+)
 from cute_ep.collectives import all_gather_objects
+from cute_ep.usage import ScriptArgumentParser
 from cute_ep.validators.moe_checks import (
     EXACT,
     MoECase,
@@ -59,8 +69,9 @@ def make_case(args: argparse.Namespace, world: int) -> MoECase:
     )  # fmt: skip
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = ScriptArgumentParser(description=__doc__.split("\n\n")[0],
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--backend", choices=BACKENDS, default="cute", help="cute (GPUs), reference (CPU), a2a")
     p.add_argument("--tokens", type=int, default=64, help="tokens of rank 0 (T); rank r has T - r*T/8")
     p.add_argument("--hidden", type=int, default=256, help="H (a multiple of 8)")
@@ -76,12 +87,29 @@ def main() -> int:
     p.add_argument("--swiglu", choices=["auto", "kernel", "torch", "plain"], default="auto")
     p.add_argument("--overlap", action="store_true",
                    help="GPU: a communication stream, the shared expert beside it")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
+    p.add_argument("--traceback", action="store_true", help="print the full traceback of a run-time error")
+    return p
 
-    env = DistEnv.from_environ()  # torchrun / srun variables, or a world of one
+
+def make_config(args: argparse.Namespace, env: DistEnv) -> EpConfig:
+    """The buffer's configuration, and the router's arguments checked (one line and exit 2 if bad)."""
     case = make_case(args, env.world_size)
-    cfg = case.config(env.world_size, env.local_world_size)
+    cfg = case.config(env.world_size, env.local_world_size)  # ConfigError names a bad value
+    try:
+        RouterConfig(num_experts=cfg.num_experts, topk=case.topk, score=case.score,
+                     num_groups=case.num_groups, topk_groups=case.topk_groups, scale=case.route_scale)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.intermediate < 1 or args.intermediate % 8 or args.shared < 0 or args.shared % 8:
+        raise UsageError(f"--intermediate must be a positive multiple of 8 and --shared a multiple of 8 "
+                         f"(0: none), got {args.intermediate} and {args.shared}")
+    return cfg
+
+
+def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
+    """The layer forward and backward on every rank against the dense reference; rank 0 reports."""
+    case = make_case(args, env.world_size)
     say = Printer(env.rank)
     with Runtime(env, backend=runtime_backend(args.backend), symmetric_bytes=cfg.symmetric_bytes()) as rt:
         device = rt.device
@@ -115,6 +143,11 @@ def main() -> int:
     passed = all(r[-1] for r in ranks)
     say("PASS" if passed else "FAIL")
     return 0 if passed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    # A bad argument or configuration is one line `error: ...` and exit 2 before any rank starts.
+    return script_main(argv, build_parser, lambda args: None, make_config, run)
 
 
 if __name__ == "__main__":

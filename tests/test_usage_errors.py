@@ -232,6 +232,19 @@ def test_quickstart_config_errors_are_one_line(world_of_one, capsys, argv, messa
     assert _one_error_line(capsys.readouterr().err).startswith(message)
 
 
+@pytest.mark.parametrize(("example", "argv", "message"), [
+    ("moe_layer.py", ["--topk", "0"], "topk must be in [1, min(num_experts=8, 64)], got 0"),
+    ("moe_layer.py", ["--groups", "3"], "router: num_groups must be >= 1 and divide num_experts=8, got 3"),
+    ("moe_layer.py", ["--intermediate", "12"], "--intermediate must be a positive multiple of 8"),
+    ("echo_training.py", ["--spare-slots", "-1"], "need --spare-slots >= 0"),
+    ("echo_training.py", ["--topk", "0"], "--topk must be in [1, --experts=16], got 0"),
+    ("echo_training.py", ["--experts", "0"], "--experts must be positive and divisible by the world size 1"),
+])  # fmt: skip
+def test_the_other_examples_report_config_errors_in_one_line(world_of_one, capsys, example, argv, message):
+    assert _script(REPO / "examples" / example).main(["--backend", "reference", *argv]) == 2
+    assert _one_error_line(capsys.readouterr().err).startswith(message)
+
+
 def test_quickstart_config_error_of_a_launch(world_of_one, monkeypatch, capsys, sleeps):
     """Rank 2 of 4: the error every rank finds (30 experts on 4 ranks) comes out after rank 0's turn."""
     launch = dict(RANK="2", WORLD_SIZE="4", LOCAL_RANK="2", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
