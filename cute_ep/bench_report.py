@@ -178,6 +178,20 @@ def combine_moved_bytes(pairs: float, row_bytes: int) -> float:
     return pairs * row_bytes
 
 
+def gpu_share_meta(runtime: Any) -> dict[str, Any]:
+    """A report's record of how the ranks use their GPUs: ``ranks_per_gpu`` (ranks on this rank's GPU;
+    None without a GPU) and ``shared_gpu`` (None when every rank has a GPU to itself, else the sentence
+    that says how to read the report: the "link" is the GPU's own memory, not NVLink)."""
+    placement = getattr(runtime, "placement", None)  # a started nvshmem Runtime's (bootstrap/gpu_share.py)
+    if placement is None:
+        return {"ranks_per_gpu": None, "shared_gpu": None}
+    note = None
+    if placement.shared:
+        note = (f"shared GPU: {placement.ranks_per_gpu} ranks per GPU under CUDA MPS, each at its share of "
+                f"the SMs; peers exchange rows through the GPU's own memory, not NVLink")
+    return {"ranks_per_gpu": placement.ranks_per_gpu, "shared_gpu": note}
+
+
 def median(values: Iterable[float]) -> float:
     """Median of a non-empty sequence of numbers (mean of the middle two for an even count)."""
     vals = sorted(float(v) for v in values)

@@ -102,12 +102,13 @@ class Driver:
 
 # Run in a child process without CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: under an MPS limit this process's own
 # device attributes report its limit, not the GPU.
-_SM_COUNT_CHILD = """
+_SM_COUNT_CHILD = f"""
 import ctypes, sys
 lib = ctypes.CDLL("libcuda.so.1")
 dev, count = ctypes.c_int(), ctypes.c_int()
 ok = lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(dev), int(sys.argv[1])) == 0
-ok = ok and lib.cuDeviceGetAttribute(ctypes.byref(count), 16, dev) == 0
+ok = ok and lib.cuDeviceGetAttribute(ctypes.byref(count), {CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT},
+                                     dev) == 0
 print(count.value if ok else -1)
 """
 

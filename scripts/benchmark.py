@@ -815,15 +815,6 @@ def deepep_meta(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     }
 
 
-def shared_gpu_note(runtime: Any) -> str | None:
-    """A report's words for ranks that share a GPU (None: every rank has a GPU to itself)."""
-    placement = getattr(runtime, "placement", None)
-    if placement is None or not placement.shared:
-        return None
-    return (f"shared GPU: {placement.ranks_per_gpu} ranks per GPU under CUDA MPS, each at its share of the "
-            f"SMs; peers exchange rows through the GPU's own memory, not NVLink")
-
-
 def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any]:
     import torch
 
@@ -835,7 +826,6 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
     versions = br.package_versions()
     versions["nccl"] = nccl
     versions["cuda"] = torch.version.cuda
-    placement = getattr(runtime, "placement", None)
     return {
         "device": torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu",
         "world_size": env.world_size,
@@ -843,8 +833,7 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
         "virtual_nodes": env.is_virtual,
         # Ranks sharing one GPU (CUDA MPS): the "link" is that GPU's own memory, not NVLink; compare
         # ratios within such a report, not its times with NVLink reports.
-        "ranks_per_gpu": placement.ranks_per_gpu if placement is not None else 1,
-        "shared_gpu": shared_gpu_note(runtime),
+        **br.gpu_share_meta(runtime),
         "sm_share": getattr(runtime, "sm_share", None),
         # the results form's keys (bench_peers.PERF_META_FIELDS), beside the config below
         "hidden": cfg.hidden,
@@ -967,8 +956,7 @@ def sweep(
     env = runtime.env
     # "max" in --num-sms: the least SM share of any rank (the whole GPU where a rank has one to itself).
     args.num_sms_list = bp.resolve_num_sms(args.num_sms_list, bp.least_sm_share(runtime))
-    shared = shared_gpu_note(runtime)
-    if shared and "nccl" in args.peer_list:
+    if br.gpu_share_meta(runtime)["shared_gpu"] and "nccl" in args.peer_list:
         args.peer_list = [p for p in args.peer_list if p != "nccl"]
         say("NCCL not timed: NCCL refuses ranks that share a GPU")
     meta = make_meta(args, cfg, runtime)

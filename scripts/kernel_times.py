@@ -155,7 +155,7 @@ def report(args: argparse.Namespace, cfg: Any, runtime: Any, say: Any) -> int:
     args.num_sms_list = bp.resolve_num_sms(args.num_sms_list, bp.least_sm_share(runtime))
     device = torch.cuda.get_device_name(runtime.device)
     meta = {"device": device, "world_size": env.world_size, "local_world_size": env.local_world_size,
-            "ranks_per_gpu": runtime.placement.ranks_per_gpu, "shared_gpu": bm.shared_gpu_note(runtime),
+            **br.gpu_share_meta(runtime),
             "hidden": cfg.hidden, "topk": cfg.topk, "num_experts": cfg.num_experts, "dtype": args.dtype,
             "iters": args.iters, "warmup": args.warmup, "routing": "uniform", "seed": 0,
             "layout_in_dispatch": cfg.layout_in_dispatch, "side_sleep_us": args.side_sleep_us,

@@ -50,7 +50,6 @@ import argparse
 import math
 import os
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -303,23 +302,17 @@ def make_meta(args: argparse.Namespace, runtime: Any, cfg: Any) -> dict[str, Any
     import torch
 
     from cute_ep import bench_report as br
-    from cute_ep.collectives import all_gather_objects
 
     dev = runtime.device
-    if dev.type == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        name, where = props.name, (socket.gethostname(), str(getattr(props, "uuid", dev.index)))
-    else:
-        name, where = "cpu", (socket.gethostname(), "cpu")
-    places = all_gather_objects(where, runtime.cpu_group)
-    per_gpu = max(places.count(p) for p in places)
+    name = torch.cuda.get_device_properties(dev).name if dev.type == "cuda" else "cpu"
+    share = br.gpu_share_meta(runtime)  # the runtime's own record of who shares this rank's GPU
     versions = br.package_versions()
     versions["torch"] = torch.__version__
     return {
         "device": name, "world_size": runtime.env.world_size,
         "local_world_size": runtime.env.local_world_size,
-        "ranks_per_gpu": per_gpu if dev.type == "cuda" else None,
-        "gpu_shared": dev.type == "cuda" and per_gpu > 1,
+        "ranks_per_gpu": share["ranks_per_gpu"],
+        "gpu_shared": share["shared_gpu"] is not None,
         "hidden": cfg.hidden, "intermediate": args.intermediate, "num_experts": cfg.num_experts,
         "topk": cfg.topk, "dtype": args.dtype, "num_sms": cfg.num_sms, "score": args.score,
         "groups": args.groups, "topk_groups": args.topk_groups, "shared": args.shared,

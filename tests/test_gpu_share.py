@@ -227,3 +227,15 @@ def test_gpu_test_launches_on_one_gpu(tmp_path):
     # MPS starts before the first shared launch and, having been started here, stops at the end.
     assert calls[1] == "mps start" and calls[-1] == "mps stop"
     assert "8 ranks on one GPU: rc=0 3 passed" in proc.stdout
+
+
+def test_reports_record_who_shares_a_gpu():
+    from cute_ep.bench_report import gpu_share_meta
+
+    nobody = {"ranks_per_gpu": None, "shared_gpu": None}
+    assert gpu_share_meta(SimpleNamespace(device=torch.device("cpu"))) == nobody
+    assert gpu_share_meta(SimpleNamespace(placement=place(3, 8, 8))) == {**nobody, "ranks_per_gpu": 1}
+    shared = gpu_share_meta(SimpleNamespace(placement=place(1, 2, 1)))
+    assert shared["ranks_per_gpu"] == 2
+    assert shared["shared_gpu"].startswith("shared GPU: 2 ranks per GPU under CUDA MPS")
+    assert "not NVLink" in shared["shared_gpu"]
