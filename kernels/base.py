@@ -20,7 +20,7 @@ from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.buffers import EpParams
 from cute_ep.kernels.config import COMBINE_WARPS_PER_CTA, MAX_TOPK, OP_COMBINE, VECTOR_BYTES, WARP
-from cute_ep.kernels.ptx import fault_free, last_cta_arrives
+from cute_ep.kernels.signals import fault_free, last_cta_arrives
 
 
 class WarpStart(NamedTuple):

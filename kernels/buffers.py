@@ -52,7 +52,7 @@ SIGNAL_DISPATCH = 1  # every row p dispatched to this rank has arrived (value: d
 SIGNAL_COMBINE = 2
 SIGNAL_ROWS = 3
 
-# Words of ``fault`` [FAULT_WORDS] int32: the first timed-out wait (kernels.ptx.record_fault).
+# Words of ``fault`` [FAULT_WORDS] int32: the first timed-out wait (kernels.signals.record_fault).
 FAULT_COUNT = 0  # waits that timed out (0: none; every kernel moves no data once it is set)
 FAULT_OP = 1  # operation of the first one (OP_LAYOUT / OP_DISPATCH / OP_COMBINE)
 FAULT_PEER = 2  # the peer that never signalled

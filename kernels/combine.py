@@ -2,7 +2,7 @@
 
 Start: every rank's expert outputs (symmetric ``recv_y``) must be written before anyone reads them,
 so CTA 0 raises ``signals[SIGNAL_COMBINE, rank]`` on every peer to 2 * epoch - 1 (``epoch``: this call's
-number) and every CTA waits until all peers have raised theirs (``kernels.ptx.signal_and_wait_peers``).
+number) and every CTA waits until all peers have raised theirs (``kernels.signals.signal_and_wait_peers``).
 
 A warp per (local token, part of the hidden dimension) (persistent grid-stride loop). A token's row is
 split into parts only when there are fewer tokens than warps and every peer is on this node (decode
@@ -35,8 +35,9 @@ from nvshmem.core.device.cute.mem import nvshmem_ptr
 from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_COMBINE, SIGNAL_COMBINE, EpParams
 from cute_ep.kernels.config import OP_COMBINE
-from cute_ep.kernels.ptx import elem_view, fault_free, signal_and_wait_peers
+from cute_ep.kernels.rows import elem_view
 from cute_ep.kernels.rowsum import weighted_sum_rows
+from cute_ep.kernels.signals import fault_free, signal_and_wait_peers
 
 
 class CombineKernel(CombineFamily):

@@ -49,7 +49,8 @@ OP_LAYOUT = 0
 OP_DISPATCH = 1
 OP_COMBINE = 2
 
-# fault[FAULT_WORDS] int32 on each rank: [timed-out waits, operation, peer, epoch] (kernels.ptx.record_fault).
+# fault[FAULT_WORDS] int32 on each rank: [timed-out waits, operation, peer, epoch]
+# (kernels.signals.record_fault).
 FAULT_WORDS = 4
 
 WARP = 32

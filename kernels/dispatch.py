@@ -70,19 +70,11 @@ from cute_ep.kernels.config import (
     WARP,
 )
 from cute_ep.kernels.layout import LayoutKernel, cta_tokens
-from cute_ep.kernels.ptx import (
-    copy_row_to_lanes,
-    element,
-    element_addr,
-    fault_free,
-    fence_sys,
-    last_cta_arrives,
-    ld_volatile_i32,
-    row_view,
-    signal_and_wait_peers,
-)
+from cute_ep.kernels.ptx import fence_sys, ld_volatile_i32
 from cute_ep.kernels.quantize import quantize_row_warp
 from cute_ep.kernels.rank_layout import RankLayoutKernel
+from cute_ep.kernels.rows import copy_row_to_lanes, element, element_addr, row_view
+from cute_ep.kernels.signals import fault_free, last_cta_arrives, signal_and_wait_peers
 
 
 @cute.jit

@@ -17,7 +17,8 @@ from cutlass import Int32, Int64
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import EpParams
 from cute_ep.kernels.config import VECTOR_BYTES, WARP
-from cute_ep.kernels.ptx import copy_row_warp, fault_free
+from cute_ep.kernels.rows import copy_row_warp
+from cute_ep.kernels.signals import fault_free
 
 
 class FanoutKernel(EpKernel):

@@ -15,7 +15,7 @@ launch (``route``; kernels/dispatch.py), which then sends the same tokens.
    ``rank`` of every peer's symmetric ``counts[R, E + 1 + R]`` with ``put_signal_warp`` (raising
    ``signals[SIGNAL_COUNT, rank]`` there) and waits until every peer's row has arrived (signal >= this
    call's epoch), at most ``timeout_ms`` per peer: a peer that never arrives is recorded in ``fault``
-   (kernels.ptx) and the call does not advance its epoch, so the host raises instead of hanging;
+   (kernels.signals) and the call does not advance its epoch, so the host raises instead of hanging;
 3. the leader computes the expert-major offsets: the slot range of (dst rank d, local expert l, source s)
    starts at the sum of count[s'][d*El + l'] over (l', s') before (l, s) in l-major order — identical to
    ``cute_ep.reference.reference_layout`` (the sums over experts come from one CTA-wide prefix scan of
@@ -63,17 +63,9 @@ from cutlass import Int32, Int64
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import DONE_LAYOUT, INPUT_FAULT_FIRST, INPUT_FAULT_RANKS, SIGNAL_COUNT, EpParams
 from cute_ep.kernels.config import LAYOUT_SMEM_INTS, LAYOUT_THREADS, OP_LAYOUT, WARP
-from cute_ep.kernels.ptx import (
-    SIGNAL_SET,
-    element,
-    element_addr,
-    fault_free,
-    fence_sys,
-    last_cta_arrives,
-    ld_volatile_i32,
-    record_fault,
-    wait_signal_ge,
-)
+from cute_ep.kernels.ptx import fence_sys, ld_volatile_i32
+from cute_ep.kernels.rows import element, element_addr
+from cute_ep.kernels.signals import SIGNAL_SET, fault_free, last_cta_arrives, record_fault, wait_signal_ge
 
 # A token's ids are held in registers when K <= TOKEN_REGS (loaded together, one memory latency per warp
 # step); larger K reads them one at a time from global memory (through the L1).

@@ -18,8 +18,8 @@ from cutlass import Float32, Int32, Int64
 from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_COMBINE, SIGNAL_COMBINE, EpParams
 from cute_ep.kernels.config import OP_COMBINE, REDUCED_GRID_FACTOR
-from cute_ep.kernels.ptx import fault_free, signal_and_wait_peers
 from cute_ep.kernels.rowsum import weighted_sum_rows
+from cute_ep.kernels.signals import fault_free, signal_and_wait_peers
 
 
 class PartialSumKernel(CombineFamily):

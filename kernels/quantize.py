@@ -26,13 +26,13 @@ from cute_ep.kernels.ptx import (
     abs_max,
     cvt_e4m3x2,
     div_rn,
-    gmem_tensor,
     max_f32,
     mul_rn,
     st_global_f32,
     st_global_u32,
     st_global_v2_u32,
 )
+from cute_ep.kernels.rows import gmem_tensor
 
 
 @cute.jit

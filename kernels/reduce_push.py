@@ -38,16 +38,10 @@ from nvshmem.core.device.cute.mem import nvshmem_ptr
 from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_PUSH, SIGNAL_COMBINE, EpParams
 from cute_ep.kernels.config import OP_COMBINE, REDUCED_GRID_FACTOR
-from cute_ep.kernels.ptx import (
-    SIGNAL_SET,
-    element,
-    fault_free,
-    fence_sys,
-    last_cta_arrives,
-    row_view,
-    signal_and_wait_peers,
-)
+from cute_ep.kernels.ptx import fence_sys
+from cute_ep.kernels.rows import element, row_view
 from cute_ep.kernels.rowsum import weighted_sum_rows
+from cute_ep.kernels.signals import SIGNAL_SET, fault_free, last_cta_arrives, signal_and_wait_peers
 
 
 class ReducePushKernel(CombineFamily):

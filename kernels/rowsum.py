@@ -24,7 +24,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.config import VECTOR_BYTES, WARP
-from cute_ep.kernels.ptx import add_rn, gmem_tensor, mul_rn
+from cute_ep.kernels.ptx import add_rn, mul_rn
+from cute_ep.kernels.rows import gmem_tensor
 
 LOADS_IN_FLIGHT = 16  # 128-bit loads a lane issues before it uses the first
 # (fewest rows, pieces per lane, largest row group): pieces x group = LOADS_IN_FLIGHT

@@ -9,7 +9,7 @@ plain copy; 2: the rank layout's row to two ranks; 8: the expert layout's token 
 ``num_sms`` CTAs, and reports the slowest of the median CUDA-event times and the bytes written per
 second. Modes:
     * ``regs4`` / ``regs8``: a warp per row, 128-bit loads into registers, 4 or 8 per lane in flight,
-      each piece stored to every destination (``kernels.ptx.copy_row_to_lanes``, what dispatch does;
+      each piece stored to every destination (``kernels.rows.copy_row_to_lanes``, what dispatch does;
       16 warps per CTA);
     * ``bulk``: a warp per row, lane 0 bulk-copies the row into a shared-memory stage (``cp.async.bulk``
       global -> shared, completion on an mbarrier) and bulk-stores it to every destination (shared ->
@@ -84,7 +84,7 @@ def make_kernels(dtype):
     from cutlass.base_dsl.enums import AddressSpace
     from cutlass.cutlass_dsl import dsl_user_op
 
-    from cute_ep.kernels.ptx import copy_row_to_lanes
+    from cute_ep.kernels.rows import copy_row_to_lanes
 
     @dsl_user_op
     def bulk_g2s(smem: cute.Pointer, src: Int64, nbytes: Int32, mbar: cute.Pointer, *, loc=None, ip=None):

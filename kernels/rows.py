@@ -1,0 +1,94 @@
+"""Rows in global memory as CuTe tensors, and the warp's row copy.
+
+Why these exist:
+- ``elem_view`` / ``row_view``: NVSHMEM's CuTe FFIs accept a pointer whose alignment is exactly the
+  element size, while 128-bit vector copies want a 16-byte aligned view of the same bytes.
+- ``gmem_tensor``: a peer's row is reached through an address (its NVSHMEM peer pointer), so a view over a
+  raw address is the one place an address becomes a tensor again.
+- ``copy_row_to_lanes``: a token's row bound for several destinations is loaded once and stored to all.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+
+@cute.jit
+def elem_view(t: cute.Tensor) -> cute.Tensor:
+    """The same tensor with the pointer alignment set to exactly one element (NVSHMEM FFIs)."""
+    width = t.element_type.width // 8
+    p = cute.make_ptr(t.element_type, t.iterator.toint(), cute.AddressSpace.gmem, assumed_align=width)
+    return cute.make_tensor(p, t.layout)
+
+
+@cute.jit
+def row_view(dtype: cutlass.Constexpr, addr: Int64, num_elems: Int32) -> cute.Tensor:
+    """A 1-D global tensor of ``num_elems`` over a raw address, aligned to one element (NVSHMEM FFIs)."""
+    p = cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=dtype.width // 8)
+    return cute.make_tensor(p, cute.make_layout(num_elems))
+
+
+@cute.jit
+def gmem_tensor(dtype: cutlass.Constexpr, addr: Int64, layout: cute.Layout, align: cutlass.Constexpr):
+    """A global-memory tensor over a raw address (peer pointers, staging rows)."""
+    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align), layout)
+
+
+ROW_COPY_UNROLL = 8  # 128-bit pieces per lane in flight while a warp copies a row
+
+
+@cute.jit
+def copy_row_to_lanes(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, dests: Int32,
+                      num_pieces: Int32, lane: Int32, unroll: cutlass.Constexpr = ROW_COPY_UNROLL):
+    """A warp copies ``num_pieces`` 128-bit pieces from ``src_addr`` to the address ``dst_addr`` held by
+    each lane whose bit is set in ``dests`` (all 16-byte aligned; a destination may be a peer's memory
+    through its NVSHMEM peer pointer). Every lane calls it with the same ``dests``.
+
+    Why one call for every destination: each piece is loaded once and stored to all of them (a token's
+    row bound for several slots or ranks is read from memory once, not once per copy).
+    Why unrolled: a warp that loads one piece, stores it and moves on has one load in flight and waits
+    a full memory latency per 512 bytes; ``unroll`` independent loads per lane before the stores hide it
+    (ROW_COPY_UNROLL, or fewer where registers are short: kernels/dispatch.py).
+    Why the last step is predicated rather than a loop of single pieces: a row of 7168 bf16 (896 pieces)
+    is 3 full steps and 128 pieces, and that tail piece by piece was 4 more latencies per row.
+    """
+    V = 16 // (dtype.width // 8)
+    U = unroll
+    step = U * 32
+    layout = cute.make_layout(V)
+    for base in range(0, num_pieces, step):
+        frags = [cute.make_rmem_tensor(layout, dtype) for _ in range(U)]
+        for j in cutlass.range_constexpr(U):
+            v = base + j * 32 + lane
+            if v < num_pieces:
+                cute.autovec_copy(gmem_tensor(dtype, src_addr + Int64(v * 16), layout, 16), frags[j])
+        left = dests
+        for _ in range(cute.arch.popc(dests)):
+            holder = Int32(cute.arch.clz(cute.arch.brev(left)))  # the lowest destination left
+            left = left & (left - 1)
+            dst = cute.arch.shuffle_sync(dst_addr, holder)
+            for j in cutlass.range_constexpr(U):
+                v = base + j * 32 + lane
+                if v < num_pieces:
+                    cute.autovec_copy(frags[j], gmem_tensor(dtype, dst + Int64(v * 16), layout, 16))
+
+
+@cute.jit
+def copy_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, num_pieces: Int32, lane: Int32):
+    """A warp copies ``num_pieces`` 128-bit pieces from ``src_addr`` to ``dst_addr`` (the same values in
+    every lane): ``copy_row_to_lanes`` with one destination."""
+    copy_row_to_lanes(dtype, src_addr, dst_addr, Int32(1), num_pieces, lane)
+
+
+@cute.jit
+def element(t: cute.Tensor, coord) -> cute.Tensor:
+    """A one-element view of ``t`` at ``coord`` (NVSHMEM's single-value FFIs take a tensor)."""
+    return cute.make_tensor(t.iterator + cute.crd2idx(coord, t.layout), cute.make_layout(1))
+
+
+@cute.jit
+def element_addr(t: cute.Tensor, coord) -> Int64:
+    """The address of ``t``'s element at ``coord`` (for the raw loads of kernels.ptx)."""
+    return (t.iterator + cute.crd2idx(coord, t.layout)).toint()
