@@ -19,6 +19,8 @@ rewritten staging rows, must not be served from a stale L1 line.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
@@ -39,14 +41,22 @@ def shapes_upto(max_pieces: int) -> tuple[tuple[int, int, int], ...]:
     return (*kept[:-1], (0, *kept[-1][1:]))
 
 
+class RowList(NamedTuple):
+    """The warp's list of rows to sum: ``n`` row addresses and their weights (shared memory, written
+    before a ``sync_warp``), in the order of the sum."""
+
+    row_addr: cute.Tensor  # [>= n] Int64
+    weight: cute.Tensor  # [>= n] Float32
+    n: Int32
+
+
 @cute.jit
 def accumulate_group(
     dtype: cutlass.Constexpr,
     group: cutlass.Constexpr,
     pieces: cutlass.Constexpr,
     acc: cute.Tensor,
-    row_addr: cute.Tensor,
-    weight: cute.Tensor,
+    rows: RowList,
     first: Int32,
     offset: Int64,
 ):
@@ -61,10 +71,10 @@ def accumulate_group(
     frags = [cute.make_rmem_tensor(layout, dtype) for _ in range(group * pieces)]
     for j in cutlass.range_constexpr(group):
         for q in cutlass.range_constexpr(pieces):
-            src = row_addr[first + j] + offset + Int64(q * WARP * VECTOR_BYTES)
+            src = rows.row_addr[first + j] + offset + Int64(q * WARP * VECTOR_BYTES)
             cute.copy(load, gmem_tensor(dtype, src, layout, VECTOR_BYTES), frags[j * pieces + q])
     for j in cutlass.range_constexpr(group):
-        wj = weight[first + j]
+        wj = rows.weight[first + j]
         for q in cutlass.range_constexpr(pieces):
             vals = frags[j * pieces + q].load().to(Float32)
             for i in cutlass.range_constexpr(V):
@@ -76,9 +86,7 @@ def sum_pieces(
     dtype: cutlass.Constexpr,
     pieces: cutlass.Constexpr,
     max_group: cutlass.Constexpr,
-    row_addr: cute.Tensor,
-    weight: cute.Tensor,
-    n: Int32,
+    rows: RowList,
     offset: Int64,
     dst_addr: Int64,
 ):
@@ -91,9 +99,9 @@ def sum_pieces(
     for group in cutlass.range_constexpr(4):  # groups of 8, 4, 2, 1 rows, those <= max_group
         size = 8 >> group
         if cutlass.const_expr(size <= max_group):
-            end = done + (n - done) // size * size
+            end = done + (rows.n - done) // size * size
             for c in range(done, end, size):
-                accumulate_group(dtype, size, pieces, acc, row_addr, weight, c, offset)
+                accumulate_group(dtype, size, pieces, acc, rows, c, offset)
             done = end
     for q in cutlass.range_constexpr(pieces):
         res = cute.make_rmem_tensor(cute.make_layout(V), dtype)
@@ -110,28 +118,25 @@ def sum_span(
     dtype: cutlass.Constexpr,
     pieces: cutlass.Constexpr,
     max_group: cutlass.Constexpr,
-    row_addr: cute.Tensor,
-    weight: cute.Tensor,
-    n: Int32,
-    v_begin: Int32,
-    v_end: Int32,
+    rows: RowList,
+    span: tuple[Int32, Int32],
     lane: Int32,
     dst_addr: Int64,
 ):
-    """Pieces [v_begin, v_end) of the sum: ``pieces`` per lane while whole steps of the warp fit, then
+    """Pieces span = [v_begin, v_end) of the sum: ``pieces`` per lane while whole steps of the warp fit, then
     half as many once, then one."""
+    v_begin, v_end = span
     step = pieces * WARP
     v = v_begin + (v_end - v_begin) // step * step
     for u in range(v_begin + lane, v, step):
-        sum_pieces(dtype, pieces, max_group, row_addr, weight, n, Int64(u * VECTOR_BYTES), dst_addr)
+        sum_pieces(dtype, pieces, max_group, rows, Int64(u * VECTOR_BYTES), dst_addr)
     if cutlass.const_expr(pieces >= 4):  # e.g. H 7168 bf16: 896 pieces = 3 x 256 + 128
         half = pieces // 2
         if v_end - v >= half * WARP:
-            sum_pieces(dtype, half, max_group * 2, row_addr, weight, n, Int64((v + lane) * VECTOR_BYTES),
-                       dst_addr)
+            sum_pieces(dtype, half, max_group * 2, rows, Int64((v + lane) * VECTOR_BYTES), dst_addr)
             v = v + half * WARP
     for u in range(v + lane, v_end, WARP):
-        sum_pieces(dtype, 1, max_group, row_addr, weight, n, Int64(u * VECTOR_BYTES), dst_addr)
+        sum_pieces(dtype, 1, max_group, rows, Int64(u * VECTOR_BYTES), dst_addr)
 
 
 @cute.jit
@@ -157,4 +162,5 @@ def weighted_sum_rows(
         if taken == 0:
             if n >= min_rows:
                 taken = Int32(1)
-                sum_span(dtype, pieces, max_group, row_addr, weight, n, v_begin, v_end, lane, dst_addr)
+                sum_span(dtype, pieces, max_group, RowList(row_addr, weight, n), (v_begin, v_end), lane,
+                         dst_addr)

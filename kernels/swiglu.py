@@ -90,6 +90,47 @@ class SwiGLUKernel:
         return col_tiles, (live + self.tile_rows - 1) // self.tile_rows * col_tiles
 
     @cute.jit
+    def launch(self, views: tuple, offsets: cute.Pointer, rows: Int32, inter: Int32, groups: Int32,
+               ctas: Int32, stream):
+        """Launch ``kernel`` on a persistent grid of ``ctas`` CTAs with the [rows, inter] ``views``
+        (sources, then destinations) divided into tiles, the coordinates of a tile and the offsets."""
+        tiler = (self.tile_rows, self.tile_cols)
+        tiled = [cute.zipped_divide(v, tiler) for v in views]
+        coords = cute.zipped_divide(cute.make_identity_tensor((rows, inter)), tiler)
+        self.kernel(*tiled, coords, cute.make_tensor(offsets, cute.make_layout(groups)), rows, inter,
+                    groups).launch(grid=(ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.jit
+    def live_tiles(self, offs: cute.Tensor, rows: Int32, inter: Int32, groups: Int32):
+        """(live rows, column tiles, live tiles, first tile, tile stride) of this CTA's grid-stride walk."""
+        bid, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        live = self.live_rows(offs, groups, rows)
+        col_tiles, live_tiles = self.tile_counts(live, inter)
+        return live, col_tiles, live_tiles, bid, ctas
+
+    @cute.jit
+    def load_tile(self, copier: cute.TiledCopy, thr, srcs: tuple, at, pred: cute.TensorSSA) -> list:
+        """This thread's vectors of tile ``at`` of every source, as fp32 values: every load of the
+        tile is issued before any of them is used."""
+        frags = []
+        for src in srcs:
+            part = thr.partition_S(src[at])
+            frag = cute.make_fragment_like(part)
+            cute.copy(copier, part, frag, pred=pred)
+            frags.append(frag)
+        return [f.load().to(Float32) for f in frags]
+
+    @cute.jit
+    def store_tile(self, copier: cute.TiledCopy, thr, values: tuple, dsts: tuple, at, pred):
+        """Store fp32 ``values`` rounded once to the element type into tile ``at`` of ``dsts``."""
+        for value, dst in zip(values, dsts, strict=True):
+            part = thr.partition_D(dst[at])
+            frag = cute.make_fragment_like(part)
+            frag.store(value.to(self.dtype))
+            cute.copy(copier, frag, part, pred=pred)
+
+    @cute.jit
     def live_rows(self, offsets: cute.Tensor, groups: Int32, rows: Int32) -> Int32:
         """min(offsets[groups - 1], rows): the live rows, never more than the buffer holds."""
         live = offsets[groups - 1]
@@ -124,37 +165,19 @@ class SwiGLUForward(SwiGLUKernel):
                  inter: Int32, groups: Int32, ctas: Int32, stream):
         inter = cute.assume(inter, divby=self.vec)  # the host checked it: lets the copies be 128-bit
         gate, up = self.halves(gate_up, rows, inter)
-        tiler = (self.tile_rows, self.tile_cols)
-        self.kernel(
-            cute.zipped_divide(gate, tiler), cute.zipped_divide(up, tiler),
-            cute.zipped_divide(self.matrix(out, rows, inter), tiler),
-            cute.zipped_divide(cute.make_identity_tensor((rows, inter)), tiler),
-            cute.make_tensor(offsets, cute.make_layout(groups)), rows, inter, groups,
-        ).launch(grid=(ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)  # fmt: skip
+        self.launch((gate, up, self.matrix(out, rows, inter)), offsets, rows, inter, groups, ctas, stream)
 
     @cute.kernel
     def kernel(self, gate: cute.Tensor, up: cute.Tensor, dst: cute.Tensor, coords: cute.Tensor,
                offs: cute.Tensor, rows: Int32, inter: Int32, groups: Int32):
-        bid, _, _ = cute.arch.block_idx()
-        ctas, _, _ = cute.arch.grid_dim()
         copier, thr = self.thread_copy()
-        live = self.live_rows(offs, groups, rows)
-        col_tiles, live_tiles = self.tile_counts(live, inter)
-        for tile in range(bid, live_tiles, ctas):
+        live, col_tiles, live_tiles, first, stride = self.live_tiles(offs, rows, inter, groups)
+        for tile in range(first, live_tiles, stride):
             at = ((None, None), (tile // col_tiles, tile % col_tiles))
-            t_gate = thr.partition_S(gate[at])
-            t_up = thr.partition_S(up[at])
-            t_dst = thr.partition_D(dst[at])
             pred = self.predicate(thr.partition_S(coords[at]), live, inter)
-            f_gate = cute.make_fragment_like(t_gate)
-            f_up = cute.make_fragment_like(t_up)
-            cute.copy(copier, t_gate, f_gate, pred=pred)  # every load of the tile before any math
-            cute.copy(copier, t_up, f_up, pred=pred)
-            g = f_gate.load().to(Float32)
+            g, u = self.load_tile(copier, thr, (gate, up), at, pred)
             silu = g / (1.0 + cute.math.exp(-g))
-            f_out = cute.make_fragment_like(t_dst)
-            f_out.store((silu * f_up.load().to(Float32)).to(self.dtype))
-            cute.copy(copier, f_out, t_dst, pred=pred)
+            self.store_tile(copier, thr, (silu * u,), (dst,), at, pred)
 
 
 class SwiGLUBackward(SwiGLUKernel):
@@ -170,50 +193,24 @@ class SwiGLUBackward(SwiGLUKernel):
         inter = cute.assume(inter, divby=self.vec)
         gate, up = self.halves(gate_up, rows, inter)
         d_gate, d_up = self.halves(grad_gate_up, rows, inter)
-        tiler = (self.tile_rows, self.tile_cols)
-        self.kernel(
-            cute.zipped_divide(gate, tiler), cute.zipped_divide(up, tiler),
-            cute.zipped_divide(self.matrix(grad_out, rows, inter), tiler),
-            cute.zipped_divide(d_gate, tiler), cute.zipped_divide(d_up, tiler),
-            cute.zipped_divide(cute.make_identity_tensor((rows, inter)), tiler),
-            cute.make_tensor(offsets, cute.make_layout(groups)), rows, inter, groups,
-        ).launch(grid=(ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)  # fmt: skip
+        self.launch((gate, up, self.matrix(grad_out, rows, inter), d_gate, d_up), offsets, rows, inter,
+                    groups, ctas, stream)
 
     @cute.kernel
     def kernel(self, gate: cute.Tensor, up: cute.Tensor, d_out: cute.Tensor, d_gate: cute.Tensor,
                d_up: cute.Tensor, coords: cute.Tensor, offs: cute.Tensor, rows: Int32, inter: Int32,
                groups: Int32):
-        bid, _, _ = cute.arch.block_idx()
-        ctas, _, _ = cute.arch.grid_dim()
         copier, thr = self.thread_copy()
-        live = self.live_rows(offs, groups, rows)
-        col_tiles, live_tiles = self.tile_counts(live, inter)
-        for tile in range(bid, live_tiles, ctas):
+        live, col_tiles, live_tiles, first, stride = self.live_tiles(offs, rows, inter, groups)
+        for tile in range(first, live_tiles, stride):
             at = ((None, None), (tile // col_tiles, tile % col_tiles))
-            t_gate = thr.partition_S(gate[at])
-            t_up = thr.partition_S(up[at])
-            t_dout = thr.partition_S(d_out[at])
-            t_dgate = thr.partition_D(d_gate[at])
-            t_dup = thr.partition_D(d_up[at])
             pred = self.predicate(thr.partition_S(coords[at]), live, inter)
-            f_gate = cute.make_fragment_like(t_gate)
-            f_up = cute.make_fragment_like(t_up)
-            f_dout = cute.make_fragment_like(t_dout)
-            cute.copy(copier, t_gate, f_gate, pred=pred)
-            cute.copy(copier, t_up, f_up, pred=pred)
-            cute.copy(copier, t_dout, f_dout, pred=pred)
-            g = f_gate.load().to(Float32)
-            u = f_up.load().to(Float32)
-            dy = f_dout.load().to(Float32)
+            g, u, dy = self.load_tile(copier, thr, (gate, up, d_out), at, pred)
             # torch's silu_backward: d silu(g) / dg = s * (1 + g * (1 - s)), s = sigmoid(g).
             e = 1.0 + cute.math.exp(-g)
             s = 1.0 / e
-            f_dgate = cute.make_fragment_like(t_dgate)
-            f_dup = cute.make_fragment_like(t_dup)
-            f_dgate.store(((dy * u) * s * (1.0 + g * (1.0 - s))).to(self.dtype))
-            f_dup.store((dy * (g / e)).to(self.dtype))
-            cute.copy(copier, f_dgate, t_dgate, pred=pred)
-            cute.copy(copier, f_dup, t_dup, pred=pred)
+            self.store_tile(copier, thr, ((dy * u) * s * (1.0 + g * (1.0 - s)), dy * (g / e)), (d_gate, d_up),
+                            at, pred)
 
 
 # --------------------------------------------------------------------------------------------------
