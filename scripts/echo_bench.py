@@ -289,7 +289,8 @@ def plot(report: dict, path: str) -> None:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(9, 3.8))
-    scenarios = sorted({r["scenario"] for r in report["balance"]})
+    scenarios = list(dict.fromkeys(r["scenario"] for r in report["balance"]))  # as measured: fixed, drift
+    top = max(r[f"max_over_mean_{n}"] for r in report["balance"] for n in ("none", "static", "echo"))
     for i, scenario in enumerate(scenarios):
         ax = fig.add_subplot(1, len(scenarios), i + 1)
         rows = [r for r in report["balance"] if r["scenario"] == scenario]
@@ -301,7 +302,8 @@ def plot(report: dict, path: str) -> None:
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_title(f"hot experts {scenario}")
         ax.set_ylabel("max / mean rows per rank")
-        ax.legend()
+        ax.set_ylim(0, top * 1.25)  # room for the legend above the bars
+        ax.legend(loc="upper left", ncols=3, fontsize="small")
     m = report["meta"]
     fig.suptitle(f"ECHO: {m['world_size']} ranks, E {m['num_experts']}, top-{m['topk']}, "
                  f"{m['tokens']} tokens/rank, {m['spare_slots']} spare slots/rank ({m['backend']})")
