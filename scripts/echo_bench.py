@@ -31,8 +31,10 @@ the smaller --step-tokens / --step-hidden / --expert-shape defaults below, and e
 time over gloo: indicative only (the JSON says so in "timing").
 
 Output on rank 0: one line per (scenario, skew) and the times; with --out-json the report
-(``{"schema": "cute-ep-echo/1", "meta": {...}, "balance": [...], "planner_ms": ..., "copy_ms": ...,
-"step_ms": [...]}``), with --out-png a plot of max / mean rows per rank.
+(``{"schema": "cute-ep-echo/1", "meta": {...}, "balance": [...], "plan_ms": ..., "plan_clones_ms": ...,
+"copy_ms": ..., "clones_in_copy": ..., "expert_bytes": ..., "step_ms": [...]}``; meta records the shapes
+used, the step's --step-tokens / --step-hidden among them, and the torchrun line in "launch"), with
+--out-png a plot of max / mean rows per rank.
 
 Constraints: --num-experts divisible by the world size; 1 <= --topk <= --num-experts; --tokens,
 --steps, --iters >= 1; --spare-slots >= 0; --skews numbers >= 0. Exit status: 0 done, 1 a check failed
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
 import statistics
 import sys
@@ -286,7 +289,8 @@ def plot(report: dict, path: str) -> None:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(9, 3.8))
-    scenarios = sorted({r["scenario"] for r in report["balance"]})
+    scenarios = list(dict.fromkeys(r["scenario"] for r in report["balance"]))  # as measured: fixed, drift
+    top = max(r[f"max_over_mean_{n}"] for r in report["balance"] for n in ("none", "static", "echo"))
     for i, scenario in enumerate(scenarios):
         ax = fig.add_subplot(1, len(scenarios), i + 1)
         rows = [r for r in report["balance"] if r["scenario"] == scenario]
@@ -298,13 +302,24 @@ def plot(report: dict, path: str) -> None:
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_title(f"hot experts {scenario}")
         ax.set_ylabel("max / mean rows per rank")
-        ax.legend()
+        ax.set_ylim(0, top * 1.25)  # room for the legend above the bars
+        ax.legend(loc="upper left", ncols=3, fontsize="small")
     m = report["meta"]
     fig.suptitle(f"ECHO: {m['world_size']} ranks, E {m['num_experts']}, top-{m['topk']}, "
                  f"{m['tokens']} tokens/rank, {m['spare_slots']} spare slots/rank ({m['backend']})")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig).print_png(path)
+
+
+def launch_line() -> str | None:
+    """The torchrun line that started this rank (one host), or None when torchrun did not."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    where = f" --nnodes {nodes}" if nodes > 1 else ""
+    per_node = os.environ.get("LOCAL_WORLD_SIZE", "?")
+    return f"torchrun{where} --nproc-per-node {per_node} {shlex.join(sys.argv)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,10 +355,13 @@ def main(argv: list[str] | None = None) -> int:
                 "num_experts": args.num_experts, "topk": args.topk, "tokens": args.tokens,
                 "spare_slots": args.spare_slots, "max_clones": args.max_clones, "steps": args.steps,
                 "iters": args.iters, "expert_shape": args.shape, "seed": args.seed,
+                "balance_shape": "rows are (token, k) pairs counted per rank: independent of H",
+                "step_tokens": args.step_tokens, "step_hidden": args.step_hidden,
+                "cost_skew": max(args.skew_list),
                 "timing": "indicative: CPU wall clock over gloo" if args.backend == "reference"
                 else "CUDA events, slowest rank's median",
                 "git_sha": br.git_sha(), "timestamp": br.utc_timestamp(),
-                "command": shlex.join([Path(sys.executable).name, *sys.argv])}
+                "command": shlex.join([Path(sys.executable).name, *sys.argv]), "launch": launch_line()}
         say(f"ECHO bench: {device} x {env.world_size}, E {args.num_experts}, top-{args.topk}, {args.tokens} "
             f"tokens/rank, {args.spare_slots} spare slots/rank")
         rows = []
