@@ -47,10 +47,8 @@ from cute_ep.input_checks import (
 )
 from cute_ep.kernels.buffers import BUFFERS, CALL, HOST, STATUS, SYMMETRIC, Buffer, Pointers, buffers_of
 from cute_ep.kernels.config import (
-    COMBINE_ALGORITHMS,
     DISPATCH_ALGORITHMS,
     LAYOUT_SMEM_INTS,
-    LAYOUTS,
     MODES,
     OP_COMBINE,
     OP_DISPATCH,
@@ -58,6 +56,7 @@ from cute_ep.kernels.config import (
     ConfigError,
     EpConfig,
 )
+from cute_ep.kernels.variants import variant
 from cute_ep.launcher import current_stream_handle
 from cute_ep.status import StatusBlock, capacity_error
 
@@ -299,10 +298,10 @@ class EpBuffer(BackendBase):
         kernel_mode = MODES["scatter" if by_rank else mode]
         self._launch(OP_DISPATCH, x.shape[0], x=x, idx=topk_idx, w=topk_weights, own=own,
                      mirror_seq=mirror_seq, mode=kernel_mode, fp8=fp8,
-                     algo=DISPATCH_ALGORITHMS[algorithm or self.algorithm], layout=LAYOUTS[layout],
+                     algo=DISPATCH_ALGORITHMS[algorithm or self.algorithm],
                      # a reduced-combine buffer makes every expert-layout dispatch record the (token, rank)
                      # groups
-                     combine_algo=0 if by_rank else COMBINE_ALGORITHMS[self.cfg.combine_algorithm])
+                     **variant(layout, self.cfg.combine_algorithm).scalars)
 
     def launch_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None = None) -> None:
         """Enqueue the combine kernel(s) on the current stream: no checks, no host sync (capturable).
@@ -318,10 +317,8 @@ class EpBuffer(BackendBase):
         if scatter.dtype != torch.int32 or not scatter.is_contiguous() or scatter.device != self.device:
             self.scatter[:t].copy_(scatter.reshape(t, self.cfg.topk))
             scatter = self.scatter
-        by_rank = handle.layout == "rank"
-        combine_algo = 0 if by_rank else COMBINE_ALGORITHMS[algorithm or self.cfg.combine_algorithm]
         self._launch(OP_COMBINE, t, idx=handle.topk_idx, w=handle.topk_weights, out=out, scatter=scatter,
-                     combine_algo=combine_algo, layout=LAYOUTS[handle.layout])
+                     **variant(handle.layout, algorithm or self.cfg.combine_algorithm).scalars)
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
         """The symmetric [num_recv, H] buffer combine reads; experts writing here save a copy."""

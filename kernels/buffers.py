@@ -37,6 +37,7 @@ from cute_ep.kernels.config import (
     OP_LAYOUT,
     packed_fp8_row_bytes,
 )
+from cute_ep.kernels.variants import runs
 
 # Where a buffer lives.
 CALL = "call"  # the caller's tensor, passed per call
@@ -81,14 +82,6 @@ ELEMENT_TYPES = {
     "uint8": ("uint8", "Uint8", 1),
 }
 VECTOR_ALIGN = 16  # rows and packed FP8 rows are moved with 128-bit accesses
-
-
-def _reduced(c: Any) -> bool:
-    return c.combine_algorithm == "reduced"
-
-
-def _rank_capable(c: Any) -> bool:
-    return c.capacity_factor == 0  # the rank layout has no expert capacity
 
 
 def _fp8_capable(c: Any) -> bool:
@@ -169,11 +162,13 @@ BUFFERS: tuple[Buffer, ...] = (
            "slot whose row this slot copies (fan-out), -1: the row itself arrived, <= -2: a group primary"),
     Buffer("recv_topk_idx", lambda s: (s.rank_capacity, s.topk), "int32", SYMMETRIC, ("dispatch",),
            "rank layout: each received token's local expert ids (-1: an expert on another rank)",
-           needed=_rank_capable),
+           needed=runs("rank")),
     Buffer("recv_topk_w", lambda s: (s.rank_capacity, s.topk), "float32", SYMMETRIC, ("dispatch",),
-           "rank layout: each received token's weights (0 where recv_topk_idx is -1)", needed=_rank_capable),
+           "rank layout: each received token's weights (0 where recv_topk_idx is -1)",
+           needed=runs("rank")),
     Buffer("recv_group", lambda s: (s.capacity, s.topk), "int32", SYMMETRIC, ("dispatch", "combine"),
-           "each primary slot's later group members (reduced combine; -1: dropped)", needed=_reduced),
+           "each primary slot's later group members (reduced combine; -1: dropped)",
+           needed=runs("expert+reduced")),
     Buffer("counts", lambda s: (s.world_size, s.num_experts + 1 + s.world_size), "int32", SYMMETRIC,
            ("layout",), "counts[s, e]: pairs source rank s routes to expert e; counts[s, E]: its pairs with "
            "invalid ids (out of [-1, E), or an expert named twice); counts[s, E + 1 + d]: its tokens bound "
@@ -183,7 +178,8 @@ BUFFERS: tuple[Buffer, ...] = (
     Buffer("stage", lambda s: (s.stage_rows, s.hidden), ROW, SYMMETRIC, ("combine",),
            "staging rows for rows that cross nodes in combine (get_warp / put_warp)"),
     Buffer("partials", lambda s: (s.max_tokens * s.world_size, s.hidden), ROW, SYMMETRIC, ("combine",),
-           "reduced combine: row t * R + r is rank r's partial sum of token t", needed=_reduced),
+           "reduced combine: row t * R + r is rank r's partial sum of token t",
+           needed=runs("expert+reduced")),
     Buffer("packed", lambda s: (s.max_tokens, s.fp8_row_bytes), "uint8", SYMMETRIC, ("dispatch",),
            "this rank's tokens as packed FP8 rows (the source of an FP8 dispatch's puts)",
            needed=_fp8_capable),

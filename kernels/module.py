@@ -20,7 +20,7 @@ from cutlass import Int32
 
 from cute_ep.kernels.buffers import EpParams, Pointers, Scalars
 from cute_ep.kernels.combine import CombineKernel
-from cute_ep.kernels.config import COMBINE_REDUCED, LAYOUT_RANK, OP_COMBINE, OP_DISPATCH, OP_LAYOUT
+from cute_ep.kernels.config import OP_COMBINE, OP_DISPATCH, OP_LAYOUT
 from cute_ep.kernels.dispatch import DispatchKernel
 from cute_ep.kernels.fanout import FanoutKernel
 from cute_ep.kernels.layout import LayoutKernel
@@ -29,11 +29,14 @@ from cute_ep.kernels.rank_combine import RankCombineKernel
 from cute_ep.kernels.rank_dispatch import RankDispatchKernel
 from cute_ep.kernels.rank_layout import RankLayoutKernel
 from cute_ep.kernels.reduce_push import ReducePushKernel
+from cute_ep.kernels.variants import COMBINE_STEP, DISPATCH_STEP, LAYOUT_STEP
 
 
 class EpModule:
     """Host entry point: ``scalars.op`` selects the launch: OP_LAYOUT the layout alone, OP_DISPATCH the
-    layout and the dispatch (+ fan-out), OP_COMBINE the combine."""
+    layout and the dispatch (+ fan-out), OP_COMBINE the combine; ``scalars.layout`` and
+    ``scalars.combine_algo`` the variant (kernels/variants.py) whose kernels run. Every kernel a variant
+    names is an attribute here."""
 
     def __init__(self, dtype) -> None:
         self.dtype = dtype
@@ -51,32 +54,30 @@ class EpModule:
     def __call__(self, scalars: Scalars, pointers: Pointers, stream):
         p = EpParams(*scalars, *pointers)
         # The layout: alone, or before a dispatch of more than layout_in_dispatch tokens (up to that the
-        # dispatch kernel runs its steps). One launch site per kernel: the DSL emits an entry point per site.
+        # dispatch kernel runs its steps).
         layout_kernel = Int32(0)
         if p.op == OP_LAYOUT:
             layout_kernel = Int32(1)
         if p.op == OP_DISPATCH:
             if p.num_tokens > p.layout_in_dispatch:
                 layout_kernel = Int32(1)
+        # Each step launches what the call's variant declares (kernels/variants.py), in order on one
+        # stream; the loops run at trace time, so every kernel has one launch site.
         if layout_kernel != 0:
-            if p.layout == LAYOUT_RANK:
-                self.rank_layout(p, stream)
-            else:
-                self.layout(p, stream)
+            for layout, kernels in LAYOUT_STEP:
+                if p.layout == layout:
+                    self.launch(kernels, p, stream)
         if p.op == OP_DISPATCH:
-            if p.layout == LAYOUT_RANK:
-                self.rank_dispatch(p, stream)
-            else:
-                self.dispatch(p, stream)
-                # Same stream, right after: copy the de-duplicated rows to their other slots.
-                self.fanout(p, stream)
+            for layout, kernels in DISPATCH_STEP:
+                if p.layout == layout:
+                    self.launch(kernels, p, stream)
         if p.op == OP_COMBINE:
-            if p.layout == LAYOUT_RANK:
-                self.rank_combine(p, stream)
-            else:
-                if p.combine_algo == COMBINE_REDUCED:
-                    # Two launches on one stream: every rank's partial rows are out before any is summed.
-                    self.reduce_push(p, stream)
-                    self.partial_sum(p, stream)
-                else:
-                    self.combine(p, stream)
+            for (layout, combine), kernels in COMBINE_STEP:
+                if p.layout == layout:
+                    if p.combine_algo == combine:
+                        self.launch(kernels, p, stream)
+
+    def launch(self, kernels: tuple[str, ...], p: EpParams, stream) -> None:
+        """Launch the named kernels in order on ``stream``."""
+        for name in kernels:
+            getattr(self, name)(p, stream)

@@ -1,0 +1,104 @@
+"""The variants of the EP module, declared once: a receive layout with its combine algorithm.
+
+A call runs one variant: the receive layout is a run-time argument of every call, and the expert layout's
+combine is the buffer's default or the call's choice. A variant's declaration says which kernels each step
+launches, in order, and which configurations can run it; the rest follows from it:
+
+- ``kernels/module.py`` emits the launch sequence of every step from ``LAYOUT_STEP``, ``DISPATCH_STEP`` and
+  ``COMBINE_STEP`` (each kernel at one launch site: the DSL emits an entry point per site);
+- ``kernels/buffers.py`` allocates a buffer that only some variants use at full size only where the
+  configuration can run one of them (``runs``);
+- the host passes ``variant(layout, combine).scalars`` (the ``layout`` and ``combine_algo`` scalars).
+
+A new variant is one more entry in ``VARIANTS`` (and its kernels as ``EpModule`` attributes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cute_ep.kernels.config import (
+    COMBINE_ALGORITHMS,
+    COMBINE_PULL,
+    COMBINE_REDUCED,
+    LAYOUT_EXPERT,
+    LAYOUT_RANK,
+    LAYOUTS,
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One receive layout with one combine algorithm.
+
+    name:     "<layout>" or "<layout>+<combine>" (the layout's names in ``LAYOUTS``, the combine's in
+              ``COMBINE_ALGORITHMS``).
+    layout:   LAYOUT_* scalar.
+    combine:  COMBINE_* scalar the combine launch passes (a layout with one combine passes COMBINE_PULL).
+    layout_kernels / dispatch_kernels / combine_kernels: ``EpModule`` attributes each step launches, in
+              order, on one stream.
+    runs:     configuration -> whether buffers built for it can run this variant.
+    """
+
+    name: str
+    layout: int
+    combine: int
+    layout_kernels: tuple[str, ...]
+    dispatch_kernels: tuple[str, ...]
+    combine_kernels: tuple[str, ...]
+    runs: Callable[[Any], bool]
+
+    @property
+    def scalars(self) -> dict[str, int]:
+        """The launch scalars that select this variant."""
+        return {"layout": self.layout, "combine_algo": self.combine}
+
+
+VARIANTS: tuple[Variant, ...] = (
+    # One row per kept (token, k), grouped by local expert; combine pulls every row to the token's rank.
+    # After the dispatch, the fan-out copies a row sent once per rank to its other slots.
+    Variant("expert+pull", LAYOUT_EXPERT, COMBINE_PULL, ("layout",), ("dispatch", "fanout"), ("combine",),
+            runs=lambda c: True),
+    # The same rows; each expert rank sums a token's rows first and pushes one partial per (token, rank)
+    # (two launches: every rank's partials are out before any is summed).
+    Variant("expert+reduced", LAYOUT_EXPERT, COMBINE_REDUCED, ("layout",), ("dispatch", "fanout"),
+            ("reduce_push", "partial_sum"), runs=lambda c: c.combine_algorithm == "reduced"),
+    # One row per (source rank, token) with its local ids and weights beside it (no expert capacity).
+    Variant("rank", LAYOUT_RANK, COMBINE_PULL, ("rank_layout",), ("rank_dispatch",), ("rank_combine",),
+            runs=lambda c: c.capacity_factor == 0),
+)
+BY_NAME = {v.name: v for v in VARIANTS}
+
+
+def variant(layout: str, combine: str | None = None) -> Variant:
+    """The variant of receive layout ``layout`` ("expert" or "rank") with combine algorithm ``combine``
+    ("pull" or "reduced"; ignored by a layout with one combine, required otherwise)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+    if layout in BY_NAME:
+        return BY_NAME[layout]
+    if combine not in COMBINE_ALGORITHMS:
+        raise ValueError(f"combine algorithm must be one of {sorted(COMBINE_ALGORITHMS)}, got {combine!r}")
+    return BY_NAME[f"{layout}+{combine}"]
+
+
+def runs(name: str) -> Callable[[Any], bool]:
+    """configuration -> whether it can run variant ``name`` (a buffer's ``needed``)."""
+    return BY_NAME[name].runs
+
+
+def _steps(kernels_of: Callable[[Variant], tuple[str, ...]], key: Callable[[Variant], Any]) -> tuple:
+    """((key, kernels), ...) of one step over the variants, each distinct key once in declaration order
+    (variants that share a step share its launch site)."""
+    seen: dict[Any, tuple[str, ...]] = {}
+    for v in VARIANTS:
+        if seen.setdefault(key(v), kernels_of(v)) != kernels_of(v):
+            raise ValueError(f"variants with key {key(v)} launch different kernels in one step")
+    return tuple(seen.items())
+
+
+LAYOUT_STEP = _steps(lambda v: v.layout_kernels, lambda v: v.layout)
+DISPATCH_STEP = _steps(lambda v: v.dispatch_kernels, lambda v: v.layout)
+COMBINE_STEP = _steps(lambda v: v.combine_kernels, lambda v: (v.layout, v.combine))
