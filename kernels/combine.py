@@ -30,12 +30,11 @@ import cutlass
 import cutlass.cute as cute
 import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Float32, Int32, Int64
-from nvshmem.core.device.cute.mem import nvshmem_ptr
 
 from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_COMBINE, SIGNAL_COMBINE, EpParams
 from cute_ep.kernels.config import OP_COMBINE
-from cute_ep.kernels.rows import elem_view
+from cute_ep.kernels.rows import elem_view, row_space
 from cute_ep.kernels.rowsum import weighted_sum_rows
 from cute_ep.kernels.signals import fault_free, signal_and_wait_peers
 
@@ -63,9 +62,8 @@ class CombineKernel(CombineFamily):
         if fault_free(p.fault):
             work = p.num_tokens
 
-        recv_y_base = recv_y.iterator.toint()
-        stage_base = p.stage.iterator.toint()
-        out_base = p.out.iterator.toint()
+        recv_y_rows, stage_rows = row_space(recv_y, ROW_BYTES), row_space(p.stage, ROW_BYTES)
+        out_rows = row_space(p.out, ROW_BYTES)
         my_node = p.rank // L
         # Split rows across idle warps only when no row needs staging (one node).
         parts, span = self.row_split(work, NV, NWARPS, Int32(R == L))
@@ -101,17 +99,16 @@ class CombineKernel(CombineFamily):
                         srow = gwarp * K + k
                         nvshmem_cute.get_warp(elem_view(p.stage[srow, None]), elem_view(recv_y[slot, None]),
                                               d)
-                        addr = stage_base + Int64(srow) * ROW_BYTES
+                        addr = stage_rows.row(srow)
                     else:
-                        addr = nvshmem_ptr(recv_y_base, d) + Int64(slot) * ROW_BYTES
+                        addr = recv_y_rows.on_peer(d).row(slot)
                     if lane == 0:
                         my_addr[at] = addr
                         my_weight[at] = weight
                     n = n + 1
             cute.arch.sync_warp()
 
-            weighted_sum_rows(dtype, my_addr, my_weight, n, v_begin, v_end, lane,
-                              out_base + Int64(t) * ROW_BYTES)
+            weighted_sum_rows(dtype, my_addr, my_weight, n, v_begin, v_end, lane, out_rows.row(t))
             cute.arch.sync_warp()
 
         self.finish(p, Int32(DONE_COMBINE), epoch)

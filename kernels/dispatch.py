@@ -56,7 +56,6 @@ import cutlass.cute as cute
 import cutlass.memory
 import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Float32, Int32, Int64
-from nvshmem.core.device.cute.mem import nvshmem_ptr
 
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import DONE_DISPATCH, INPUT_FAULT_RANKS, SIGNAL_DISPATCH, EpParams
@@ -73,7 +72,7 @@ from cute_ep.kernels.layout import LayoutKernel, cta_tokens
 from cute_ep.kernels.ptx import fence_sys, ld_volatile_i32
 from cute_ep.kernels.quantize import quantize_row_warp
 from cute_ep.kernels.rank_layout import RankLayoutKernel
-from cute_ep.kernels.rows import copy_row_to_lanes, element, element_addr, row_view
+from cute_ep.kernels.rows import copy_row_to_lanes, element, element_addr, row_space, row_view
 from cute_ep.kernels.signals import fault_free, last_cta_arrives, signal_and_wait_peers
 
 
@@ -107,8 +106,7 @@ def send_row_to_lanes(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d:
     ``recv_x`` for each lane set in ``sends`` (each such lane holds its own d and slot; every lane calls
     this): 128-bit stores through the peer pointers of this node, every destination from one load of each
     piece (ALGO_PUT_WARP: only to this rank itself), then ``put_warp`` to each destination on other nodes."""
-    ROW_BYTES = Int64(row_bytes)
-    recv_x_base = p.recv_x.iterator.toint()
+    recv_x = row_space(p.recv_x, row_bytes)
     store = Int32(0)
     if ((sends >> lane) & 1) != 0:
         if d // p.local_world_size == p.rank // p.local_world_size:
@@ -119,7 +117,7 @@ def send_row_to_lanes(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d:
     stores = Int32(cute.arch.vote_ballot_sync(store != 0))
     dst = Int64(0)
     if store != 0:
-        dst = nvshmem_ptr(recv_x_base, d) + Int64(slot) * ROW_BYTES
+        dst = recv_x.on_peer(d).row(slot)
     copy_row_to_lanes(dtype, src_addr, dst, stores, row_bytes // VECTOR_BYTES, lane, DISPATCH_ROW_UNROLL)
     n = row_bytes // (dtype.width // 8)
     puts = sends & ~stores
@@ -128,7 +126,7 @@ def send_row_to_lanes(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d:
         puts = puts & (puts - 1)
         dj = cute.arch.shuffle_sync(d, j)
         row = cute.arch.shuffle_sync(slot, j)
-        nvshmem_cute.put_warp(row_view(dtype, recv_x_base + Int64(row) * ROW_BYTES, n),
+        nvshmem_cute.put_warp(row_view(dtype, recv_x.row(row), n),
                               row_view(dtype, src_addr, n), dj)
 
 
@@ -299,20 +297,18 @@ class DispatchKernel(EpKernel):
         NCTA, _, _ = cute.arch.grid_dim()
         dtype = p.x.element_type
         H = p.hidden
-        X_ROW_BYTES = Int64(H) * (dtype.width // 8)
         # Bytes that travel per row: the row itself, or its packed FP8 form (kernels/quantize.py).
         row_bytes = H * (dtype.width // 8)
         if p.fp8 != 0:
             row_bytes = p.fp8_row_bytes
-        ROW_BYTES = Int64(row_bytes)
 
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp = tid // WARP
         lane = tid % WARP
         epoch = p.epochs[OP_DISPATCH] + Int64(1)
-        x_base = p.x.iterator.toint()
-        packed_base = p.packed.iterator.toint()
+        x_rows = row_space(p.x, Int64(H) * (dtype.width // 8))
+        packed_rows = row_space(p.packed, row_bytes)
         if p.num_tokens <= p.layout_in_dispatch:
             # The layout runs here, in every CTA for its own tokens, instead of in a kernel of its own (one
             # launch and one kernel boundary less on the critical path).
@@ -345,10 +341,10 @@ class DispatchKernel(EpKernel):
                 t = t_first + u // K
                 k_begin = u % K
                 k_end = k_begin + 1
-            src_addr = x_base + Int64(t) * X_ROW_BYTES
+            src_addr = x_rows.row(t)
             if p.fp8 != 0:
                 # Quantize once per token; every destination gets the same packed bytes.
-                dst = packed_base + Int64(t) * ROW_BYTES
+                dst = packed_rows.row(t)
                 quantize_row_warp(dtype, src_addr, dst, H, row_bytes, lane)
                 cute.arch.sync_warp()  # lanes copy bytes other lanes wrote
                 src_addr = dst

@@ -12,12 +12,12 @@ same memory.
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32
 
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import EpParams
 from cute_ep.kernels.config import VECTOR_BYTES, WARP
-from cute_ep.kernels.rows import copy_row_warp
+from cute_ep.kernels.rows import copy_row_warp, row_space
 from cute_ep.kernels.signals import fault_free
 
 
@@ -30,14 +30,13 @@ class FanoutKernel(EpKernel):
         row_bytes = p.hidden * (dtype.width // 8)
         if p.fp8 != 0:
             row_bytes = p.fp8_row_bytes  # packed FP8 rows in the same memory
-        ROW_BYTES = Int64(row_bytes)
         NV = row_bytes // VECTOR_BYTES
         WPC = self.threads // WARP
         NCTA, _, _ = cute.arch.grid_dim()
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         lane = tid % WARP
-        base = p.recv_x.iterator.toint()
+        recv_x = row_space(p.recv_x, row_bytes)
         C = p.capacity
         # After a fault num_recv and recv_from may be stale or partial: copy nothing. The bounds are
         # checked anyway, so no value read here can send a copy outside the buffer.
@@ -50,4 +49,4 @@ class FanoutKernel(EpKernel):
             f = p.recv_from[s]
             if f >= Int32(0):
                 if f < C:
-                    copy_row_warp(dtype, base + Int64(f) * ROW_BYTES, base + Int64(s) * ROW_BYTES, NV, lane)
+                    copy_row_warp(dtype, recv_x.row(f), recv_x.row(s), NV, lane)

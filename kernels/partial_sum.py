@@ -13,11 +13,12 @@ A token with no kept pair gets zeros. The last CTA to finish advances epochs[OP_
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32
 
 from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_COMBINE, SIGNAL_COMBINE, EpParams
 from cute_ep.kernels.config import OP_COMBINE, REDUCED_GRID_FACTOR
+from cute_ep.kernels.rows import row_space
 from cute_ep.kernels.rowsum import weighted_sum_rows
 from cute_ep.kernels.signals import fault_free, signal_and_wait_peers
 
@@ -43,8 +44,7 @@ class PartialSumKernel(CombineFamily):
             work = p.num_tokens
         parts, span = self.row_split(work, NV, NWARPS, Int32(1))  # every read here is local
 
-        partials_base = partials.iterator.toint()
-        out_base = p.out.iterator.toint()
+        partial_rows, out_rows = row_space(partials, ROW_BYTES), row_space(p.out, ROW_BYTES)
 
         for u in range(gwarp, work * parts, NWARPS):
             t, v_begin, v_end = self.part_of(u, parts, span, NV)
@@ -64,12 +64,12 @@ class PartialSumKernel(CombineFamily):
                                         first = Int32(0)
                         if first != 0:
                             if lane == 0:
-                                my_addr[n] = partials_base + Int64(t * R + d) * ROW_BYTES
+                                my_addr[n] = partial_rows.row(t * R + d)
                                 my_weight[n] = Float32(1.0)
                             n = n + 1
             cute.arch.sync_warp()
-            dst = out_base + Int64(t) * ROW_BYTES
-            weighted_sum_rows(dtype, my_addr, my_weight, n, v_begin, v_end, lane, dst, max_pieces=4)
+            weighted_sum_rows(dtype, my_addr, my_weight, n, v_begin, v_end, lane, out_rows.row(t),
+                              max_pieces=4)
             cute.arch.sync_warp()
 
         self.finish(p, Int32(DONE_COMBINE), epoch)

@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import cutlass.cute as cute
 import nvshmem.core.device.cute as nvshmem_cute
-from cutlass import Int32, Int64
-from nvshmem.core.device.cute.mem import nvshmem_ptr
+from cutlass import Int32
 
 from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_PUSH, SIGNAL_COMBINE, EpParams
 from cute_ep.kernels.config import OP_COMBINE, REDUCED_GRID_FACTOR
 from cute_ep.kernels.ptx import fence_sys
-from cute_ep.kernels.rows import element, row_view
+from cute_ep.kernels.rows import element, row_space, row_view
 from cute_ep.kernels.rowsum import weighted_sum_rows
 from cute_ep.kernels.signals import SIGNAL_SET, fault_free, last_cta_arrives, signal_and_wait_peers
 
@@ -70,9 +69,8 @@ class ReducePushKernel(CombineFamily):
                 work = C
         parts, span = self.row_split(work, NV, NWARPS, Int32(R == L))
 
-        recv_y_base = recv_y.iterator.toint()
-        partials_base = p.partials.iterator.toint()
-        stage_row = p.stage.iterator.toint() + Int64(gwarp) * ROW_BYTES  # one per warp (EpConfig.stage_rows)
+        recv_y_rows, partial_rows = row_space(recv_y, ROW_BYTES), row_space(p.partials, ROW_BYTES)
+        stage_row = row_space(p.stage, ROW_BYTES).row(gwarp)  # one per warp (EpConfig.stage_rows)
         my_node = rank // L
 
         for u in range(gwarp, work * parts, NWARPS):
@@ -95,20 +93,20 @@ class ReducePushKernel(CombineFamily):
                         if s >= 0:
                             if s < C:
                                 if lane == 0:
-                                    my_addr[cnt] = recv_y_base + Int64(s) * ROW_BYTES
+                                    my_addr[cnt] = recv_y_rows.row(s)
                                     my_weight[cnt] = p.recv_w[s]
                                 cnt = cnt + 1
                     cute.arch.sync_warp()
-                    row = Int64(t * R + rank) * ROW_BYTES  # this rank's partial of token t
+                    row = t * R + rank  # this rank's partial of token t
                     if owner // L == my_node:
                         weighted_sum_rows(dtype, my_addr, my_weight, cnt, v_begin, v_end, lane,
-                                          nvshmem_ptr(partials_base, owner) + row, max_pieces=4)
+                                          partial_rows.on_peer(owner).row(row), max_pieces=4)
                     else:
                         weighted_sum_rows(dtype, my_addr, my_weight, cnt, v_begin, v_end, lane, stage_row,
                                           max_pieces=4)
                         cute.arch.sync_warp()  # the put reads what every lane stored
                         nvshmem_cute.put_warp(
-                            row_view(dtype, partials_base + row, H), row_view(dtype, stage_row, H), owner
+                            row_view(dtype, partial_rows.row(row), H), row_view(dtype, stage_row, H), owner
                         )
                     cute.arch.sync_warp()  # the list is rewritten for the next group
 

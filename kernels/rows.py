@@ -5,14 +5,41 @@ Why these exist:
   element size, while 128-bit vector copies want a 16-byte aligned view of the same bytes.
 - ``gmem_tensor``: a peer's row is reached through an address (its NVSHMEM peer pointer), so a view over a
   raw address is the one place an address becomes a tensor again.
+- ``RowSpace``: one buffer holds rows of the element type or packed FP8 rows (another row size, decided
+  per call), and the row sum and the lanes' copy take tables of row addresses: rows are addressed here, by
+  index, on this rank or on a peer, and nowhere else.
 - ``copy_row_to_lanes``: a token's row bound for several destinations is loaded once and stored to all.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
+from nvshmem.core.device.cute.mem import nvshmem_ptr
+
+
+class RowSpace(NamedTuple):
+    """Rows of ``row_bytes`` bytes laid end to end from ``base``: a buffer of this rank, or a peer's
+    through its NVSHMEM peer pointer (``on_peer``)."""
+
+    base: Int64
+    row_bytes: Int64
+
+    def row(self, i) -> Int64:
+        """The address of row ``i``."""
+        return self.base + Int64(i) * self.row_bytes
+
+    def on_peer(self, peer) -> RowSpace:
+        """The same rows in ``peer``'s copy of this symmetric buffer (a peer on this node)."""
+        return RowSpace(nvshmem_ptr(self.base, peer), self.row_bytes)
+
+
+def row_space(t: cute.Tensor, row_bytes) -> RowSpace:
+    """``t``'s memory as rows of ``row_bytes`` bytes."""
+    return RowSpace(t.iterator.toint(), Int64(row_bytes))
 
 
 @cute.jit
