@@ -85,21 +85,24 @@ def copy_row_to_lanes(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64
     U = unroll
     step = U * 32
     layout = cute.make_layout(V)
+    piece = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    pieces = cute.make_layout((V, num_pieces))  # the row as 128-bit pieces: row[None, v] is piece v
+    src = gmem_tensor(dtype, src_addr, pieces, 16)
     for base in range(0, num_pieces, step):
         frags = [cute.make_rmem_tensor(layout, dtype) for _ in range(U)]
         for j in cutlass.range_constexpr(U):
             v = base + j * 32 + lane
             if v < num_pieces:
-                cute.autovec_copy(gmem_tensor(dtype, src_addr + Int64(v * 16), layout, 16), frags[j])
+                cute.copy(piece, src[None, v], frags[j])
         left = dests
         for _ in range(cute.arch.popc(dests)):
             holder = Int32(cute.arch.clz(cute.arch.brev(left)))  # the lowest destination left
             left = left & (left - 1)
-            dst = cute.arch.shuffle_sync(dst_addr, holder)
+            dst = gmem_tensor(dtype, cute.arch.shuffle_sync(dst_addr, holder), pieces, 16)
             for j in cutlass.range_constexpr(U):
                 v = base + j * 32 + lane
                 if v < num_pieces:
-                    cute.autovec_copy(frags[j], gmem_tensor(dtype, dst + Int64(v * 16), layout, 16))
+                    cute.copy(piece, frags[j], dst[None, v])
 
 
 @cute.jit
