@@ -1,7 +1,7 @@
-"""PTX instruction wrappers: exact fp32 arithmetic, fp8 conversion, raw global stores, volatile and
-system-scope loads, fences and the global timer. Only single instructions live here (inline PTX where
-the DSL has no operation); row views and copies are in ``kernels.rows``, signals, fault records and
-arrival counters in ``kernels.signals``.
+"""PTX instruction wrappers: exact fp32 arithmetic, fp8 conversion, volatile and system-scope loads,
+fences and the global timer. Only single instructions live here (inline PTX where the DSL has no
+operation); row views and copies are in ``kernels.rows``, signals, fault records and arrival counters in
+``kernels.signals``.
 
 Why these exist:
 - ``mul_rn``/``add_rn``: a plain ``a * b + c`` may be contracted into an FMA by the compiler (one
@@ -64,33 +64,6 @@ def cvt_e4m3x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
         _asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
              "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }", "=r,f,f")
     )
-
-
-def _global_store(name: str, kind, ptx: str, constraint: str, doc: str):
-    """A device op ``name(addr, value)`` storing one ``kind`` value to a raw global address."""
-
-    @dsl_user_op
-    def op(addr: Int64, value, *, loc=None, ip=None) -> None:
-        args = [Int64(addr).ir_value(loc=loc, ip=ip), kind(value).ir_value(loc=loc, ip=ip)]
-        _asm(None, args, ptx, constraint, side_effects=True)
-
-    op.__name__ = op.__qualname__ = name
-    op.__doc__ = doc
-    return op
-
-
-st_global_u32 = _global_store("st_global_u32", Int32, "st.global.b32 [$0], $1;", "l,r",
-                              "32-bit global store to a raw address.")
-st_global_f32 = _global_store("st_global_f32", Float32, "st.global.f32 [$0], $1;", "l,f",
-                              "32-bit float global store to a raw address.")
-
-
-@dsl_user_op
-def st_global_v2_u32(addr: Int64, a: Int32, b: Int32, *, loc=None, ip=None) -> None:
-    """64-bit global store of two words (``a`` at the lower address) to a raw 8-byte aligned address."""
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(a).ir_value(loc=loc, ip=ip),
-                Int32(b).ir_value(loc=loc, ip=ip)],
-         "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", side_effects=True)
 
 
 @dsl_user_op

@@ -28,9 +28,6 @@ from cute_ep.kernels.ptx import (
     div_rn,
     max_f32,
     mul_rn,
-    st_global_f32,
-    st_global_u32,
-    st_global_v2_u32,
 )
 from cute_ep.kernels.rows import gmem_tensor
 
@@ -49,16 +46,21 @@ def quantize_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64
     OFFSETS = [LPB >> (i + 1) for i in range(LPB.bit_length() - 1)]
     layout = cute.make_layout(V)
     nblocks = hidden // FP8_BLOCK
+    # The source row as 128-bit pieces, and the packed row's parts as typed views: the FP8 values as
+    # 32-bit words (4 values each), the block scales after them, then the zero padding words.
+    src = gmem_tensor(dtype, src_addr, cute.make_layout((V, hidden // V)), VECTOR_BYTES)
+    q_words = gmem_tensor(Int32, dst_addr, cute.make_layout((V // 4, hidden // V)), V // 4 * 4)
+    scales = gmem_tensor(Float32, dst_addr + Int64(hidden), cute.make_layout(nblocks), 4)
+    tail = gmem_tensor(Int32, dst_addr + Int64(hidden + 4 * nblocks), cute.make_layout(WARP), 4)
     sub = lane % LPB
     for b0 in range(0, nblocks, BPS):  # warp-uniform bounds: every lane takes part in the shuffles
         block = b0 + lane // LPB
         valid = block < nblocks
         frag = cute.make_rmem_tensor(layout, dtype)
         frag.fill(0.0)
-        elem = block * FP8_BLOCK + sub * V
+        piece = block * LPB + sub  # this lane's V elements: piece * V .. piece * V + V - 1
         if valid:
-            cute.autovec_copy(gmem_tensor(dtype, src_addr + Int64(elem * (dtype.width // 8)), layout,
-                                          VECTOR_BYTES), frag)
+            cute.autovec_copy(src[None, piece], frag)
         vals = frag.load().to(Float32)
         a = Float32(0.0)
         for i in cutlass.range_constexpr(V):
@@ -68,20 +70,16 @@ def quantize_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64
         amax = max_f32(a, Float32(FP8_AMAX_FLOOR))
         scale = div_rn(amax, Float32(FP8_MAX))
         inv = div_rn(Float32(FP8_MAX), amax)
-        words = []
+        words = cute.make_rmem_tensor(cute.make_layout(V // 4), Int32)
         for w in cutlass.range_constexpr(V // 4):
             b01 = cvt_e4m3x2(mul_rn(vals[4 * w], inv), mul_rn(vals[4 * w + 1], inv))
             b23 = cvt_e4m3x2(mul_rn(vals[4 * w + 2], inv), mul_rn(vals[4 * w + 3], inv))
-            words.append(b01 | (b23 << 16))
+            words[w] = b01 | (b23 << 16)
         if valid:
-            out = dst_addr + Int64(elem)
-            if cutlass.const_expr(V == 8):
-                st_global_v2_u32(out, words[0], words[1])
-            else:
-                st_global_u32(out, words[0])
+            cute.autovec_copy(words, q_words[None, piece])  # one 64-bit (bf16/fp16) or 32-bit store
             if sub == 0:
-                st_global_f32(dst_addr + Int64(hidden + 4 * block), scale)
+                scales[block] = scale
     # Zero padding after the scales (fewer than 16 bytes, one word per lane).
     pad_words = (row_bytes - hidden - 4 * nblocks) // 4
     if lane < pad_words:
-        st_global_u32(dst_addr + Int64(hidden + 4 * nblocks + 4 * lane), Int32(0))
+        tail[lane] = Int32(0)
