@@ -114,6 +114,11 @@ class Printer:
             for line in lines:
                 print(line, flush=True)
 
+    def verdict(self, passed: bool) -> int:
+        """A checking script's last line, PASS or FAIL, and its exit status (EXIT_PASS / EXIT_FAIL)."""
+        self("PASS" if passed else "FAIL")
+        return EXIT_PASS if passed else EXIT_FAIL
+
 
 def expert_ids(res: Any, rank: int) -> torch.Tensor | None:
     """Global expert of each received row, from the buffer's own tokens_per_expert (None if they disagree).

@@ -181,8 +181,7 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
             f"{peak / mean:.2f}; loss {run['losses'][0]:.4f} -> {run['losses'][-1]:.4f}")
     passed = float(worst) <= TOLERANCE
     say(f"max |w_echo - w_plain| / max |w| = {float(worst):.3g} (tolerance {TOLERANCE:g})")
-    say("PASS" if passed else "FAIL")
-    return 0 if passed else 1
+    return say.verdict(passed)
 
 
 def main(argv: list[str] | None = None) -> int:

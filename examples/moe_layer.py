@@ -141,8 +141,7 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
             f"out and parameter gradients {exact if ex else 'DIFFER'}, largest relative error "
             f"{worst:.3g} (<= {rtol:.3g})" + ("" if good else ", MISMATCH"))
     passed = all(r[-1] for r in ranks)
-    say("PASS" if passed else "FAIL")
-    return 0 if passed else 1
+    return say.verdict(passed)
 
 
 def main(argv: list[str] | None = None) -> int:

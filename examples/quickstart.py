@@ -111,8 +111,7 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
         say(f"[{args.backend}] rank {r}: {tokens} tokens, {rows} rows received, max |out - ref| {d:.3g}"
             + ("" if good else ", MISMATCH"))
     passed = all(good for *_, good in ranks)  # the same verdict on every rank
-    say("PASS" if passed else "FAIL")
-    return 0 if passed else 1
+    return say.verdict(passed)
 
 
 def main(argv: list[str] | None = None) -> int:

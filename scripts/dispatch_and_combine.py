@@ -74,7 +74,6 @@ from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
 from cute_ep.cli import (
     EXIT_FAIL,
-    EXIT_PASS,
     EXIT_USAGE,
     Printer,
     UsageError,
@@ -390,8 +389,7 @@ def validate(buffer: Any, args: argparse.Namespace, cfg: EpConfig, runtime: Runt
         passed &= cmp.passed
     if args.benchmark:
         benchmark(buffer, args, cfg, runtime, say)
-    say("PASS" if passed else "FAIL")
-    return EXIT_PASS if passed else EXIT_FAIL
+    return say.verdict(passed)
 
 
 def sms_share_text(runtime: Runtime) -> str:

@@ -135,7 +135,6 @@ from cute_ep.bootstrap.dist_env import ROUTE_CLASSES, DistEnv, possible_route_cl
 from cute_ep.bootstrap.runtime import Runtime
 from cute_ep.cli import (
     EXIT_FAIL,
-    EXIT_PASS,
     Printer,
     UsageError,
     add_combine_arg,
@@ -851,8 +850,7 @@ class Soak:
         """Gather every rank's counts, print the summary, write the JSON; returns the exit status."""
         s = self.summary(all_gather(self.local_counts(), self.group), None)
         self.print_summary(s, partial=False)
-        self.say("PASS" if s["passed"] else "FAIL")
-        code = EXIT_PASS if s["passed"] else EXIT_FAIL
+        code = self.say.verdict(s["passed"])
         if self.rank == 0 and self.args.out_json and not self.write_json(s):
             code = EXIT_FAIL
         return code
