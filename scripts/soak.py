@@ -146,7 +146,7 @@ from cute_ep.cli import (
     check_run_args,
     config_from_args,
     exit_process,
-    expert_ids,
+    fill_expert_output,
     run_buffer,
     runtime_backend,
     script_main,
@@ -157,7 +157,6 @@ from cute_ep.inputs import ROUTINGS, make_inputs
 from cute_ep.kernels.config import LAYOUT_SMEM_INTS, MODES, EpConfig
 from cute_ep.reference import (
     COMBINE_REFERENCES,
-    apply_test_expert,
     reference_dispatch_rank,
     reference_layout,
 )
@@ -593,12 +592,7 @@ class Soak:
             ordered=(mode == "scatter"), require_coverage=False, group=group,
         )  # fmt: skip
 
-        y = self.buffer.expert_output(res.num_recv)
-        experts = expert_ids(res, rank)
-        if experts is None:  # the layout check has failed already; give combine defined input
-            y.fill_(float("nan"))
-        else:
-            y.copy_(apply_test_expert(expert_in, experts.to(self.device)))
+        y = fill_expert_output(self.buffer, res, rank, expert_in)
         t0 = time.perf_counter()
         self.straggler.maybe()
         out = self.buffer.combine(y, res.handle)
