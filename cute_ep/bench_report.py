@@ -24,7 +24,6 @@ matplotlib is imported inside :func:`plot` only.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as _dt
 import json
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from cute_ep._version import git_sha, package_versions
-from cute_ep.usage import ScriptArgumentParser
+from cute_ep.usage import script_parser  # re-exported: the scripts take it from here too
 
 __all__ = [
     "META_KEYS",
@@ -587,18 +586,6 @@ def plot(report: Mapping[str, Any], png_path: str | os.PathLike) -> Path:
 # small helpers for the script's metadata and arguments (also used by the other scripts in scripts/:
 # these need no torch, so a script can parse and check its arguments before importing it)
 # --------------------------------------------------------------------------------------------------
-
-
-def script_parser(doc: str, epilog: str) -> argparse.ArgumentParser:
-    """The argument parser of a script: the first paragraph of its docstring ``doc`` as the description,
-    ``epilog`` after the options, every option's default shown in --help, and a syntax error reported as
-    one line ``error: ...`` (exit status 2) that reaches the user under a launcher
-    (``cute_ep.usage.ScriptArgumentParser``)."""
-    return ScriptArgumentParser(
-        description=doc.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog=epilog,
-    )
 
 
 def check_writable(flag: str, value: str) -> None:

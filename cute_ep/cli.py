@@ -24,7 +24,7 @@ import torch
 
 from cute_ep.collectives import all_gather_objects as all_gather
 from cute_ep.collectives import broadcast_from_root as broadcast_from_rank0
-from cute_ep.reference import global_expert_of_rows
+from cute_ep.reference import apply_test_expert, global_expert_of_rows
 from cute_ep.usage import EXIT_USAGE, REPEAT_DELAY_S, UsageError, launch_rank, report_usage_error
 
 if TYPE_CHECKING:
@@ -52,6 +52,7 @@ __all__ = [
     "describe_rank",
     "exit_process",
     "expert_ids",
+    "fill_expert_output",
     "launch_rank",
     "leave",
     "make_buffer",
@@ -114,6 +115,11 @@ class Printer:
             for line in lines:
                 print(line, flush=True)
 
+    def verdict(self, passed: bool) -> int:
+        """A checking script's last line, PASS or FAIL, and its exit status (EXIT_PASS / EXIT_FAIL)."""
+        self("PASS" if passed else "FAIL")
+        return EXIT_PASS if passed else EXIT_FAIL
+
 
 def expert_ids(res: Any, rank: int) -> torch.Tensor | None:
     """Global expert of each received row, from the buffer's own tokens_per_expert (None if they disagree).
@@ -125,6 +131,20 @@ def expert_ids(res: Any, rank: int) -> torch.Tensor | None:
     if tpe.numel() == 0 or int(tpe.min()) < 0 or int(tpe.sum()) != res.num_recv:
         return None
     return global_expert_of_rows(tpe, rank)
+
+
+def fill_expert_output(buffer: Any, res: Any, rank: int, rows: torch.Tensor) -> torch.Tensor:
+    """The buffer's expert output for dispatch result ``res``, filled with the test expert
+    (``cute_ep.reference.apply_test_expert``) of ``rows``, the received rows as the experts see them;
+    NaN where the buffer's tokens_per_expert are unreadable (its layout check has failed already):
+    combine gets defined input either way."""
+    y = buffer.expert_output(res.num_recv)
+    experts = expert_ids(res, rank)
+    if experts is None:
+        y.fill_(float("nan"))
+    else:
+        y.copy_(apply_test_expert(rows, experts.to(rows.device)))
+    return y
 
 
 # --------------------------------------------------------------------------------------------------

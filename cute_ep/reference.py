@@ -318,7 +318,23 @@ def reference_layout(topk_idx: Sequence[Tensor], num_experts: int) -> Layout:
 
 
 @dataclass
-class ExpectedRecv:
+class _ExpectedRows:
+    """What the expected receive buffers of both layouts (:class:`ExpectedRecv`,
+    :class:`ExpectedRankRecv`) start with: the token rows, whose count is the rows received.
+
+    Attributes:
+        recv_x: [num_recv, H], the input dtype: the token rows.
+    """
+
+    recv_x: Tensor
+
+    @property
+    def num_recv(self) -> int:
+        return int(self.recv_x.shape[0])
+
+
+@dataclass
+class ExpectedRecv(_ExpectedRows):
     """Expected receive buffers of one destination rank (exactly num_recv rows, no tail).
 
     Attributes:
@@ -327,13 +343,8 @@ class ExpectedRecv:
         recv_src: [num_recv] int32: the packed (source rank, token, k) of each row.
     """
 
-    recv_x: Tensor
     recv_w: Tensor
     recv_src: Tensor
-
-    @property
-    def num_recv(self) -> int:
-        return int(self.recv_x.shape[0])
 
 
 def _check_one_per_rank(
@@ -523,7 +534,7 @@ def reference_rank_layout(topk_idx: Sequence[Tensor], num_experts: int) -> RankL
 
 
 @dataclass
-class ExpectedRankRecv:
+class ExpectedRankRecv(_ExpectedRows):
     """Expected rank-layout receive buffers of one destination rank (exactly num_recv rows).
 
     Attributes:
@@ -534,15 +545,10 @@ class ExpectedRankRecv:
         tokens_per_expert: [El] int32: rows naming each local expert.
     """
 
-    recv_x: Tensor
     recv_topk_idx: Tensor
     recv_topk_weights: Tensor
     recv_src: Tensor
     tokens_per_expert: Tensor
-
-    @property
-    def num_recv(self) -> int:
-        return int(self.recv_x.shape[0])
 
 
 def reference_dispatch_rank_layout(

@@ -26,6 +26,7 @@ __all__ = [
     "UsageError",
     "launch_rank",
     "report_usage_error",
+    "script_parser",
 ]
 
 EXIT_USAGE = 2
@@ -72,3 +73,15 @@ class ScriptArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         report_usage_error(f"{message} (see {self.prog} --help)")
         sys.exit(EXIT_USAGE)
+
+
+def script_parser(doc: str, epilog: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser of a script: the first paragraph of its docstring ``doc`` as the description,
+    ``epilog`` after the options, every option's default shown in --help, and a syntax error reported as
+    one line ``error: ...`` (exit status 2) that reaches the user under a launcher
+    (:class:`ScriptArgumentParser`)."""
+    return ScriptArgumentParser(
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=epilog,
+    )

@@ -36,7 +36,7 @@ from cute_ep import autograd as ep
 from cute_ep.bootstrap import DistEnv, Runtime
 from cute_ep.cli import BACKENDS, Printer, UsageError, exit_process, make_buffer, runtime_backend, script_main
 from cute_ep.skew import zipf_topk
-from cute_ep.usage import ScriptArgumentParser
+from cute_ep.usage import script_parser
 
 TOLERANCE = 1e-5
 """Largest |difference| allowed between the two runs' weights, relative to the largest |weight|: a few
@@ -126,8 +126,7 @@ def max_over_mean(rows: list[list[int]]) -> tuple[float, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ScriptArgumentParser(description=__doc__.split("\n\n")[0],
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--backend", choices=BACKENDS, default="cute", help="cute (GPUs), reference (CPU), a2a")
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank (T)")
     p.add_argument("--hidden", type=int, default=32, help="H")
@@ -181,8 +180,7 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
             f"{peak / mean:.2f}; loss {run['losses'][0]:.4f} -> {run['losses'][-1]:.4f}")
     passed = float(worst) <= TOLERANCE
     say(f"max |w_echo - w_plain| / max |w| = {float(worst):.3g} (tolerance {TOLERANCE:g})")
-    say("PASS" if passed else "FAIL")
-    return 0 if passed else 1
+    return say.verdict(passed)
 
 
 def main(argv: list[str] | None = None) -> int:

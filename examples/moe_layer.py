@@ -43,7 +43,7 @@ from cute_ep.cli import (
     script_main,
 )
 from cute_ep.collectives import all_gather_objects
-from cute_ep.usage import ScriptArgumentParser
+from cute_ep.usage import script_parser
 from cute_ep.validators.moe_checks import (
     EXACT,
     MoECase,
@@ -70,8 +70,7 @@ def make_case(args: argparse.Namespace, world: int) -> MoECase:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ScriptArgumentParser(description=__doc__.split("\n\n")[0],
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--backend", choices=BACKENDS, default="cute", help="cute (GPUs), reference (CPU), a2a")
     p.add_argument("--tokens", type=int, default=64, help="tokens of rank 0 (T); rank r has T - r*T/8")
     p.add_argument("--hidden", type=int, default=256, help="H (a multiple of 8)")
@@ -141,8 +140,7 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
             f"out and parameter gradients {exact if ex else 'DIFFER'}, largest relative error "
             f"{worst:.3g} (<= {rtol:.3g})" + ("" if good else ", MISMATCH"))
     passed = all(r[-1] for r in ranks)
-    say("PASS" if passed else "FAIL")
-    return 0 if passed else 1
+    return say.verdict(passed)
 
 
 def main(argv: list[str] | None = None) -> int:

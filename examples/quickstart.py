@@ -33,7 +33,7 @@ from cute_ep import EpConfig
 from cute_ep.bootstrap import DistEnv, Runtime
 from cute_ep.cli import BACKENDS, DTYPES, Printer, exit_process, make_buffer, runtime_backend, script_main
 from cute_ep.collectives import all_gather_objects, world_of
-from cute_ep.usage import ScriptArgumentParser
+from cute_ep.usage import script_parser
 
 
 def make_inputs(rank: int, args: argparse.Namespace, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
@@ -74,8 +74,7 @@ def check(out: Tensor, x: Tensor, idx: Tensor, w: Tensor, num_experts: int, grou
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ScriptArgumentParser(description=__doc__.split("\n\n")[0],
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--backend", choices=BACKENDS, default="cute",
                    help="cute: the CuTe kernels, one GPU per rank; reference: the torch reference on the CPU "
                         "(gloo); a2a: all_to_all_single (NCCL on GPUs, gloo on CPUs)")
@@ -111,8 +110,7 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
         say(f"[{args.backend}] rank {r}: {tokens} tokens, {rows} rows received, max |out - ref| {d:.3g}"
             + ("" if good else ", MISMATCH"))
     passed = all(good for *_, good in ranks)  # the same verdict on every rank
-    say("PASS" if passed else "FAIL")
-    return 0 if passed else 1
+    return say.verdict(passed)
 
 
 def main(argv: list[str] | None = None) -> int:

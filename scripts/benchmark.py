@@ -412,9 +412,8 @@ def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag:
     """Dispatch + test expert + combine on ``s``, checked bit for bit; raise CheckFailed on every rank.
     fp8: the received packed rows against the senders' rows quantized by cute_ep.fp8. combines: the
     combine algorithms to run and check on the dispatch's handle."""
-    from cute_ep.cli import expert_ids
+    from cute_ep.cli import fill_expert_output
     from cute_ep.fp8 import fp8_check_rows
-    from cute_ep.reference import apply_test_expert
     from cute_ep.validators.checks import check_combine, check_dispatch, check_layout
 
     group, rank = runtime.cpu_group, runtime.env.rank
@@ -434,12 +433,7 @@ def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag:
         num_experts=cfg.num_experts, local_world_size=lws, ordered=(mode == "scatter"),
         require_coverage=False, group=group,
     )))  # fmt: skip
-    y = buf.expert_output(res.num_recv)
-    experts = expert_ids(res, rank)
-    if experts is None:  # the layout check failed already; give combine defined input
-        y.fill_(float("nan"))
-    else:
-        y.copy_(apply_test_expert(expert_in, experts.to(runtime.device)))
+    y = fill_expert_output(buf, res, rank, expert_in)
     for algorithm in combines:
         out = buf.combine(y, res.handle, algorithm=algorithm)
         results.append((f"{algorithm} combine", check_combine(

@@ -74,7 +74,6 @@ from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
 from cute_ep.cli import (
     EXIT_FAIL,
-    EXIT_PASS,
     EXIT_USAGE,
     Printer,
     UsageError,
@@ -89,7 +88,7 @@ from cute_ep.cli import (
     config_from_args,
     describe_rank,
     exit_process,
-    expert_ids,
+    fill_expert_output,
     leave,
     run_buffer,
     runtime_backend,
@@ -99,7 +98,6 @@ from cute_ep.cli import (
 from cute_ep.fp8 import fp8_check_rows
 from cute_ep.inputs import ROUTINGS, make_inputs
 from cute_ep.kernels.config import MODES, EpConfig
-from cute_ep.reference import apply_test_expert
 from cute_ep.validators.baseline import (
     BaselineConfigError,
     BaselineFormatError,
@@ -245,12 +243,7 @@ def run_once(
     )  # fmt: skip
     ok &= report(disp, f"{tag} dispatch" + (" (fp8)" if args.fp8 else ""), group, say)
 
-    y = buffer.expert_output(res.num_recv)
-    experts = expert_ids(res, rank)
-    if experts is None:  # the layout check has failed already; give combine defined input
-        y.fill_(float("nan"))
-    else:
-        y.copy_(apply_test_expert(expert_in, experts.to(device)))
+    y = fill_expert_output(buffer, res, rank, expert_in)
     # The buffer's combine (its output goes into the baseline); on a buffer built for the reduced
     # combine, the pull combine of the same handle too (it stays available there).
     algorithms = ["reduced", "pull"] if cfg.combine_algorithm == "reduced" else ["pull"]
@@ -390,8 +383,7 @@ def validate(buffer: Any, args: argparse.Namespace, cfg: EpConfig, runtime: Runt
         passed &= cmp.passed
     if args.benchmark:
         benchmark(buffer, args, cfg, runtime, say)
-    say("PASS" if passed else "FAIL")
-    return EXIT_PASS if passed else EXIT_FAIL
+    return say.verdict(passed)
 
 
 def sms_share_text(runtime: Runtime) -> str:

@@ -39,14 +39,13 @@ import benchmark as bm  # noqa: E402  (the timer and input sets of the benchmark
 
 from cute_ep import bench_peers as bp  # noqa: E402
 from cute_ep import bench_report as br  # noqa: E402
-from cute_ep.usage import EXIT_USAGE, ScriptArgumentParser  # noqa: E402  (torch-free)
+from cute_ep.usage import EXIT_USAGE, script_parser  # noqa: E402  (torch-free)
 
 LAYOUT_CHOICES = ("expert", "rank")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ScriptArgumentParser(description=__doc__.split("\n\n")[0],
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--tokens", default="128,4096", help="comma list of tokens per rank")
     p.add_argument("--num-sms", default="24,max",
                    help="comma list of SM budgets (EpConfig.num_sms); max: each rank's share of its GPU")

@@ -179,34 +179,37 @@ def _positive_or_none(v: Any) -> bool:
     return v is None or (isinstance(v, (int, float)) and math.isfinite(v) and v > 0)
 
 
+def _check_entry(
+    name: str, entry: Any, fields: Sequence[str], times: Sequence[str] = (),
+    must: str = "positive and finite or null",
+) -> None:
+    """Raise ValueError unless ``entry`` (``name`` in the message) has every key of ``fields`` and each
+    key of ``times`` holds a positive and finite time or null (``must``: how the message says it)."""
+    lacking = [k for k in fields if k not in entry]
+    if lacking:
+        raise ValueError(f"{name} lacks {lacking}")
+    for key in times:
+        if not _positive_or_none(entry[key]):
+            raise ValueError(f"{name}: {key} must be {must}, got {entry[key]!r}")
+
+
 def check_report(report: Any) -> None:
     """Raise ValueError naming the first problem of a report: the schema, META_FIELDS in meta,
     ROW_FIELDS in every row (times positive and finite, or null with a ``skipped`` reason),
     SWIGLU_FIELDS in every SwiGLU row."""
     if not isinstance(report, dict) or report.get("schema") != SCHEMA:
         raise ValueError(f"not a MoE layer report (schema {SCHEMA!r} expected)")
-    missing = [k for k in META_FIELDS if k not in report.get("meta", {})]
-    if missing:
-        raise ValueError(f"meta lacks {missing}")
+    _check_entry("meta", report.get("meta", {}), META_FIELDS)
     rows = report.get("rows")
     if not isinstance(rows, list) or not rows:
         raise ValueError("the report has no rows")
     for i, row in enumerate(rows):
-        lacking = [k for k in ROW_FIELDS if k not in row]
-        if lacking:
-            raise ValueError(f"row {i} lacks {lacking}")
-        for key in ("forward_us", "fwd_bwd_us"):
-            if not _positive_or_none(row[key]):
-                raise ValueError(f"row {i}: {key} must be positive and finite or null, got {row[key]!r}")
+        _check_entry(f"row {i}", row, ROW_FIELDS, ("forward_us", "fwd_bwd_us"))
         if (row["forward_us"] is None or row["fwd_bwd_us"] is None) and not row["skipped"]:
             raise ValueError(f"row {i}: a null time needs a 'skipped' reason")
     for i, row in enumerate(report.get("swiglu", [])):
-        lacking = [k for k in SWIGLU_FIELDS if k not in row]
-        if lacking:
-            raise ValueError(f"swiglu row {i} lacks {lacking}")
-        for key in ("forward_us", "backward_us"):
-            if not _positive_or_none(row[key]):
-                raise ValueError(f"swiglu row {i}: {key} must be positive and finite, got {row[key]!r}")
+        times = ("forward_us", "backward_us")
+        _check_entry(f"swiglu row {i}", row, SWIGLU_FIELDS, times, "positive and finite")
 
 
 def where(meta: dict[str, Any]) -> str:

@@ -135,7 +135,6 @@ from cute_ep.bootstrap.dist_env import ROUTE_CLASSES, DistEnv, possible_route_cl
 from cute_ep.bootstrap.runtime import Runtime
 from cute_ep.cli import (
     EXIT_FAIL,
-    EXIT_PASS,
     Printer,
     UsageError,
     add_combine_arg,
@@ -147,7 +146,7 @@ from cute_ep.cli import (
     check_run_args,
     config_from_args,
     exit_process,
-    expert_ids,
+    fill_expert_output,
     run_buffer,
     runtime_backend,
     script_main,
@@ -158,7 +157,6 @@ from cute_ep.inputs import ROUTINGS, make_inputs
 from cute_ep.kernels.config import LAYOUT_SMEM_INTS, MODES, EpConfig
 from cute_ep.reference import (
     COMBINE_REFERENCES,
-    apply_test_expert,
     reference_dispatch_rank,
     reference_layout,
 )
@@ -441,37 +439,6 @@ def wrong_combine_rows(
 
 
 @dataclass
-class LayoutTotals:
-    """The counts of the iterations of one receive layout."""
-
-    iterations: int = 0
-    failed: int = 0
-    wrong_dispatch_rows: int = 0
-    wrong_combine_rows: int = 0
-    rows_received: int = 0  # this rank's
-    tokens: int = 0  # this rank's
-
-
-@dataclass
-class Totals:
-    """What the soak counted so far (the counts of checks are the same on every rank)."""
-
-    iterations: int = 0
-    failed: int = 0
-    layout_failures: int = 0
-    wrong_dispatch_rows: int = 0
-    wrong_combine_rows: int = 0
-    scatter_iterations: int = 0
-    rows_received: int = 0  # this rank's
-    tokens: int = 0  # this rank's
-    call_s: float = 0.0  # this rank's host time in dispatch + combine (straggles included)
-    rows_dropped: int = 0  # beyond expert capacity, all ranks (every rank counts every drop)
-    route_pairs: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROUTE_CLASSES, 0))
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    by_layout: dict[str, LayoutTotals] = field(default_factory=dict)  # per --layouts entry
-
-
-@dataclass
 class Outcome:
     """One iteration's checks and counts (the wrong-row counts summed over all ranks)."""
 
@@ -479,6 +446,45 @@ class Outcome:
     wrong_dispatch_rows: int
     wrong_combine_rows: int
     num_recv: int  # this rank's
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.checks.values())
+
+
+@dataclass
+class LayoutTotals:
+    """The counts of the iterations of one receive layout (in :class:`Totals`, of every layout)."""
+
+    iterations: int = 0
+    failed: int = 0
+    wrong_dispatch_rows: int = 0
+    wrong_combine_rows: int = 0
+    rows_received: int = 0  # this rank's
+    tokens: int = 0  # this rank's
+
+    def count(self, o: Outcome, num_tokens: int) -> None:
+        """Add one iteration of ``num_tokens`` tokens on this rank."""
+        self.iterations += 1
+        self.failed += not o.passed
+        self.wrong_dispatch_rows += o.wrong_dispatch_rows
+        self.wrong_combine_rows += o.wrong_combine_rows
+        self.rows_received += o.num_recv
+        self.tokens += num_tokens
+
+
+@dataclass
+class Totals(LayoutTotals):
+    """What the soak counted so far (the counts of checks are the same on every rank): the counts of
+    :class:`LayoutTotals` over every layout, and these."""
+
+    layout_failures: int = 0
+    scatter_iterations: int = 0
+    call_s: float = 0.0  # this rank's host time in dispatch + combine (straggles included)
+    rows_dropped: int = 0  # beyond expert capacity, all ranks (every rank counts every drop)
+    route_pairs: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROUTE_CLASSES, 0))
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    by_layout: dict[str, LayoutTotals] = field(default_factory=dict)  # per --layouts entry
 
 
 def rank_expert_output(res: Any, rank: int, experts_per_rank: int,
@@ -541,25 +547,13 @@ class Soak:
         else:
             o = self.expert_iteration(it, mode, routing, num_tokens)
 
-        t.iterations += 1
-        t.rows_received += o.num_recv
-        t.tokens += num_tokens
+        t.count(o, num_tokens)
+        t.by_layout[layout].count(o, num_tokens)
         for c, n in o.checks["dispatch"].route_counts.items():
             t.route_pairs[c] = t.route_pairs.get(c, 0) + n
-        t.wrong_dispatch_rows += o.wrong_dispatch_rows
-        t.wrong_combine_rows += o.wrong_combine_rows
         t.layout_failures += "layout" in o.checks and not o.checks["layout"].passed
-        lt = t.by_layout[layout]
-        lt.iterations += 1
-        lt.rows_received += o.num_recv
-        lt.tokens += num_tokens
-        lt.wrong_dispatch_rows += o.wrong_dispatch_rows
-        lt.wrong_combine_rows += o.wrong_combine_rows
-        if all(r.passed for r in o.checks.values()):
-            return
-        t.failed += 1
-        lt.failed += 1
-        self.failure(it, mode, routing, layout, o)
+        if not o.passed:
+            self.failure(it, mode, routing, layout, o)
 
     def expert_iteration(self, it: int, mode: str, routing: str, num_tokens: int) -> Outcome:
         """Dispatch (expert layout), the test expert, combine; every check (see the module docstring)."""
@@ -598,12 +592,7 @@ class Soak:
             ordered=(mode == "scatter"), require_coverage=False, group=group,
         )  # fmt: skip
 
-        y = self.buffer.expert_output(res.num_recv)
-        experts = expert_ids(res, rank)
-        if experts is None:  # the layout check has failed already; give combine defined input
-            y.fill_(float("nan"))
-        else:
-            y.copy_(apply_test_expert(expert_in, experts.to(self.device)))
+        y = fill_expert_output(self.buffer, res, rank, expert_in)
         t0 = time.perf_counter()
         self.straggler.maybe()
         out = self.buffer.combine(y, res.handle)
@@ -851,8 +840,7 @@ class Soak:
         """Gather every rank's counts, print the summary, write the JSON; returns the exit status."""
         s = self.summary(all_gather(self.local_counts(), self.group), None)
         self.print_summary(s, partial=False)
-        self.say("PASS" if s["passed"] else "FAIL")
-        code = EXIT_PASS if s["passed"] else EXIT_FAIL
+        code = self.say.verdict(s["passed"])
         if self.rank == 0 and self.args.out_json and not self.write_json(s):
             code = EXIT_FAIL
         return code
