@@ -327,11 +327,15 @@ class Runtime:
         return self
 
     def _init_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "init_method": self.env.init_method,
-            "rank": self.env.rank,
-            "world_size": self.env.world_size,
-        }
+        kwargs: dict[str, Any] = {"rank": self.env.rank, "world_size": self.env.world_size}
+        if self.env.launcher == "single":
+            # A world of one meets nobody: an in-process store, not a TCP server on MASTER_PORT (two
+            # single-process runs on one host collided there: EADDRINUSE on port 29500).
+            import torch.distributed as dist
+
+            kwargs["store"] = dist.HashStore()
+        else:
+            kwargs["init_method"] = self.env.init_method
         if self.timeout is not None:
             kwargs["timeout"] = self.timeout
         return kwargs

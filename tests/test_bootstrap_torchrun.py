@@ -155,3 +155,29 @@ def test_srun_style_bad_environment_fails_fast(tmp_path: Path) -> None:
     assert code != 0
     assert "DistEnvError" in out and "SLURM_TASKS_PER_NODE='2,1'" in out
     assert not list(tmp_path.glob("rank*.json"))
+
+
+_WORLD_OF_ONE = """
+import torch, torch.distributed as dist
+from cute_ep.bootstrap import DistEnv, Runtime
+with Runtime(DistEnv.from_environ(), backend="gloo") as rt:
+    t = torch.ones(3)
+    dist.all_reduce(t, group=rt.cpu_group)
+    print("sum", t.tolist(), rt.env.launcher)
+"""
+
+
+def test_a_world_of_one_needs_no_port(tmp_path: Path) -> None:
+    """A single process (no launcher) starts without a TCP rendezvous: with MASTER_PORT held by another
+    listener (another single-process run on the host, say) it still starts, and exits cleanly."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-c", _WORLD_OF_ONE], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path,
+                              env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "sum [1.0, 1.0, 1.0] single" in proc.stdout
