@@ -55,6 +55,17 @@ def use_cpu_target(arch: str = CPU_TARGET_ARCH) -> None:
         log.debug("could not set the CuTe DSL arch directly: %s", exc)
 
 
+PTXAS_FAST = "-O0 --Ofast-compile=max"
+"""ptxas at its fastest: for compiles whose PTX is read and whose machine code never runs (CPU checks)."""
+
+
+def ptx_options(dump_dir: str | os.PathLike, fast_ptxas: bool = False) -> str:
+    """``compile_kernel`` options that keep the PTX (``compiled.artifacts.PTX``; the DSL also writes it
+    into ``dump_dir``, so keep that out of the checkout), with ptxas at ``PTXAS_FAST`` if ``fast_ptxas``."""
+    options = f"--keep-ptx --dump-dir {os.fspath(dump_dir)}"
+    return f"{options} --ptxas-options='{PTXAS_FAST}'" if fast_ptxas else options
+
+
 def compile_kernel(fn: Callable, *args: Any, options: str | None = None):
     """``cute.compile(fn, *args)`` with the project's options; returns the compiled function."""
     import cutlass.cute as cute

@@ -107,7 +107,7 @@ def dump(path: Path) -> None:
     """Compile this checkout's bf16 EP module for sm_90 (no GPU needed) and write its PTX to ``path``."""
     import torch
 
-    from cute_ep.bootstrap.compile import compile_kernel, use_cpu_target
+    from cute_ep.bootstrap.compile import compile_kernel, ptx_options, use_cpu_target
     from cute_ep.kernels.config import EpConfig
     from cute_ep.kernels.host import build
 
@@ -116,9 +116,8 @@ def dump(path: Path) -> None:
                    max_tokens=64, num_sms=8)
     fn, args = build(cfg)
     # ptxas at its fastest: the PTX is made before it runs, and its machine code is not compared here.
-    fast = "--ptxas-options='-O0 --Ofast-compile=max'"
-    with tempfile.TemporaryDirectory() as folder:  # --keep-ptx writes files: keep them out of the checkout
-        compiled = compile_kernel(fn, *args, options=f"--keep-ptx --dump-dir {folder} {fast}")
+    with tempfile.TemporaryDirectory() as folder:
+        compiled = compile_kernel(fn, *args, options=ptx_options(folder, fast_ptxas=True))
         path.write_text(compiled.artifacts.PTX)
 
 

@@ -29,14 +29,12 @@ import pytest
 import torch
 
 from cute_ep.bootstrap import compile as compile_mod
-from cute_ep.bootstrap.compile import ModuleRegistry, ObjectCache, use_cpu_target
+from cute_ep.bootstrap.compile import ModuleRegistry, ObjectCache, ptx_options, use_cpu_target
 from cute_ep.kernels.config import EpConfig
 from cute_ep.kernels.host import build
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "half", torch.float32: "float"}
 """The element types the module is compiled for, with the name NVSHMEM's typed calls use."""
-PTXAS_FAST = "-O0 --Ofast-compile=max"
-"""ptxas's option for the tests' compiles: the PTX is the same, ptxas skips its slow optimizations."""
 
 
 def sm90_group(dtype: torch.dtype) -> pytest.MarkDecorator:
@@ -77,7 +75,7 @@ def compile_sm90(dtype: torch.dtype, folder: Path) -> Sm90Module:
     registry = ModuleRegistry(register=False, disk=cache)
     # The registry's own compile, with the PTX kept (the artifact is read back from the dump folder) and
     # ptxas at its fast level (the module docstring says why).
-    options = f"--keep-ptx --dump-dir {dump} --ptxas-options='{PTXAS_FAST}'"
+    options = ptx_options(dump, fast_ptxas=True)
     compile_kernel = functools.partial(compile_mod.compile_kernel, options=options)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(compile_mod, "compile_kernel", compile_kernel)

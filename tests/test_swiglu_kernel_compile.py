@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
-from cute_ep.bootstrap.compile import ModuleRegistry, compile_kernel, use_cpu_target
+from cute_ep.bootstrap.compile import ModuleRegistry, compile_kernel, ptx_options, use_cpu_target
 
 DTYPE = torch.bfloat16
 
@@ -31,8 +31,7 @@ def compiled(request, tmp_path_factory):
     from cute_ep.kernels.swiglu import build
 
     fn, args = build(request.param, DTYPE)
-    dump = tmp_path_factory.mktemp("swiglu_ptx")  # --keep-ptx writes a file; keep it out of the checkout
-    out = compile_kernel(fn, *args, options=f"--keep-ptx --dump-dir {dump}")
+    out = compile_kernel(fn, *args, options=ptx_options(tmp_path_factory.mktemp("swiglu_ptx")))
     return request.param, fn, out.artifacts.PTX
 
 
