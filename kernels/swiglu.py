@@ -110,7 +110,7 @@ class SwiGLUKernel:
         return live, col_tiles, live_tiles, bid, ctas
 
     @cute.jit
-    def load_tile(self, copier: cute.TiledCopy, thr, srcs: tuple, at, pred: cute.TensorSSA) -> list:
+    def load_tile(self, copier: cute.TiledCopy, thr, srcs: tuple, at, pred: cute.Tensor) -> list:
         """This thread's vectors of tile ``at`` of every source, as fp32 values: every load of the
         tile is issued before any of them is used."""
         frags = []
