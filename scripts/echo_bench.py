@@ -54,13 +54,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cute_ep.usage import report_usage_error, script_parser
+
 SCHEMA = "cute-ep-echo/1"
 DEEPSEEK_EXPERT = "3,7168,2048"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--backend", choices=("cute", "reference"), default="cute",
                    help="cute: EpBuffer on GPUs (NCCL for ECHO's collectives); reference: CPU over gloo")
     p.add_argument("--skews", default="0.8,1.0,1.2", help="comma list of Zipf exponents")
@@ -326,8 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     error = check_args(args)
     if error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return report_usage_error(error)
     import torch
 
     from cute_ep import bench_report as br
@@ -337,9 +337,8 @@ def main(argv: list[str] | None = None) -> int:
 
     env = DistEnv.from_environ()
     if args.num_experts % env.world_size:
-        print(f"error: --num-experts {args.num_experts} must be divisible by the world size {env.world_size}",
-              file=sys.stderr)
-        return 2
+        return report_usage_error(f"--num-experts {args.num_experts} must be divisible by the world size "
+                                  f"{env.world_size}")
     say = Printer(env.rank)
     E_phys = (args.num_experts // env.world_size + args.spare_slots) * env.world_size
     heap = 2 * EpConfig(world_size=env.world_size, local_world_size=env.local_world_size, num_experts=E_phys,

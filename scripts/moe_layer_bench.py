@@ -57,6 +57,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from cute_ep.usage import UsageError, report_usage_error, script_parser
+
 SCHEMA = "cute-ep/moe-layer-bench/1"
 BACKEND_CHOICES = ("cute", "reference")
 PEER_CHOICES = ("a2a", "deepep")
@@ -65,11 +67,7 @@ ROW_FIELDS = ("tokens", "backend", "swiglu", "overlap", "green_context", "forwar
 SWIGLU_FIELDS = ("tokens", "impl", "forward_us", "backward_us", "live_rows", "buffer_rows")
 META_FIELDS = ("device", "world_size", "ranks_per_gpu", "gpu_shared", "hidden", "intermediate",
                "num_experts", "topk", "dtype", "num_sms")
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(ValueError):
-    """A bad argument combination (exit status 2)."""
+EXIT_OK, EXIT_FAIL = 0, 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,8 +86,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--backend", choices=BACKEND_CHOICES, default="cute",
                    help="cute: EpBuffer on GPUs; reference: ReferenceEpBuffer on the CPU")
     p.add_argument("--peers", default="a2a,deepep", help="comma-separated peers (a2a, deepep) or 'none'")
@@ -565,8 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
     except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return report_usage_error(exc)
     return run(args)
 
 
