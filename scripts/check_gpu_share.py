@@ -15,19 +15,19 @@ neighbour's symmetric memory (NVSHMEM peer pointers) and prints PASS. Exit statu
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
+from cute_ep.usage import report_usage_error, script_parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = script_parser(__doc__)
     p.add_argument("--symmetric-gib", type=float, default=0.0,
                    help="symmetric buffers to size each rank's heap for, in GiB (the heap check runs on it)")
     args = p.parse_args(argv)
     if args.symmetric_gib < 0:
-        print(f"error: --symmetric-gib must be >= 0, got {args.symmetric_gib}", file=sys.stderr)
-        return 2
+        return report_usage_error(f"--symmetric-gib must be >= 0, got {args.symmetric_gib}")
 
     import torch
 
