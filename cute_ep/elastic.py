@@ -331,13 +331,12 @@ class CollectiveTransport:
         t = t.contiguous()
         if self.world_size == 1 and not dist.is_initialized():
             return t[None].clone()
-        if t.is_cuda:  # NCCL (alone or beside gloo in a "cpu:gloo,cuda:nccl" group): one flat buffer
-            out = torch.empty((self.world_size, *t.shape), dtype=t.dtype, device=t.device)
-            dist.all_gather_into_tensor(out, t, group=self.group)
-            return out
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t, group=self.group)
-        return torch.stack(parts)
+        # One flat buffer, rank r's t at [r * numel, (r + 1) * numel): the shape every backend takes (gloo
+        # splits the output along its first dimension and wants each part shaped like the input; a GPU
+        # tensor on a gloo group, as with ranks sharing a GPU, goes this way too).
+        out = torch.empty(self.world_size * t.numel(), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t.reshape(-1), group=self.group)
+        return out.view(self.world_size, *t.shape)
 
     def _all_to_all(self, blocks: Tensor) -> Tensor:
         """[R, ...] -> [R, ...]: block r goes to rank r; block h of the result came from rank h."""
