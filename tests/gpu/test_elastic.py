@@ -86,6 +86,9 @@ def test_training_with_cloning_matches_training_without(runtime):
 
 
 def test_graph_replay_over_changing_routings_equals_eager(runtime):
+    if runtime.env.world_size > 1 and "nccl" not in str(torch.distributed.get_backend(runtime.group)):
+        pytest.skip("ECHO's collectives run on a gloo group here (ranks share a GPU, and NCCL refuses that): "
+                    "gloo moves GPU tensors through the host, which a CUDA graph cannot capture")
     env, dev = runtime.env, runtime.device
     R, rank = env.world_size, env.rank
     T, H, K, el, S = 64, 256, 4, 8, 2
