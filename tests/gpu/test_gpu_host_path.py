@@ -226,13 +226,21 @@ def test_dispatch_and_combine_overlap_a_gemm_on_their_own_stream(runtime):
             product = c.clone()
             outs.clear()
             both_ms = _median_ms(both)
-            assert torch.equal(c, product), "the GEMM's result changed when overlapped"
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
-        assert all(torch.equal(o, alone) for o in outs), "results changed when overlapped"
         buf.check_ran()
-        print(f"[rank {rank}] dispatch + combine {comm_ms:.3f} ms, GEMMs {gemm_ms:.3f} ms, "
-              f"together {both_ms:.3f} ms (sum {comm_ms + gemm_ms:.3f} ms)")
-        if runtime.placement.ranks_per_gpu == 1:
-            # Ranks that share a GPU also run each other's GEMMs meanwhile: the sum is no bound there.
-            assert both_ms < comm_ms + gemm_ms, (both_ms, comm_ms, gemm_ms)
+    # Checked after the buffer's collective close: a rank that fails here must not leave the others
+    # waiting in it (they would then meet the next test's collectives out of step).
+    assert torch.equal(c, product), "the GEMM's result changed when overlapped"
+    assert all(torch.equal(o, alone) for o in outs), "results changed when overlapped"
+    print(f"[rank {rank}] dispatch + combine {comm_ms:.3f} ms, GEMMs {gemm_ms:.3f} ms, "
+          f"together {both_ms:.3f} ms (sum {comm_ms + gemm_ms:.3f} ms)")
+    if runtime.placement.ranks_per_gpu == 1:
+        # Ranks that share a GPU also run each other's GEMMs meanwhile: the sum is no bound there.
+        # The saving is the group's: dispatch and combine wait for the peers, so a rank whose GEMMs end
+        # first waits for the others' communication (2x H100, 2026-11-25: one rank saved 0.5 ms of
+        # 0.76, the other lost up to 0.1). The mean over ranks is checked, the same verdict on every rank.
+        times = torch.tensor([both_ms, comm_ms + gemm_ms], dtype=torch.float64)
+        torch.distributed.all_reduce(times, group=runtime.cpu_group)
+        overlapped, serial = times.tolist()
+        assert overlapped < serial, f"over all ranks: overlapped {overlapped:.3f} ms, serial {serial:.3f} ms"
