@@ -505,10 +505,56 @@ def format_table(rows: Sequence[BenchRow | Mapping[str, Any]]) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+def plot_lines(report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The lines ``plot`` draws: dicts with ``op`` (dispatch / combine), ``label``, ``tokens`` and
+    ``gbps`` (algorithmic GB/s: off-rank pairs x row bytes / time) and matplotlib ``style``. Ours: one
+    line per routing, mode and SM budget; NCCL: one dashed line per routing; DeepEP, where the report
+    timed it: one dotted line per routing and SM budget (its cached-handle dispatch and its combine),
+    over the same off-rank pairs as ours, so the lines compare times at equal work."""
+    rows = [_row_dict(r) for r in report["rows"]]
+    routings = list(dict.fromkeys(r["routing"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    budgets = list(dict.fromkeys(r.get("num_sms") for r in rows))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(routings)}
+    markers = ("o", "^", "D", "v", "P")
+    lines: list[dict[str, Any]] = []
+
+    def add(op: str, label: str, points: Mapping[int, float], **style: Any) -> None:
+        toks = sorted(points)
+        if toks:
+            lines.append({"op": op, "label": label, "tokens": toks, "gbps": [points[t] for t in toks],
+                          "style": style})
+
+    for op in ("dispatch", "combine"):
+        for routing in routings:
+            color = colors[routing]
+            for mi, mode in enumerate(modes):
+                for bi, sms in enumerate(budgets):
+                    sel = [r for r in rows if r["routing"] == routing and r["mode"] == mode
+                           and r.get("num_sms") == sms]
+                    tags = ([mode] if len(modes) > 1 else []) + ([f"{sms} SMs"] if len(budgets) > 1 else [])
+                    add(op, f"cute-ep {routing}" + (f" ({', '.join(tags)})" if tags else ""),
+                        {r["tokens"]: r[f"{op}_alg_gbps"] for r in sel}, marker=markers[mi % len(markers)],
+                        color=color, alpha=1.0 - 0.25 * (bi % 3))
+            # NCCL moving rows of the input dtype (FP8 rows' packed baseline is in the table and JSON)
+            plain = [r for r in rows if r["routing"] == routing and not r.get("dispatch_row_bytes")]
+            add(op, f"NCCL all_to_all {routing}",
+                {r["tokens"]: r[f"nccl_{op}_gbps"] for r in plain if r.get(f"nccl_{op}_gbps") is not None},
+                linestyle="--", marker="s", markerfacecolor="none", color=color)
+            timed = [r for r in plain if r.get(f"deepep_{op}_us")]
+            for sms in dict.fromkeys(r.get("deepep_num_sms") for r in timed):
+                add(op, f"DeepEP {routing}" + (f" ({sms} SMs)" if sms else ""),
+                    {r["tokens"]: bandwidth_gbps(r["pairs_off_mean"] * r["row_bytes"],
+                                                 r[f"deepep_{op}_us"] * 1e-6)
+                     for r in timed if r.get("deepep_num_sms") == sms},
+                    linestyle=":", marker="x", color=color)
+    return lines
+
+
 def plot(report: Mapping[str, Any], png_path: str | os.PathLike) -> Path:
-    """Algorithmic bandwidth vs tokens per rank (log x), ours vs NCCL, for dispatch and combine; one
-    line per routing (and dispatch mode) for ours, one dashed line per routing for NCCL. Renders with
-    the Agg canvas (no display, no global pyplot state); returns the path written."""
+    """Algorithmic bandwidth vs tokens per rank (log x) for dispatch and combine: the lines of
+    ``plot_lines`` (ours, NCCL, DeepEP where timed). Renders with the Agg canvas (no display, no global
+    pyplot state); returns the path written."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -518,45 +564,10 @@ def plot(report: Mapping[str, Any], png_path: str | os.PathLike) -> Path:
     fig = Figure(figsize=(13, 5.2), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2, sharey=False)
-    routings = list(dict.fromkeys(r["routing"] for r in rows))
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    colors = {name: f"C{i % 10}" for i, name in enumerate(routings)}
-    markers = ("o", "^", "D", "v", "P")
+    lines = plot_lines(report)
     for ax, op in zip(axes, ("dispatch", "combine"), strict=True):
-        for routing in routings:
-            for mi, mode in enumerate(modes):
-                sel = sorted(
-                    (r for r in rows if r["routing"] == routing and r["mode"] == mode),
-                    key=lambda r: r["tokens"],
-                )
-                if not sel:
-                    continue
-                label = f"cute-ep {routing}" + (f" ({mode})" if len(modes) > 1 else "")
-                ax.plot(
-                    [r["tokens"] for r in sel],
-                    [r[f"{op}_alg_gbps"] for r in sel],
-                    marker=markers[mi % len(markers)],
-                    color=colors[routing],
-                    label=label,
-                )
-            # NCCL moving rows of the input dtype (FP8 rows' packed baseline is in the table and JSON)
-            plain = [
-                r for r in rows
-                if r["routing"] == routing and not r.get("dispatch_row_bytes")
-                and r.get(f"nccl_{op}_gbps") is not None
-            ]  # fmt: skip
-            by_tokens = {r["tokens"]: r for r in plain}
-            toks = sorted(by_tokens)
-            if toks:
-                ax.plot(
-                    toks,
-                    [by_tokens[t][f"nccl_{op}_gbps"] for t in toks],
-                    linestyle="--",
-                    marker="s",
-                    markerfacecolor="none",
-                    color=colors[routing],
-                    label=f"NCCL all_to_all {routing}",
-                )
+        for line in (ln for ln in lines if ln["op"] == op):
+            ax.plot(line["tokens"], line["gbps"], label=line["label"], **line["style"])
         ax.set_xscale("log", base=2)
         all_tokens = sorted({r["tokens"] for r in rows})
         if all_tokens:

@@ -432,6 +432,34 @@ def test_plot_writes_a_png(tmp_path):
     assert br.plot(br.load_json(tmp_path / "r.json"), tmp_path / "again.png").stat().st_size > 10_000
 
 
+def test_plot_lines_hold_ours_nccl_and_deepep_at_equal_work():
+    """The committed 2x H100 report timed DeepEP: its lines are there, over the same off-rank pairs."""
+    report = br.load_json(REPO / "baselines" / "perf" / "h100x2_vs_deepep.json")
+    lines = {(ln["op"], ln["label"]): ln for ln in br.plot_lines(report)}
+    for op in ("dispatch", "combine"):
+        assert {(op, "cute-ep uniform (rank)"), (op, "NCCL all_to_all uniform"),
+                (op, "DeepEP uniform (24 SMs)")} <= set(lines), sorted(lines)
+    rank_4096 = next(r for r in report["rows"] if r["mode"] == "rank" and r["tokens"] == 4096)
+    deepep = lines[("dispatch", "DeepEP uniform (24 SMs)")]
+    ours = lines[("dispatch", "cute-ep uniform (rank)")]
+    assert deepep["tokens"] == ours["tokens"] == [128, 4096]
+    # Same work, so the bandwidth ratio is the inverse time ratio.
+    ratio = ours["gbps"][1] / deepep["gbps"][1]
+    assert ratio == pytest.approx(rank_4096["deepep_dispatch_us"] / rank_4096["dispatch_us"], rel=1e-9)
+    assert ours["gbps"][1] == pytest.approx(rank_4096["dispatch_alg_gbps"], rel=1e-9)
+
+
+def test_plot_lines_split_sm_budgets_and_skip_deepep_when_untimed():
+    rows = [_row(tokens=t).to_dict() | {"num_sms": sms} for t in (128, 512) for sms in (24, 132)]
+    lines = br.plot_lines({"meta": _meta(), "rows": rows})
+    labels = [ln["label"] for ln in lines if ln["op"] == "dispatch"]
+    assert sum(lb.startswith("cute-ep") for lb in labels) == 2  # one per budget, not one zig-zag line
+    assert any("24 SMs" in lb for lb in labels) and any("132 SMs" in lb for lb in labels)
+    assert not any(lb.startswith("DeepEP") for lb in labels)
+    for ln in lines:
+        assert ln["tokens"] == sorted(ln["tokens"]) and len(ln["tokens"]) == len(ln["gbps"]) == 2
+
+
 def test_parse_lists():
     assert br.parse_int_list("128, 256,128,8192", "--tokens") == [128, 256, 8192]
     for bad in ("", "12,x", "0,4", "-1"):
