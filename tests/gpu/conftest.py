@@ -9,6 +9,7 @@ Without CUDA the tests here are skipped (CI has no GPU).
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 
 import pytest
@@ -22,6 +23,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """Print a failure as soon as it happens, with its rank. pytest prints failures only in its final
+    summary, and a multi-rank launch that hangs after one rank fails (its peers wait in a collective it
+    skipped) is killed by its timeout before that summary: the cause was lost."""
+    if report.failed:
+        rank = os.environ.get("RANK", "0")
+        sys.stderr.write(f"\n[rank {rank}] FAILED {report.nodeid} ({report.when}):\n{report.longreprtext}\n")
+        sys.stderr.flush()
 
 
 @pytest.fixture(scope="session")
