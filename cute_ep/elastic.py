@@ -315,8 +315,9 @@ class CloneTransport(Protocol):
 
 
 class CollectiveTransport:
-    """``CloneTransport`` on torch.distributed collectives of ``group`` (gloo: CPU tensors; NCCL: GPU
-    tensors, capturable in a CUDA graph). Without an initialised process group: a world of one.
+    """``CloneTransport`` on torch.distributed collectives of ``group`` (NCCL: GPU tensors, capturable in
+    a CUDA graph; gloo: CPU tensors, or GPU tensors moved through the host, as when ranks share a GPU,
+    which a CUDA graph cannot capture). Without an initialised process group: a world of one.
 
     The weight copy and the gradient return are each one ``all_to_all_single`` of [R, S, *w] blocks
     (block (h, s) to rank r: rank r's spare slot s if h is its expert's home, else zeros), sent as raw

@@ -239,7 +239,7 @@ def test_dispatch_and_combine_overlap_a_gemm_on_their_own_stream(runtime):
         # Ranks that share a GPU also run each other's GEMMs meanwhile: the sum is no bound there.
         # The saving is the group's: dispatch and combine wait for the peers, so a rank whose GEMMs end
         # first waits for the others' communication (2x H100, 2026-11-25: one rank saved 0.5 ms of
-        # 0.76, the other lost up to 0.1). The mean over ranks is checked, the same verdict on every rank.
+        # 0.76, the other lost up to 0.1). The sums over ranks are compared: the same verdict on every rank.
         times = torch.tensor([both_ms, comm_ms + gemm_ms], dtype=torch.float64)
         torch.distributed.all_reduce(times, group=runtime.cpu_group)
         overlapped, serial = times.tolist()
