@@ -21,6 +21,7 @@ inside the functions that need them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -261,6 +262,10 @@ def share_unique_id(group: Any, make_uid: Callable[[], numpy.ndarray], rank: int
 # --------------------------------------------------------------------------------------------------
 
 
+_RUNTIME_STARTS = itertools.count()
+"""Runtimes started in this process with a launcher's store (see ``Runtime._rendezvous_store``)."""
+
+
 class Runtime:
     """torch.distributed (+ NVSHMEM) for one process; use as a context manager or call `close()`.
 
@@ -335,10 +340,29 @@ class Runtime:
 
             kwargs["store"] = dist.HashStore()
         else:
-            kwargs["init_method"] = self.env.init_method
+            kwargs["store"] = self._rendezvous_store()
         if self.timeout is not None:
             kwargs["timeout"] = self.timeout
         return kwargs
+
+    def _rendezvous_store(self) -> Any:
+        """The launcher's store, under a prefix of its own for this start of a Runtime in this process.
+
+        Why: torch.distributed names its keys the same way at every init_process_group (the default group
+        under "default_pg", groups numbered from 0 again after destroy_process_group), and a launcher's
+        store (torchrun's agent store, one TCPStore server for the whole job) keeps the keys of the
+        previous start. A second Runtime in the same process then read its peers' old addresses: on a
+        2-core CPU machine 2 of 4 gloo launches hung at their second or third start, and at 2 ranks on
+        GPUs NCCL failed with a remote error. Every rank starts Runtimes in the same order, so the count
+        of starts in this process names the same prefix on every rank.
+        """
+        import torch.distributed as dist
+
+        timeout = self.timeout or timedelta(minutes=30)  # torch's default for the gloo and NCCL groups
+        store, _, _ = next(dist.rendezvous(self.env.init_method, self.env.rank, self.env.world_size,
+                                           timeout=timeout))
+        store.set_timeout(timeout)
+        return dist.PrefixStore(f"cute_ep/runtime{next(_RUNTIME_STARTS)}", store)
 
     def _start_gloo(self) -> None:
         import torch
@@ -505,10 +529,17 @@ class Runtime:
 
         if self._owns_process_group:
             self._owns_process_group = False
+            import weakref
+
             import torch.distributed as dist
 
+            mine = {id(g): g for g in (self.group, self.cpu_group) if g is not None}
+            groups = [weakref.ref(g) for g in mine.values()]
+            del mine
             if dist.is_initialized():
                 attempt("torch.distributed.destroy_process_group()", dist.destroy_process_group)
+            self.group = self.cpu_group = None
+            attempt("releasing the process groups", lambda: self._check_groups_released(groups))
         self.group = self.cpu_group = None
         if self._heap_env_set_here:
             os.environ.pop(HEAP_ENV_VAR, None)
@@ -519,6 +550,34 @@ class Runtime:
 
         if errors and not swallow:
             raise errors[0]
+
+    def _check_groups_released(self, groups: list[Any]) -> None:
+        """Free this Runtime's process groups now (``groups``: weak references to them), while the
+        interpreter is fully alive; a group that something else still holds is looked at again at exit.
+
+        Why: ``destroy_process_group()`` only forgets a group. The C++ group and its gloo worker threads
+        live until the last Python reference to it goes, and a worker frees the work of a collective (and
+        the collectives before a barrier, which the barrier's work keeps) a moment after the caller's
+        wait returned. Freeing a tensor that Python made takes the GIL; a worker that does so while the
+        interpreter exits is ended by CPython (3.13 and older), and the C++ runtime aborts the process:
+        "terminate called without an active exception", SIGABRT, after a complete run (pytorch/pytorch
+        PR #179291 and issue #190489 describe it). Seen in November 2026 on a 2-core CPU machine (torch
+        2.13, Python 3.11) when a buffer still held the group after the ``with Runtime`` block. Freed here,
+        the group joins its worker threads first (torch releases the GIL for that), so nothing of gloo is
+        left at exit.
+        """
+        import gc
+
+        if any(ref() is not None for ref in groups):
+            gc.collect()  # a group that only a reference cycle still holds
+        alive = [ref for ref in groups if ref() is not None]
+        if alive:
+            # Often a caller's local variable, gone when its function returns: warn only if the group is
+            # still there when the interpreter exits (atexit runs while it is fully alive).
+            log.debug("rank %d: %d process group(s) still referred to after close", self.env.rank, len(alive))
+            import atexit
+
+            atexit.register(_report_groups_left_at_exit, self.env.rank, alive)
 
     @property
     def closed(self) -> bool:
@@ -544,6 +603,26 @@ class Runtime:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("started" if self._started else "new")
         return f"Runtime(backend={self.backend!r}, {state}, {self.env.describe()})"
+
+
+def _report_groups_left_at_exit(rank: int, groups: list[Any]) -> None:
+    """At interpreter exit: warn about the groups (weak references) a closed Runtime could not free, naming
+    the kinds of object that still hold them (``Runtime._check_groups_released`` says why it matters)."""
+    import gc
+
+    if any(ref() is not None for ref in groups):
+        gc.collect()
+    alive = [group for group in (ref() for ref in groups) if group is not None]
+    if not alive:
+        return
+    holders = sorted({type(r).__name__ for g in alive for r in gc.get_referrers(g) if r is not alive})
+    log.warning(
+        "rank %d: %d process group(s) of a closed Runtime are still referred to at exit (by %s): their gloo "
+        "worker threads can abort the interpreter's exit (SIGABRT, 'terminate called without an active "
+        "exception'). Drop every reference to rt.group / rt.cpu_group (and to buffers' groups) before the "
+        "program ends",
+        rank, len(alive), ", ".join(holders) or "objects the garbage collector does not track, e.g. a dict",
+    )
 
 
 def start(

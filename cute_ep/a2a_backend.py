@@ -152,8 +152,6 @@ class A2aEpBuffer(HostEpBuffer):
 
     def __init__(self, runtime: Any, cfg: EpConfig, *, preallocate: bool = False) -> None:
         super().__init__(runtime, cfg, rows=cfg.capacity if preallocate else 0)
-        group = getattr(runtime, "group", None)
-        self.group = group if group is not None else self.cpu_group
         initialised = dist.is_available() and dist.is_initialized()
         if cfg.world_size > 1:
             if not initialised:
@@ -172,6 +170,14 @@ class A2aEpBuffer(HostEpBuffer):
                           and dist.get_backend(self.group) == "gloo")
         self._calls = 0
         self._token = object()
+
+    @property
+    def group(self) -> Any:
+        """The group the rows travel over: the runtime's ``group``, else ``cpu_group``; read from the runtime
+        at every use (None once closed), so that a buffer outliving its runtime does not keep the process
+        group alive (``HostEpBuffer.cpu_group``)."""
+        group = None if self._closed else getattr(self.runtime, "group", None)
+        return group if group is not None else self.cpu_group
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -346,7 +352,7 @@ class A2aEpBuffer(HostEpBuffer):
             layout = check_combine_layout(handle, algorithm)
             # The rank layout has one combine: the expert layout's algorithms do not apply to it.
             algo = None if layout == "rank" else resolve_combine_algorithm(c, algorithm)
-            check_combine_input(c, dev, y)
+            check_combine_input(c, dev, y, handle, self._route_of(handle).num_recv)
             route = self._route_of(handle)
         except Exception as exc:  # the peers must still learn of it in the same collective
             error = exc

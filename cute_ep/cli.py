@@ -25,7 +25,14 @@ import torch
 from cute_ep.collectives import all_gather_objects as all_gather
 from cute_ep.collectives import broadcast_from_root as broadcast_from_rank0
 from cute_ep.reference import apply_test_expert, global_expert_of_rows
-from cute_ep.usage import EXIT_USAGE, REPEAT_DELAY_S, UsageError, launch_rank, report_usage_error
+from cute_ep.usage import (
+    EXIT_USAGE,
+    REPEAT_DELAY_S,
+    UsageError,
+    launch_rank,
+    report_usage_error,
+    write_stderr,
+)
 
 if TYPE_CHECKING:
     from cute_ep.bootstrap.dist_env import DistEnv
@@ -77,10 +84,17 @@ def exit_process(code: int) -> None:
     """End a launched script with ``code`` after its run has finished (process groups destroyed, output
     written), skipping the interpreter's teardown.
 
-    Why: about one gloo launch in 15-30 aborted (SIGABRT, "terminate called without an active
-    exception") during interpreter finalization after a complete, correct run, which turned its exit
-    status into -6. Gloo's worker threads can still hold objects that need the GIL while the
-    interpreter is torn down (pytorch/pytorch#179291 describes the mechanism).
+    Still used only by the scripts that need GPUs (benchmark.py, kernel_times.py, decode_breakdown.py,
+    status_read_ab.py): their exit on GPUs (NVSHMEM, NCCL, CUDA) has not been measured without it yet.
+
+    Why it was added: some gloo launches aborted in the interpreter's exit after a complete, correct run
+    (SIGABRT, "terminate called without an active exception", exit status -6): a gloo worker thread that
+    frees a collective's tensors after the exit began takes the GIL and is ended (pytorch/pytorch PR
+    #179291 describes it). ``Runtime.close`` now frees its process groups, which joins those threads
+    first. Measured on a 2-core CPU machine with gloo's workers stalled 2 ms at every lock
+    (tests/_exit_checks.py), which makes the abort certain while a group outlives the run: the examples
+    (quickstart, moe_layer, echo_training) and scripts/dispatch_and_combine.py, profile_backends.py,
+    soak.py, moe_layer_bench.py and echo_bench.py, reference backend, 1 or 2 ranks, all exit 0 without it.
     """
     sys.stdout.flush()
     sys.stderr.flush()
@@ -332,11 +346,14 @@ def report_setup_error(exc: BaseException) -> int:
     """Print one of ``setup_errors()`` as one line ``error: ...`` and return EXIT_USAGE.
 
     Arguments and configuration are checked alike on every rank (``report_usage_error``: rank 0 first);
-    a launch environment error may differ per rank, so every rank prints its own at once.
+    a launch environment error may differ per rank, so every rank prints its own at once, unless it is
+    one every rank gets alike (``DistEnvError.alike``, e.g. a --local-world-size that does not divide
+    the ranks per host): then rank 0's line is normally the only one.
     """
     from cute_ep.bootstrap.dist_env import DistEnvError
 
-    return report_usage_error(exc, alike=not isinstance(exc, DistEnvError))
+    alike = not isinstance(exc, DistEnvError) or getattr(exc, "alike", False)
+    return report_usage_error(exc, alike=alike)
 
 
 def require_cuda(what: str, instead: str = "") -> None:
@@ -390,7 +407,8 @@ def script_main(
     args = build_parser().parse_args(argv)
     try:
         validate_args(args)
-        env = DistEnv.from_environ(local_world_size=getattr(args, "local_world_size", None))
+        env = DistEnv.from_environ(local_world_size=getattr(args, "local_world_size", None),
+                                   local_world_size_name="--local-world-size")
         cfg = make_config(args, env)
         check_backends_run_here(args)
     except setup_errors() as exc:
@@ -423,11 +441,12 @@ def print_run_error(rank: int, exc: BaseException, show_traceback: bool) -> None
 
     Call it from the ``except`` block that caught ``exc`` (the traceback is the one being handled).
     """
-    print(f"rank {rank}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     if show_traceback:
+        write_stderr(f"rank {rank}: error: {type(exc).__name__}: {exc}")
         traceback.print_exc()
-    else:
-        print(f"rank {rank}: (run with --traceback for the traceback)", file=sys.stderr, flush=True)
+    else:  # both lines in one write: ranks failing together do not interleave them
+        write_stderr(f"rank {rank}: error: {type(exc).__name__}: {exc}\n"
+                     f"rank {rank}: (run with --traceback for the traceback)")
 
 
 def leave(runtime: Runtime, exc: BaseException, code: int, *, meet: bool = True) -> int:
@@ -440,7 +459,7 @@ def leave(runtime: Runtime, exc: BaseException, code: int, *, meet: bool = True)
     status, and rank 0 must not be stopped before it has printed.
     """
     if runtime.env.rank == 0:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        write_stderr(f"error: {exc}")
     if meet:
         runtime.barrier()
     elif runtime.env.rank != 0:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from cute_ep.api import BackendBase, DispatchHandle, DispatchResult
 from cute_ep.fp8 import pack_fp8_rows, quantize_fp8, unpack_fp8_rows
-from cute_ep.input_checks import check_buffer_config
+from cute_ep.input_checks import check_buffer_config, note_dispatch_rows
 from cute_ep.kernels.config import EpConfig
 from cute_ep.status import capacity_error
 
@@ -42,7 +42,6 @@ class HostEpBuffer(BackendBase):
         self.rank = runtime.env.rank
         device = getattr(runtime, "device", None)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.cpu_group = getattr(runtime, "cpu_group", None)
         self._closed = False
         # Rows dropped per global expert beyond cfg.expert_capacity, since the last report (same on
         # every rank: every rank knows every rank's counts).
@@ -83,6 +82,16 @@ class HostEpBuffer(BackendBase):
         self._ensure_rows(num_recv)
         return self.recv_y[:num_recv]
 
+    @property
+    def cpu_group(self) -> Any:
+        """The runtime's group for host-side collectives; None once this buffer or its runtime is closed.
+
+        Read from the runtime at every use, never kept: a buffer that outlives its ``Runtime`` (a variable
+        still set after the ``with`` block) must not keep the process group alive, or gloo's worker
+        threads live on into the interpreter's exit, where they can abort it (``Runtime.close`` says how).
+        """
+        return None if self._closed else getattr(self.runtime, "cpu_group", None)
+
     def close(self) -> None:
         """Release the buffers (collective, like EpBuffer.close). Safe to call twice."""
         self._close(collective=True)
@@ -100,6 +109,7 @@ class HostEpBuffer(BackendBase):
         ``recv_count``), as the GPU buffer returns. ``dropped`` [E]: rows the dispatch dropped beyond
         expert capacity, counted here and raised now (``sync``) or by the next ``check_capacity``."""
         count = torch.tensor([n], dtype=torch.int32, device=self.device)
+        note_dispatch_rows(handle, n)  # combine's y: these n rows (or the views' whole capacity)
         by_rank = layout == "rank"
         rows = n if sync else self.cfg.rank_capacity if by_rank else self.cfg.capacity
         self._ensure_rows(rows)
@@ -183,11 +193,12 @@ class HostEpBuffer(BackendBase):
     def _close(self, *, collective: bool) -> None:
         if self._closed:
             return
-        self._closed = True
+        group = self.cpu_group
+        self._closed = True  # from here on the buffer refers to no process group (``cpu_group`` is None)
         if collective and dist.is_available() and dist.is_initialized() and self.cfg.world_size > 1:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            dist.barrier(group=self.cpu_group)
+            dist.barrier(group=group)
         self._allocate(0)
 
     def _ensure_rows(self, n: int) -> None:

@@ -91,9 +91,14 @@ class ReferenceEpBuffer(HostEpBuffer):
 
     def __init__(self, runtime: Any, cfg: EpConfig) -> None:
         super().__init__(runtime, cfg)
-        self.group = self.cpu_group
         self._calls = 0  # dispatch calls so far: seeds the atomic-mode shuffle
         self._num_recv = 0
+
+    @property
+    def group(self) -> Any:
+        """The group of the all-gathers: ``cpu_group``, read from the runtime at every use (None once closed),
+        so that a buffer outliving its runtime does not keep the process group alive."""
+        return self.cpu_group
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -195,7 +200,7 @@ class ReferenceEpBuffer(HostEpBuffer):
             layout = check_combine_layout(handle, algorithm)
             # The rank layout has one combine: the expert layout's algorithms do not apply to it.
             algo = "rank" if layout == "rank" else resolve_combine_algorithm(c, algorithm)
-            check_combine_input(c, self.device, y)
+            check_combine_input(c, self.device, y, handle, self._num_recv)  # y: num_recv rows of its dispatch
             bad_y = None
         except ValueError as exc:
             bad_y = str(exc)

@@ -34,7 +34,7 @@ from torch import Tensor
 from cute_ep import ElasticExperts, EpConfig
 from cute_ep import autograd as ep
 from cute_ep.bootstrap import DistEnv, Runtime
-from cute_ep.cli import BACKENDS, Printer, UsageError, exit_process, make_buffer, runtime_backend, script_main
+from cute_ep.cli import BACKENDS, Printer, UsageError, make_buffer, runtime_backend, script_main
 from cute_ep.skew import zipf_topk
 from cute_ep.usage import script_parser
 
@@ -189,5 +189,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Skip the interpreter's teardown: gloo's threads can abort it after a complete run (see cli.py).
-    exit_process(main())
+    raise SystemExit(main())

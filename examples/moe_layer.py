@@ -37,7 +37,6 @@ from cute_ep.cli import (
     DTYPES,
     Printer,
     UsageError,
-    exit_process,
     make_buffer,
     runtime_backend,
     script_main,
@@ -149,5 +148,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Skip the interpreter's teardown: gloo's threads can abort it after a complete run (see cli.py).
-    exit_process(main())
+    raise SystemExit(main())

@@ -31,7 +31,7 @@ from torch import Tensor
 import cute_ep.reference as ref
 from cute_ep import EpConfig
 from cute_ep.bootstrap import DistEnv, Runtime
-from cute_ep.cli import BACKENDS, DTYPES, Printer, exit_process, make_buffer, runtime_backend, script_main
+from cute_ep.cli import BACKENDS, DTYPES, Printer, make_buffer, runtime_backend, script_main
 from cute_ep.collectives import all_gather_objects, world_of
 from cute_ep.usage import script_parser
 
@@ -120,5 +120,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Skip the interpreter's teardown: gloo's threads can abort it after a complete run (see cli.py).
-    exit_process(main())
+    raise SystemExit(main())

@@ -87,7 +87,6 @@ from cute_ep.cli import (
     check_run_args,
     config_from_args,
     describe_rank,
-    exit_process,
     fill_expert_output,
     leave,
     run_buffer,
@@ -429,4 +428,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    raise SystemExit(main())

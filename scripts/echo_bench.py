@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cute_ep import bench_report as br
     from cute_ep.bootstrap import DistEnv, Runtime
-    from cute_ep.cli import Printer, exit_process
+    from cute_ep.cli import Printer
     from cute_ep.kernels.config import EpConfig
 
     env = DistEnv.from_environ()
@@ -389,7 +389,6 @@ def main(argv: list[str] | None = None) -> int:
         if env.rank == 0 and args.out_png:
             plot(report, args.out_png)
         rt.barrier()
-    exit_process(code)
     return code
 
 

@@ -567,7 +567,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    from cute_ep.cli import exit_process  # after main: --help and bad arguments exit before torch loads
-
-    exit_process(code)
+    raise SystemExit(main())

@@ -44,7 +44,6 @@ from cute_ep.cli import (
     UsageError,
     add_combine_arg,
     config_from_args,
-    exit_process,
     make_buffer,
     runtime_backend,
     script_main,
@@ -158,4 +157,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    raise SystemExit(main())

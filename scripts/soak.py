@@ -145,7 +145,6 @@ from cute_ep.cli import (
     check_fp8_capacity_args,
     check_run_args,
     config_from_args,
-    exit_process,
     fill_expert_output,
     run_buffer,
     runtime_backend,
@@ -914,4 +913,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    raise SystemExit(main())

@@ -1,6 +1,11 @@
 """examples/quickstart.py on the CPU: launched for real (torchrun with 2 ranks on the reference and the
 all-to-all backends, and a plain single process), and its check shown to reject wrong outputs
-(imported from the file and called in-process, a world of one without a process group)."""
+(imported from the file and called in-process, a world of one without a process group).
+
+On the reference backend every run must also end cleanly, 20 runs in a world of one and 10 at 2 ranks (a few
+at a time, output to pipes): exit status 0, PASS, every rank's line. The example ends like any program,
+through the interpreter's exit, which gloo's worker threads once aborted in some runs (tests/_exit_checks.py).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import REPO, example_rank_lines, run_single, torchrun
+from _exit_checks import failed_runs, run_forked
+from _launch import REPO, example_rank_lines, torchrun
 from torch import Tensor
 
 from cute_ep.bootstrap.dist_env import DistEnv
@@ -21,6 +27,8 @@ from cute_ep.reference_backend import ReferenceEpBuffer
 
 EXAMPLE = REPO / "examples" / "quickstart.py"
 TIMEOUT = 120
+PARALLEL = 2  # launches at a time (2 cores: more only queue)
+REPEAT_TIMEOUT = 300  # a run among others on a loaded machine
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -30,13 +38,34 @@ def _assert_passed(proc: subprocess.CompletedProcess, world: int) -> None:
     assert not any("MISMATCH" in ln for ln in rank_lines), text
 
 
-@pytest.mark.parametrize("backend", ["reference", "a2a"])
-def test_torchrun_two_ranks_pass(backend: str) -> None:
-    _assert_passed(torchrun(EXAMPLE, 2, "--backend", backend, timeout=TIMEOUT), world=2)
+def test_torchrun_two_ranks_pass_on_the_all_to_all_backend() -> None:
+    _assert_passed(torchrun(EXAMPLE, 2, "--backend", "a2a", timeout=TIMEOUT), world=2)
 
 
-def test_plain_python_is_a_world_of_one() -> None:
-    _assert_passed(run_single(EXAMPLE, "--backend", "reference", timeout=TIMEOUT), world=1)
+def _passed(world: int) -> Callable[[str], bool]:
+    """Whether an example's stdout is a passing run of ``world`` ranks: a line per rank, no MISMATCH, PASS."""
+
+    def ok(out: str) -> bool:
+        lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+        rank_lines = [ln for ln in lines if "rows received" in ln]
+        return (bool(lines) and lines[-1] == "PASS" and len(rank_lines) == world
+                and not any("MISMATCH" in ln for ln in rank_lines))
+
+    return ok
+
+
+def test_plain_python_ends_cleanly_20_times_in_a_world_of_one() -> None:
+    procs = run_forked(EXAMPLE, 20, 1, "--backend", "reference", cwd=REPO, timeout=REPEAT_TIMEOUT,
+                       parallel=PARALLEL)
+    bad = failed_runs(procs, _passed(1))
+    assert not bad, f"{len(bad)} of 20 runs failed:\n" + "\n".join(bad)
+
+
+def test_torchrun_two_ranks_end_cleanly_10_times_on_the_reference_backend() -> None:
+    procs = run_forked(EXAMPLE, 10, 2, "--backend", "reference", cwd=REPO, timeout=REPEAT_TIMEOUT,
+                       parallel=PARALLEL)
+    bad = failed_runs(procs, _passed(2))
+    assert not bad, f"{len(bad)} of 10 runs failed:\n" + "\n".join(bad)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,84 @@
+"""Run a Python program many times, each run in a process forked from this one after torch and cute_ep are
+imported, so a run costs the program itself and its exit, not the imports (about 2 s a process on a 2-core
+machine). Each run's process ends the way a program does (``sys.exit``: the interpreter's whole exit,
+atexit handlers, the garbage collector, its threads), which is what the repeated-exit tests check.
+
+    python tests/_zygote.py OUT_DIR RUNS WORLD PARALLEL SCRIPT [ARGS...]
+
+A run of WORLD > 1 forks WORLD processes with the launch variables torchrun would give them (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: a free port per run). PARALLEL runs at a
+time. Each process writes its output to OUT_DIR/run<i>_rank<r>.out / .err and its exit status to
+OUT_DIR/run<i>_rank<r>.status (a negative number: killed by that signal). Not a test module (the leading
+underscore keeps pytest from collecting it); tests/_exit_checks.py runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import types
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _child(out: Path, run: int, rank: int, world: int, port: int, script: str, args: list[str]) -> None:
+    """In the forked process: the launch variables, output to files, the program as ``__main__``, then the
+    interpreter's normal exit with the program's status (never returns)."""
+    if world > 1:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for fd, suffix in ((1, "out"), (2, "err")):
+        target = os.open(out / f"run{run}_rank{rank}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = [script, *args]
+    sys.path[0] = str(Path(script).resolve().parent)
+    # The program's module is __main__, as when Python runs a file: its globals (a buffer, a runtime) live
+    # until the interpreter's exit, where the exit tests look.
+    main_module = types.ModuleType("__main__")
+    main_module.__file__ = script
+    sys.modules["__main__"] = main_module
+    code: object = 0
+    try:
+        exec(compile(Path(script).read_text(), script, "exec"), main_module.__dict__)
+    except SystemExit as exc:
+        code = exc.code
+    raise SystemExit(code)  # unwinds to the top: the interpreter exits as after any program
+
+
+def main() -> None:
+    out, runs, world, parallel, script, *args = sys.argv[1:]
+    out, runs, world, parallel = Path(out), int(runs), int(world), int(parallel)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch  # noqa: F401  (imported once here, inherited by every run)
+
+    import cute_ep  # noqa: F401
+    import cute_ep.reference_backend  # noqa: F401
+
+    running: dict[int, tuple[int, int]] = {}  # pid -> (run, rank)
+    next_run = 0
+    while next_run < runs or running:
+        while next_run < runs and len({r for r, _ in running.values()}) < parallel:
+            port = _free_port()
+            for rank in range(world):
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(out, next_run, rank, world, port, script, args)
+                running[pid] = (next_run, rank)
+            next_run += 1
+        pid, status = os.wait()
+        run, rank = running.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        (out / f"run{run}_rank{rank}.status").write_text(str(code))
+
+
+if __name__ == "__main__":
+    main()
