@@ -57,7 +57,16 @@ _SLURM_MASTER_HINT = (
 
 
 class DistEnvError(ValueError):
-    """The launch environment is missing something or is inconsistent."""
+    """The launch environment is missing something or is inconsistent.
+
+    ``alike``: every rank of the launch gets this same error (a virtual node size that does not divide
+    the ranks per host, say), so one rank's line tells the user everything; otherwise (the default) each
+    rank may get its own, and each prints it (``cute_ep.cli.report_setup_error``).
+    """
+
+    def __init__(self, message: str, *, alike: bool = False) -> None:
+        super().__init__(message)
+        self.alike = alike
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,12 +232,15 @@ class DistEnv:
 
     @classmethod
     def from_environ(
-        cls, environ: Mapping[str, str] | None = None, *, local_world_size: int | None = None
+        cls, environ: Mapping[str, str] | None = None, *, local_world_size: int | None = None,
+        local_world_size_name: str = "local_world_size",
     ) -> DistEnv:
         """Read the launcher's variables (torchrun, then srun, else a single process) and validate.
 
         `local_world_size` (or, if it is None, `CUTE_EP_LOCAL_WORLD_SIZE`) splits each host into
-        virtual nodes of that many ranks; it must divide the number of processes per host.
+        virtual nodes of that many ranks; it must divide the number of processes per host (the error,
+        the same on every rank, is a `DistEnvError` with `alike` set, naming the valid sizes).
+        `local_world_size_name`: what the error calls the keyword, e.g. a script's "--local-world-size".
         """
         if environ is None:
             import os
@@ -271,7 +283,7 @@ class DistEnv:
                 f"use block distribution (srun's default, not --distribution=cyclic)"
             )
 
-        effective = _resolve_override(environ, local_world_size, physical, world_size)
+        effective = _resolve_override(environ, local_world_size, physical, world_size, local_world_size_name)
         return cls(
             rank=rank,
             world_size=world_size,
@@ -391,28 +403,34 @@ def _from_single(environ: Mapping[str, str]) -> _Launch:
     return _Launch(0, 1, 0, 1, master_addr, master_port, "single", _TORCHRUN_NAMES)
 
 
-def _resolve_override(environ: Mapping[str, str], keyword: int | None, physical: int, world_size: int) -> int:
-    """Effective local world size: keyword, else CUTE_EP_LOCAL_WORLD_SIZE, else the physical one."""
+def _resolve_override(environ: Mapping[str, str], keyword: int | None, physical: int, world_size: int,
+                      keyword_name: str = "local_world_size") -> int:
+    """Effective local world size: keyword (called ``keyword_name`` in errors), else
+    CUTE_EP_LOCAL_WORLD_SIZE, else the physical one."""
     if keyword is not None:
-        name, shown = "local_world_size", repr(keyword)
+        name = keyword_name
+        shown = f" {keyword!r}" if keyword_name.startswith("--") else f"={keyword!r}"
         if isinstance(keyword, bool) or not isinstance(keyword, int):
-            raise DistEnvError(f"local_world_size={keyword!r} is not an integer")
+            raise DistEnvError(f"{name}{shown} is not an integer", alike=True)
         value = keyword
     else:
         raw = environ.get(LOCAL_WORLD_SIZE_OVERRIDE_VAR, "")
         if not raw.strip():
             return physical  # unset or empty: no override
-        name, shown = LOCAL_WORLD_SIZE_OVERRIDE_VAR, repr(raw)
+        name, shown = LOCAL_WORLD_SIZE_OVERRIDE_VAR, f"={raw!r}"
         value = _parse_int(name, raw, minimum=1)
     if value < 1:
-        raise DistEnvError(f"{name}={shown} must be >= 1")
+        raise DistEnvError(f"{name}{shown} must be >= 1", alike=True)
     # Virtual nodes must not straddle hosts: a straddling "node" would route its "same node"
     # traffic over the network path it claims not to use. Dividing the host size also makes the
     # override divide world_size, since every host runs the same number of ranks.
     if physical % value:
+        sizes = [d for d in range(1, physical + 1) if physical % d == 0]
+        choices = ", ".join(map(str, sizes[:-1])) + f" or {sizes[-1]}" if len(sizes) > 1 else str(sizes[0])
         raise DistEnvError(
-            f"{name}={shown} does not divide the {physical} processes on this host "
-            f"(and world size {world_size}): virtual nodes must not straddle hosts"
+            f"{name}{shown} does not divide the {physical} processes on this host "
+            f"(and world size {world_size}): virtual nodes must not straddle hosts; use {choices}",
+            alike=True,
         )
     return value
 

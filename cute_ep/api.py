@@ -169,7 +169,10 @@ class EpBackend(Protocol):
         Args:
             y: [N, H] cfg.dtype, this rank's expert outputs in ``recv_x``'s row order. For a rank-layout
                 handle: one row per received row, already reduced over this rank's experts and
-                weighted by the caller.
+                weighted by the caller. N is the ``num_recv`` of the dispatch that made ``handle``, or
+                the rows the views of ``dispatch(sync=False)`` cover (``cfg.capacity``; in the rank
+                layout ``cfg.rank_capacity``), which is the only count accepted after a GPU
+                ``dispatch(sync=False)``; any other count raises ``ValueError`` naming both.
             handle: ``DispatchResult.handle`` of the dispatch whose rows y holds.
             algorithm: "pull" (out[t] = sum over k ascending of w[t, k] * y_owner[slot(t, k)], fp32,
                 bit-identical to ``cute_ep.reference.reference_combine``) or "reduced" (per expert

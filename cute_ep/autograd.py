@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from cute_ep.api import DispatchHandle, DispatchResult
+from cute_ep.input_checks import InputTypeError, check_tensor_args
 
 __all__ = ["combine", "dispatch"]
 
@@ -59,6 +60,30 @@ def _check_mode(mode: str) -> None:
         raise ValueError(
             f"differentiable dispatch/combine need mode 'scatter' (atomic slots change between the "
             f"forward and the backward dispatch), got {mode!r}"
+        )
+
+
+def _check_tensors(buf: Any, *args: tuple[str, Any, str, torch.dtype | None]) -> None:
+    """InputTypeError for the first (name, value, expected, dtype) whose value is not a tensor; dtype
+    None: the buffer's ``cfg.dtype``, whose name ``expected`` may hold as ``{dtype}``, and its rows'
+    width as ``{hidden}``."""
+    cfg = getattr(buf, "cfg", None)
+    rows = getattr(cfg, "dtype", torch.float32)
+    hidden = getattr(cfg, "hidden", "H")
+    check_tensor_args(getattr(buf, "device", "cpu"),
+                      *((name, value, expected.format(dtype=rows, hidden=hidden), dtype or rows)
+                        for name, value, expected, dtype in args))
+
+
+def _check_weights(topk_weights: Tensor, handle: DispatchHandle) -> None:
+    """combine's ``topk_weights`` replace the handle's: the same [T, K] shape, a floating dtype. (The
+    GPU kernels read T * K weights from where they are: a smaller tensor would be read past its end.)"""
+    want = tuple(handle.topk_idx.shape)
+    if tuple(topk_weights.shape) != want or not topk_weights.is_floating_point():
+        raise ValueError(
+            f"topk_weights must be {list(want)} (num_tokens x topk of the handle) and floating point, got "
+            f"{list(topk_weights.shape)} {topk_weights.dtype}: pass the [T, K] router weights of the tokens "
+            f"that the dispatch of this handle sent"
         )
 
 
@@ -165,6 +190,8 @@ def dispatch(buf: Any, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, mode: 
     rows, no host sync). Collective.
     """
     _check_mode(mode)
+    if not isinstance(x, Tensor):
+        _check_tensors(buf, ("x", x, "[T, {hidden}] {dtype}", None))
     box: dict = {}
     recv_x = _Dispatch.apply(x, buf, topk_idx, topk_weights, mode, box, sync, stream, previous_event)
     res = box["result"]
@@ -176,9 +203,20 @@ def combine(buf: Any, y: Tensor, topk_weights: Tensor, handle: DispatchHandle, *
             stream: Any = None, previous_event: Any = None) -> Tensor:
     """out [T, H] = sum over k of topk_weights[t, k] * y[slot(t, k)] on the owner, differentiable with
     respect to ``y`` [num_recv, H] (this rank's expert outputs, rows in recv_x's order) and
-    ``topk_weights`` [T, K] (e.g. a router's softmax). ``handle`` comes from ``dispatch``. sync: the
+    ``topk_weights`` [T, K] (e.g. a router's softmax; any floating dtype, ``ValueError`` for another
+    shape). ``handle`` comes from ``dispatch``; y's rows are checked by the buffer's combine (the
+    dispatch's num_recv, or ``cfg.capacity`` after ``sync=False``). sync: the
     ``sync`` of the backward's dispatch (pass the forward dispatch's); stream, previous_event: see the
     module docstring. Collective.
     """
+    if not hasattr(handle, "mode") or not hasattr(handle, "topk_idx"):
+        raise InputTypeError(
+            f"handle must be the DispatchHandle of a dispatch (res.handle), got {type(handle).__name__}"
+        )
     _check_mode(handle.mode)
+    if not (isinstance(y, Tensor) and isinstance(topk_weights, Tensor)):
+        weights = f"{list(handle.topk_idx.shape)} float32"
+        _check_tensors(buf, ("y", y, "[num_recv, {hidden}] {dtype}", None),
+                       ("topk_weights", topk_weights, weights, torch.float32))
+    _check_weights(topk_weights, handle)
     return _Combine.apply(y, topk_weights, buf, handle, sync, stream, previous_event)

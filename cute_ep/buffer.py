@@ -26,7 +26,7 @@ closed and rebuilt.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import SimpleNamespace
 from typing import Any
@@ -38,11 +38,13 @@ from cute_ep.input_checks import (
     check_buffer_config,
     check_combine_input,
     check_combine_layout,
+    check_combine_out,
     check_dispatch_algorithm,
     check_dispatch_inputs,
     check_dispatch_options,
     check_layout,
     check_topk_values,
+    note_dispatch_rows,
     resolve_combine_algorithm,
 )
 from cute_ep.kernels.buffers import BUFFERS, CALL, HOST, STATUS, SYMMETRIC, Buffer, Pointers, buffers_of
@@ -102,6 +104,8 @@ class EpBuffer(BackendBase):
     same name (``recv_x``, ``signals``, ``epochs``, ...), allocated from its table shape.
     """
 
+    _dispatches = 0  # dispatches so far (a count read for an older one would be a later one's)
+
     def __init__(self, runtime: Any, cfg: EpConfig, registry: Any = None, algorithm: str = "dedup",
                  profile_cache: Any = None) -> None:
         check_dispatch_algorithm(algorithm, allow_auto=True)
@@ -137,6 +141,7 @@ class EpBuffer(BackendBase):
                 setattr(self, b.name, self._allocate(b))
         self._calls = [0, 0, 0]  # launches per operation: the epochs a completed call reaches
         self._sent: tuple[torch.Tensor, torch.Tensor] | None = None  # routing of the latest dispatch
+        self._latest_recv: int | None = None  # its num_recv (None: not read back, sync=False or launch_*)
         self._drops = torch.zeros(cfg.num_experts, dtype=torch.int64)  # read from the device, not reported
         self.poison()
         runtime.barrier()  # synchronizes the device first: every rank's signals are zero before any signal
@@ -236,6 +241,11 @@ class EpBuffer(BackendBase):
                 check_topk_values(c, topk_idx)  # this rank's own inputs: the message names them
                 raise ValueError(f"dispatch: {refused}")
             num_recv = status["num_recv"]
+        # What combine's y must hold for this handle (check_combine_input): the count; without sync the
+        # whole capacity, or as many rows as the count on the device says (read only for such a y).
+        self._dispatches += 1
+        self._latest_recv = num_recv if status is not None else None
+        note_dispatch_rows(handle, num_recv if status is not None else self._count_reader())
         recv_x, recv_scales = self.recv_x[:num_recv], None
         if fp8:  # either layout (the rank layout's num_recv <= cfg.rank_capacity <= cfg.capacity)
             recv_x, recv_scales = self.fp8_views(num_recv)
@@ -255,6 +265,7 @@ class EpBuffer(BackendBase):
         c = self.cfg
         c.check_fp8()
         n = c.capacity if num_recv is None else num_recv
+        self._check_num_recv(n)
         p = c.fp8_row_bytes
         return self.recv_x.view(torch.uint8).view(-1)[: c.capacity * p].view(c.capacity, p)[:n]
 
@@ -281,6 +292,9 @@ class EpBuffer(BackendBase):
         t = x.shape[0]
         handle = DispatchHandle(topk_idx, topk_weights, self.scatter[:t], t, mode, layout)
         self._sent = (topk_idx, topk_weights)
+        self._dispatches += 1
+        self._latest_recv = None  # the count stays on the device: combine takes y of the whole capacity
+        note_dispatch_rows(handle, None)
         return handle
 
     def _enqueue_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -304,12 +318,19 @@ class EpBuffer(BackendBase):
                      **variant(layout, self.cfg.combine_algorithm).scalars)
 
     def launch_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None = None) -> None:
-        """Enqueue the combine kernel(s) on the current stream: no checks, no host sync (capturable).
+        """Enqueue the combine kernel(s) on the current stream: no host sync (capturable), and of the
+        arguments only ``out`` is checked (host-side: its shape, dtype, device and contiguity).
 
-        Reads the symmetric ``recv_y`` (see ``expert_output``); out [handle.num_tokens, H] cfg.dtype.
+        Reads the symmetric ``recv_y`` (see ``expert_output``); out [handle.num_tokens, H] cfg.dtype,
+        contiguous, on the buffer's device (``ValueError`` otherwise: the kernels write every row).
         algorithm: "pull" or "reduced" (default: ``cfg.combine_algorithm``); see ``combine``. A rank-layout
         handle's combine has one algorithm (``algorithm`` is ignored).
         """
+        check_combine_out(self.cfg, self.device, out, handle.num_tokens)
+        self._enqueue_combine(handle, out, algorithm)
+
+    def _enqueue_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None) -> None:
+        """``launch_combine`` without the check of ``out`` (``combine`` makes its own)."""
         t = handle.num_tokens
         # The kernels read the handle's slots where they are (a handle from dispatch() owns a copy): no
         # copy into the buffer's ``scatter`` unless they are not laid out as it is.
@@ -324,6 +345,16 @@ class EpBuffer(BackendBase):
         """The symmetric [num_recv, H] buffer combine reads; experts writing here save a copy."""
         self._check_num_recv(num_recv)
         return self.recv_y[:num_recv]
+
+    def _count_reader(self) -> Callable[[], int | None]:
+        """Reads this dispatch's received-row count on the device (a host sync), or None once a later
+        dispatch has overwritten it."""
+        serial = self._dispatches
+
+        def read() -> int | None:
+            return int(self.num_recv[0].item()) if self._dispatches == serial and not self._closed else None
+
+        return read
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, algorithm: str | None = None, *,
                 stream: torch.cuda.Stream | None = None, previous_event: torch.cuda.Event | None = None
@@ -342,14 +373,16 @@ class EpBuffer(BackendBase):
         """
         self._check_open()
         c = self.cfg
-        check_combine_input(c, self.device, y)
+        # y's rows: the handle's dispatch's num_recv (noted at the dispatch), or the whole capacity.
+        check_combine_input(c, self.device, y, handle, self._latest_recv)
+        self._check_kernel_handle(handle)
         self._check_combine_algorithm(handle, algorithm)
         out = torch.empty((handle.num_tokens, c.hidden), dtype=c.dtype, device=self.device)
         with self._on_stream(stream, previous_event, y, out, handle.topk_idx, handle.topk_weights,
                              handle.scatter):
             if y.data_ptr() != self.recv_y.data_ptr():
                 self.recv_y[: y.shape[0]].copy_(y)
-            self.launch_combine(handle, out, algorithm)
+            self._enqueue_combine(handle, out, algorithm)
         return out
 
     def close(self) -> None:
@@ -441,6 +474,22 @@ class EpBuffer(BackendBase):
             raise ValueError(  # the layout kernel's per-warp counts of experts and ranks in shared memory
                 f"layout='rank' needs 2 * num_experts + world_size <= {LAYOUT_SMEM_INTS}, got "
                 f"{2 * c.num_experts + c.world_size}"
+            )
+
+    @staticmethod
+    def _check_kernel_handle(handle: DispatchHandle) -> None:
+        """The kernels read the handle's ids as contiguous int32 and its weights as contiguous fp32 where
+        they are (``check_combine_input`` has checked the shapes and the other dtypes)."""
+        idx, w = handle.topk_idx, handle.topk_weights
+        if idx.dtype != torch.int32 or not idx.is_contiguous():
+            raise ValueError(
+                f"handle.topk_idx must be contiguous int32 for the kernels, got {idx.dtype} with stride "
+                f"{idx.stride()}: pass topk_idx.to(torch.int32).contiguous()"
+            )
+        if not w.is_contiguous():
+            raise ValueError(
+                f"handle.topk_weights must be contiguous for the kernels, got stride {w.stride()}: pass "
+                f"topk_weights.contiguous()"
             )
 
     def _check_combine_algorithm(self, handle: DispatchHandle, algorithm: str | None) -> None:

@@ -8,29 +8,54 @@ this module imports no GPU library.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from cute_ep.api import LAYOUTS
+from cute_ep.api import LAYOUTS, DispatchResult
 from cute_ep.kernels.config import COMBINE_ALGORITHMS, DISPATCH_ALGORITHMS, MODES, ConfigError, EpConfig
 
 __all__ = [
+    "InputTypeError",
     "check_buffer_config",
     "check_combine_input",
     "check_combine_layout",
+    "check_combine_out",
     "check_dispatch_algorithm",
     "check_dispatch_call",
     "check_dispatch_inputs",
     "check_dispatch_options",
     "check_layout",
     "check_sm_budget",
+    "check_tensor_args",
     "check_topk_values",
+    "dispatch_rows",
     "fit_hint",
     "max_tokens_that_fit",
+    "note_dispatch_rows",
     "resolve_combine_algorithm",
 ]
+
+
+class InputTypeError(TypeError, ValueError):
+    """An argument that should be a tensor (or a dispatch handle) is something else, e.g. a Python list.
+
+    A ``TypeError``, and a ``ValueError`` too: code that catches the ValueError every other bad input
+    raises (the backends do, to tell their peers before a collective) catches this one as well."""
+
+
+def check_tensor_args(device: torch.device, *args: tuple[str, Any, str, torch.dtype]) -> None:
+    """Raise ``InputTypeError`` for the first of ``args`` = (name, value, expected shape and dtype,
+    dtype to convert to) whose value is not a ``torch.Tensor``: the message names the argument, the type
+    it got, what is expected and how to convert it. The messages are built only on failure."""
+    for name, value, expected, dtype in args:
+        if not isinstance(value, torch.Tensor):
+            raise InputTypeError(
+                f"{name} must be a torch.Tensor {expected} on {device}, got {type(value).__name__}; "
+                f"convert it with torch.as_tensor({name}, dtype={dtype}, device={str(device)!r})"
+            )
 
 
 def check_dispatch_algorithm(algorithm: str | None, *, allow_auto: bool = False) -> None:
@@ -117,13 +142,19 @@ def check_dispatch_inputs(cfg: EpConfig, device: torch.device, x: torch.Tensor, 
                           topk_weights: torch.Tensor, *, values: bool = True
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate dispatch inputs against ``cfg`` (every backend uses this); returns (x, topk_idx as
-    contiguous int32, topk_weights). Errors name the constraint and the value.
+    contiguous int32, topk_weights). Errors name the constraint and the value; an argument that is not a
+    tensor raises ``InputTypeError``.
 
     Devices, shapes, dtypes and contiguity are checked on the host (no sync). ``values``: also check the
     ids' values (``check_topk_values``, one host sync). The GPU buffer passes False: its layout kernel
     checks them on the device, and the int64 ids are clamped to [-2, E] before they become int32, so a
     value no int32 holds is still refused there."""
     c = cfg
+    if not (isinstance(x, torch.Tensor) and isinstance(topk_idx, torch.Tensor)
+            and isinstance(topk_weights, torch.Tensor)):
+        check_tensor_args(device, ("x", x, f"[T, {c.hidden}] {c.dtype}", c.dtype),
+                          ("topk_idx", topk_idx, f"[T, {c.topk}] int32/int64", torch.int32),
+                          ("topk_weights", topk_weights, f"[T, {c.topk}] float32", torch.float32))
     for name, ten in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if ten.device != device:
             raise ValueError(f"{name} must be on {device}, got {ten.device}")
@@ -189,8 +220,133 @@ def check_topk_values(cfg: EpConfig, topk_idx: torch.Tensor) -> None:
         )
 
 
-def check_combine_input(cfg: EpConfig, device: torch.device, y: torch.Tensor) -> None:
-    """Validate combine's expert outputs y [num_recv, H] cfg.dtype on ``device`` (every backend)."""
+# The rows of expert outputs each dispatch's combine takes, by the handle's ``scatter`` tensor: every copy
+# of a handle made with ``dataclasses.replace`` (as cute_ep.autograd makes them) shares it, and a dispatch
+# makes a new one. id -> (weak reference, num_recv, a reader of the count on the device, or None); an
+# entry goes when its tensor does.
+_DISPATCH_ROWS: dict[int, tuple[weakref.ref, int | Callable[[], int | None] | None]] = {}
+
+
+def note_dispatch_rows(handle: Any, num_recv: int | Callable[[], int | None] | None) -> None:
+    """Remember how many rows the dispatch that made ``handle`` received, for ``check_combine_input``:
+    ``num_recv``; a function that reads the count on the device (a host sync; None once a later dispatch
+    has overwritten it) where the host has not read it (``dispatch(sync=False)`` on the GPU buffer); or
+    None where nothing is known (``launch_dispatch``)."""
+    scatter = handle.scatter
+    key = id(scatter)
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        entry = _DISPATCH_ROWS.get(key)
+        if entry is not None and entry[0] is ref:
+            del _DISPATCH_ROWS[key]
+
+    _DISPATCH_ROWS[key] = (weakref.ref(scatter, forget), num_recv)
+
+
+def dispatch_rows(handle: Any, num_recv: int | None) -> int | None:
+    """The rows the dispatch that made ``handle`` received: what ``note_dispatch_rows`` recorded, or, for
+    a handle not seen before (made by hand, or by a backend that records nothing at its dispatch),
+    ``num_recv`` (the caller's best knowledge: its latest dispatch's count, or None where the host does
+    not know it), which is then recorded for it."""
+    scatter = getattr(handle, "scatter", None)
+    entry = _DISPATCH_ROWS.get(id(scatter))
+    if entry is not None and entry[0]() is scatter:
+        return entry[1]
+    if isinstance(scatter, torch.Tensor):
+        note_dispatch_rows(handle, num_recv)
+    return num_recv
+
+
+_ID_DTYPES = (torch.int32, torch.int64)
+_HANDLE_TENSORS = (("topk_idx", _ID_DTYPES, "int32/int64"), ("topk_weights", (torch.float32,), "float32"),
+                   ("scatter", _ID_DTYPES, "int32/int64"))
+
+
+def _check_handle(cfg: EpConfig, device: torch.device, handle: Any) -> None:
+    """A combine's handle: a ``DispatchHandle`` (or one with its fields) whose routing tensors are
+    [num_tokens, K] on ``device``: topk_idx and scatter int32/int64, topk_weights float32."""
+    try:  # the common case in a few comparisons; the messages below only on failure
+        idx, w, scatter = handle.topk_idx, handle.topk_weights, handle.scatter
+        shape = (handle.num_tokens, cfg.topk)
+        if (idx.shape == shape and w.shape == shape and scatter.shape == shape and idx.dtype in _ID_DTYPES
+                and w.dtype == torch.float32 and scatter.dtype in _ID_DTYPES and idx.device == device
+                and w.device == device and scatter.device == device):
+            return
+    except AttributeError:
+        pass
+    if isinstance(handle, DispatchResult):
+        raise InputTypeError(
+            "handle must be the DispatchHandle of a dispatch, got its DispatchResult: pass res.handle"
+        )
+    if any(not hasattr(handle, f) for f in ("topk_idx", "topk_weights", "scatter", "num_tokens")):
+        raise InputTypeError(
+            f"handle must be a DispatchHandle (DispatchResult.handle of a dispatch), got "
+            f"{type(handle).__name__}"
+        )
+    t, k = handle.num_tokens, cfg.topk
+    for name, dtypes, what in _HANDLE_TENSORS:
+        ten = getattr(handle, name)
+        if (not isinstance(ten, torch.Tensor) or tuple(ten.shape) != (t, k) or ten.dtype not in dtypes
+                or ten.device != device):
+            got = (f"{list(ten.shape)} {ten.dtype} on {ten.device}" if isinstance(ten, torch.Tensor)
+                   else type(ten).__name__)
+            raise ValueError(
+                f"handle.{name} must be [{t}, {k}] {what} on {device} (num_tokens={t}), got {got}"
+            )
+
+
+def _check_combine_rows(cfg: EpConfig, y: torch.Tensor, handle: Any, num_recv: int | None) -> None:
+    """y's rows against the dispatch of ``handle`` (module comment above ``note_dispatch_rows``)."""
+    n = dispatch_rows(handle, num_recv)
+    rows = y.shape[0]
+    if rows == n:
+        return
+    rank = getattr(handle, "layout", "expert") == "rank"
+    full, full_name = (cfg.rank_capacity, "rank_capacity") if rank else (cfg.capacity, "capacity")
+    if rows == full:
+        return
+    when = ""
+    if callable(n):
+        # y holds fewer rows than the views of dispatch(sync=False): read the count the kernels wrote (a
+        # host sync, which a caller sizing y by res.recv_count has already paid), except while capturing.
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            n, when = None, " (while a CUDA graph is being captured the count cannot be read)"
+        else:
+            n = n()
+            if rows == n:
+                return
+            when = "" if n is not None else " (a later dispatch has overwritten its count)"
+    if n is None:
+        raise ValueError(
+            f"y has {rows} rows, but the dispatch of this handle ran with sync=False: the host does not know "
+            f"num_recv{when}, so y must have the {full} rows (cfg.{full_name}) the result's views cover "
+            f"(res.num_recv; rows past res.recv_count are never read): pass buf.expert_output(res.num_recv)"
+        )
+    raise ValueError(
+        f"y has {rows} rows, but the dispatch of this handle received num_recv={n}: y must have one row "
+        f"per received row, in recv_x's order (buf.expert_output(res.num_recv) has them; {full} rows, "
+        f"cfg.{full_name}, as after dispatch(sync=False), are accepted too)"
+    )
+
+
+def check_combine_input(cfg: EpConfig, device: torch.device, y: Any, handle: Any = None,
+                        num_recv: int | None = None) -> None:
+    """Validate combine's expert outputs y [num_recv, H] cfg.dtype on ``device`` (every backend).
+
+    With ``handle`` (the combine's ``DispatchHandle``): the handle's routing tensors ([num_tokens, K] on
+    ``device``) and y's row count, which must be the num_recv of the dispatch that made the handle, or
+    the rows the views of a ``dispatch(sync=False)`` cover (``cfg.capacity``; ``cfg.rank_capacity`` in
+    the rank layout). Fewer rows would leave combine reading rows nobody passed (poison, or an earlier
+    call's). That num_recv is what the backend noted at the dispatch (``note_dispatch_rows``); for a
+    handle it did not note, ``num_recv``: its best knowledge (None: not known on the host, so only the
+    whole capacity is accepted). Without ``handle`` only ``rows <= cfg.capacity`` is checked.
+
+    Raises:
+        InputTypeError: y is not a tensor, or handle is not a dispatch handle (a DispatchResult, say).
+        ValueError: any other violated constraint; the message names it and the value.
+    """
+    if not isinstance(y, torch.Tensor):
+        check_tensor_args(device, ("y", y, f"[num_recv, {cfg.hidden}] {cfg.dtype}", cfg.dtype))
     if y.dtype != cfg.dtype or y.dim() != 2 or y.shape[1] != cfg.hidden or y.device != device:
         raise ValueError(
             f"y must be [num_recv, {cfg.hidden}] {cfg.dtype} on {device}, got "
@@ -198,6 +354,25 @@ def check_combine_input(cfg: EpConfig, device: torch.device, y: torch.Tensor) ->
         )
     if y.shape[0] > cfg.capacity:
         raise ValueError(f"y has {y.shape[0]} rows, more than the capacity {cfg.capacity}")
+    if handle is None:
+        return
+    _check_handle(cfg, device, handle)
+    _check_combine_rows(cfg, y, handle, num_recv)
+
+
+def check_combine_out(cfg: EpConfig, device: torch.device, out: Any, num_tokens: int) -> None:
+    """``EpBuffer.launch_combine``'s ``out``, which the kernels write without bounds: [num_tokens, H]
+    cfg.dtype, contiguous, on ``device`` (host-side checks only: no sync, capturable)."""
+    if not isinstance(out, torch.Tensor):
+        check_tensor_args(device, ("out", out, f"[{num_tokens}, {cfg.hidden}] {cfg.dtype}", cfg.dtype))
+    if (tuple(out.shape) != (num_tokens, cfg.hidden) or out.dtype != cfg.dtype or out.device != device
+            or not out.is_contiguous()):
+        layout = "contiguous" if out.is_contiguous() else f"stride {out.stride()}"
+        raise ValueError(
+            f"out must be [{num_tokens}, {cfg.hidden}] {cfg.dtype}, contiguous, on {device} (num_tokens="
+            f"{num_tokens} of the handle), got {list(out.shape)} {out.dtype}, {layout}, on {out.device}: "
+            f"the kernels write handle.num_tokens rows into it"
+        )
 
 
 def check_buffer_config(runtime: Any, cfg: EpConfig, *, kernels: bool = False) -> EpConfig:

@@ -5,7 +5,8 @@ Why this needs care: a launcher such as torchrun stops every other rank (SIGTERM
 exits with a non-zero status, so a rank that leaves without printing can get the rank that would have
 printed killed first, and the user sees no message at all. Here every rank that detects an error prints
 it before it exits; rank 0 prints at once and the other ranks only after a pause, so that under torchrun
-(which checks its workers every 0.1 s) rank 0's line is normally the only one.
+(which checks its workers every 0.1 s) rank 0's line is normally the only one. Each line goes out in one
+write (``write_stderr``), so that lines of ranks printing at the same moment never run into each other.
 
 This module imports neither torch nor the GPU stack: scripts report argument errors before they import
 those (``--help`` and a bad argument stay fast).
@@ -27,6 +28,7 @@ __all__ = [
     "launch_rank",
     "report_usage_error",
     "script_parser",
+    "write_stderr",
 ]
 
 EXIT_USAGE = 2
@@ -50,6 +52,28 @@ def launch_rank() -> str:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
 
 
+def write_stderr(text: str) -> None:
+    """Write ``text`` (one or more lines; a final newline is added if missing) to stderr in one write.
+
+    ``print`` writes the text and its newline separately, and with unbuffered output (PYTHONUNBUFFERED=1,
+    common under launchers) each part is its own write: ranks printing at the same moment then run their
+    lines together ("error: a...error: a..." on one line). One write of a whole line to the same pipe or
+    terminal is never split by another process's write (up to 4096 bytes on a pipe)."""
+    if not text.endswith("\n"):
+        text += "\n"
+    stream = sys.stderr
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # a stand-in without a descriptor (e.g. captured)
+        stream.write(text)
+        stream.flush()
+        return
+    stream.flush()  # what was written through the stream before goes first
+    data = text.encode(getattr(stream, "encoding", None) or "utf-8", errors="replace")
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def report_usage_error(error: BaseException | str, *, alike: bool = True) -> int:
     """Print ``error: <error>`` on stderr (flushed) so that it reaches the user, and return EXIT_USAGE.
 
@@ -61,7 +85,7 @@ def report_usage_error(error: BaseException | str, *, alike: bool = True) -> int
     """
     if alike and launch_rank() != "0":
         time.sleep(REPEAT_DELAY_S)
-    print(f"error: {error}", file=sys.stderr, flush=True)
+    write_stderr(f"error: {error}")
     return EXIT_USAGE
 
 

@@ -1,4 +1,5 @@
-"""Compile the EP kernels ahead of time into the disk cache, on a machine with or without a GPU.
+"""Compile the EP kernels (and the MoE layer's SwiGLU kernels) ahead of time into the disk cache, on a
+machine with or without a GPU.
 
 To run (one process; no torchrun, no NVSHMEM initialization):
 
@@ -14,6 +15,12 @@ host of that kind looks the file up under. Files are named by the key and a fing
 kernel sources, the DSL and nvshmem4py versions and the architecture, so a file made from other
 sources is never loaded.
 
+Progress: one line per dtype when it starts (loading from the cache, or compiling: measured 350-1700 s
+per dtype on a 2-core machine without a GPU, depending on what else runs there), a line every
+--progress-every seconds while it compiles, and one when it is done. LLVM's warning "Linking two modules
+of different data layouts" (printed by the native compiler while NVSHMEM's device library is linked in,
+harmless) is kept out of stderr; every other line there passes through.
+
 Constraints: the same nvidia-cutlass-dsl and nvshmem4py versions as the GPU nodes; ``--arch`` only
 where no GPU is visible. Exit 0 when every module is in the cache, 2 for bad arguments.
 """
@@ -21,12 +28,24 @@ where no GPU is visible. Exit 0 when every module is in the cache, 2 for bad arg
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from cute_ep.cli import DTYPES
 
 DEFAULT_DTYPES = ("bfloat16", "float16", "float32")
+MEASURED_S = (350, 1700)
+"""Seconds one dtype's module took to compile on a 2-core machine without a GPU, alone and beside other
+work (613, 991 and 1336 s for bf16, fp32 and fp16 there on 2026-11-26): what the progress lines quote."""
+PROGRESS_EVERY_S = 30.0
+LAYOUT_WARNING = "Linking two modules of different data layouts"
+"""LLVM's warning when NVSHMEM's device library (built with another data layout string) is linked into
+the module: harmless, and printed on every compile."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,14 +56,120 @@ def build_parser() -> argparse.ArgumentParser:
                    help="element type to compile (repeatable); default: bfloat16, float16, float32")
     p.add_argument("--arch", default=None,
                    help="target when no GPU is visible (default sm_90); a visible GPU is always the target")
+    p.add_argument("--no-swiglu", dest="swiglu", action="store_false",
+                   help="skip the MoE layer's SwiGLU kernels (forward and backward per dtype)")
+    p.add_argument("--progress-every", type=float, default=PROGRESS_EVERY_S, metavar="SECONDS",
+                   help="print how long a compile has run every this many seconds (0: never)")
     return p
+
+
+_WATCHER = r"""
+import os, select, sys, time
+name, every, lo, hi, pattern = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+start = time.monotonic()
+due = start + every if every > 0 else None
+pending, after_drop = b"", False
+
+def forward(line):
+    global after_drop
+    text = line.decode(errors="replace")
+    if pattern in text or (after_drop and not text.strip()):
+        after_drop = pattern in text
+        return
+    after_drop = False
+    os.write(2, line)
+
+while True:
+    wait = None if due is None else max(0.0, due - time.monotonic())
+    if select.select([0], [], [], wait)[0]:
+        chunk = os.read(0, 65536)
+        if not chunk:
+            break
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            forward(line + b"\n")
+    if due is not None and time.monotonic() >= due:
+        os.write(1, f"  {name}: compiling, {time.monotonic() - start:.0f} s so far "
+                    f"(usually {lo}-{hi} s on a 2-core machine)\n".encode())
+        due += every
+if pending:
+    forward(pending)
+"""
+"""The watcher process of ``watched_compile``: it reads what the compile writes to stderr (its stdin),
+passes every line on except LLVM's data layout warning (and an empty line right after one), and every
+``every`` seconds prints how long the compile has run."""
+
+
+@contextmanager
+def watched_compile(name: str, every: float) -> Iterator[None]:
+    """While the body runs, this process's file descriptor 2 (Python's stderr and native code's alike)
+    goes through a watcher process (``_WATCHER``) that keeps LLVM's data layout warning out and prints
+    the compile's progress every ``every`` seconds (0: never).
+
+    Why a process and not a thread: the DSL's compile holds the GIL for its whole run (one bf16 module:
+    a single stretch of 1300 s on a loaded 2-core machine), so a thread of this process neither ticks nor
+    drains the pipe until it ends; a compiler writing more than a pipe's buffer would then block."""
+    lo, hi = MEASURED_S
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read_fd, write_fd = os.pipe()
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, name, str(every), str(lo), str(hi),
+                                LAYOUT_WARNING], stdin=read_fd)  # stdout, stderr: this process's own
+    os.close(read_fd)
+    saved = os.dup(2)
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last write end closes: the watcher reads to the end and stops
+        os.close(saved)
+        try:
+            watcher.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:  # a child of the compile still holds the pipe
+            watcher.kill()
+
+
+def compile_with_progress(name: str, compile_fn: Callable[[], Any], *, cached: bool,
+                          every: float) -> tuple[Any, float]:
+    """``compile_fn()`` (a load when ``cached``: no progress lines) under ``watched_compile``; returns its
+    result and the seconds it took."""
+    t0 = time.perf_counter()
+    with watched_compile(name, 0 if cached else every):
+        result = compile_fn()
+    return result, time.perf_counter() - t0
+
+
+def plan_line(names: list[str], cached: list[str], arch: str) -> str:
+    """The first line: what will be compiled, for which architecture, and about how long it takes."""
+    todo = [n for n in names if n not in cached]
+    lo, hi = MEASURED_S
+    head = f"precompile: {len(names)} dtype(s) for {arch}"
+    if not todo:
+        return f"{head}, all in the cache already"
+    loads = f"; {', '.join(cached)} from the cache" if cached else ""
+    return (f"{head}: compiling {', '.join(todo)}{loads}; about {lo}-{hi} s per dtype on a 2-core machine, "
+            f"{len(todo) * lo / 60:.0f}-{len(todo) * hi / 60:.0f} min in all")
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from cute_ep.bootstrap.compile import CPU_TARGET_ARCH, ModuleRegistry, ObjectCache, use_cpu_target
+    from cute_ep.bootstrap.compile import (
+        CPU_TARGET_ARCH,
+        ModuleRegistry,
+        ObjectCache,
+        target_arch,
+        use_cpu_target,
+    )
+    from cute_ep.kernels import swiglu
     from cute_ep.kernels.config import EpConfig
     from cute_ep.kernels.host import build
 
@@ -57,15 +182,31 @@ def main(argv: list[str] | None = None) -> int:
         use_cpu_target(args.arch or CPU_TARGET_ARCH)
     cache = ObjectCache(args.cache)
     registry = ModuleRegistry(register=False, disk=cache)
-    for name in args.dtype or DEFAULT_DTYPES:
-        # The module is specialized on the element type alone (EpConfig.compile_key); sizes are run time.
-        cfg = EpConfig(world_size=1, local_world_size=1, num_experts=8, topk=2, hidden=128,
-                       dtype=DTYPES[name], max_tokens=16, num_sms=4)
+    names = list(args.dtype or DEFAULT_DTYPES)
+    # The module is specialized on the element type alone (EpConfig.compile_key); sizes are run time.
+    configs = {name: EpConfig(world_size=1, local_world_size=1, num_experts=8, topk=2, hidden=128,
+                              dtype=DTYPES[name], max_tokens=16, num_sms=4) for name in names}
+    cached = [n for n in names if cache.path(configs[n].compile_key()).exists()]
+    say(plan_line(names, cached, target_arch()))
+    for i, name in enumerate(names, 1):
+        cfg = configs[name]
         key = cfg.compile_key()
-        t0, loads = time.perf_counter(), registry.loads
-        registry.get(key, lambda cfg=cfg: build(cfg))
+        what = "loading from the cache" if name in cached else "compiling"
+        say(f"{name} ({i}/{len(names)}): {what} ...")
+        loads = registry.loads
+        _, took = compile_with_progress(name, lambda cfg=cfg, key=key: registry.get(key, lambda: build(cfg)),
+                                        cached=name in cached, every=args.progress_every)
         how = "loaded (already there)" if registry.loads > loads else "compiled"
-        print(f"{name}: {how} in {time.perf_counter() - t0:.1f} s -> {cache.path(key)}", flush=True)
+        say(f"{name}: {how} in {took:.1f} s -> {cache.path(key)}")
+        if args.swiglu:
+            # The MoE layer's SwiGLU kernels (no NVSHMEM): built on a layer's first use otherwise.
+            for direction in ("forward", "backward"):
+                skey = swiglu.compile_key(direction, DTYPES[name])
+                loads, t0 = registry.loads, time.perf_counter()
+                with watched_compile(f"{name} SwiGLU {direction}", args.progress_every):
+                    registry.get(skey, lambda d=direction, n=name: swiglu.build(d, DTYPES[n]))
+                how = "loaded (already there)" if registry.loads > loads else "compiled"
+                say(f"{name} SwiGLU {direction}: {how} in {time.perf_counter() - t0:.1f} s")
     return 0
 
 

@@ -27,8 +27,9 @@ class Launching(ReferenceEpBuffer):
         assert idx.dtype.itemsize == 4  # the script converts topk_idx to int32 once
         self.dispatch(x, idx, w, mode, fp8=fp8, layout=layout)
 
-    def launch_combine(self, handle, out, algorithm=None):
-        out.copy_(self.combine(self.expert_output(self.cfg.capacity), handle, algorithm=algorithm))
+    def launch_combine(self, handle, out, algorithm=None):  # y: the rows the sync-free views cover
+        rows = self.cfg.rank_capacity if handle.layout == "rank" else self.cfg.capacity
+        out.copy_(self.combine(self.expert_output(rows), handle, algorithm=algorithm))
 
     def check_ran(self):  # the launches above are synchronous: nothing can be left unrun
         pass

@@ -73,7 +73,7 @@ BAD = {
     "dispatch_wrong_hidden_on_rank1": (1, "x must be [T, 32]", "invalid inputs on another rank: rank 1:"),
     "dispatch_repeated_expert_on_rank0": (0, "distinct experts per token", "on another rank: rank 0:"),
     "dispatch_too_many_tokens_on_last": ("last", "more than max_tokens=8", "on another rank: rank {last}:"),
-    "dispatch_none_on_last": ("last", "NoneType", "rank {last}: AttributeError"),
+    "dispatch_none_on_last": ("last", "x must be a torch.Tensor", "rank {last}: InputTypeError"),
     "dispatch_mode_mismatch": (None, "every rank must use the same mode", ""),
     "dispatch_unknown_mode_on_last": ("last", "mode must be one of", "on another rank: rank {last}:"),
     "combine_bad_y_on_rank0": (0, "y must be [num_recv, 32] torch.bfloat16", "on another rank: rank 0:"),
@@ -98,7 +98,7 @@ def test_an_invalid_input_on_one_rank_raises_on_every_rank(ranks, scenario):
         else:
             assert got["raised"] == "ValueError" and others.format(last=last) in got["message"], (r, got)
     if scenario == "dispatch_none_on_last":  # the rank at fault gets its own exception back
-        assert ranks[last]["bad"][scenario]["raised"] == "AttributeError"
+        assert ranks[last]["bad"][scenario]["raised"] == "InputTypeError"
 
 
 @needs_gloo
@@ -173,12 +173,14 @@ def test_world_of_one_handle_expert_output_and_poison():
         assert isinstance(dataclasses.replace(h, topk_weights=torch.ones(10, 2)), A2aDispatchHandle)
         y = apply_test_expert(ra.recv_x, global_expert_of_rows(ra.tokens_per_expert, 0))
         full = a2a.combine(y, h)
-        # Experts writing into expert_output; a y shorter than num_recv reads the rest from there.
+        # Experts writing into expert_output; a y of fewer rows than num_recv is refused.
         for buf in (a2a, ref):
             buf.expert_output(ra.num_recv).copy_(y)
         assert _same(a2a.combine(a2a.expert_output(ra.num_recv), h), full)
-        assert _same(a2a.combine(y[:3].clone(), h), full)
-        assert _same(ref.combine(y[:3].clone(), rr.handle), full)
+        for buf, handle in ((a2a, h), (ref, rr.handle)):
+            with pytest.raises(ValueError, match=f"y has 3 rows, but the dispatch of this handle received "
+                                                 f"num_recv={ra.num_recv}"):
+                buf.combine(y[:3].clone(), handle)
         # The handle owns its routing: editing the caller's tensors changes nothing.
         idx.fill_(-1)
         w.zero_()

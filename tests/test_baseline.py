@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,11 +123,11 @@ def test_config_mismatch_raises(tmp_path):
         compare_baselines(a, make_baseline([sample_arrays()], META, local_world_size=2))
     with pytest.raises(BaselineConfigError, match="world_size.*expected 1, got 2"):
         compare_baselines(a, make_baseline([sample_arrays(), sample_arrays()], META))
-    # Device / version differences are reported, not failures.
+    # Device / version differences are kept as notes, never failures.
     b = make_baseline([sample_arrays()], META)
     b.meta["device"] = "NVIDIA H200"
     result = compare_baselines(a, b)
-    assert result.passed and any("device differs" in line for line in result.lines)
+    assert result.passed and any("device differs" in note for note in result.notes)
     with pytest.raises(ValueError, match="missing"):
         make_baseline([sample_arrays()], {"seed": 1})
 
@@ -140,11 +141,30 @@ def test_versions_note_names_only_packages_both_record_with_other_versions():
     b.meta["versions"] = {"torch": "2.13.0+cpu", "numpy": "2.4.6", "cuda-python": "13.4.4"}
     b.meta["git_sha"] = a.meta["git_sha"]
     result = compare_baselines(a, b)
-    assert result.passed and not any("note:" in line for line in result.lines), result.lines
+    assert result.passed and result.notes == [], result.notes
     b.meta["versions"].update(numpy="2.5.0", torch="2.14.0")
-    notes = [line for line in compare_baselines(a, b).lines if "note:" in line]
-    assert notes == ['  note: versions differ: numpy: expected "2.4.6", got "2.5.0"; '
+    notes = compare_baselines(a, b).notes
+    assert notes == ['versions differ: numpy: expected "2.4.6", got "2.5.0"; '
                      'torch: expected "2.13.0+cpu", got "2.14.0"'], notes
+
+
+def test_a_pass_prints_no_notes_and_a_failure_prints_them():
+    """A baseline made on another device or commit that matches bit for bit is the point of a baseline: its
+    lines carry no note (the notes stay in ``Comparison.notes``). A failed comparison shows them, since a
+    changed commit or package may explain the difference."""
+    changed = sample_arrays()
+    changed["recv_w"][2] += 1.0
+    a, same, other = (make_baseline([arrays], META) for arrays in (sample_arrays(), sample_arrays(), changed))
+    a.meta.update(git_sha="1111111", device="cpu")
+    for b in (same, other):
+        b.meta.update(git_sha="2222222", device="NVIDIA H100 80GB HBM3", versions=a.meta["versions"])
+    notes = ['device differs: expected "cpu", got "NVIDIA H100 80GB HBM3"',
+             'git_sha differs: expected "1111111", got "2222222"']
+    passed = compare_baselines(a, same)
+    assert passed.passed and passed.lines == [passed.summary] and passed.notes == notes, passed.lines
+    failed = compare_baselines(a, other)
+    assert not failed.passed and failed.notes == notes
+    assert failed.lines[-2:] == [f"  note: {note}" for note in notes], failed.lines
 
 
 def test_check_baseline_config_reads_only_the_configuration(tmp_path):
@@ -184,6 +204,30 @@ def test_format_errors(tmp_path):
     with pytest.raises(BaselineFormatError, match="__meta__"):
         load_baseline(foreign)
     assert isinstance(make_baseline([{}], META), Baseline)
+
+
+@pytest.mark.parametrize(
+    ("content", "what"),
+    [(b"rows,12\n", re.escape("it starts with b'rows,12\\n'")),
+     (b"", "the file is empty"),
+     (None, r"it holds one numpy array \(\.npy\)")],
+)
+def test_a_file_that_is_no_npz_gets_what_a_baseline_is_and_how_to_make_one(tmp_path, content, what):
+    """Not numpy's "Cannot load file containing pickled data when allow_pickle=False": the message says
+    what a baseline is and how to make one."""
+    path = tmp_path / "some.txt"
+    if content is None:
+        with open(path, "wb") as f:
+            np.save(f, np.zeros(3))
+    else:
+        path.write_bytes(content)
+    with pytest.raises(BaselineFormatError) as info:
+        load_baseline(path)
+    message = str(info.value)
+    assert message.startswith(f"{path} is not a readable .npz file: a baseline is the .npz archive"), message
+    assert re.search(what, message), message
+    assert "make one with --save-baseline-to PATH (scripts/dispatch_and_combine.py)" in message
+    assert "pickle" not in message
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -97,10 +97,10 @@ def test_precompile_script_stores_then_finds_the_module(stored, tmp_path, monkey
     calls = []
     monkeypatch.setattr(compile_mod, "compile_kernel", lambda fn, *args: calls.append(fn) or first)
     main = _precompile_main()
-    assert main(["--cache", str(tmp_path), "--dtype", "float32"]) == 0
+    assert main(["--cache", str(tmp_path), "--dtype", "float32", "--no-swiglu"]) == 0
     assert len(calls) == 1 and "float32: compiled" in capsys.readouterr().out
     assert ObjectCache(tmp_path).path(CFG.compile_key()).stat().st_size > 100_000
-    assert main(["--cache", str(tmp_path), "--dtype", "float32"]) == 0
+    assert main(["--cache", str(tmp_path), "--dtype", "float32", "--no-swiglu"]) == 0
     assert len(calls) == 1 and "float32: loaded (already there)" in capsys.readouterr().out
 
 

@@ -150,6 +150,41 @@ def test_bad_inputs_are_named(mutate, message):
         check_dispatch_inputs(cfg, torch.device("cpu"), *mutate(*_inputs()))
 
 
+@pytest.mark.parametrize(
+    ("position", "message"),
+    [
+        (0, r"x must be a torch.Tensor \[T, 256\] torch.bfloat16 on cpu, got list; convert it with "
+            r"torch.as_tensor\(x, dtype=torch.bfloat16, device='cpu'\)"),
+        (1, r"topk_idx must be a torch.Tensor \[T, 2\] int32/int64 on cpu, got list; convert it with "
+            r"torch.as_tensor\(topk_idx, dtype=torch.int32, device='cpu'\)"),
+        (2, r"topk_weights must be a torch.Tensor \[T, 2\] float32 on cpu, got ndarray; convert it with "
+            r"torch.as_tensor\(topk_weights, dtype=torch.float32, device='cpu'\)"),
+    ],
+)
+def test_an_argument_that_is_not_a_tensor_is_a_type_error(position, message):
+    """Not ``AttributeError: 'list' object has no attribute 'device'``: the argument, the type it got, what
+    is expected and how to convert it. Also a ValueError (what every other bad input raises, and what the
+    backends catch to tell their peers)."""
+    from cute_ep.input_checks import InputTypeError
+
+    args = list(_inputs())
+    args[position] = args[position].numpy() if position == 2 else args[position].tolist()
+    with pytest.raises(TypeError, match=message) as info:
+        check_dispatch_inputs(EpConfig(**BASE), torch.device("cpu"), *args)
+    assert isinstance(info.value, (InputTypeError, ValueError))
+
+
+@pytest.mark.parametrize("backend", ["reference", "a2a"])
+def test_host_backends_name_a_list_given_as_x(backend):
+    from _worlds import HOST_BACKENDS, host_config, world_of_one
+
+    with HOST_BACKENDS[backend](world_of_one(), host_config()) as buf:
+        x, idx, w = _inputs(t=4, h=32)  # (the ids are not looked at: x is refused first)
+        with pytest.raises(ValueError, match=r"x must be a torch.Tensor \[T, 32\] torch.bfloat16 on cpu, "
+                                             r"got list"):
+            buf.dispatch(x.tolist(), idx, w)
+
+
 def test_repeated_experts_in_a_token_are_refused():
     cfg = EpConfig(**BASE)
     x, idx, w = _inputs()

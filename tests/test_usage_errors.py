@@ -279,6 +279,76 @@ def test_main_script_syntax_error_is_one_line(world_of_one, monkeypatch, capsys)
     assert line == "argument --num-experts: invalid int value: 'many' (see dispatch_and_combine.py --help)"
 
 
+@pytest.mark.parametrize(("rank", "pauses"), [("0", []), ("3", [usage.REPEAT_DELAY_S])])
+def test_a_local_world_size_that_does_not_divide_the_host_is_one_line_of_rank_0(
+        world_of_one, monkeypatch, capsys, sleeps, rank, pauses):
+    """Every rank gets the same error (the flag and the ranks per host are the same everywhere): rank 0
+    prints it at once and the others only after the pause, so the user reads one line naming the flag,
+    the value and the sizes that work."""
+    launch = dict(RANK=rank, WORLD_SIZE="4", LOCAL_RANK=rank, LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT="29500")  # fmt: skip
+    for name, value in launch.items():
+        monkeypatch.setenv(name, value)
+    assert _script(MAIN_SCRIPT).main(["--backend", "reference", "--local-world-size", "3"]) == 2
+    assert _one_error_line(capsys.readouterr().err) == (
+        "--local-world-size 3 does not divide the 4 processes on this host (and world size 4): virtual nodes "
+        "must not straddle hosts; use 1, 2 or 4")
+    assert sleeps == pauses
+
+
+def test_a_launch_environment_error_of_one_rank_is_still_printed_at_once(world_of_one, monkeypatch, capsys,
+                                                                         sleeps):
+    """An error of the launch environment that may differ per rank (here LOCAL_RANK) is printed by every
+    rank at once: a launcher stopping the others must not lose it."""
+    launch = dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="7", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT="29500")  # fmt: skip
+    for name, value in launch.items():
+        monkeypatch.setenv(name, value)
+    assert _script(MAIN_SCRIPT).main(["--backend", "reference"]) == 2
+    assert _one_error_line(capsys.readouterr().err) == "LOCAL_RANK=7 is not less than LOCAL_WORLD_SIZE=4"
+    assert sleeps == []
+
+
+def test_an_error_line_is_one_write(monkeypatch, capfd):
+    """``print`` writes a line and its newline apart; with unbuffered output each part is a write of its
+    own, and lines of ranks printing together ran into one another. Each line is one write now."""
+    writes: list[bytes] = []
+    real_write = usage.os.write
+    monkeypatch.setattr(usage.os, "write",
+                        lambda fd, data: writes.append(bytes(data)) or real_write(fd, data))
+    monkeypatch.setenv("RANK", "0")
+    usage.report_usage_error("--local-world-size 3 does not divide the 4 processes on this host")
+    assert writes == [b"error: --local-world-size 3 does not divide the 4 processes on this host\n"]
+    writes.clear()
+    cli.print_run_error(2, RuntimeError("peer 1 timed out"), show_traceback=False)
+    assert writes == [b"rank 2: error: RuntimeError: peer 1 timed out\n"
+                      b"rank 2: (run with --traceback for the traceback)\n"]
+    assert capfd.readouterr().err.count("\n") == 3
+
+
+def test_ranks_printing_at_once_never_run_their_lines_together():
+    """Four unbuffered processes (PYTHONUNBUFFERED=1, as under many launchers) print 300 error lines each
+    into one pipe at the same moment: every line arrives whole."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from cute_ep import usage\n"
+            "for i in range(300): usage.report_usage_error(f'rank {sys.argv[1]} line {i} ' + 'x' * 80, "
+            "alike=False)\n")
+    read_fd, write_fd = os.pipe()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stderr=write_fd, env=env, cwd=REPO)
+             for r in range(4)]
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        text = pipe.read().decode()
+    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0, 0]
+    lines = text.splitlines()
+    assert len(lines) == 4 * 300, text[-2000:]
+    assert all(re.fullmatch(r"error: rank [0-3] line \d+ x{80}", line) for line in lines), text[-2000:]
+
+
 # --------------------------------------------------------------------------------------------------
 # 4 ranks under torchrun
 # --------------------------------------------------------------------------------------------------
@@ -302,3 +372,16 @@ def test_a_config_error_of_four_ranks_reaches_the_user_every_time():
         root_cause = text.split("Root Cause (first observed failure):", 1)[-1]
         assert re.search(r"exitcode\s*:\s*2\b", root_cause), f"try {attempt + 1}:\n{text[-4000:]}"
         assert "ConfigError" not in text, text[-4000:]  # no rank's traceback
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+def test_a_local_world_size_error_of_four_ranks_is_one_clean_line():
+    """``--local-world-size 3`` on 4 ranks of one host, unbuffered output: one line, rank 0's (the others
+    wait before they print, and torchrun stops them once rank 0 has exited)."""
+    proc = torchrun(MAIN_SCRIPT, 4, "--backend", "reference", "--local-world-size", "3", timeout=120,
+                    PYTHONUNBUFFERED="1")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if "error: " in line]
+    assert errors == ["error: --local-world-size 3 does not divide the 4 processes on this host (and world "
+                      "size 4): virtual nodes must not straddle hosts; use 1, 2 or 4"], text[-4000:]

@@ -4,7 +4,8 @@ A baseline written by one build (or machine) and compared against another tells 
 changed at all. Identity metadata (config, seed, dtype, world size, local world size) must match
 before any array is compared: a baseline of another configuration raises
 :class:`BaselineConfigError` instead of "passing" or "differing". Device, package versions and git sha
-differences are only reported.
+differences never fail a comparison: they are kept in ``Comparison.notes`` and shown with a failed
+comparison only (where they may explain the difference).
 
 File format: keys ``rank{r}/{name}`` hold numpy arrays; ``__meta__`` holds a JSON string with the
 caller's meta plus world_size, local_world_size, device, versions, git_sha, created and ``dtypes``
@@ -92,6 +93,26 @@ class BaselineFormatError(ValueError):
     """The file is not a baseline written by :func:`save_baseline`."""
 
 
+_MAKE_ONE = ("make one with --save-baseline-to PATH (scripts/dispatch_and_combine.py) or "
+             "cute_ep.validators.baseline.save_baseline")
+_ZIP_MAGIC = b"PK\x03\x04"
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _not_a_baseline(path: Any, data: bytes) -> BaselineFormatError:
+    """The error of a file that is no .npz archive at all: what it looks like, what a baseline is."""
+    if not data:
+        what = "the file is empty"
+    elif data.startswith(_NPY_MAGIC):
+        what = "it holds one numpy array (.npy)"
+    else:
+        what = f"it starts with {data[:16]!r}"
+    return BaselineFormatError(
+        f"{path} is not a readable .npz file: a baseline is the .npz archive (a zip file) of every rank's "
+        f"arrays that save_baseline writes, and {what}; {_MAKE_ONE}"
+    )
+
+
 @dataclass
 class Baseline:
     """A loaded (or in-memory) baseline.
@@ -117,6 +138,8 @@ class Comparison:
         num_arrays: arrays in the union of both key sets.
         identical: keys whose arrays are bit-identical.
         differing: keys that differ (missing, extra, dtype, shape or bits).
+        notes: what differs besides the arrays and never fails a comparison (device, package versions,
+            git sha), one line each; ``lines`` shows them only when the comparison failed.
     """
 
     passed: bool
@@ -124,6 +147,7 @@ class Comparison:
     num_arrays: int = 0
     identical: list[str] = field(default_factory=list)
     differing: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def summary(self) -> str:
@@ -275,13 +299,21 @@ def load_baseline(path: str | os.PathLike[str]) -> Baseline:
         OSError: the file cannot be read. BaselineFormatError: not a baseline.
     """
     data = Path(path).read_bytes()
+    if not data.startswith(_ZIP_MAGIC):  # numpy would try it as a pickle and talk of allow_pickle
+        raise _not_a_baseline(path, data)
     try:
         npz = np.load(io.BytesIO(data), allow_pickle=False)
     except Exception as exc:
-        raise BaselineFormatError(f"{path}: not a readable .npz file ({type(exc).__name__}: {exc})") from exc
+        raise BaselineFormatError(
+            f"{path} is not a readable .npz file ({type(exc).__name__}: {exc}), so not a baseline; "
+            f"{_MAKE_ONE}"
+        ) from exc
     with npz:
         if META_KEY not in npz.files:
-            raise BaselineFormatError(f"{path}: no {META_KEY} entry (not written by save_baseline)")
+            raise BaselineFormatError(
+                f"{path}: no {META_KEY} entry (an .npz archive, but not written by save_baseline); "
+                f"{_MAKE_ONE}"
+            )
         try:
             meta = json.loads(str(npz[META_KEY]))
         except json.JSONDecodeError as exc:
@@ -395,6 +427,7 @@ def compare_baselines(expected: Baseline, actual: Baseline) -> Comparison:
             shown += f"; ... ({len(details) - _MAX_DETAILS_IN_SUMMARY} more)"
         summary = f"baseline: {n} arrays, {len(identical)} identical, {len(differing)} {verb}: {shown}"
     lines = [summary] + [f"  {d}" for d in details]
+    notes = []
     for key in REPORTED_KEYS:
         e, a = expected.meta.get(key), actual.meta.get(key)
         if key == "created":
@@ -402,11 +435,14 @@ def compare_baselines(expected: Baseline, actual: Baseline) -> Comparison:
         if key == "versions":
             changed = version_differences(e, a)
             if changed:
-                lines.append(f"  note: versions differ: {'; '.join(changed)}")
+                notes.append(f"versions differ: {'; '.join(changed)}")
         elif e != a:
-            lines.append(f"  note: {key} differs: expected {json.dumps(e)}, got {json.dumps(a)}")
+            notes.append(f"{key} differs: expected {json.dumps(e)}, got {json.dumps(a)}")
+    if differing:  # a pass needs no explanation: a baseline from another device or commit is the point
+        lines += [f"  note: {note}" for note in notes]
     return Comparison(
-        passed=not differing, lines=lines, num_arrays=n, identical=identical, differing=differing
+        passed=not differing, lines=lines, num_arrays=n, identical=identical, differing=differing,
+        notes=notes,
     )
 
 

@@ -126,3 +126,68 @@ def test_dispatch_primitives(runtime, algorithm):
               algorithm=algorithm)
     _run_case(runtime, torch.float32, 128, 6, 3, (16, 0, 24, 8), "dropped", False, seed=556,
               algorithm=algorithm)
+
+
+def test_combine_refuses_y_of_the_wrong_row_count(runtime):
+    """combine takes y with the num_recv rows of the handle's dispatch, or the whole capacity (what
+    dispatch(sync=False) covers; after it another count is checked against the count on the device);
+    another count is refused on every rank before any
+    kernel runs, and the buffer stays usable. The handle of an earlier dispatch keeps its own count after a
+    later dispatch of another count (autograd's backward combines such handles). launch_combine refuses an
+    ``out`` the kernels would write past."""
+    env = runtime.env
+    R, rank = env.world_size, env.rank
+    E, T, H = 4 * R, 32, 256
+    # Twice the rows that always suffice: num_recv stays below the capacity even on one rank.
+    cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=2, hidden=H,
+                   dtype=torch.bfloat16, max_tokens=T, num_sms=min(16, runtime.sm_share), capacity=4 * R * T)
+    dev = runtime.device
+    with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
+        x, idx, w = (t.to(dev) for t in make_inputs(rank, T, H, E, 2, torch.bfloat16, 4321))
+        buf.poison()
+        res = buf.dispatch(x, idx, w)
+        n = res.num_recv
+        assert 0 < n <= cfg.capacity // 2
+        experts = global_expert_of_rows(res.tokens_per_expert.cpu(), rank).to(dev)
+        y = apply_test_expert(res.recv_x, experts)
+        # A fresh buffer: the rows past a short y would be NaN poison.
+        with pytest.raises(ValueError, match=rf"y has {n - 1} rows, but the dispatch of this handle received "
+                                             rf"num_recv={n}"):
+            buf.combine(y[: n - 1].clone(), res.handle)
+        want = buf.combine(y, res.handle)
+        rc = check_combine(want, idx, w, y, local_world_size=env.local_world_size, num_experts=E,
+                           scatter=res.handle.scatter, require_coverage=False, group=runtime.cpu_group)
+        assert rc.passed, rc.message
+        # After a call: the rows past a short (or long) y would be that call's.
+        for bad in (n - 1, n + 1):
+            with pytest.raises(ValueError, match=rf"y has {bad} rows, .* num_recv={n}"):
+                buf.combine(buf.expert_output(bad), res.handle)
+        full = buf.expert_output(cfg.capacity)
+        full[:n].copy_(y)
+        assert torch.equal(buf.combine(full, res.handle), want)  # rows past num_recv are never read
+
+        # sync=False: the host does not know num_recv. The whole capacity passes unread; another count is
+        # checked against the count the kernels wrote (read back then), so n passes and n - 1 does not.
+        res2 = buf.dispatch(x, idx, w, sync=False)
+        assert res2.num_recv == cfg.capacity
+        y2 = buf.expert_output(res2.num_recv)
+        y2[:n].copy_(y)
+        assert torch.equal(buf.combine(y2, res2.handle), want)
+        assert torch.equal(buf.combine(y, res2.handle), want)
+        with pytest.raises(ValueError, match=rf"y has {n - 1} rows, but the dispatch of this handle received "
+                                             rf"num_recv={n}"):
+            buf.combine(y[: n - 1].clone(), res2.handle)
+        buf.check_ran()
+
+        # An earlier handle keeps its own count after a dispatch of another count.
+        x3, idx3, w3 = (t.to(dev) for t in make_inputs(rank, T // 2, H, E, 2, torch.bfloat16, 4322))
+        res3 = buf.dispatch(x3, idx3, w3)
+        assert buf.combine(buf.expert_output(res3.num_recv), res3.handle).shape == (T // 2, H)
+        buf.expert_output(n).copy_(y)
+        assert torch.equal(buf.combine(buf.expert_output(n), res.handle), want)
+
+        # launch_combine writes handle.num_tokens rows into out: a smaller out is refused on the host.
+        with pytest.raises(ValueError, match=rf"out must be \[{T}, {H}\] torch.bfloat16, contiguous, on "):
+            buf.launch_combine(res.handle, torch.empty(T - 1, H, dtype=torch.bfloat16, device=dev))
+        torch.cuda.synchronize(dev)
+        buf.check_ran()
