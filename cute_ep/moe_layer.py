@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cute_ep import autograd as ep
+from cute_ep.input_checks import check_tensor_args
 from cute_ep.swiglu import IMPLS, offset_swiglu, resolve_impl, swiglu_plain
 
 __all__ = ["SCORES", "GreenContextError", "MoELayer", "RouterConfig", "grouped_mm", "route_tokens"]
@@ -300,8 +301,28 @@ class MoELayer(nn.Module):
         else:
             self.shared_gate_up = self.shared_down = None
         self.reset_parameters(init_std, generator)
+        self._compile_expert_kernels(device)
 
     # -- set-up ----------------------------------------------------------------------------------
+
+    def _compile_expert_kernels(self, device: torch.device) -> None:
+        """Compile (or load) the SwiGLU kernels of this layer now, then meet the other ranks.
+
+        Why: compiled on first use, they were built inside the first step, between its dispatch and its
+        combine, while the peers' combine kernels waited for this rank (up to ``cfg.timeout_s``). With 8
+        ranks compiling at once on one GPU's host, a rank took longer than that and the peers' combine
+        timed out (``PeerTimeout: combine on rank 2: rank 6 did not signal within 60 s``; 8 ranks on one
+        H200, 2026-11-26). Compiling here, and meeting on the host afterwards (its barrier waits as long as
+        the group's timeout allows), keeps every first step free of compiles."""
+        if resolve_impl(self.swiglu, device) != "kernel":
+            return
+        from cute_ep.swiglu import kernels
+
+        for direction in ("forward", "backward"):
+            kernels().compiled(direction, self.cfg.dtype)
+        group = getattr(getattr(self.buffer, "runtime", None), "cpu_group", None)
+        if group is not None and torch.distributed.is_initialized():
+            torch.distributed.barrier(group=group)
 
     def _resolve_num_sms(self, num_sms: int | None) -> int:
         have = getattr(self.cfg, "num_sms", None)
@@ -382,10 +403,17 @@ class MoELayer(nn.Module):
 
     def _check_input(self, x: Tensor) -> None:
         c = self.cfg
+        device = self.router_weight.device
+        if not isinstance(x, Tensor):
+            check_tensor_args(device, ("x", x, f"[T, {c.hidden}] {c.dtype}", c.dtype))
         if x.dim() != 2 or x.shape[1] != c.hidden or x.dtype != c.dtype:
             raise ValueError(f"x must be [T, {c.hidden}] {c.dtype}, got {list(x.shape)} {x.dtype}")
         if x.shape[0] > c.max_tokens:
             raise ValueError(f"x has {x.shape[0]} tokens, more than the buffer's max_tokens={c.max_tokens}")
+        if x.device != device:
+            raise ValueError(
+                f"x must be on the layer's device {device}, got {x.device}: pass x.to({str(device)!r})"
+            )
 
     def forward(self, x: Tensor) -> Tensor:
         """out [T, H] cfg.dtype for x [T, H] cfg.dtype (T <= cfg.max_tokens). Collective."""

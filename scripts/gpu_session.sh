@@ -5,6 +5,8 @@
 #   bash scripts/gpu_session.sh tests-a     # GPU tests: 1 and 2 GPUs (one GPU: 1 rank, 2 and 4 ranks on it)
 #   bash scripts/gpu_session.sh tests-b     # GPU tests: 2 virtual nodes and N GPUs (one GPU: 4 ranks as
 #                                           # 2 virtual nodes of 2, 8 ranks on it)
+#   bash scripts/gpu_session.sh tests-c     # GPU tests: 2N ranks on N GPUs, two per GPU under MPS, on one
+#                                           # node and as 2 virtual nodes of N (EP8 on 4 GPUs)
 #   bash scripts/gpu_session.sh examples    # the design card's example, both dtypes, one node and 2
 #                                           # virtual nodes, compared with baselines/ and saved
 #   bash scripts/gpu_session.sh bench       # the sweep against NCCL (JSON + PNG; pull and reduced
@@ -30,7 +32,7 @@
 # non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bash scripts/gpu_session.sh tests-a|tests-b|examples|bench|soak|sanitizer|peers|decode|grid-wait"
+usage="usage: bash scripts/gpu_session.sh tests-a|tests-b|tests-c|examples|bench|soak|sanitizer|peers|decode|grid-wait"
 part=${1:?$usage}
 out=${OUT:-out/gpu-session}
 mkdir -p "$out"
@@ -82,6 +84,9 @@ case $part in
   tests-b)
     launches=$(if ((n == 1)); then echo "shared4v shared8"; else echo "virtual full"; fi)
     step tests-b 580 env LAUNCHES="$launches" GPU_TEST_TIMEOUT=290 PYTEST_ARGS=-rs bash scripts/run_gpu_tests.sh "$n"
+    ;;
+  tests-c)
+    step tests-c 580 env LAUNCHES="double doublev" GPU_TEST_TIMEOUT=290 PYTEST_ARGS=-rs bash scripts/run_gpu_tests.sh "$n"
     ;;
   examples)
     # Committed baselines of this world size (made on the CPU with --backend reference) must be

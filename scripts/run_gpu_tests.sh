@@ -13,6 +13,8 @@
 #   2          2 ranks on 2 GPUs                      (N >= 2)
 #   virtual    N ranks on N GPUs as 2 virtual nodes    (N >= 2; all four route classes)
 #   full       N ranks on N GPUs                      (N >= 4)
+#   double     2N ranks on N GPUs, two per GPU         (N >= 2; e.g. EP8 on 4 GPUs)
+#   doublev    2N ranks on N GPUs as 2 virtual nodes of N
 #   shared2    2 ranks on one GPU
 #   shared4    4 ranks on one GPU
 #   shared4v   4 ranks on one GPU as 2 virtual nodes of 2
@@ -20,14 +22,17 @@
 # Ranks that share a GPU need CUDA MPS: the script starts it (scripts/mps.sh) before the first shared
 # launch when it is not running, and stops it at the end only if it started it.
 #
-# Prints rank 0's pytest output for each launch and a summary line per launch; exits non-zero if any
-# launch failed.
+# Prints rank 0's pytest output for each launch, every rank's failures as they happen, and a summary line
+# per launch; exits non-zero if any launch failed. The other ranks' pytest reports go to
+# $GPU_TEST_LOG_DIR/<launch>/rank<R>.log (default /tmp/cute_ep_gpu_tests). A test that hangs ends itself
+# after GPU_TEST_WATCHDOG_S seconds (default 120; compile time not counted), printing the rank, the test and
+# every thread's stack (tests/gpu/conftest.py); GPU_TEST_TIMEOUT (default 900 s) bounds a whole launch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ngpu=$(nvidia-smi -L | wc -l)
 n=${1:-$ngpu}
 ((n > ngpu)) && n=$ngpu
-if ((ngpu == 1)); then default="1 shared2 shared4 shared4v shared8"; else default="1 2 virtual full"; fi
+if ((ngpu == 1)); then default="1 shared2 shared4 shared4v shared8"; else default="1 2 virtual full double doublev"; fi
 port=${MASTER_PORT:-29611}
 status=0
 summary=()
@@ -56,10 +61,14 @@ launch() {  # launch NAME NPROC LOCAL_WORLD_SIZE GPUS_USED
     return
   fi
   port=$((port + 1))
-  local log
+  local log logs
   log=$(mktemp)
-  env CUTE_EP_GPUS_PER_HOST=$gpus CUTE_EP_LOCAL_WORLD_SIZE=$lws timeout "${GPU_TEST_TIMEOUT:-900}" \
-    python3 -m torch.distributed.run --nproc-per-node "$nproc" --master-port "$port" --local-ranks-filter 0 \
+  logs="${GPU_TEST_LOG_DIR:-/tmp/cute_ep_gpu_tests}/${name// /_}"
+  # No --local-ranks-filter: ranks other than 0 write their pytest report to $logs, and print only their
+  # failures and watchdog reports (tests/gpu/conftest.py).
+  env CUTE_EP_GPUS_PER_HOST=$gpus CUTE_EP_LOCAL_WORLD_SIZE=$lws GPU_TEST_LOG_DIR="$logs" \
+    timeout "${GPU_TEST_TIMEOUT:-900}" \
+    python3 -m torch.distributed.run --nproc-per-node "$nproc" --master-port "$port" \
     -m pytest tests/gpu -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
   local last
@@ -73,6 +82,8 @@ wanted 1 && launch "1 GPU" 1 1 1
 ((n >= 2)) && wanted 2 && launch "2 GPUs" 2 2 2
 ((n >= 2)) && wanted virtual && launch "$n GPUs as 2 virtual nodes x $((n / 2))" "$n" $((n / 2)) "$n"
 ((n >= 4)) && wanted full && launch "$n GPUs" "$n" "$n" "$n"
+((n >= 2)) && wanted double && launch "$((2 * n)) ranks on $n GPUs" $((2 * n)) $((2 * n)) "$n"
+((n >= 2)) && wanted doublev && launch "$((2 * n)) ranks on $n GPUs as 2 virtual nodes x $n" $((2 * n)) "$n" "$n"
 wanted shared2 && launch "2 ranks on one GPU" 2 2 1
 wanted shared4 && launch "4 ranks on one GPU" 4 4 1
 wanted shared4v && launch "4 ranks on one GPU as 2 virtual nodes x 2" 4 2 1

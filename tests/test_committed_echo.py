@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 PERF = Path(__file__).resolve().parents[1] / "baselines" / "perf"
-REPORTS = sorted(PERF.glob("echo_*.json"))
+REPORTS = sorted([*PERF.glob("echo_*.json"), *PERF.glob("*_echo.json")])
 SCHEMA = "cute-ep-echo/1"
 # The shapes the measurement is defined at (balance at full shape; the step may be smaller on a CPU).
 SHAPES = {"world_size": 4, "num_experts": 256, "topk": 8, "tokens": 4096}

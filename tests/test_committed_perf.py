@@ -14,8 +14,10 @@ from cute_ep import bench_report as br
 PERF = Path(__file__).resolve().parents[1] / "baselines" / "perf"
 # Decode reports (scripts/decode_breakdown.py, another schema, no plot) are checked by test_decode_report.py,
 # ECHO reports (scripts/echo_bench.py, another schema) by test_committed_echo.py.
-REPORTS = sorted(p for p in PERF.glob("*.json") if not p.stem.endswith("_decode")
-                 and not p.stem.startswith("echo_"))
+# MoE-layer reports (scripts/moe_layer_bench.py) by test_moe_layer_bench.py.
+OTHER_SCHEMAS = ("_decode", "_echo", "_moe_layer")
+REPORTS = sorted(p for p in PERF.glob("*.json") if not p.stem.endswith(OTHER_SCHEMAS)
+                 and not p.stem.startswith(("echo_", "moe_layer_")))
 
 
 def test_there_are_committed_reports():
@@ -58,3 +60,17 @@ def test_report_holds_every_configuration_of_its_sweep(path):
         expected = row["combine_alg_gbps"] * moved_rows / row["pairs_off_mean"]
         assert row["combine_moved_gbps"] == pytest.approx(expected)
     assert path.with_suffix(".png").is_file(), f"{path.name} has no plot beside it"
+
+
+def test_the_4x_h200_report_measures_deepep_and_nccl_beside_both_layouts():
+    """baselines/perf/h200x4_vs_deepep.json (4x H200, 2026-11-26): both receive layouts at 128, 4096 and
+    8192 tokens per rank, at 24 SMs and the whole GPU, with DeepEP's dispatch and combine and NCCL's
+    all-to-all timed in the same run for every row."""
+    report = br.load_json(PERF / "h200x4_vs_deepep.json")
+    meta = report["meta"]
+    assert meta["world_size"] == 4 and meta["ranks_per_gpu"] == 1 and "H200" in meta["device"]
+    assert sorted({r["tokens"] for r in report["rows"]}) == [128, 4096, 8192]
+    assert sorted({r["num_sms"] for r in report["rows"]}) == [24, 132]
+    for row in report["rows"]:
+        assert row["deepep_dispatch_us"] > 0 and row["deepep_combine_us"] > 0, row["mode"]
+        assert row["nccl_dispatch_us"] > 0

@@ -351,7 +351,7 @@ import _bench_stand_ins as stand_ins
 import decode_breakdown as db
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
-from cute_ep.cli import Printer, exit_process
+from cute_ep.cli import Printer
 from cute_ep.input_checks import resolve_combine_algorithm
 
 KIND = sys.argv[1]
@@ -400,7 +400,7 @@ with Runtime(env, backend="gloo") as rt:
                             make_deepep=None if KIND == "absent" else stand_ins.deepep_peer)
     if KIND != "absent":
         print(f"rank {env.rank} DeepEP buffers made at {stand_ins.Buffer.made}", flush=True)
-exit_process(code)
+sys.exit(code)
 '''
 
 SMALL = ("--hidden", "64", "--topk", "2", "--num-experts", "8", "--tokens", "1,8", "--iters", "3",
@@ -503,3 +503,13 @@ def test_layout_in_dispatch_reaches_the_config(db):
         args = db.build_parser().parse_args(["--tokens", "1,8", *flag])
         db.validate_args(args)
         assert db.make_config(args, env).layout_in_dispatch == want
+
+
+def test_committed_h200x4_decode_report():
+    """The 4x H200 run (2026-11-26): scripts/decode_breakdown.py --tokens 1,128,256 --num-sms 24,max
+    --peers deepep at 4 ranks; DeepEP measured beside every row."""
+    report = json.loads((REPO / "baselines" / "perf" / "h200x4_decode.json").read_text())
+    bp.check_decode_json(report, tokens=[1, 128, 256], num_sms=[24, 132])
+    assert report["meta"]["world_size"] == 4 and report["meta"]["ranks_per_gpu"] == 1
+    for row in report["rows"]:
+        assert row["deepep_skipped"] is None, (row["tokens"], row["num_sms"], row["deepep_skipped"])

@@ -40,6 +40,7 @@ def test_examples_compare_the_committed_baselines_and_save_the_gpu_run(tmp_path)
 @pytest.mark.parametrize("part,expect", [
     ("tests-a", 'LAUNCHES=1 2'),
     ("tests-b", 'LAUNCHES=virtual full'),
+    ("tests-c", 'LAUNCHES=double doublev'),
     ("bench", "scripts/benchmark.py --tokens 128,4096 --routing uniform --fp8"),
     ("soak", "--fp8 --capacity-factor 0.75"),
     ("soak", "--layouts expert,rank"),

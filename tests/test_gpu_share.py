@@ -197,13 +197,14 @@ def test_mps_script_syntax_and_usage():
     assert proc.returncode == 2 and "usage: bash scripts/mps.sh start|stop|status" in proc.stderr
 
 
-def test_gpu_test_launches_on_one_gpu(tmp_path):
-    """run_gpu_tests.sh on a one-GPU host: 1 rank, then 2, 4, 4 as 2 virtual nodes and 8 ranks sharing it,
-    starting MPS first (stand-ins for nvidia-smi, torchrun and mps.sh record what it runs)."""
+def _launches(tmp_path, gpus: int) -> tuple[subprocess.CompletedProcess, list[str], list[tuple[str, ...]]]:
+    """run_gpu_tests.sh on a host of ``gpus`` GPUs, with stand-ins for nvidia-smi, torchrun and mps.sh that
+    record what it runs: (the run, every call, (GPUS=, LWS=, ranks) of each launch)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls.log"
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3'\n")
+    smi = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3'\n" for i in range(gpus))
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{smi}")
     (bin_dir / "python3").write_text(
         f"#!/bin/sh\necho \"launch GPUS=$CUTE_EP_GPUS_PER_HOST LWS=$CUTE_EP_LOCAL_WORLD_SIZE $*\" >> {log}\n"
         "echo '3 passed'\n"
@@ -222,11 +223,31 @@ def test_gpu_test_launches_on_one_gpu(tmp_path):
     calls = log.read_text().splitlines()
     launches = [(*c.split()[1:3], c.split("--nproc-per-node ")[1].split()[0])
                 for c in calls if c.startswith("launch")]
+    return proc, calls, launches
+
+
+def test_gpu_test_launches_on_one_gpu(tmp_path):
+    """run_gpu_tests.sh on a one-GPU host: 1 rank, then 2, 4, 4 as 2 virtual nodes and 8 ranks sharing it,
+    starting MPS first."""
+    proc, calls, launches = _launches(tmp_path, 1)
     assert launches == [("GPUS=1", "LWS=1", "1"), ("GPUS=1", "LWS=2", "2"), ("GPUS=1", "LWS=4", "4"),
                         ("GPUS=1", "LWS=2", "4"), ("GPUS=1", "LWS=8", "8")]
     # MPS starts before the first shared launch and, having been started here, stops at the end.
     assert calls[1] == "mps start" and calls[-1] == "mps stop"
     assert "8 ranks on one GPU: rc=0 3 passed" in proc.stdout
+
+
+def test_gpu_test_launches_on_four_gpus(tmp_path):
+    """run_gpu_tests.sh on a 4-GPU host: 1, 2, 4 as 2 virtual nodes, 4, then EP8 with two ranks per GPU
+    (one node, and 2 virtual nodes of 4) under MPS, started before the first of those; every launch without
+    a rank filter, so every rank's failures and watchdog reports reach the log."""
+    proc, calls, launches = _launches(tmp_path, 4)
+    assert launches == [("GPUS=1", "LWS=1", "1"), ("GPUS=2", "LWS=2", "2"), ("GPUS=4", "LWS=2", "4"),
+                        ("GPUS=4", "LWS=4", "4"), ("GPUS=4", "LWS=8", "8"), ("GPUS=4", "LWS=4", "8")]
+    starts = [i for i, c in enumerate(calls) if c == "mps start"]
+    assert len(starts) == 1 and "--nproc-per-node 8" in calls[starts[0] + 1] and calls[-1] == "mps stop"
+    assert not any("--local-ranks-filter" in c for c in calls)
+    assert "8 ranks on 4 GPUs as 2 virtual nodes x 4: rc=0 3 passed" in proc.stdout
 
 
 def test_reports_record_who_shares_a_gpu():

@@ -10,6 +10,7 @@ tests/test_swiglu_kernel_compile.py.
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -297,3 +298,26 @@ def test_load_global_weights_checks_shapes(buf):
 def test_importing_the_layer_imports_no_gpu_module():
     assert_imports_none("import cute_ep.moe_layer, cute_ep.swiglu; import cute_ep; cute_ep.MoELayer",
                         ["cutlass", "nvshmem", "cute_ep.buffer", "cute_ep.kernels.swiglu"])
+
+
+def test_the_layer_compiles_its_swiglu_kernels_before_any_step_and_then_meets_the_ranks(buf, monkeypatch):
+    """Where the SwiGLU kernel serves (a GPU), building the layer compiles both directions and then waits
+    for the other ranks, so no rank compiles inside a step while the peers' kernels wait for it."""
+    import cute_ep.moe_layer as ml
+    import cute_ep.swiglu as sw
+
+    events = []
+    fake = SimpleNamespace(compiled=lambda direction, dtype: events.append(("compile", direction, dtype)))
+    monkeypatch.setattr(sw, "kernels", lambda: fake)
+    monkeypatch.setattr(ml, "resolve_impl", lambda impl, device: "kernel")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda group: events.append(("barrier", group)))
+    group = object()
+    monkeypatch.setattr(buf, "runtime", SimpleNamespace(cpu_group=group), raising=False)
+    MoELayer(buf, 32)
+    assert events == [("compile", "forward", torch.bfloat16), ("compile", "backward", torch.bfloat16),
+                      ("barrier", group)]
+    events.clear()
+    monkeypatch.setattr(ml, "resolve_impl", lambda impl, device: "torch")  # CPU: nothing to compile
+    MoELayer(buf, 32)
+    assert events == []

@@ -17,7 +17,8 @@ SCRIPT = REPO / "scripts" / "moe_layer_bench.py"
 SMALL = ["--backend", "reference", "--tokens", "8,24", "--hidden", "64", "--intermediate", "32",
          "--num-experts", "8", "--topk", "2", "--groups", "4", "--topk-groups", "2", "--shared", "32",
          "--iters", "2", "--warmup", "1"]  # fmt: skip
-COMMITTED = sorted((REPO / "baselines" / "perf").glob("moe_layer_*.json"))
+COMMITTED = sorted([*(REPO / "baselines" / "perf").glob("moe_layer_*.json"),
+                    *(REPO / "baselines" / "perf").glob("*_moe_layer.json")])
 
 
 @pytest.fixture(scope="module")
