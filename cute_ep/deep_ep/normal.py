@@ -1,0 +1,197 @@
+"""The normal mode's torch parts: DeepEP's dispatch layout, the row format a token travels in, and the
+handle's matrices, all as device-side torch ops (no host sync).
+
+How ``cute_ep.deep_ep`` maps DeepEP's normal dispatch onto the rank layout of ``cute_ep``: every rank in a
+token's ``is_token_in_rank`` row gets one row (DeepEP's rule: routing by ``is_token_in_rank``, not by the
+ids). So the kernels are given per-rank ids (``rank_routing``): one expert per rank, column r naming
+expert r where ``is_token_in_rank[t, r]``; the rank layout then lands the rows source rank first, token
+ascending, which is DeepEP's receive order. Whatever else travels with a token (FP8 scales, top-k ids
+and weights) rides in the same row (``RowFormat``), moved as raw bytes and split again on arrival.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "RowFormat",
+    "channel_prefix_matrix",
+    "dispatch_layout",
+    "rank_routing",
+    "recv_channel_prefix_matrix",
+    "send_head",
+    "token_channels",
+]
+
+_VECTOR_BYTES = 16
+_CARRIER = torch.bfloat16  # the element type the kernels move the bytes of a row as
+
+
+def dispatch_layout(topk_idx: Tensor, num_experts: int, num_ranks: int) -> tuple[Tensor, Tensor, Tensor]:
+    """DeepEP's ``get_dispatch_layout`` in torch: (num_tokens_per_rank [R] int32, num_tokens_per_expert
+    [E] int32, is_token_in_rank [T, R] bool) of topk_idx [T, K] (ids in [-1, E); -1: no expert).
+
+    A token counts once for each rank owning one of its experts; every (t, k) pair counts for its expert.
+    Ids outside [-1, E) are counted nowhere (DeepEP leaves them undefined). No host sync.
+    """
+    t = topk_idx.shape[0]
+    dev = topk_idx.device
+    el = num_experts // num_ranks
+    ids = topk_idx.long()
+    valid = (ids >= 0) & (ids < num_experts)
+    expert_bin = torch.where(valid, ids, num_experts).reshape(-1)
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    per_expert.scatter_add_(0, expert_bin, torch.ones_like(expert_bin))
+    rank_bin = torch.where(valid, torch.div(ids, el, rounding_mode="floor"), num_ranks)
+    in_rank = torch.zeros((t, num_ranks + 1), dtype=torch.bool, device=dev)
+    in_rank.scatter_(1, rank_bin, True)
+    in_rank = in_rank[:, :num_ranks].contiguous()
+    per_rank = in_rank.sum(dim=0, dtype=torch.int32)
+    return per_rank, per_expert[:num_experts].to(torch.int32), in_rank
+
+
+def rank_routing(is_token_in_rank: Tensor) -> tuple[Tensor, Tensor]:
+    """The ids and weights the rank layout dispatches with, one expert per rank: ids [T, R] int32 with
+    ``ids[t, r] = r`` where ``is_token_in_rank[t, r]``, else -1; weights [T, R] fp32 zeros (unused)."""
+    t, world = is_token_in_rank.shape
+    ranks = torch.arange(world, dtype=torch.int32, device=is_token_in_rank.device).expand(t, world)
+    ids = torch.where(is_token_in_rank, ranks, torch.full_like(ranks, -1)).contiguous()
+    return ids, torch.zeros((t, world), dtype=torch.float32, device=is_token_in_rank.device)
+
+
+def token_channels(num_tokens: Tensor | int, num_channels: int) -> Tensor | int:
+    """Tokens per channel in DeepEP's split of a rank's T tokens into ``num_channels`` contiguous ranges:
+    ceil(T / channels), at least 1 (token t is in channel t // that)."""
+    if isinstance(num_tokens, Tensor):
+        per = torch.div(num_tokens + num_channels - 1, num_channels, rounding_mode="floor")
+        return torch.clamp(per, min=1)
+    return max(1, -(-num_tokens // num_channels))
+
+
+def channel_prefix_matrix(is_token_in_rank: Tensor, num_channels: int) -> Tensor:
+    """[R, channels] int32: for each destination rank, the tokens of channels 0..c bound for it
+    (DeepEP's sender-side ``channel_prefix_matrix``, an inclusive prefix over channels)."""
+    t, world = is_token_in_rank.shape
+    dev = is_token_in_rank.device
+    per = token_channels(t, num_channels)
+    channel = torch.div(torch.arange(t, device=dev), per, rounding_mode="floor")
+    counts = torch.zeros((num_channels, world), dtype=torch.int64, device=dev)
+    counts.index_add_(0, channel, is_token_in_rank.to(torch.int64))
+    return counts.cumsum(dim=0).t().contiguous().to(torch.int32)
+
+
+def send_head(is_token_in_rank: Tensor, num_channels: int) -> Tensor:
+    """[T, R] int32: DeepEP's ``send_head`` as its dispatch writes it: for a token bound for rank r, the
+    number of earlier tokens of its channel bound for r; -1 where it is not bound for r."""
+    t, world = is_token_in_rank.shape
+    dev = is_token_in_rank.device
+    hits = is_token_in_rank.to(torch.int64)
+    before = hits.cumsum(dim=0) - hits  # tokens before t bound for r
+    per = token_channels(t, num_channels)
+    start = torch.div(torch.arange(t, device=dev), per, rounding_mode="floor") * per
+    head = before - before[start] if t else before
+    return torch.where(is_token_in_rank, head, -1).to(torch.int32)
+
+
+def recv_channel_prefix_matrix(src_rank: Tensor, src_token: Tensor, valid: Tensor, tokens_per_rank: Tensor,
+                               num_channels: int) -> Tensor:
+    """[R, channels] int32: DeepEP's receiver-side ``recv_channel_prefix_matrix``: for source rank s and
+    channel c, the rows received from s whose token lies in s's channels before c.
+
+    src_rank, src_token [N]: the source of each received row; valid [N] bool: the rows that count;
+    tokens_per_rank [R]: every rank's token count (sizes its channels)."""
+    world = tokens_per_rank.shape[0]
+    dev = src_rank.device
+    per = token_channels(tokens_per_rank.to(device=dev, dtype=torch.int64), num_channels)
+    src = src_rank.long()
+    channel = torch.div(src_token.long(), per[src.clamp(0, world - 1)], rounding_mode="floor")
+    bins = torch.where(valid, src * num_channels + channel.clamp(max=num_channels - 1), world * num_channels)
+    counts = torch.zeros(world * num_channels + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, bins, torch.ones_like(bins))
+    counts = counts[:-1].view(world, num_channels)
+    return (counts.cumsum(dim=1) - counts).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """The bytes one token carries in a normal-mode dispatch, moved as ``elems`` bf16 elements.
+
+    Bytes [0, X) the row of x (any dtype, X = hidden * element size, a multiple of 16), then (FP8 input)
+    ``num_scales`` 4-byte scales (fp32 or int32, DeepEP's ``x_scales``), then (with top-k) ``topk`` int32
+    global expert ids and ``topk`` fp32 weights, zero bytes up to a multiple of 16. A row of x alone
+    travels as it is, viewed as bf16 (``passthrough``: no copy).
+    """
+
+    x_dtype: torch.dtype
+    hidden: int
+    scale_dtype: torch.dtype | None = None
+    num_scales: int = 0
+    topk: int = 0
+
+    @property
+    def x_bytes(self) -> int:
+        return self.hidden * torch.empty((), dtype=self.x_dtype).element_size()
+
+    @property
+    def scale_end(self) -> int:
+        return self.x_bytes + 4 * self.num_scales
+
+    @property
+    def idx_end(self) -> int:
+        return self.scale_end + 4 * self.topk
+
+    @property
+    def row_bytes(self) -> int:
+        raw = self.idx_end + 4 * self.topk
+        return -(-raw // _VECTOR_BYTES) * _VECTOR_BYTES
+
+    @property
+    def elems(self) -> int:
+        """Elements of the bf16 row that carries the bytes (the kernels' ``hidden``)."""
+        return self.row_bytes // 2
+
+    @property
+    def passthrough(self) -> bool:
+        return self.scale_dtype is None and self.topk == 0 and self.row_bytes == self.x_bytes
+
+    def pack(self, x: Tensor, scales: Tensor | None, topk_idx: Tensor | None,
+             topk_weights: Tensor | None) -> Tensor:
+        """[T, elems] bf16 rows: x (and the extras this format holds) as raw bytes. x itself (viewed) when
+        ``passthrough`` and contiguous."""
+        t = x.shape[0]
+        if self.passthrough:
+            return x.contiguous().view(_CARRIER) if t else x.new_empty((0, self.elems), dtype=_CARRIER)
+        rows = torch.zeros((t, self.row_bytes), dtype=torch.uint8, device=x.device)
+        if t == 0:
+            return rows.view(_CARRIER)
+        rows[:, : self.x_bytes] = x.contiguous().view(torch.uint8)
+        if self.scale_dtype is not None:
+            rows[:, self.x_bytes : self.scale_end].view(self.scale_dtype).copy_(scales)
+        if self.topk:
+            rows[:, self.scale_end : self.idx_end].view(torch.int32).copy_(topk_idx)
+            rows[:, self.idx_end : self.idx_end + 4 * self.topk].view(torch.float32).copy_(topk_weights)
+        return rows.view(_CARRIER)
+
+    def unpack(self, rows: Tensor, out_rows: int
+               ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+        """New tensors of ``out_rows`` rows from received rows [n, elems] bf16 (n <= out_rows; rows past n
+        are left uninitialised, as DeepEP leaves its padding): (x [out_rows, H] x_dtype, scales
+        [out_rows, num_scales] or None, global ids [out_rows, K] int32 or None, weights [out_rows, K] fp32
+        or None)."""
+        n, dev = rows.shape[0], rows.device
+        raw = rows.view(torch.uint8)
+        x = torch.empty((out_rows, self.hidden), dtype=self.x_dtype, device=dev)
+        x.view(torch.uint8)[:n].copy_(raw[:, : self.x_bytes])
+        scales = idx = w = None
+        if self.scale_dtype is not None:
+            scales = torch.empty((out_rows, self.num_scales), dtype=self.scale_dtype, device=dev)
+            scales[:n].view(torch.uint8).copy_(raw[:, self.x_bytes : self.scale_end])
+        if self.topk:
+            idx = torch.empty((out_rows, self.topk), dtype=torch.int32, device=dev)
+            idx[:n].view(torch.uint8).copy_(raw[:, self.scale_end : self.idx_end])
+            w = torch.empty((out_rows, self.topk), dtype=torch.float32, device=dev)
+            w[:n].view(torch.uint8).copy_(raw[:, self.idx_end : self.idx_end + 4 * self.topk])
+        return x, scales, idx, w

@@ -1,0 +1,340 @@
+"""``cute_ep.deep_ep`` on GPUs: the CuTe kernels behind DeepEP's API against the same module on the torch
+reference backend (bit for bit), sync-free calls, a CUDA graph of the low-latency calls, and, where
+``import deep_ep`` works (DeepEP v1.2.1, 2, 4 or 8 ranks on one host, one GPU each), DeepEP itself on the
+same inputs.
+
+Launch as the other GPU tests (``torchrun --nproc-per-node N -m pytest tests/gpu/test_deep_ep.py -m gpu``,
+or ``scripts/run_gpu_tests.sh``). The kernels' Buffer uses the session's Runtime (its NVSHMEM and compiled
+modules); the reference Buffer runs on the Runtime's gloo group with CPU tensors. The reference backend
+itself is checked against DeepEP's own test expectations on CPUs (tests/test_deep_ep_worlds.py).
+
+Against DeepEP (normal mode; its low-latency mode starts an NVSHMEM of its own, which cannot share the
+process with the session's): the layout, the received rows per source rank (as sets of (token, row)),
+recv_topk_idx / weights, num_recv_tokens_per_expert_list, the rank prefix matrix, cached dispatch, the
+num_worst_tokens prefix, FP8 rows and scales, and combine (x within bf16 rounding, weights exactly).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import cute_ep.deep_ep as deep_ep
+from cute_ep.bench_peers import deepep_skip_reason, import_deep_ep
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN, EXPERTS_PER_RANK, TOPK = 256, 4, 4
+SYMMETRIC_BYTES = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def buffers(runtime):
+    """(kernels' Buffer, reference Buffer); both collective to make and to destroy."""
+    old = deep_ep.Buffer.num_sms
+    deep_ep.Buffer.set_num_sms(max(2, min(20, runtime.sm_share) // 2 * 2))
+    kern = deep_ep.Buffer(runtime.group, runtime=runtime, symmetric_bytes=SYMMETRIC_BYTES,
+                          explicitly_destroy=True)
+    ref = deep_ep.Buffer(runtime.cpu_group, backend="reference", explicitly_destroy=True)
+    assert kern.backend == "cute" and ref.backend == "reference"
+    try:
+        yield kern, ref
+    finally:
+        kern.destroy()
+        ref.destroy()
+        deep_ep.Buffer.num_sms = old
+
+
+def make_inputs(rank: int, world: int, tokens: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    experts = EXPERTS_PER_RANK * world
+    idx = torch.rand(tokens, experts, generator=g).topk(TOPK, dim=1).indices
+    idx[torch.rand(tokens, TOPK, generator=g) < 0.1] = -1
+    x = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
+    amax = x.float().view(tokens, HIDDEN // 128, 128).abs().amax(-1).clamp_min(1e-4)
+    scaled = x.float().view(tokens, HIDDEN // 128, 128) * (448 / amax)[..., None]
+    q = scaled.clamp(-448, 448).to(torch.float8_e4m3fn).view(tokens, HIDDEN)
+    return dict(x=x, idx=idx, w=torch.rand(tokens, TOPK, generator=g), q=q, s=(amax / 448).T.contiguous().T,
+                bias=torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16), experts=experts)
+
+
+def on(device: torch.device, obj: Any) -> Any:
+    """``obj`` with its tensors on ``device`` (tuples kept)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(on(device, o) for o in obj)
+    return obj
+
+
+def bits(t: Any) -> Any:
+    """A CPU tensor whose equality is bit equality (NaN == NaN, -0.0 != 0.0); tuples element-wise."""
+    if isinstance(t, tuple):
+        return tuple(bits(v) for v in t)
+    if not isinstance(t, torch.Tensor):
+        return t
+    t = t.detach().cpu().contiguous()
+    if t.is_floating_point():
+        t = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def assert_same(name: str, a: Any, b: Any) -> None:
+    a, b = bits(a), bits(b)
+    if isinstance(a, tuple):
+        assert isinstance(b, tuple) and len(a) == len(b), name
+        for i, (u, v) in enumerate(zip(a, b, strict=True)):
+            assert_same(f"{name}[{i}]", u, v)
+        return
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, a.shape, b.dtype, b.shape)
+        assert torch.equal(a, b), name
+    else:
+        assert a == b, (name, a, b)
+
+
+def expert_rows(recv_x: Any) -> torch.Tensor:
+    """What an expert hands combine here: the received rows (FP8: cast back with their scales), bf16."""
+    if isinstance(recv_x, tuple):
+        return (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=1)).to(torch.bfloat16)
+    return recv_x.to(torch.bfloat16)
+
+
+def normal_round(buf: Any, inp: dict, device: torch.device, *, kind: str, worst: int = 0) -> dict:
+    """Every output of a normal-mode sequence on ``buf``: layout, dispatch (``kind``: "bf16", "bf16-topk",
+    "fp8-topk"), cached dispatch, combine (with weights and bias where it applies)."""
+    d = {k: on(device, v) for k, v in inp.items()}
+    out: dict = {}
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(d["idx"], d["experts"])
+    out["layout"] = (per_rank, per_expert, in_rank)
+    x = (d["q"], d["s"]) if kind.startswith("fp8") else d["x"]
+    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                num_worst_tokens=worst)
+    if kind.endswith("topk"):
+        args.update(topk_idx=d["idx"], topk_weights=d["w"])
+    recv_x, recv_idx, recv_w, per_list, handle, _ = buf.dispatch(x, **args)
+    out["dispatch"] = (recv_x, recv_idx, recv_w, tuple(per_list), tuple(handle))
+    if not kind.endswith("topk"):
+        out["cached"] = buf.dispatch(x, handle=handle)[0]
+    y = expert_rows(recv_x)
+    out["combine"] = buf.combine(y, handle, topk_weights=recv_w if worst == 0 else None)[:2]
+    if kind == "bf16":
+        out["bias"] = buf.combine(y, handle, bias=(d["bias"], d["bias"]))[0]
+    return out
+
+
+def low_latency_round(buf: Any, inp: dict, device: torch.device, *, fp8: bool, round_scale: bool = False,
+                      ue8m0: bool = False, m: int = 32) -> dict:
+    d = {k: on(device, v) for k, v in inp.items()}
+    stats = torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32, device=device)
+    recv, count, handle, _, hook = buf.low_latency_dispatch(
+        d["x"], d["idx"], m, d["experts"], cumulative_local_expert_recv_stats=stats, use_fp8=fp8,
+        round_scale=round_scale, use_ue8m0=ue8m0, return_recv_hook=True)
+    hook()
+    counts = count.tolist()
+    # layout_range is defined everywhere; src_info only in each expert's first count slots
+    out: dict = {"count": count, "stats": stats, "layout_range": handle[1],
+                 "src_info": tuple(handle[0][e, :n] for e, n in enumerate(counts))}
+    if fp8:
+        scales = recv[1]
+        if ue8m0:  # exponent bytes -> fp32 powers of two
+            ints = scales.reshape(scales.shape[0], scales.shape[1], -1).to(torch.int64)
+            exps = torch.stack([(ints >> (8 * j)) & 0xFF for j in range(4)], dim=-1).flatten(2)
+            scales = (exps[..., : HIDDEN // 128].to(torch.int32) << 23).view(torch.float32)
+        y = (recv[0].float() * scales.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+        out["recv"] = tuple(recv[0][e, :n] for e, n in enumerate(counts)) + tuple(
+            recv[1][e, :n] for e, n in enumerate(counts))
+    else:
+        y = recv
+        out["recv"] = tuple(recv[e, :n] for e, n in enumerate(counts))
+    y = y.clone()
+    for e, n in enumerate(counts):
+        y[e, n:] = 0  # rows past the count are undefined on every backend
+    out["combine"] = buf.low_latency_combine(y, d["idx"], d["w"], handle)[0]
+    buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+    out["zero_copy"] = buf.low_latency_combine(y, d["idx"], d["w"], handle, zero_copy=True)[0]
+    return out
+
+
+def compare(kern_out: dict, ref_out: dict) -> None:
+    assert kern_out.keys() == ref_out.keys()
+    for key in kern_out:
+        assert_same(key, kern_out[key], ref_out[key])
+
+
+# --------------------------------------------------------------------------------------------------
+# the kernels against the reference backend
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["bf16", "bf16-topk", "fp8-topk", "fp8"])
+def test_normal_mode_matches_the_reference(runtime, buffers, kind: str) -> None:
+    kern, ref = buffers
+    rank, world = runtime.env.rank, runtime.env.world_size
+    for seed, tokens in ((1, (48, 0, 17, 64)[rank % 4]), (2, 33)):
+        inp = make_inputs(rank, world, tokens, seed)
+        compare(normal_round(kern, inp, runtime.device, kind=kind),
+                normal_round(ref, inp, torch.device("cpu"), kind=kind))
+
+
+def test_num_worst_tokens_matches_the_reference(runtime, buffers) -> None:
+    kern, ref = buffers
+    rank, world = runtime.env.rank, runtime.env.world_size
+    inp = make_inputs(rank, world, 40, 3)
+    a = normal_round(kern, inp, runtime.device, kind="bf16-topk", worst=40 * world)
+    b = normal_round(ref, inp, torch.device("cpu"), kind="bf16-topk", worst=40 * world)
+    n = int(b["dispatch"][4][0][-1, rank])  # rows really received: the rank prefix matrix's last row
+    for i in (0, 1, 2):  # recv_x, recv_topk_idx, recv_topk_weights: equal up to n, ids -1 after
+        assert_same(f"dispatch[{i}]", a["dispatch"][i][:n], b["dispatch"][i][:n])
+    assert bool((a["dispatch"][1][n:] == -1).all())
+    assert_same("combine", a["combine"], b["combine"])
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "fp8-round", "fp8-ue8m0"])
+def test_low_latency_matches_the_reference(runtime, buffers, mode: str) -> None:
+    kern, ref = buffers
+    rank, world = runtime.env.rank, runtime.env.world_size
+    flags = dict(fp8=mode != "bf16", round_scale=mode in ("fp8-round", "fp8-ue8m0"),
+                 ue8m0=mode == "fp8-ue8m0")
+    inp = make_inputs(rank, world, 32, 4)
+    compare(low_latency_round(kern, inp, runtime.device, **flags),
+            low_latency_round(ref, inp, torch.device("cpu"), **flags))
+
+
+def test_sync_free_calls_make_no_host_sync(runtime, buffers) -> None:
+    """The low-latency calls and a num_worst_tokens dispatch + combine (no weights) make no host sync once
+    their buffers exist (torch's sync detector raises on one)."""
+    kern, _ = buffers
+    rank, world = runtime.env.rank, runtime.env.world_size
+    d = {k: on(runtime.device, v) for k, v in make_inputs(rank, world, 32, 5).items()}
+    per_rank, _, per_expert, in_rank, _ = kern.get_dispatch_layout(d["idx"], d["experts"])
+    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=d["idx"], topk_weights=d["w"], num_worst_tokens=32 * world)
+
+    def calls() -> None:
+        recv, _, handle, _, _ = kern.low_latency_dispatch(d["x"], d["idx"], 32, d["experts"], use_fp8=False)
+        kern.low_latency_combine(recv, d["idx"], d["w"], handle)
+        recv_x, _, _, _, h, _ = kern.dispatch(d["x"], **args)
+        kern.combine(recv_x, h)
+
+    calls()  # builds the buffers (collective, with host syncs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        calls()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_low_latency_in_a_cuda_graph(runtime, buffers) -> None:
+    """low_latency_dispatch -> experts -> low_latency_combine captured once, replayed with new inputs: the
+    same outputs as eager calls."""
+    kern, _ = buffers
+    rank, world = runtime.env.rank, runtime.env.world_size
+    static = {k: on(runtime.device, v) for k, v in make_inputs(rank, world, 32, 6).items()}
+
+    def step() -> torch.Tensor:
+        recv, _, handle, _, _ = kern.low_latency_dispatch(static["x"], static["idx"], 32, static["experts"],
+                                                          use_fp8=False)
+        return kern.low_latency_combine(recv * 2, static["idx"], static["w"], handle)[0]
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (7, 8):
+        fresh = {k: on(runtime.device, v) for k, v in make_inputs(rank, world, 32, seed).items()}
+        for key in ("x", "idx", "w"):
+            static[key].copy_(fresh[key])
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = out.clone()
+        assert_same(f"replay {seed}", replayed, step())
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepEP itself, side by side
+# --------------------------------------------------------------------------------------------------
+
+
+def _deepep(runtime) -> Any:
+    module, why = import_deep_ep()
+    env = runtime.env
+    shared = runtime.placement is not None and runtime.placement.shared
+    reason = deepep_skip_reason(import_error=why, device_type=runtime.device.type,
+                                world_size=env.world_size, ranks_per_host=env.physical_local_world_size,
+                                dtype="bfloat16", hidden=HIDDEN, experts_per_rank=EXPERTS_PER_RANK, topk=TOPK)
+    reason = reason or ("ranks share a GPU" if shared else None)
+    if reason:
+        pytest.skip(reason)
+    return module
+
+
+@pytest.fixture(scope="module")
+def deepep_buffer(runtime):
+    ep = _deepep(runtime)
+    world = runtime.env.world_size
+    hints = [c.get_nvl_buffer_size_hint(HIDDEN * 2, world)
+             for c in (ep.Buffer.get_dispatch_config(world), ep.Buffer.get_combine_config(world))]
+    buf = ep.Buffer(runtime.group, max(hints), 0, explicitly_destroy=True)
+    try:
+        yield buf
+    finally:
+        buf.destroy()
+
+
+def _by_source(recv_x: Any, recv_idx: Any, recv_w: Any, handle: tuple, rank: int) -> dict:
+    """{(source rank, token): (row bits, ids, weights)}: a dispatch's rows as a set per source."""
+    prefix, src_idx = handle[0].cpu(), handle[3].cpu()
+    rows = {}
+    start = 0
+    for s in range(prefix.shape[0]):
+        end = int(prefix[s, rank])
+        for i in range(start, end):
+            row = bits(recv_x[0][i]) if isinstance(recv_x, tuple) else bits(recv_x[i])
+            extra = (bits(recv_x[1][i]),) if isinstance(recv_x, tuple) else ()
+            ids = tuple(recv_idx[i].tolist()) if recv_idx is not None else None
+            ws = tuple(bits(recv_w[i]).tolist()) if recv_w is not None else None
+            rows[(s, int(src_idx[i]))] = (tuple(row.tolist()), extra and tuple(extra[0].tolist()), ids, ws)
+        start = end
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["bf16", "bf16-topk", "fp8-topk"])
+def test_same_results_as_deepep(runtime, buffers, deepep_buffer, kind: str) -> None:
+    kern, _ = buffers
+    rank, world = runtime.env.rank, runtime.env.world_size
+    inp = make_inputs(rank, world, (96, 40, 8, 64)[rank % 4], 9)
+    d = {k: on(runtime.device, v) for k, v in inp.items()}
+    outs = []
+    for buf in (kern, deepep_buffer):
+        layout = buf.get_dispatch_layout(d["idx"], d["experts"])
+        per_rank, _, per_expert, in_rank, _ = layout
+        x = (d["q"], d["s"]) if kind.startswith("fp8") else d["x"]
+        args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        if kind.endswith("topk"):
+            args.update(topk_idx=d["idx"], topk_weights=d["w"])
+        recv_x, recv_idx, recv_w, per_list, handle, _ = buf.dispatch(x, **args)
+        cached = buf.dispatch(x, handle=handle)[0]
+        combined, combined_w, _ = buf.combine(expert_rows(recv_x), handle, topk_weights=recv_w)
+        torch.cuda.synchronize()
+        outs.append(dict(layout=(per_rank, per_expert, in_rank), per_list=list(per_list), prefix=handle[0],
+                         rows=_by_source(recv_x, recv_idx, recv_w, handle, rank),
+                         cached=_by_source(cached, None, None, handle, rank), combined=combined,
+                         combined_w=combined_w))
+    ours, theirs = outs
+    for i in range(3):
+        assert_same(f"layout[{i}]", ours["layout"][i], theirs["layout"][i])
+    assert ours["per_list"] == theirs["per_list"]
+    assert_same("rank_prefix_matrix", ours["prefix"], theirs["prefix"])
+    assert ours["rows"] == theirs["rows"]  # the same (source, token) rows, ids and weights
+    assert ours["cached"] == theirs["cached"]
+    a, b = ours["combined"].float().cpu(), theirs["combined"].float().cpu()
+    assert a.shape == b.shape
+    assert bool(((a - b).abs() <= b.abs() * 2**-7 + 1e-30).all()), (a - b).abs().max()  # bf16 rounding
+    if kind.endswith("topk"):
+        assert_same("combined_topk_weights", ours["combined_w"], theirs["combined_w"])

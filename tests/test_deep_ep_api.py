@@ -1,0 +1,453 @@
+"""``cute_ep.deep_ep`` in a world of one, in this process (``Buffer(None)``: no process group): DeepEP
+v1.2.1's names and signatures, the configs and size hints, what is refused and with which error, events,
+the byte budget of the GPU buffers, the padded low-latency layout, DeepEP's FP8 cast, and rows that travel
+as raw bytes (NaN patterns included). The multi-rank checks are in tests/test_deep_ep_worlds.py."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _launch import assert_imports_none
+from test_deep_ep_worlds import cast_fp8_reference, same_bits
+
+import cute_ep.deep_ep as deep_ep
+from cute_ep.deep_ep import low_latency as ll
+from cute_ep.deep_ep import normal
+from cute_ep.kernels.config import EpConfig
+
+# DeepEP v1.2.1's public signatures: (parameter, default) in order; inspect.Parameter.empty: required.
+REQUIRED = inspect.Parameter.empty
+# ("group" has no default in DeepEP; here None means the default group, or a world of one.)
+DEEPEP_SIGNATURES = {
+    "__init__": [("group", None), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0),
+                 ("low_latency_mode", False), ("num_qps_per_rank", 24),
+                 ("allow_nvlink_for_low_latency_mode", True), ("allow_mnnvl", False),
+                 ("explicitly_destroy", False), ("comm", None)],
+    "get_dispatch_layout": [("topk_idx", REQUIRED), ("num_experts", REQUIRED), ("previous_event", None),
+                            ("async_finish", False), ("allocate_on_comm_stream", False)],
+    "dispatch": [("x", REQUIRED), ("handle", None), ("num_tokens_per_rank", None),
+                 ("num_tokens_per_rdma_rank", None), ("is_token_in_rank", None),
+                 ("num_tokens_per_expert", None), ("topk_idx", None), ("topk_weights", None),
+                 ("expert_alignment", 1), ("num_worst_tokens", 0), ("config", None), ("previous_event", None),
+                 ("async_finish", False), ("allocate_on_comm_stream", False)],
+    "combine": [("x", REQUIRED), ("handle", REQUIRED), ("topk_weights", None), ("bias", None),
+                ("config", None), ("previous_event", None), ("async_finish", False),
+                ("allocate_on_comm_stream", False)],
+    "clean_low_latency_buffer": [("num_max_dispatch_tokens_per_rank", REQUIRED), ("hidden", REQUIRED),
+                                 ("num_experts", REQUIRED)],
+    "low_latency_dispatch": [("x", REQUIRED), ("topk_idx", REQUIRED),
+                             ("num_max_dispatch_tokens_per_rank", REQUIRED), ("num_experts", REQUIRED),
+                             ("cumulative_local_expert_recv_stats", None),
+                             ("dispatch_wait_recv_cost_stats", None), ("use_fp8", True),
+                             ("round_scale", False), ("use_ue8m0", False), ("async_finish", False),
+                             ("return_recv_hook", False)],
+    "low_latency_combine": [("x", REQUIRED), ("topk_idx", REQUIRED), ("topk_weights", REQUIRED),
+                            ("handle", REQUIRED), ("use_logfmt", False), ("zero_copy", False),
+                            ("async_finish", False), ("return_recv_hook", False), ("out", None),
+                            ("combine_wait_recv_cost_stats", None)],
+    "get_next_low_latency_combine_buffer": [("handle", REQUIRED)],
+    "get_local_buffer_tensor": [("dtype", REQUIRED), ("size", None), ("offset", 0),
+                                ("use_rdma_buffer", False)],
+    "get_comm_stream": [],
+    "destroy": [],
+}
+DEEPEP_STATIC = {
+    "get_low_latency_rdma_size_hint": ["num_max_dispatch_tokens_per_rank", "hidden", "num_ranks",
+                                       "num_experts"],
+    "get_dispatch_config": ["num_ranks"],
+    "get_combine_config": ["num_ranks"],
+    "set_num_sms": ["new_num_sms"],
+    "capture": [],
+    "is_sm90_compiled": [],
+}
+
+
+def _params(fn) -> list[tuple[str, object]]:
+    ps = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+    return [(p.name, p.default) for p in ps if p.kind == p.POSITIONAL_OR_KEYWORD]
+
+
+@pytest.mark.parametrize("name", sorted(DEEPEP_SIGNATURES))
+def test_methods_take_deepeps_arguments(name: str) -> None:
+    assert _params(getattr(deep_ep.Buffer, name)) == DEEPEP_SIGNATURES[name]
+
+
+@pytest.mark.parametrize("name", sorted(DEEPEP_STATIC))
+def test_static_helpers(name: str) -> None:
+    assert isinstance(inspect.getattr_static(deep_ep.Buffer, name), staticmethod)
+    assert [n for n, _ in _params(getattr(deep_ep.Buffer, name))] == DEEPEP_STATIC[name]
+
+
+def test_importing_it_imports_no_gpu_module() -> None:
+    """The CPU path imports neither the GPU buffer, CuTe DSL nor NVSHMEM (the GPU backend loads them on
+    first use)."""
+    assert_imports_none("import cute_ep.deep_ep", ["cute_ep.buffer", "cutlass", "nvshmem"])
+
+
+def test_star_import_gives_deepeps_top_level_names() -> None:
+    scope: dict = {}
+    exec("from cute_ep.deep_ep import *", scope)
+    assert {"Buffer", "Config", "EventOverlap"} <= set(scope)
+    assert deep_ep.Buffer.num_sms == 20
+    assert _params(deep_ep.Config) == [("num_sms", 20), ("num_max_nvl_chunked_send_tokens", 6),
+                                       ("num_max_nvl_chunked_recv_tokens", 256),
+                                       ("num_max_rdma_chunked_send_tokens", 6),
+                                       ("num_max_rdma_chunked_recv_tokens", 256)]
+    assert _params(deep_ep.EventOverlap) == [("event", None), ("extra_tensors", None)]
+
+
+# --------------------------------------------------------------------------------------------------
+# configs and hints
+# --------------------------------------------------------------------------------------------------
+
+
+def test_config_checks_and_rounding() -> None:
+    c = deep_ep.Config(24, 8, 256, 6, 128)
+    assert (c.num_sms, c.num_max_rdma_chunked_recv_tokens) == (24, 132)  # rounded up to a multiple of 6
+    bad_configs = [dict(num_sms=-2), dict(num_max_nvl_chunked_send_tokens=256),
+                   dict(num_max_rdma_chunked_send_tokens=0),
+                   dict(num_max_rdma_chunked_send_tokens=100, num_max_rdma_chunked_recv_tokens=100)]
+    for bad in bad_configs:
+        with pytest.raises(ValueError, match="Config"):
+            deep_ep.Config(**bad)
+
+
+def test_recommended_configs_follow_deepeps_tables() -> None:
+    deep_ep.Buffer.set_num_sms(24)
+    try:
+        d8, c8 = deep_ep.Buffer.get_dispatch_config(8), deep_ep.Buffer.get_combine_config(8)
+        d2 = deep_ep.Buffer.get_dispatch_config(2)
+        assert (d8.num_sms, d8.num_max_nvl_chunked_send_tokens) == (24, 6)
+        assert d8.num_max_nvl_chunked_recv_tokens == 256
+        assert (c8.num_max_nvl_chunked_send_tokens, d2.num_max_nvl_chunked_send_tokens) == (4, 24)
+        assert deep_ep.Buffer.get_dispatch_config(3).num_sms == 24  # outside DeepEP's table: still a config
+        with pytest.raises(ValueError, match="even"):
+            deep_ep.Buffer.set_num_sms(23)
+    finally:
+        deep_ep.Buffer.set_num_sms(20)
+
+
+def test_size_hints_are_deepeps() -> None:
+    # Worked by hand from DeepEP's layout: M=2, H=128, E=2: messages of 272 (dispatch) and 260 (combine)
+    # bytes; send max(544, 1040), receive max(1088, 1040), signals 128: 2 * 2256 = 4512, rounded past 128.
+    assert deep_ep.Buffer.get_low_latency_rdma_size_hint(2, 128, 2, 2) == 4608
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 288)
+    assert hint % 128 == 0 and hint > 2 * 288 * 128 * 7168 * 2
+    cfg = deep_ep.Config(20, 6, 256, 6, 128)
+    # 10 channels x 8 peers: 80 * 5 ints of metadata, 80 * 256 rows of 14336 + 8 + 128 * 12 + 128 * 4 bytes
+    assert cfg.get_nvl_buffer_size_hint(7168 * 2, 8) == -(-(80 * 5 * 4 + 80 * 256 * 16392) // 128) * 128
+    assert cfg.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    assert cfg.get_rdma_buffer_size_hint(7168 * 2, 16) > 0
+
+
+def test_symmetric_bytes_hint_grows_with_tokens() -> None:
+    small = deep_ep.Buffer.get_symmetric_bytes_hint(128, 7168, 8, num_topk=8)
+    large = deep_ep.Buffer.get_symmetric_bytes_hint(4096, 7168, 8, num_topk=8)
+    assert 0 < small < large
+    decode = dict(num_topk=8, num_experts=256, low_latency=True)
+    ll_bf16 = deep_ep.Buffer.get_symmetric_bytes_hint(128, 7168, 8, fp8=False, **decode)
+    ll_fp8 = deep_ep.Buffer.get_symmetric_bytes_hint(128, 7168, 8, fp8=True, **decode)
+    assert 0 < ll_bf16 < ll_fp8
+    # DeepEP's own low-latency hint holds these buffers at DeepSeek-V3's decode shape
+    assert ll_fp8 <= deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
+
+
+# --------------------------------------------------------------------------------------------------
+# what is refused
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def buf():
+    b = deep_ep.Buffer(None, explicitly_destroy=True)
+    yield b
+    b.destroy()
+
+
+def _layout(buf, t: int = 6, e: int = 4, k: int = 2, h: int = 128):
+    g = torch.Generator().manual_seed(3)
+    idx = torch.rand(t, e, generator=g).topk(k, dim=1).indices
+    w = torch.rand(t, k, generator=g)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+    return SimpleNamespace(x=x, idx=idx, w=w, per_rank=per_rank, per_expert=per_expert, in_rank=in_rank, e=e)
+
+
+def _layout_args(s) -> dict:
+    return dict(num_tokens_per_rank=s.per_rank, is_token_in_rank=s.in_rank,
+                num_tokens_per_expert=s.per_expert)
+
+
+def test_refusals_name_the_argument(buf) -> None:
+    with pytest.raises(NotImplementedError, match="num_rdma_bytes > 0 with low_latency_mode=False"):
+        deep_ep.Buffer(None, 0, 1 << 20)
+    with pytest.raises(NotImplementedError, match="comm"):
+        deep_ep.Buffer(None, comm=object())
+    with pytest.raises(NotImplementedError, match="get_local_buffer_tensor"):
+        buf.get_local_buffer_tensor(torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="internode_dispatch"):
+        buf.internode_dispatch(None)
+    with pytest.raises(NotImplementedError, match="internode_combine"):
+        buf.internode_combine(None, None)
+    s = _layout(buf)
+    with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
+        buf.low_latency_dispatch(s.x, s.idx, 8, s.e, dispatch_wait_recv_cost_stats=torch.zeros(1))
+    recv, _, handle, _, _ = buf.low_latency_dispatch(s.x, s.idx, 8, s.e, use_fp8=False)
+    with pytest.raises(NotImplementedError, match="use_logfmt"):
+        buf.low_latency_combine(recv, s.idx, s.w, handle, use_logfmt=True)
+    with pytest.raises(NotImplementedError, match="combine_wait_recv_cost_stats"):
+        buf.low_latency_combine(recv, s.idx, s.w, handle, combine_wait_recv_cost_stats=torch.zeros(1))
+
+
+def test_bad_calls_raise_value_errors(buf) -> None:
+    s = _layout(buf)
+    args = _layout_args(s)
+    with pytest.raises(ValueError, match="use_ue8m0=True needs round_scale=True"):
+        buf.low_latency_dispatch(s.x, s.idx, 8, s.e, use_ue8m0=True)
+    with pytest.raises(ValueError, match="async_finish and return_recv_hook"):
+        buf.low_latency_dispatch(s.x, s.idx, 8, s.e, async_finish=True, return_recv_hook=True)
+    with pytest.raises(ValueError, match="more than num_max_dispatch_tokens_per_rank"):
+        buf.low_latency_dispatch(s.x, s.idx, 4, s.e)
+    with pytest.raises(ValueError, match="allocate_on_comm_stream"):
+        buf.dispatch(s.x, **args, allocate_on_comm_stream=True)
+    with pytest.raises(ValueError, match="num_tokens_per_expert"):
+        buf.dispatch(s.x, num_tokens_per_rank=s.per_rank, is_token_in_rank=s.in_rank)
+    with pytest.raises(ValueError, match="topk_idx and topk_weights"):
+        buf.dispatch(s.x, **args, topk_idx=s.idx)
+    with pytest.raises(ValueError, match="config.num_sms must be even"):
+        buf.dispatch(s.x, **args, config=deep_ep.Config(7))
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        buf.dispatch(torch.zeros(6, 3), **args)
+    _, _, _, _, handle, _ = buf.dispatch(s.x, **args)
+    with pytest.raises(ValueError, match="cached handle takes no topk_idx"):
+        buf.dispatch(s.x, handle=handle, topk_idx=s.idx, topk_weights=s.w)
+    with pytest.raises(ValueError, match="handle must be the NormalHandle"):
+        buf.combine(s.x, tuple(handle))  # a plain tuple has lost cute_ep's routing
+    with pytest.raises(ValueError, match=r"x must be \[6, H\]"):
+        buf.combine(s.x[:3], handle)
+    with pytest.raises(ValueError, match="bias must be"):
+        buf.combine(s.x, handle, bias=torch.zeros(6, 5, dtype=torch.bfloat16))
+    # num_worst_tokens sizes the buffers: fewer than the tokens per rank cannot hold this rank's tokens
+    many = torch.zeros(100, 128, dtype=torch.bfloat16)
+    in_rank = torch.ones(100, 1, dtype=torch.bool)
+    with pytest.raises(ValueError, match="num_worst_tokens=10"):
+        count = torch.tensor([100], dtype=torch.int32)
+        buf.dispatch(many, num_tokens_per_rank=count, is_token_in_rank=in_rank, num_tokens_per_expert=count,
+                     num_worst_tokens=10)
+
+
+def test_handles_are_deepeps_tuples(buf) -> None:
+    s = _layout(buf)
+    out = buf.dispatch(s.x, **_layout_args(s), topk_idx=s.idx, topk_weights=s.w)
+    handle = out[4]
+    assert isinstance(handle, tuple) and len(handle) == 6
+    rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank, send_head = handle  # unpacks
+    assert rank_prefix.tolist() == [[6]] and in_rank is s.in_rank
+    channels = deep_ep.Buffer.get_dispatch_config(1).num_sms // 2
+    assert channel_prefix.shape == recv_channel_prefix.shape == (1, channels)
+    assert recv_src_idx.tolist() == list(range(6)) and send_head.dtype == torch.int32
+    recv, count, ll_handle, _, _ = buf.low_latency_dispatch(s.x, s.idx, 8, s.e)
+    assert isinstance(ll_handle, tuple) and len(ll_handle) == 5 and ll_handle[2:] == (8, 128, s.e)
+    assert isinstance(recv, tuple) and count.tolist() == s.per_expert.tolist()
+
+
+# --------------------------------------------------------------------------------------------------
+# events and streams
+# --------------------------------------------------------------------------------------------------
+
+
+def test_events_on_a_cpu(buf) -> None:
+    captured = deep_ep.Buffer.capture()
+    assert isinstance(captured, deep_ep.EventOverlap) and captured.event is not None
+    captured.current_stream_wait()
+    with captured:  # the with form waits on exit
+        pass
+    with pytest.raises(ValueError, match="no event"):
+        deep_ep.EventOverlap().current_stream_wait()
+    with deep_ep.EventOverlap():  # nothing to wait for: a no-op
+        pass
+    s = _layout(buf)
+    *_, event = buf.get_dispatch_layout(s.idx, s.e, previous_event=captured, async_finish=True)
+    assert event.event is not None
+    event.current_stream_wait()
+    assert buf.get_comm_stream() is None  # no streams on a CPU
+    _, _, _, event, _ = buf.low_latency_dispatch(s.x, s.idx, 8, s.e, async_finish=True)
+    assert event.extra_tensors is not None and event.extra_tensors[0] is s.x
+
+
+def test_zero_copy_buffers_alternate_like_deepeps(buf) -> None:
+    s = _layout(buf)
+    _, _, handle, _, _ = buf.low_latency_dispatch(s.x, s.idx, 8, s.e, use_fp8=False)
+    first = buf.get_next_low_latency_combine_buffer(handle)
+    assert first is buf.get_next_low_latency_combine_buffer(handle)  # no call in between: the same one
+    assert first.shape == (s.e, 8, 128) and first.dtype == torch.bfloat16
+    buf.low_latency_dispatch(s.x, s.idx, 8, s.e, use_fp8=False)
+    assert buf.get_next_low_latency_combine_buffer(handle) is not first  # each call flips the pair
+
+
+def test_destroy_is_idempotent_and_final() -> None:
+    b = deep_ep.Buffer(None)
+    b.destroy()
+    b.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        b.get_dispatch_layout(torch.zeros(1, 1, dtype=torch.int64), 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# backends and the byte budget
+# --------------------------------------------------------------------------------------------------
+
+
+def test_backend_choice() -> None:
+    b = deep_ep.Buffer(None)
+    assert b.backend == "reference" and b.device.type == "cpu"
+    b.destroy()
+    with pytest.raises(ValueError, match='backend="cute"'):
+        deep_ep.Buffer(None, backend="cute")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        deep_ep.Buffer(None, backend="a2a")
+
+
+class _FakeEpBuffer:
+    """Stands in for the GPU buffer in the budget test: records builds and closes."""
+
+    log: list = []
+
+    def __init__(self, runtime, cfg, registry=None) -> None:
+        self.cfg = cfg
+        _FakeEpBuffer.log.append(("build", cfg.max_tokens))
+
+    def close(self) -> None:
+        _FakeEpBuffer.log.append(("close", self.cfg.max_tokens))
+
+
+def test_budget_evicts_the_least_recently_used(monkeypatch) -> None:
+    import cute_ep.buffer
+
+    monkeypatch.setattr(cute_ep.buffer, "EpBuffer", _FakeEpBuffer)
+    _FakeEpBuffer.log = []
+    b = deep_ep.Buffer(None)
+    # the GPU path's bookkeeping, on a CPU
+    b.backend, b._session = "cute", SimpleNamespace(registry=None, release=lambda: None)
+    def need(width: int, tokens: int) -> int:
+        return EpConfig(world_size=1, local_world_size=1, num_experts=1, topk=1, hidden=width,
+                        dtype=torch.bfloat16, max_tokens=tokens).symmetric_bytes()
+
+    b.symmetric_bytes = need(128, 64) + need(128, 128) + 16  # room for these two, not a third
+    for m in (64, 128, 64):
+        b._buffer(128, torch.bfloat16, 1, 1, m)
+    assert _FakeEpBuffer.log == [("build", 64), ("build", 128)]  # the third call found its buffer
+    b._buffer(136, torch.bfloat16, 1, 1, 64)  # another shape: the least recently used (128) goes
+    assert _FakeEpBuffer.log[2:] == [("close", 128), ("build", 64)]
+    with pytest.raises(ValueError, match=r"need \d+ bytes of symmetric buffers, more than this Buffer's"):
+        b._buffer(128, torch.bfloat16, 1, 1, 1 << 16)
+    b.destroy()
+
+
+def test_budget_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("CUTE_EP_DEEP_EP_SYMMETRIC_BYTES", "3G")
+    b = deep_ep.Buffer(None, num_nvl_bytes=1 << 20)
+    assert b.symmetric_bytes == 3 << 30
+    b.destroy()
+    monkeypatch.delenv("CUTE_EP_DEEP_EP_SYMMETRIC_BYTES")
+    assert deep_ep.Buffer(None, 1 << 20, 0).symmetric_bytes == 1 << 20
+    assert deep_ep.Buffer(None, 1 << 20, 1 << 10, True, symmetric_bytes=5).symmetric_bytes == 5
+
+
+# --------------------------------------------------------------------------------------------------
+# the torch parts: layout, padded layout, FP8 cast, raw bytes
+# --------------------------------------------------------------------------------------------------
+
+
+def test_dispatch_layout_ignores_ids_out_of_range() -> None:
+    idx = torch.tensor([[0, 3], [-1, 7], [2, -5]])
+    per_rank, per_expert, in_rank = normal.dispatch_layout(idx, 4, 2)
+    assert per_expert.tolist() == [1, 0, 1, 1]
+    assert in_rank.tolist() == [[True, True], [False, False], [False, True]]
+    assert per_rank.tolist() == [1, 2]
+
+
+def test_padded_layout_of_expert_major_rows() -> None:
+    """Two local experts, 2 ranks, M = 3, K = 2: rows of expert 0 from sources 0, 0, 1; expert 1 from 1;
+    then stale rows past the count."""
+    m, k = 3, 2
+    tags = [(0 * m + 0) * k + 0, (0 * m + 2) * k + 1, (1 * m + 1) * k + 0, (1 * m + 2) * k + 1, -1, -1]
+    rows = torch.arange(6 * 8, dtype=torch.float32).view(6, 8).to(torch.bfloat16)
+    p = ll.padded_layout(rows, torch.tensor(tags, dtype=torch.int32), torch.tensor([3, 1], dtype=torch.int32),
+                         num_ranks=2, max_tokens=m, topk=k)
+    assert p.rows.shape == (2, 6, 8) and p.count.tolist() == [3, 1]
+    assert same_bits(p.rows[0, :3], rows[:3]) and same_bits(p.rows[1, :1], rows[3:4])
+    assert p.src_info[0, :3].tolist() == [0, 2, 1] and p.src_info[1, :1].tolist() == [2]
+    begin, count = (p.layout_range >> 32).tolist(), (p.layout_range & 0xFFFFFFFF).tolist()
+    assert count == [[2, 1], [0, 1]] and begin == [[0, 2], [0, 0]]
+    assert p.slot.tolist() == [0, 1, 2, 6, -1, -1]
+    back = torch.empty(6, 8, dtype=torch.bfloat16)
+    ll.expert_major_rows(p.rows, p.slot, back)
+    assert same_bits(back[:4], rows[:4])
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_fp8_cast_is_deepeps(round_scale: bool) -> None:
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(6, 512, generator=g) * torch.logspace(-6, 3, 6).view(-1, 1)).to(torch.bfloat16)
+    x[0, :128] = 0  # an all-zero block: amax is the 1e-4 margin
+    x[1, 128:256] = 448.0  # exactly the largest e4m3 value after scaling
+    q, s = ll.cast_fp8_blocks(x, round_scale)
+    want_q, want_s = cast_fp8_reference(x, round_scale)
+    assert same_bits(q, want_q) and same_bits(s, want_s)
+    if round_scale:
+        mant, _ = torch.frexp(s)
+        assert bool((mant == 0.5).all())  # powers of two
+        packed = ll.ue8m0_pack(s)
+        assert packed.shape == (6, 1) and packed.dtype == torch.int32
+        assert same_bits(packed.view(torch.uint8), ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8))
+
+
+def test_rows_travel_as_raw_bytes(buf) -> None:
+    """FP8 values with every byte pattern (e4m3 NaNs included), int32 scales and bf16 NaN payloads arrive bit
+    for bit, with top-k riding along."""
+    t = 256
+    q = torch.arange(t * 128, dtype=torch.int64).remainder(256).to(torch.uint8).view(t, 128)
+    scales = torch.arange(t, dtype=torch.int32).view(t, 1) * -7919
+    idx = torch.zeros(t, 1, dtype=torch.int64)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 1)
+    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx, topk_weights=torch.full((t, 1), float("nan")))
+    (rq, rs), _, rw, *_ = buf.dispatch((q.view(torch.float8_e4m3fn), scales.T.contiguous().T), **args)
+    assert torch.equal(rq.view(torch.uint8), q) and torch.equal(rs, scales) and bool(rw.isnan().all())
+    bits = torch.arange(t * 64, dtype=torch.int32).mul(2654435761 % 65536).remainder(65536) - 32768
+    x = bits.to(torch.int16).view(t, 64).view(torch.bfloat16)  # includes NaN and inf patterns
+    rx = buf.dispatch(x, **args)[0]
+    assert torch.equal(rx.view(torch.int16), x.view(torch.int16))
+
+
+def test_row_format_widths() -> None:
+    plain = normal.RowFormat(torch.bfloat16, 7168)
+    assert plain.passthrough and plain.elems == 7168
+    fp8_topk = normal.RowFormat(torch.float8_e4m3fn, 7168, torch.float32, 56, 8)
+    assert fp8_topk.row_bytes == 7168 + 224 + 64 and fp8_topk.elems == fp8_topk.row_bytes // 2
+    fp32 = normal.RowFormat(torch.float32, 64)  # fp32 rows travel as their bytes, viewed as bf16
+    assert fp32.passthrough and fp32.elems == 128
+
+
+def test_callers_torch_defaults_do_not_leak_in(buf) -> None:
+    """DeepEP's tests set torch's default dtype (bf16) and device (CUDA); the calls keep torch's own inside
+    (here the default device is "meta": a backend tensor made without a device would be an empty shell) and
+    restore the caller's after."""
+    s = _layout(buf)
+    want = buf.dispatch(s.x, **_layout_args(s), topk_idx=s.idx, topk_weights=s.w)
+    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_device("meta")
+    try:
+        got = buf.dispatch(s.x, **_layout_args(s), topk_idx=s.idx, topk_weights=s.w)
+        recv, _, handle, _, _ = buf.low_latency_dispatch(s.x, s.idx, 8, s.e, use_fp8=False)
+        buf.low_latency_combine(recv, s.idx, s.w, handle)
+        assert torch.get_default_dtype() == torch.bfloat16 and torch.empty(1).device.type == "meta"
+    finally:
+        torch.set_default_device(None)
+        torch.set_default_dtype(torch.float32)
+    for a, b in zip(want[:3], got[:3], strict=True):
+        assert same_bits(a, b)
