@@ -61,7 +61,7 @@ class DistEnvError(ValueError):
 
     ``alike``: every rank of the launch gets this same error (a virtual node size that does not divide
     the ranks per host, say), so one rank's line tells the user everything; otherwise (the default) each
-    rank may get its own, and each prints it (``cute_ep.cli.report_setup_error``).
+    rank may get its own, and each prints it (``cute_ep.tools.cli.report_setup_error``).
     """
 
     def __init__(self, message: str, *, alike: bool = False) -> None:

@@ -9,7 +9,8 @@ Usage::
 
 Two backends:
 
-* ``"gloo"``: CPU only, a plain gloo process group. Used by the torch reference path and by CI.
+* ``"gloo"``: CPU only, a plain gloo process group. Used by the torch reference backends on a machine
+  without a GPU.
 * ``"nvshmem"``: binds the GPU (local rank r: GPU r % G, ``bootstrap/gpu_share.py``), starts a
   ``cpu:gloo,cuda:nccl`` process group plus a separate gloo group (gloo only when ranks share a GPU:
   NCCL refuses that), sizes the NVSHMEM symmetric heap, broadcasts NVSHMEM's unique id over gloo and

@@ -16,6 +16,10 @@ Subpackages (installed from the top-level folders of the repository):
   cute_ep.bootstrap   -- launcher environment, torch.distributed + NVSHMEM init, kernel compile cache
   cute_ep.kernels     -- the CuTe DSL kernels (layout, dispatch, fan-out, combine) and the table of buffers
   cute_ep.validators  -- distributed checks against the torch references (cute_ep.reference), .npz baselines
+
+Beside them, cute_ep.tools (cute_ep/tools/) holds what the scripts, examples and benchmarks share:
+argument parsing and messages, the checking scripts' printing, the benchmark peers and reports. It imports
+the library; the library never imports it.
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ from cute_ep.input_checks import (
     check_dispatch_call,
     resolve_combine_algorithm,
 )
-from cute_ep.kernels.config import COMBINE_ALGORITHMS, MODES, EpConfig
+from cute_ep.kernels.config import MODES, EpConfig
+from cute_ep.kernels.variants import COMBINE_ALGORITHMS
 from cute_ep.reference import combine_reduced_rows
 
 __all__ = ["A2aDispatchHandle", "A2aEpBuffer"]

@@ -29,8 +29,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
-from cute_ep.kernels.config import LAYOUTS as KERNEL_LAYOUTS
 from cute_ep.kernels.config import EpConfig
+from cute_ep.kernels.variants import LAYOUTS as KERNEL_LAYOUTS
 
 __all__ = ["LAYOUTS", "BackendBase", "DispatchHandle", "DispatchResult", "EpBackend"]
 
@@ -171,8 +171,10 @@ class EpBackend(Protocol):
                 handle: one row per received row, already reduced over this rank's experts and
                 weighted by the caller. N is the ``num_recv`` of the dispatch that made ``handle``, or
                 the rows the views of ``dispatch(sync=False)`` cover (``cfg.capacity``; in the rank
-                layout ``cfg.rank_capacity``), which is the only count accepted after a GPU
-                ``dispatch(sync=False)``; any other count raises ``ValueError`` naming both.
+                layout ``cfg.rank_capacity``). After ``dispatch(sync=False)`` the count the kernels wrote is
+                read (one host sync) only when y has fewer rows than the views; while a CUDA graph is
+                being captured only the views' row count is accepted. Any other count raises
+                ``ValueError`` naming both.
             handle: ``DispatchResult.handle`` of the dispatch whose rows y holds.
             algorithm: "pull" (out[t] = sum over k ascending of w[t, k] * y_owner[slot(t, k)], fp32,
                 bit-identical to ``cute_ep.reference.reference_combine``) or "reduced" (per expert

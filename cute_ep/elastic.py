@@ -314,6 +314,11 @@ class CloneTransport(Protocol):
         ...
 
 
+# torch.distributed.all_gather_single where torch has it (there all_gather_into_tensor, its older name, is
+# deprecated and warns with a FutureWarning), else all_gather_into_tensor: the same collective.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class CollectiveTransport:
     """``CloneTransport`` on torch.distributed collectives of ``group`` (NCCL: GPU tensors, capturable in
     a CUDA graph; gloo: CPU tensors, or GPU tensors moved through the host, as when ranks share a GPU,
@@ -336,7 +341,7 @@ class CollectiveTransport:
         # splits the output along its first dimension and wants each part shaped like the input; a GPU
         # tensor on a gloo group, as with ranks sharing a GPU, goes this way too).
         out = torch.empty(self.world_size * t.numel(), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t.reshape(-1), group=self.group)
+        _all_gather_single(out, t.reshape(-1), group=self.group)
         return out.view(self.world_size, *t.shape)
 
     def _all_to_all(self, blocks: Tensor) -> Tensor:

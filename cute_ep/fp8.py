@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cute_ep.kernels.config import FP8_AMAX_FLOOR, FP8_BLOCK, FP8_MAX, VECTOR_BYTES, packed_fp8_row_bytes
+from cute_ep.kernels.buffers import FP8_BLOCK, packed_fp8_row_bytes
+from cute_ep.kernels.config import FP8_AMAX_FLOOR, FP8_MAX, VECTOR_BYTES
 
 __all__ = [
     "FP8_DTYPE",

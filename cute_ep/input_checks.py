@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from cute_ep.api import LAYOUTS, DispatchResult
-from cute_ep.kernels.config import COMBINE_ALGORITHMS, DISPATCH_ALGORITHMS, MODES, ConfigError, EpConfig
+from cute_ep.kernels.config import DISPATCH_ALGORITHMS, MODES, ConfigError, EpConfig
+from cute_ep.kernels.variants import COMBINE_ALGORITHMS
 
 __all__ = [
     "InputTypeError",

@@ -1031,5 +1031,5 @@ def reference_combine_rank_layout(
     return outs
 
 
-# The reference of each combine algorithm (kernels.config.COMBINE_ALGORITHMS), by name.
+# The reference of each combine algorithm (kernels.variants.COMBINE_ALGORITHMS), by name.
 COMBINE_REFERENCES = {"pull": reference_combine, "reduced": reference_combine_reduced}

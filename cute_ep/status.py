@@ -22,10 +22,9 @@ from cute_ep.kernels.buffers import (
     FAULT_PEER,
     INPUT_FAULT_FIRST,
     INPUT_FAULT_RANKS,
-    OPS,
     status_layout,
 )
-from cute_ep.kernels.config import EpConfig
+from cute_ep.kernels.config import OPS, EpConfig
 
 __all__ = ["CapacityExceeded", "KernelDidNotRun", "PeerTimeout", "StatusBlock", "capacity_error"]
 

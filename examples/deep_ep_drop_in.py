@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -37,9 +38,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cute_ep.bootstrap import DistEnv
-from cute_ep.cli import Printer, exit_process, script_main
 from cute_ep.collectives import all_gather_objects
-from cute_ep.usage import UsageError, script_parser
+from cute_ep.kernels.config import MAX_EXPERTS, MAX_TOPK, nearest_valid_experts, nearest_valid_hidden
+from cute_ep.tools.cli import Printer, script_main
+from cute_ep.tools.usage import UsageError, script_parser
 
 MODES = ("normal", "low-latency")
 
@@ -243,13 +245,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def validate_args(args: argparse.Namespace) -> None:
+    """UsageError naming the first bad flag and its value (before any rank starts)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.experts % world:
-        raise UsageError(f"--experts {args.experts} must be divisible by the {world} ranks")
+    if args.experts < 1 or args.experts % world:
+        raise UsageError(f"--experts must be positive and divisible by the world size ({world}), got "
+                         f"{args.experts}; {nearest_valid_experts(args.experts, world)}")
     if not 1 <= args.topk <= args.experts:
         raise UsageError(f"--topk must be in [1, --experts={args.experts}], got {args.topk}")
-    if min(args.tokens, args.hidden, args.ffn) < 1 or args.hidden % 8:
-        raise UsageError("--tokens, --hidden and --ffn must be positive, --hidden a multiple of 8")
+    for flag, value in (("--tokens", args.tokens), ("--ffn", args.ffn)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.hidden < 1 or args.hidden % 8:
+        raise UsageError(f"--hidden must be a positive multiple of 8 (rows of bfloat16 move in 16-byte "
+                         f"pieces), got {args.hidden}; {nearest_valid_hidden(args.hidden, torch.bfloat16)}")
+    # On cute_ep.deep_ep the low-latency mode routes to --experts experts, --topk per token, in EpConfig's
+    # limits (the normal mode routes to ranks, without these two)
+    if args.module == "cute_ep.deep_ep" and args.mode == "low-latency":
+        if args.experts > MAX_EXPERTS:
+            raise UsageError(f"--mode low-latency takes --experts <= {MAX_EXPERTS} on cute_ep.deep_ep (the "
+                             f"layout kernel's shared memory), got {args.experts}")
+        if args.topk > MAX_TOPK:
+            raise UsageError(f"--mode low-latency takes --topk <= {MAX_TOPK} on cute_ep.deep_ep (a token's "
+                             f"top-k is staged in shared memory), got {args.topk}")
     try:
         importlib.import_module(args.module)
     except ImportError as exc:
@@ -262,5 +279,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Skip the interpreter's teardown: gloo's threads can abort it after a complete run (see cli.py).
-    exit_process(main())
+    sys.exit(main())

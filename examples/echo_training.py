@@ -34,9 +34,10 @@ from torch import Tensor
 from cute_ep import ElasticExperts, EpConfig
 from cute_ep import autograd as ep
 from cute_ep.bootstrap import DistEnv, Runtime
-from cute_ep.cli import BACKENDS, Printer, UsageError, make_buffer, runtime_backend, script_main
+from cute_ep.kernels.config import MAX_TOPK, nearest_valid_experts
 from cute_ep.skew import zipf_topk
-from cute_ep.usage import script_parser
+from cute_ep.tools.cli import BACKENDS, Printer, UsageError, make_buffer, runtime_backend, script_main
+from cute_ep.tools.usage import script_parser
 
 TOLERANCE = 1e-5
 """Largest |difference| allowed between the two runs' weights, relative to the largest |weight|: a few
@@ -143,18 +144,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate_args(args: argparse.Namespace) -> None:
     """UsageError naming the first bad value (before any rank starts)."""
-    if args.spare_slots < 0 or args.steps < 1 or args.tokens < 1 or not args.skew >= 0:
-        raise UsageError(f"need --spare-slots >= 0, --steps >= 1, --tokens >= 1 and --skew >= 0, got "
-                         f"{args.spare_slots}, {args.steps}, {args.tokens} and {args.skew}")
+    for flag, value, least in (("--spare-slots", args.spare_slots, 0), ("--steps", args.steps, 1),
+                               ("--tokens", args.tokens, 1), ("--skew", args.skew, 0)):
+        if not value >= least:  # a NaN --skew too
+            raise UsageError(f"{flag} must be >= {least}, got {value}")
+
+
+FLAGS = {"max_tokens": "--tokens", "hidden": "--hidden", "topk": "--topk", "world_size": "the world size",
+         "num_experts": "the expert slots (--experts + the world size x --spare-slots)"}
+"""What sets each EpConfig field here: a configuration error names it."""
 
 
 def make_config(args: argparse.Namespace, env: DistEnv) -> EpConfig:
-    """The physical slots' buffer's configuration, which sizes the heap (ConfigError names a bad value)."""
+    """The physical slots' buffer's configuration, which sizes the heap (ConfigError names a bad value,
+    under the flags that set it: ``FLAGS``)."""
     if args.experts < 1 or args.experts % env.world_size:
-        raise UsageError(f"--experts must be positive and divisible by the world size {env.world_size}, got "
-                         f"{args.experts}")
-    if not 1 <= args.topk <= args.experts:
-        raise UsageError(f"--topk must be in [1, --experts={args.experts}], got {args.topk}")
+        raise UsageError(f"--experts must be positive and divisible by the world size ({env.world_size}), "
+                         f"got {args.experts}; {nearest_valid_experts(args.experts, env.world_size)}")
+    if not 1 <= args.topk <= min(args.experts, MAX_TOPK):
+        raise UsageError(f"--topk must be in [1, min(--experts={args.experts}, {MAX_TOPK})], got {args.topk}")
     return EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
                     num_experts=args.experts + env.world_size * args.spare_slots, topk=args.topk,
                     hidden=args.hidden, dtype=torch.float32, max_tokens=args.tokens)
@@ -185,7 +193,7 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     # A bad argument or configuration is one line `error: ...` and exit 2 before any rank starts.
-    return script_main(argv, build_parser, validate_args, make_config, run)
+    return script_main(argv, build_parser, validate_args, make_config, run, flags=FLAGS)
 
 
 if __name__ == "__main__":

@@ -23,26 +23,30 @@ To run:
 What must hold: on the CPU the output and the expert, router and shared-expert gradients equal the
 reference's and the input gradient is within a few roundings of the dtype (validators/moe_checks.py says
 why); on a GPU, where the grouped GEMM and the reference's matmuls are different kernels, every quantity
-within gpu_rtol of the reference. Rank 0 prints one line per rank, then PASS (exit status 0) or FAIL (1).
+within gpu_rtol of the reference. Rank 0 prints what is compared and what the padding rows are, one line
+per rank, then PASS (exit status 0) or FAIL (1).
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from cute_ep import EpConfig, MoELayer, RouterConfig
 from cute_ep.bootstrap import DistEnv, Runtime
-from cute_ep.cli import (
+from cute_ep.collectives import all_gather_objects
+from cute_ep.swiglu import resolve_impl
+from cute_ep.tools.cli import (
     BACKENDS,
     DTYPES,
     Printer,
     UsageError,
+    in_flags,
     make_buffer,
     runtime_backend,
     script_main,
 )
-from cute_ep.collectives import all_gather_objects
-from cute_ep.usage import script_parser
+from cute_ep.tools.usage import script_parser
 from cute_ep.validators.moe_checks import (
     EXACT,
     MoECase,
@@ -90,15 +94,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+FLAGS = {
+    "hidden": "--hidden", "topk": "--topk", "dtype": "--dtype", "num_groups": "--groups",
+    "topk_groups": "--topk-groups", "num_experts": "--experts-per-rank x the world size",
+    "max_tokens": "the buffer's tokens per rank (--tokens + --tokens / 4)", "world_size": "the world size",
+}  # fmt: skip
+"""What sets each EpConfig and RouterConfig field here: a configuration error names it."""
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """UsageError for the flags whose fields the configuration only sees derived."""
+    if args.tokens < 0:
+        raise UsageError(f"--tokens must be >= 0, got {args.tokens}")
+    if args.experts_per_rank < 1:
+        raise UsageError(f"--experts-per-rank must be >= 1, got {args.experts_per_rank}")
+
+
 def make_config(args: argparse.Namespace, env: DistEnv) -> EpConfig:
-    """The buffer's configuration, and the router's arguments checked (one line and exit 2 if bad)."""
+    """The buffer's configuration, and the router's arguments checked (one line and exit 2 if bad; the
+    message names the flags: ``FLAGS``)."""
     case = make_case(args, env.world_size)
     cfg = case.config(env.world_size, env.local_world_size)  # ConfigError names a bad value
     try:
         RouterConfig(num_experts=cfg.num_experts, topk=case.topk, score=case.score,
                      num_groups=case.num_groups, topk_groups=case.topk_groups, scale=case.route_scale)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(in_flags(str(exc), FLAGS)) from None
     if args.intermediate < 1 or args.intermediate % 8 or args.shared < 0 or args.shared % 8:
         raise UsageError(f"--intermediate must be a positive multiple of 8 and --shared a multiple of 8 "
                          f"(0: none), got {args.intermediate} and {args.shared}")
@@ -133,18 +154,47 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
         line = (x.shape[0], want["live_rows"], padding, verdict["exact_ok"], verdict["worst_rel"],
                 verdict["rtol"], verdict["passed"])
         ranks = all_gather_objects(line, rt.cpu_group)
-    exact = "n/a on a GPU" if on_gpu else "equal"
+    say(*legend(case, cfg, device, verdict["rtol"]))
     for r, (tokens, rows, pad, ex, worst, rtol, good) in enumerate(ranks):
-        say(f"[{args.backend}] rank {r}: {tokens} tokens, {rows} rows received ({pad} padding rows), "
-            f"out and parameter gradients {exact if ex else 'DIFFER'}, largest relative error "
-            f"{worst:.3g} (<= {rtol:.3g})" + ("" if good else ", MISMATCH"))
+        off = f"off by {worst:.3g} x its largest value (<= {rtol:.3g})"
+        compared = (f"every quantity {off}" if on_gpu else
+                    f"output and parameter gradients {'equal' if ex else 'DIFFER'}, input gradient {off}")
+        say(f"[{args.backend}] rank {r}: {tokens} tokens, {rows} rows received + {pad} padding rows; "
+            f"{compared}" + ("" if good else ", MISMATCH"))
     passed = all(r[-1] for r in ranks)
     return say.verdict(passed)
 
 
+def legend(case: MoECase, cfg: EpConfig, device: Any, rtol: float) -> list[str]:
+    """What each rank's line compares, with what and why within that tolerance, and what its padding rows
+    are (validators/moe_checks.py has the details)."""
+    dt = str(case.dtype).removeprefix("torch.")
+    lines = ["Each rank's output and gradients against the same layer evaluated densely in torch, "
+             "on every rank's tokens in one process:"]
+    if device.type == "cuda":
+        lines.append(f"  every quantity: largest difference <= {rtol:.3g} x its largest value; the grouped "
+                     "GEMM and the reference's matmuls are different kernels, rounding in different orders")
+    else:
+        lines.append("  output and parameter gradients (experts, router, shared expert): equal, the same "
+                     "arithmetic in the same order")
+        lines.append(f"  input gradient: largest difference <= {rtol:.3g} x its largest value, (K + 2) x the "
+                     f"epsilon of {dt} with K = --topk {case.topk}: the layer sums the K expert rows in fp32 "
+                     f"and rounds once, autograd adds the K expert terms, the router's and the shared "
+                     f"expert's one at a time, rounding each in {dt}")
+    if not case.sync:
+        impl = resolve_impl(case.swiglu, device)
+        swiglu = f"--swiglu {case.swiglu}" + ("" if impl == case.swiglu else f": {impl}")
+        what = "computes them too" if impl == "plain" else "skips them too"
+        lines.append(f"  padding rows: rows of the worst-case receive buffer ({cfg.capacity} per rank) "
+                     f"that no token filled; dispatch without a host sync (no --sync) hands the experts "
+                     f"the whole buffer: the grouped GEMMs skip its padding rows, the SwiGLU ({swiglu}) "
+                     f"{what}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     # A bad argument or configuration is one line `error: ...` and exit 2 before any rank starts.
-    return script_main(argv, build_parser, lambda args: None, make_config, run)
+    return script_main(argv, build_parser, validate_args, make_config, run, flags=FLAGS)
 
 
 if __name__ == "__main__":

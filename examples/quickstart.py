@@ -31,9 +31,9 @@ from torch import Tensor
 import cute_ep.reference as ref
 from cute_ep import EpConfig
 from cute_ep.bootstrap import DistEnv, Runtime
-from cute_ep.cli import BACKENDS, DTYPES, Printer, make_buffer, runtime_backend, script_main
 from cute_ep.collectives import all_gather_objects, world_of
-from cute_ep.usage import script_parser
+from cute_ep.tools.cli import BACKENDS, DTYPES, Printer, make_buffer, runtime_backend, script_main
+from cute_ep.tools.usage import script_parser
 
 
 def make_inputs(rank: int, args: argparse.Namespace, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
@@ -90,8 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+FLAGS = {"max_tokens": "--tokens", "hidden": "--hidden", "num_experts": "--experts", "topk": "--topk",
+         "dtype": "--dtype", "world_size": "the world size"}
+"""The flag of each EpConfig field this example sets: a configuration error names the flag."""
+
+
 def make_config(args: argparse.Namespace, env: DistEnv) -> EpConfig:
-    """The configuration every rank builds alike (EpConfig raises ConfigError naming a bad value)."""
+    """The configuration every rank builds alike (EpConfig raises ConfigError naming a bad value, which
+    ``main`` reports under the flag that set it: ``FLAGS``)."""
     return EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
                     num_experts=args.experts, topk=args.topk, hidden=args.hidden, dtype=DTYPES[args.dtype],
                     max_tokens=args.tokens)
@@ -116,7 +122,7 @@ def run(args: argparse.Namespace, env: DistEnv, cfg: EpConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     # script_main: a bad argument or configuration, or the GPU backend without CUDA, is one line
     # `error: ...` and exit status 2 before any rank starts; run-time errors exit 1.
-    return script_main(argv, build_parser, lambda args: None, make_config, run)
+    return script_main(argv, build_parser, lambda args: None, make_config, run, flags=FLAGS)
 
 
 if __name__ == "__main__":

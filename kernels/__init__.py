@@ -7,15 +7,9 @@ rank_layout, rank_dispatch, rank_combine) are imported by
 ``kernels/module.py`` when a buffer compiles them.
 """
 
-from cute_ep.kernels.buffers import BUFFERS, Buffer
-from cute_ep.kernels.config import (
-    COMBINE_ALGORITHMS,
-    DISPATCH_ALGORITHMS,
-    MODES,
-    ConfigError,
-    EpConfig,
-    packed_fp8_row_bytes,
-)
+from cute_ep.kernels.buffers import BUFFERS, Buffer, packed_fp8_row_bytes
+from cute_ep.kernels.config import DISPATCH_ALGORITHMS, MODES, ConfigError, EpConfig
+from cute_ep.kernels.variants import COMBINE_ALGORITHMS
 
 __all__ = [
     "BUFFERS",

@@ -16,9 +16,10 @@ are ints) or ``EpParams`` on the device (sizes are run-time Int32 values), so on
 Per-call tensors (``CALL``) are the caller's and their shapes use ``num_tokens`` (device only).
 
 Protocol slots have names: rows of ``signals``, words of ``fault``, counters of ``done``; ``epochs``
-is indexed by the operation (``OP_LAYOUT`` / ``OP_DISPATCH`` / ``OP_COMBINE``).
+is indexed by the operation (``OP_LAYOUT`` / ``OP_DISPATCH`` / ``OP_COMBINE``, kernels/config.py).
 
-Importing this module imports neither CuTe DSL nor NVSHMEM (the CPU backends size things with it).
+Importing this module imports neither CuTe DSL nor NVSHMEM (the CPU backends size things with it), nor
+kernels/config.py: ``EpConfig`` takes its symmetric bytes and status words from this table.
 """
 
 from __future__ import annotations
@@ -29,14 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cute_ep.kernels.config import (
-    FAULT_WORDS,
-    FP8_BLOCK,
-    OP_COMBINE,
-    OP_DISPATCH,
-    OP_LAYOUT,
-    packed_fp8_row_bytes,
-)
 from cute_ep.kernels.variants import runs
 
 # Where a buffer lives.
@@ -53,11 +46,13 @@ SIGNAL_DISPATCH = 1  # every row p dispatched to this rank has arrived (value: d
 SIGNAL_COMBINE = 2
 SIGNAL_ROWS = 3
 
-# Words of ``fault`` [FAULT_WORDS] int32: the first timed-out wait (kernels.signals.record_fault).
+# Words of ``fault`` [FAULT_WORDS] int32 on each rank: the first timed-out wait
+# (kernels.signals.record_fault).
 FAULT_COUNT = 0  # waits that timed out (0: none; every kernel moves no data once it is set)
 FAULT_OP = 1  # operation of the first one (OP_LAYOUT / OP_DISPATCH / OP_COMBINE)
 FAULT_PEER = 2  # the peer that never signalled
 FAULT_EPOCH = 3  # the call (epoch, low 32 bits)
+FAULT_WORDS = 4
 
 # Words of ``input_fault`` [INPUT_FAULT_WORDS] int32, rewritten by every layout: a dispatch whose inputs are
 # invalid on any rank moves no data on every rank (its epochs still advance), and the host raises.
@@ -82,6 +77,18 @@ ELEMENT_TYPES = {
     "uint8": ("uint8", "Uint8", 1),
 }
 VECTOR_ALIGN = 16  # rows and packed FP8 rows are moved with 128-bit accesses
+
+# The packed FP8 row (an FP8 dispatch's rows, per-call option): e4m3 values with one fp32 scale per
+# FP8_BLOCK columns, [H bytes of e4m3 | H / FP8_BLOCK fp32 scales | zero padding to a multiple of 16 bytes].
+FP8_BLOCK = 128
+
+
+def packed_fp8_row_bytes(hidden):
+    """Bytes of one packed FP8 row of ``hidden`` columns: e4m3 values, fp32 scales, zeros to 16 bytes.
+
+    Plain integer arithmetic, so the kernels evaluate the same formula on a run-time Int32."""
+    raw = hidden + 4 * (hidden // FP8_BLOCK)
+    return (raw + VECTOR_ALIGN - 1) // VECTOR_ALIGN * VECTOR_ALIGN
 
 
 def _fp8_capable(c: Any) -> bool:
@@ -222,7 +229,6 @@ BUFFERS: tuple[Buffer, ...] = (
 
 BUFFER_NAMES = tuple(b.name for b in BUFFERS)
 BY_NAME = {b.name: b for b in BUFFERS}
-OPS = {OP_LAYOUT: "layout", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
 
 # Run-time scalars every launch passes: the call's own, then sizes named as EpConfig's attributes.
 CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "layout", "rank", "num_tokens", "own_routing",

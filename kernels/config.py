@@ -3,6 +3,10 @@
 Only the element type is fixed when the kernels are compiled (one module per dtype: compiling one
 costs tens of seconds, and NVSHMEM tolerates few registered modules per process). Every size here is
 passed to the kernels at run time, so one compiled module serves any ``EpConfig`` of its dtype.
+
+These three modules import one way: config.py imports buffers.py (the one table of buffers, the packed
+FP8 row: ``EpConfig``'s symmetric bytes, status words and key come from it) and variants.py (receive
+layouts, combine algorithms); buffers.py imports variants.py; neither imports config.py.
 """
 
 from __future__ import annotations
@@ -12,19 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
+from cute_ep.kernels import buffers
+from cute_ep.kernels.buffers import FP8_BLOCK, packed_fp8_row_bytes
+from cute_ep.kernels.variants import COMBINE_ALGORITHMS
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Dispatch modes (run-time argument of the dispatch kernel).
 MODE_SCATTER = 0  # slots precomputed by the layout kernel: deterministic order
 MODE_ATOMIC = 1  # slots taken by an atomic add on the sender: order inside a (expert, source) group varies
 MODES = {"scatter": MODE_SCATTER, "atomic": MODE_ATOMIC}
-
-# Receive layouts (run-time argument of every op): "expert" gives one row per kept (token, k), grouped by
-# local expert (ready for a grouped GEMM); "rank" one row per (source rank, token) bound for this rank,
-# source-major, with the token's local expert ids and weights beside it (DeepEP's layout).
-LAYOUT_EXPERT = 0
-LAYOUT_RANK = 1
-LAYOUTS = {"expert": LAYOUT_EXPERT, "rank": LAYOUT_RANK}
 
 # Dispatch primitives (run-time argument of the dispatch kernel; a sender-side choice, so ranks may
 # differ): "dedup" sends a row once per destination rank and the receiver fans it out; "per_pair" sends
@@ -35,23 +36,11 @@ ALGO_PER_PAIR = 1
 ALGO_PUT_WARP = 2
 DISPATCH_ALGORITHMS = {"dedup": ALGO_DEDUP, "per_pair": ALGO_PER_PAIR, "put_warp": ALGO_PUT_WARP}
 
-# Combine algorithms (run-time argument of the combine op): "pull" reads every (token, k) row from its
-# expert's rank and sums them on the token's rank in ascending k (bit-identical to
-# cute_ep.reference.reference_combine); "reduced" sums a token's rows on each expert rank first
-# (ascending k, rounded to the row dtype) and moves one partial row per (token, rank), summed on the
-# token's rank in the order of each rank's first kept k (cute_ep.reference.reference_combine_reduced).
-COMBINE_PULL = 0
-COMBINE_REDUCED = 1
-COMBINE_ALGORITHMS = {"pull": COMBINE_PULL, "reduced": COMBINE_REDUCED}
-
 # Operations of the one compiled module (NVSHMEM tolerates few registered modules per process).
 OP_LAYOUT = 0
 OP_DISPATCH = 1
 OP_COMBINE = 2
-
-# fault[FAULT_WORDS] int32 on each rank: [timed-out waits, operation, peer, epoch]
-# (kernels.signals.record_fault).
-FAULT_WORDS = 4
+OPS = {OP_LAYOUT: "layout", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
 
 WARP = 32
 VECTOR_BYTES = 16  # one 128-bit access per lane
@@ -72,9 +61,8 @@ MAX_SMS_PER_GPU = 160
 
 OVERFLOW_POLICIES = ("raise", "drop")  # what the host does after rows were dropped beyond expert capacity
 
-# FP8 dispatch (per-call option): e4m3 rows with one fp32 scale per FP8_BLOCK columns, packed per row as
-# [H bytes of e4m3 | H / FP8_BLOCK fp32 scales | zero padding to a multiple of 16 bytes].
-FP8_BLOCK = 128
+# FP8 dispatch (per-call option): e4m3 rows with one fp32 scale per FP8_BLOCK columns (the packed row's
+# format, FP8_BLOCK and packed_fp8_row_bytes, is declared with the buffers that hold it: kernels/buffers.py).
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_AMAX_FLOOR = 2.0**-14  # a block's amax is at least this (an all-zero block gets a finite scale)
 
@@ -86,14 +74,6 @@ LAYOUT_IN_DISPATCH_TOKENS = 2**31 - 1
 MAX_TIMEOUT_S = 2**31 // 1000  # the timeout travels as int32 milliseconds
 
 
-def packed_fp8_row_bytes(hidden):
-    """Bytes of one packed FP8 row of ``hidden`` columns: e4m3 values, fp32 scales, zeros to 16 bytes.
-
-    Plain integer arithmetic, so the kernels evaluate the same formula on a run-time Int32."""
-    raw = hidden + 4 * (hidden // FP8_BLOCK)
-    return (raw + VECTOR_BYTES - 1) // VECTOR_BYTES * VECTOR_BYTES
-
-
 def cute_dtype(dtype: torch.dtype):
     """The CuTe DSL element type of a supported torch dtype."""
     import cutlass
@@ -102,6 +82,27 @@ def cute_dtype(dtype: torch.dtype):
     if dtype not in table:
         raise ConfigError(f"dtype must be one of {[str(d) for d in table]}, got {dtype}")
     return table[dtype]
+
+
+def nearest_valid_hidden(hidden: int, dtype: torch.dtype) -> str:
+    """The hidden sizes nearest ``hidden`` whose rows of ``dtype`` are a multiple of VECTOR_BYTES, as the
+    end of the message that refuses ``hidden``: "the nearest valid sizes are 96 and 104 (multiples of 8
+    for torch.bfloat16)"."""
+    step = VECTOR_BYTES // torch.empty((), dtype=dtype).element_size()
+    below = hidden // step * step
+    sizes = [n for n in (below, below + step) if n >= 1]
+    listed = " and ".join(map(str, sizes))
+    verb = "sizes are" if len(sizes) > 1 else "size is"
+    return f"the nearest valid {verb} {listed} (multiples of {step} for {dtype})"
+
+
+def nearest_valid_experts(num_experts: int, world_size: int) -> str:
+    """The expert counts nearest ``num_experts`` that ``world_size`` ranks split evenly (multiples of
+    ``world_size`` in [1, MAX_EXPERTS]), as the end of the message that refuses ``num_experts``: "use 15
+    or 18"."""
+    below = num_experts // world_size * world_size
+    counts = [n for n in (below, below + world_size) if 1 <= n <= MAX_EXPERTS] or [world_size]
+    return "use " + " or ".join(map(str, counts))
 
 
 class ConfigError(ValueError):
@@ -116,7 +117,7 @@ class EpConfig:
     local_world_size:  L, ranks per (possibly virtual) node; peers on the same node are read through
                        their NVSHMEM peer pointer in combine, others are fetched with ``get_warp``.
     num_experts:       E, divisible by R; rank r owns experts [r*E/R, (r+1)*E/R).
-    topk:              K, experts per token (1 <= K <= E).
+    topk:              K, experts per token (1 <= K <= min(E, 64): routing is staged per warp).
     hidden:            H, elements per row; H * element size must be a multiple of 16 bytes.
     dtype:             torch.bfloat16, torch.float16 or torch.float32 (rows and combine output).
     max_tokens:        M, most tokens per rank and call; buffers and the source tag are sized by it.
@@ -178,7 +179,8 @@ class EpConfig:
         need(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}")
         need(
             self.num_experts % self.world_size == 0,
-            f"num_experts must be divisible by world_size={self.world_size}, got {self.num_experts}",
+            f"num_experts must be divisible by world_size={self.world_size}, got {self.num_experts}; "
+            f"{nearest_valid_experts(self.num_experts, self.world_size)}",
         )
         need(
             self.num_experts <= MAX_EXPERTS,
@@ -193,11 +195,12 @@ class EpConfig:
             f"dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {self.dtype}",
         )
         need(self.hidden >= 1, f"hidden must be >= 1, got {self.hidden}")
-        need(
-            (self.hidden * self.element_size) % VECTOR_BYTES == 0,
-            f"hidden * element size must be a multiple of {VECTOR_BYTES} bytes: hidden={self.hidden} x "
-            f"{self.element_size} B = {self.hidden * self.element_size} B",
-        )
+        if (self.hidden * self.element_size) % VECTOR_BYTES:
+            raise ConfigError(
+                f"hidden * element size must be a multiple of {VECTOR_BYTES} bytes: hidden={self.hidden} x "
+                f"{self.element_size} B = {self.hidden * self.element_size} B; "
+                f"{nearest_valid_hidden(self.hidden, self.dtype)}"
+            )
         need(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
         # The source tag (rank * M + token) * K + k is an int32.
         need(
@@ -259,9 +262,7 @@ class EpConfig:
     @property
     def status_words(self) -> int:
         """int32 words of the status block the host reads after a call (``kernels.buffers.status_layout``)."""
-        from cute_ep.kernels.buffers import status_words
-
-        return status_words(self)
+        return buffers.status_words(self)
 
     @property
     def expert_capacity(self) -> int:
@@ -330,9 +331,7 @@ class EpConfig:
 
     def key(self) -> tuple:
         """Everything that defines the configuration (compared across ranks at construction)."""
-        from cute_ep.kernels.buffers import SIZE_SCALARS
-
-        return (str(self.dtype), *(getattr(self, n) for n in SIZE_SCALARS), self.capacity_factor,
+        return (str(self.dtype), *(getattr(self, n) for n in buffers.SIZE_SCALARS), self.capacity_factor,
                 self.on_overflow, self.combine_algorithm)
 
     def compile_key(self) -> tuple:
@@ -342,6 +341,4 @@ class EpConfig:
     def symmetric_bytes(self) -> int:
         """Bytes of NVSHMEM symmetric memory one rank allocates for this configuration (the symmetric
         buffers of ``kernels.buffers.BUFFERS``)."""
-        from cute_ep.kernels.buffers import symmetric_bytes
-
-        return symmetric_bytes(self)
+        return buffers.symmetric_bytes(self)

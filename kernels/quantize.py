@@ -21,7 +21,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from cute_ep.kernels.config import FP8_AMAX_FLOOR, FP8_BLOCK, FP8_MAX, VECTOR_BYTES, WARP
+from cute_ep.kernels.buffers import FP8_BLOCK
+from cute_ep.kernels.config import FP8_AMAX_FLOOR, FP8_MAX, VECTOR_BYTES, WARP
 from cute_ep.kernels.ptx import (
     abs_max,
     cvt_e4m3x2,

@@ -10,7 +10,8 @@ launches, in order, and which configurations can run it; the rest follows from i
   configuration can run one of them (``runs``);
 - the host passes ``variant(layout, combine).scalars`` (the ``layout`` and ``combine_algo`` scalars).
 
-A new variant is one more entry in ``VARIANTS`` (and its kernels as ``EpModule`` attributes).
+A new variant is one more entry in ``VARIANTS`` (and its kernels as ``EpModule`` attributes). The receive
+layouts and combine algorithms themselves (their names and run-time codes) are declared here too.
 """
 
 from __future__ import annotations
@@ -19,14 +20,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cute_ep.kernels.config import (
-    COMBINE_ALGORITHMS,
-    COMBINE_PULL,
-    COMBINE_REDUCED,
-    LAYOUT_EXPERT,
-    LAYOUT_RANK,
-    LAYOUTS,
-)
+# Receive layouts (run-time argument of every op): "expert" gives one row per kept (token, k), grouped by
+# local expert (ready for a grouped GEMM); "rank" one row per (source rank, token) bound for this rank,
+# source-major, with the token's local expert ids and weights beside it (DeepEP's layout).
+LAYOUT_EXPERT = 0
+LAYOUT_RANK = 1
+LAYOUTS = {"expert": LAYOUT_EXPERT, "rank": LAYOUT_RANK}
+
+# Combine algorithms (run-time argument of the combine op): "pull" reads every (token, k) row from its
+# expert's rank and sums them on the token's rank in ascending k (bit-identical to
+# cute_ep.reference.reference_combine); "reduced" sums a token's rows on each expert rank first
+# (ascending k, rounded to the row dtype) and moves one partial row per (token, rank), summed on the
+# token's rank in the order of each rank's first kept k (cute_ep.reference.reference_combine_reduced).
+COMBINE_PULL = 0
+COMBINE_REDUCED = 1
+COMBINE_ALGORITHMS = {"pull": COMBINE_PULL, "reduced": COMBINE_REDUCED}
 
 
 @dataclass(frozen=True)

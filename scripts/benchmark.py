@@ -20,7 +20,7 @@ To run (one process per GPU; keep NVLink multicast off, as on the H100 / H200 te
         --num-sms 24,48,132 --peers nccl,deepep --out-json r.json --out-png r.png
 
     # plot again from a saved report (CPU, no launch)
-    python -c "from cute_ep import bench_peers as p; p.plot_peers(p.load_results('r.json'), 'r.png')"
+    python -c "from cute_ep.tools import bench_peers as p; p.plot_peers(p.load_results('r.json'), 'r.png')"
 
 What is measured, for every SM budget (--num-sms), routing (--routing), tokens per rank T (--tokens)
 and dispatch mode (--modes), with hidden H, top-k K, E experts (defaults: DeepSeek-V3's 7168, 8, 256) in
@@ -40,8 +40,8 @@ and dispatch mode (--modes), with hidden H, top-k K, E experts (defaults: DeepSe
       exactly the same rows (this rank's rows grouped by destination rank, self included, built once
       outside the timed region; split sizes exchanged first); for combine the reverse direction. It
       takes no SM budget (measured again at each budget, in the same run).
-    * DeepEP (--peers deepep; cute_ep.bench_peers has the details): when ``import deep_ep`` works and the
-      world suits its intranode kernels (2, 4 or 8 ranks on one host, bf16 rows), on the same input
+    * DeepEP (--peers deepep; cute_ep.tools.bench_peers has the details): when ``import deep_ep`` works and
+      the world suits its intranode kernels (2, 4 or 8 ranks on one host, bf16 rows), on the same input
       sets (topk_idx as int64), at DeepEP's SM budget for the row's (even, 128 for our 132; one Buffer
       per budget sized by its Config hints): its dispatch with a cached handle, its full call (layout +
       dispatch, host sync included), that dispatch followed by a torch expert-major permute (our receive
@@ -81,8 +81,8 @@ and dispatch mode (--modes), with hidden H, top-k K, E experts (defaults: DeepSe
 Output on rank 0: a table, one line per (num_sms, routing, T, mode) as it completes, and at the end the
 peers table (ours, DeepEP, NCCL side by side; DeepEP's skip reasons under it); with --out-json the report
 (device, world and local world size, config, symmetric bytes per rank, package versions, git sha,
-time, command line, rows; rewritten after every row; cute_ep.bench_report has the schema, and every row
-also holds the results fields of cute_ep.bench_peers.PERF_ROW_FIELDS: num_sms, layout, deepep_*,
+time, command line, rows; rewritten after every row; cute_ep.tools.bench_report has the schema, and every row
+also holds the results fields of cute_ep.tools.bench_peers.PERF_ROW_FIELDS: num_sms, layout, deepep_*,
 nccl_us, dispatch_link_gbps); with --out-png time vs tokens per rank for each SM budget, ours, DeepEP
 and NCCL, dispatch and combine.
 
@@ -115,9 +115,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cute_ep import bench_peers as bp  # pure Python + numpy (deep_ep only when a peer is opened)
-from cute_ep import bench_report as br  # pure Python + numpy: safe before parsing
-from cute_ep.usage import EXIT_USAGE, UsageError, report_usage_error  # torch-free: safe before parsing
+from cute_ep.tools import bench_peers as bp  # pure Python + numpy (deep_ep only when a peer is opened)
+from cute_ep.tools import bench_report as br  # pure Python + numpy: safe before parsing
+from cute_ep.tools.usage import EXIT_USAGE, UsageError, report_usage_error  # torch-free: safe before parsing
 
 EXIT_OK, EXIT_FAIL = 0, 1
 ROUTING_CHOICES = ("uniform", "skewed", "dropped")  # cute_ep.inputs.ROUTINGS (checked at run time)
@@ -412,8 +412,8 @@ def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag:
     """Dispatch + test expert + combine on ``s``, checked bit for bit; raise CheckFailed on every rank.
     fp8: the received packed rows against the senders' rows quantized by cute_ep.fp8. combines: the
     combine algorithms to run and check on the dispatch's handle."""
-    from cute_ep.cli import fill_expert_output
     from cute_ep.fp8 import fp8_check_rows
+    from cute_ep.tools.cli import fill_expert_output
     from cute_ep.validators.checks import check_combine, check_dispatch, check_layout
 
     group, rank = runtime.cpu_group, runtime.env.rank
@@ -475,7 +475,7 @@ def checked_rank_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, tag: str, 
 def agree(runtime: Any, reason: str | None) -> str | None:
     """Every rank's reason (None: fine here) -> one verdict, the same on every rank (a host all-gather):
     DeepEP's calls are collective, so the ranks skip it together."""
-    from cute_ep.cli import all_gather
+    from cute_ep.tools.cli import all_gather
 
     return bp.first_reason(all_gather(reason, runtime.cpu_group))
 
@@ -635,7 +635,7 @@ def measure(
     import torch
     import torch.distributed as dist
 
-    from cute_ep.cli import all_gather
+    from cute_ep.tools.cli import all_gather
 
     env, device = runtime.env, runtime.device
     n = args.input_sets
@@ -886,7 +886,9 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
 def run(args: argparse.Namespace) -> int:
     from cute_ep.bootstrap.dist_env import DistEnv
     from cute_ep.bootstrap.runtime import Runtime
-    from cute_ep.cli import (
+    from cute_ep.inputs import ROUTINGS
+    from cute_ep.kernels.config import MODES
+    from cute_ep.tools.cli import (
         Printer,
         config_from_args,
         report_setup_error,
@@ -894,8 +896,6 @@ def run(args: argparse.Namespace) -> int:
         run_guarded,
         setup_errors,
     )
-    from cute_ep.inputs import ROUTINGS
-    from cute_ep.kernels.config import MODES
 
     try:
         if set(args.routing_list) - set(ROUTINGS) or set(args.mode_list) - set(MODES):
@@ -941,7 +941,7 @@ def sweep(
     to EpBuffers sharing one module / Timer / :func:`open_deepep` (the CPU tests pass stand-ins to run
     this flow over gloo). ``make_deepep`` returns (a bench_peers.DeepEpPeer, None) or (None, why not).
     """
-    from cute_ep.cli import all_gather, leave
+    from cute_ep.tools.cli import all_gather, leave
 
     make_buffer = shared_module_buffers(runtime) if make_buffer is None else make_buffer
     make_timer = Timer if make_timer is None else make_timer
@@ -1031,6 +1031,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    from cute_ep.cli import exit_process  # after main: --help and bad syntax exit before torch is imported
+    from cute_ep.tools.cli import (
+        exit_process,  # after main: --help and bad syntax exit before torch is imported
+    )
 
     exit_process(code)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from cute_ep.usage import report_usage_error, script_parser
+from cute_ep.tools.usage import report_usage_error, script_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from cute_ep.bootstrap.dist_env import DistEnv
     from cute_ep.bootstrap.gpu_share import MPS_PERCENTAGE_VAR
     from cute_ep.bootstrap.runtime import GIB, Runtime
-    from cute_ep.cli import all_gather
+    from cute_ep.tools.cli import all_gather
 
     env = DistEnv.from_environ()
     try:

@@ -28,7 +28,7 @@ CUDA graph sees them (wall time from an idle GPU to the results, median of ``--i
 With --host-costs, the host operations those calls are made of are timed alone as well (tensor views and
 copies, a launch of the module with and without a kernel, a stream sync, the status read).
 And DeepEP (--peers deepep; optional: when ``import deep_ep`` fails or the world cannot run it, its
-columns say why) at the same budget (``cute_ep.bench_peers.deepep_num_sms``: the largest even count <=
+columns say why) at the same budget (``cute_ep.tools.bench_peers.deepep_num_sms``: the largest even count <=
 min(budget, 128)), on the same inputs, with the same timer (``benchmark.measure_deepep``: checked first;
 its cached-handle dispatch, its full layout + dispatch call with its host sync, and its combine).
 Nothing of ours is validated here: run ``scripts/benchmark.py`` (which checks every configuration it
@@ -38,7 +38,7 @@ Output on rank 0: one line per (num_sms, tokens) as it is measured; at the end t
 public-call table (with DeepEP's columns). With --out-json PATH (rewritten after every row): ``{"schema",
 "meta", "rows"}``, meta = world_size, local_world_size, device, hidden, topk, num_experts, dtype, iters,
 warmup, tokens, num_sms_budgets, combine_algorithm, peers, deepep {version, skipped, num_sms}, versions,
-git sha, time, command; one row per (tokens, num_sms) with ``cute_ep.bench_peers.DECODE_ROW_FIELDS``
+git sha, time, command; one row per (tokens, num_sms) with ``cute_ep.tools.bench_peers.DECODE_ROW_FIELDS``
 (``decode_row`` says what each means) and every rank's values under ``per_rank``.
 
 Constraints: GPUs with NVSHMEM, one per rank (--help and argument errors need none); the constraints of
@@ -62,9 +62,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark as bm  # noqa: E402  (the timer, input sets and DeepEP peer of the benchmark)
 
-from cute_ep import bench_peers as bp  # noqa: E402  (pure Python + numpy: safe before parsing)
-from cute_ep import bench_report as br  # noqa: E402
-from cute_ep.usage import EXIT_USAGE, UsageError  # noqa: E402  (torch-free: safe before parsing)
+from cute_ep.tools import bench_peers as bp  # noqa: E402  (pure Python + numpy: safe before parsing)
+from cute_ep.tools import bench_report as br  # noqa: E402
+from cute_ep.tools.usage import EXIT_USAGE, UsageError  # noqa: E402  (torch-free: safe before parsing)
 
 EXIT_OK, EXIT_FAIL = 0, 1
 DTYPE_CHOICES = ("bfloat16", "float16", "float32")
@@ -132,8 +132,8 @@ def validate_args(args: argparse.Namespace) -> None:
 
 def make_config(args: argparse.Namespace, env: Any) -> Any:
     """The EpConfig of the run (the first budget's; each budget's buffer replaces num_sms)."""
-    from cute_ep.cli import DTYPES
     from cute_ep.kernels.config import EpConfig
+    from cute_ep.tools.cli import DTYPES
 
     fold = {} if args.layout_in_dispatch is None else {"layout_in_dispatch": args.layout_in_dispatch}
     return EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     from cute_ep.bootstrap.dist_env import DistEnv
     from cute_ep.bootstrap.runtime import Runtime
-    from cute_ep.cli import Printer, report_setup_error, require_cuda, run_guarded, setup_errors
+    from cute_ep.tools.cli import Printer, report_setup_error, require_cuda, run_guarded, setup_errors
 
     try:
         env = DistEnv.from_environ()
@@ -372,7 +372,7 @@ def decode_report(
     benchmark.open_deepep / :func:`api_breakdown` (the CPU tests pass stand-ins to run this over gloo)."""
     import torch
 
-    from cute_ep.cli import all_gather
+    from cute_ep.tools.cli import all_gather
 
     make_buffer = bm.shared_module_buffers(runtime) if make_buffer is None else make_buffer
     make_timer = bm.Timer if make_timer is None else make_timer
@@ -434,6 +434,8 @@ def decode_report(
 
 if __name__ == "__main__":
     code = main()
-    from cute_ep.cli import exit_process  # after main: --help and bad arguments exit before torch is imported
+    from cute_ep.tools.cli import (
+        exit_process,  # after main: --help and bad arguments exit before torch is imported
+    )
 
     exit_process(code)

@@ -68,11 +68,14 @@ from typing import Any
 
 import torch
 
-from cute_ep.bench_report import pairs_off as count_pairs_off
-from cute_ep.bench_report import script_parser
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
-from cute_ep.cli import (
+from cute_ep.fp8 import fp8_check_rows
+from cute_ep.inputs import ROUTINGS, make_inputs
+from cute_ep.kernels.config import MODES, EpConfig
+from cute_ep.tools.bench_report import pairs_off as count_pairs_off
+from cute_ep.tools.bench_report import script_parser
+from cute_ep.tools.cli import (
     EXIT_FAIL,
     EXIT_USAGE,
     Printer,
@@ -94,9 +97,6 @@ from cute_ep.cli import (
     script_main,
     world_banner,
 )
-from cute_ep.fp8 import fp8_check_rows
-from cute_ep.inputs import ROUTINGS, make_inputs
-from cute_ep.kernels.config import MODES, EpConfig
 from cute_ep.validators.baseline import (
     BaselineConfigError,
     BaselineFormatError,

@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cute_ep.usage import report_usage_error, script_parser
+from cute_ep.tools.usage import report_usage_error, script_parser
 
 SCHEMA = "cute-ep-echo/1"
 DEEPSEEK_EXPERT = "3,7168,2048"
@@ -240,8 +240,8 @@ def steps(args: argparse.Namespace, rt: Any, group: Any, clock: Clock) -> list[d
     import torch
 
     from cute_ep import ElasticExperts
-    from cute_ep.cli import make_buffer
     from cute_ep.kernels.config import EpConfig
+    from cute_ep.tools.cli import make_buffer
 
     env, dev = rt.env, rt.device
     R, rank = env.world_size, env.rank
@@ -330,10 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         return report_usage_error(error)
     import torch
 
-    from cute_ep import bench_report as br
     from cute_ep.bootstrap import DistEnv, Runtime
-    from cute_ep.cli import Printer
     from cute_ep.kernels.config import EpConfig
+    from cute_ep.tools import bench_report as br
+    from cute_ep.tools.cli import Printer
 
     env = DistEnv.from_environ()
     if args.num_experts % env.world_size:

@@ -37,9 +37,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark as bm  # noqa: E402  (the timer and input sets of the benchmark)
 
-from cute_ep import bench_peers as bp  # noqa: E402
-from cute_ep import bench_report as br  # noqa: E402
-from cute_ep.usage import EXIT_USAGE, script_parser  # noqa: E402  (torch-free)
+from cute_ep.tools import bench_peers as bp  # noqa: E402
+from cute_ep.tools import bench_report as br  # noqa: E402
+from cute_ep.tools.usage import EXIT_USAGE, script_parser  # noqa: E402  (torch-free)
 
 LAYOUT_CHOICES = ("expert", "rank")
 
@@ -90,7 +90,8 @@ def validate_args(args: argparse.Namespace) -> None:
 
 def time_kernels(buf: Any, s: Any, layout: str, timer: Any, args: argparse.Namespace) -> dict[str, float]:
     """This rank's medians (us) of the layout op, the dispatch op and the combine(s) on input set ``s``."""
-    from cute_ep.kernels.config import LAYOUTS, OP_LAYOUT
+    from cute_ep.kernels.config import OP_LAYOUT
+    from cute_ep.kernels.variants import LAYOUTS
 
     t = s.x.shape[0]
     side = with_side_sleep(timer, args.side_sleep_us)
@@ -146,7 +147,7 @@ def report(args: argparse.Namespace, cfg: Any, runtime: Any, say: Any) -> int:
 
     import torch
 
-    from cute_ep.cli import all_gather
+    from cute_ep.tools.cli import all_gather
 
     make_buffer = bm.shared_module_buffers(runtime)
     timer = bm.Timer(runtime)
@@ -185,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     from cute_ep.bootstrap.dist_env import DistEnv
     from cute_ep.bootstrap.runtime import Runtime
-    from cute_ep.cli import DTYPES, Printer, report_setup_error, require_cuda, run_guarded, setup_errors
     from cute_ep.kernels.config import EpConfig
+    from cute_ep.tools.cli import DTYPES, Printer, report_setup_error, require_cuda, run_guarded, setup_errors
 
     fold = {} if args.layout_in_dispatch is None else {"layout_in_dispatch": args.layout_in_dispatch}
     try:
@@ -211,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    from cute_ep.cli import exit_process  # after main: --help and bad arguments exit before torch is imported
+    from cute_ep.tools.cli import (
+        exit_process,  # after main: --help and bad arguments exit before torch is imported
+    )
 
     exit_process(code)

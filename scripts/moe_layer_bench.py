@@ -27,7 +27,7 @@ What is timed, per tokens T and variant (one row each):
       --green-context also overlap + the compute confined to a green context of SMs - num_sms.
     * ``a2a``: the same layer on ``A2aEpBuffer`` (NCCL all_to_all_single; one host sync per dispatch).
     * ``deepep`` (forward only; when ``import deep_ep`` works and the world suits its intranode kernels:
-      cute_ep/bench_peers.py): the layer's router, DeepEP's layout + dispatch (host sync included),
+      cute_ep/tools/bench_peers.py): the layer's router, DeepEP's layout + dispatch (host sync included),
       a torch permute into the expert-major layout, the same grouped GEMMs and SwiGLU, the weighted
       sum back to one row per (token, rank) in torch, DeepEP's combine, the shared expert. DeepEP ships
       no backward here, so its forward+backward is null with the reason.
@@ -57,7 +57,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cute_ep.usage import UsageError, report_usage_error, script_parser
+from cute_ep.tools.usage import UsageError, report_usage_error, script_parser
 
 SCHEMA = "cute-ep/moe-layer-bench/1"
 BACKEND_CHOICES = ("cute", "reference")
@@ -286,7 +286,7 @@ def plot(report: dict[str, Any], path: str | os.PathLike) -> Path:
 
 
 def write_report(path: str, report: dict[str, Any]) -> None:
-    from cute_ep.bench_report import write_json_file
+    from cute_ep.tools.bench_report import write_json_file
 
     check_report(report)
     write_json_file(path, report)
@@ -301,7 +301,7 @@ def make_meta(args: argparse.Namespace, runtime: Any, cfg: Any) -> dict[str, Any
     """The report's meta: device, world, ranks sharing each GPU, the layer's shape, versions, command."""
     import torch
 
-    from cute_ep import bench_report as br
+    from cute_ep.tools import bench_report as br
 
     dev = runtime.device
     name = torch.cuda.get_device_properties(dev).name if dev.type == "cuda" else "cpu"
@@ -439,8 +439,8 @@ def deepep_rows(args: argparse.Namespace, runtime: Any, cfg: Any, layer: Any, sa
     import torch
     import torch.distributed as dist
 
-    from cute_ep import bench_peers as bp
     from cute_ep.collectives import all_gather_objects
+    from cute_ep.tools import bench_peers as bp
 
     env, dev = runtime.env, runtime.device
     module, why = bp.import_deep_ep()
@@ -507,9 +507,9 @@ def run(args: argparse.Namespace) -> int:
 
     from cute_ep.bootstrap.dist_env import DistEnv
     from cute_ep.bootstrap.runtime import Runtime
-    from cute_ep.cli import Printer
     from cute_ep.kernels.config import EpConfig
     from cute_ep.moe_layer import GreenContextError, make_green_context
+    from cute_ep.tools.cli import Printer
 
     env = DistEnv.from_environ()
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]

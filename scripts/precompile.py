@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from cute_ep.cli import DTYPES
+from cute_ep.tools.cli import DTYPES
 
 DEFAULT_DTYPES = ("bfloat16", "float16", "float32")
 MEASURED_S = (350, 1700)

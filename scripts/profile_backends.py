@@ -32,10 +32,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cute_ep.bench_report import parse_int_list, parse_name_list, script_parser
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
-from cute_ep.cli import (
+from cute_ep.inputs import MAX_TOKENS
+from cute_ep.kernels.config import DISPATCH_ALGORITHMS, EpConfig
+from cute_ep.profiler import ProfileCache, choose, format_table, profile
+from cute_ep.tools.bench_report import parse_int_list, parse_name_list, script_parser
+from cute_ep.tools.cli import (
     BACKENDS,
     DTYPES,
     EXIT_FAIL,
@@ -49,9 +52,6 @@ from cute_ep.cli import (
     script_main,
     world_banner,
 )
-from cute_ep.inputs import MAX_TOKENS
-from cute_ep.kernels.config import DISPATCH_ALGORITHMS, EpConfig
-from cute_ep.profiler import ProfileCache, choose, format_table, profile
 
 
 def build_parser() -> argparse.ArgumentParser:

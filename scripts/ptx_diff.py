@@ -122,7 +122,7 @@ def dump(path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from cute_ep.usage import script_parser
+    from cute_ep.tools.usage import script_parser
 
     p = script_parser(__doc__)
     p.add_argument("files", nargs="*", metavar="PTX", help="two PTX files to compare: before, after")

@@ -22,7 +22,7 @@ CONFIGS = (  # (hidden, experts per rank, top-k, dtype name, max tokens): each c
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cute_ep.usage import script_parser
+    from cute_ep.tools.usage import script_parser
 
     p = script_parser(__doc__)
     p.add_argument("--backend", choices=("cute", "reference"), default="cute",
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cute_ep import EpBuffer, EpConfig, ReferenceEpBuffer
     from cute_ep.bootstrap import DistEnv, Runtime
-    from cute_ep.cli import DTYPES
+    from cute_ep.tools.cli import DTYPES
 
     env = DistEnv.from_environ()
     ok = True

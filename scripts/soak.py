@@ -128,12 +128,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from cute_ep import bench_report as br
 from cute_ep._version import git_sha, package_versions
 from cute_ep.api import LAYOUTS
 from cute_ep.bootstrap.dist_env import ROUTE_CLASSES, DistEnv, possible_route_classes
 from cute_ep.bootstrap.runtime import Runtime
-from cute_ep.cli import (
+from cute_ep.fp8 import dequantize_fp8, fp8_check_rows
+from cute_ep.inputs import ROUTINGS, make_inputs
+from cute_ep.kernels.config import LAYOUT_SMEM_INTS, MODES, EpConfig
+from cute_ep.reference import (
+    COMBINE_REFERENCES,
+    reference_dispatch_rank,
+    reference_layout,
+)
+from cute_ep.tools import bench_report as br
+from cute_ep.tools.cli import (
     EXIT_FAIL,
     Printer,
     UsageError,
@@ -150,14 +158,6 @@ from cute_ep.cli import (
     runtime_backend,
     script_main,
     world_banner,
-)
-from cute_ep.fp8 import dequantize_fp8, fp8_check_rows
-from cute_ep.inputs import ROUTINGS, make_inputs
-from cute_ep.kernels.config import LAYOUT_SMEM_INTS, MODES, EpConfig
-from cute_ep.reference import (
-    COMBINE_REFERENCES,
-    reference_dispatch_rank,
-    reference_layout,
 )
 from cute_ep.validators.checks import (
     CheckResult,

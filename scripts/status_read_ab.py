@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cute_ep import bench_report as br  # noqa: E402  (pure Python + numpy: safe before parsing)
-from cute_ep.usage import EXIT_USAGE, report_usage_error  # noqa: E402  (torch-free)
+from cute_ep.tools import bench_report as br  # noqa: E402  (pure Python + numpy: safe before parsing)
+from cute_ep.tools.usage import EXIT_USAGE, report_usage_error  # noqa: E402  (torch-free)
 
 VARIANTS = ("mirror", "plain read", "sync=False")
 MAX_TOKENS = 65536
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from cute_ep import EpConfig
     from cute_ep.bootstrap import DistEnv, Runtime
     from cute_ep.buffer import EpBuffer
-    from cute_ep.cli import Printer, all_gather, report_setup_error, require_cuda, setup_errors
+    from cute_ep.tools.cli import Printer, all_gather, report_setup_error, require_cuda, setup_errors
 
     try:
         env = DistEnv.from_environ()
@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    from cute_ep.cli import exit_process  # after main: --help and bad arguments exit before torch is imported
+    from cute_ep.tools.cli import (
+        exit_process,  # after main: --help and bad arguments exit before torch is imported
+    )
 
     exit_process(code)

@@ -16,8 +16,8 @@ import types
 import torch
 import torch.distributed as dist
 
-from cute_ep import bench_peers as bp
 from cute_ep.reference_backend import ReferenceEpBuffer
+from cute_ep.tools import bench_peers as bp
 
 
 class Launching(ReferenceEpBuffer):

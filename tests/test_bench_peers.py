@@ -1,5 +1,5 @@
-"""cute_ep.bench_peers on the CPU: DeepEP as an optional benchmark peer (skip reasons, the adapter against
-a stand-in ``deep_ep``), the SM-budget mapping, link bytes, the results form's check, and
+"""cute_ep.tools.bench_peers on the CPU: DeepEP as an optional benchmark peer (skip reasons, the adapter
+against a stand-in ``deep_ep``), the SM-budget mapping, link bytes, the results form's check, and
 scripts/benchmark.py's --peers / --num-sms (validate_args, and whole sweeps over gloo; their argument errors
 are tested with the script's others in tests/test_bench_report.py)."""
 
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from _launch import REPO, assert_imports_none, launch_ranks, write_worker
 
-from cute_ep import bench_peers as bp
-from cute_ep import bench_report as br
+from cute_ep.tools import bench_peers as bp
+from cute_ep.tools import bench_report as br
 
 SCRIPT = REPO / "scripts" / "benchmark.py"
 
@@ -27,8 +27,8 @@ SCRIPT = REPO / "scripts" / "benchmark.py"
 
 
 def test_bench_peers_imports_no_gpu_module_nor_deep_ep():
-    assert_imports_none("import cute_ep.bench_peers", ("torch", "cutlass", "nvshmem", "cuda", "matplotlib",
-                                                        "deep_ep"))  # fmt: skip
+    assert_imports_none("import cute_ep.tools.bench_peers",
+                        ("torch", "cutlass", "nvshmem", "cuda", "matplotlib", "deep_ep"))  # fmt: skip
 
 
 def test_parse_peers():
@@ -551,7 +551,7 @@ def test_bench_row_without_nccl(tmp_path):
 _WORKER = r'''
 import benchmark as bm
 from _bench_stand_ins import Buffer, Launching, StepTimer, deepep_peer
-from cute_ep.cli import Printer, config_from_args
+from cute_ep.tools.cli import Printer, config_from_args
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
 

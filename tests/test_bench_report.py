@@ -1,4 +1,4 @@
-"""cute_ep.bench_report (metrics, JSON, table, plot) on the CPU, and scripts/benchmark.py's --help."""
+"""cute_ep.tools.bench_report (metrics, JSON, table, plot) on the CPU, and scripts/benchmark.py's --help."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from _launch import (
     write_worker,
 )
 
-from cute_ep import bench_report as br
+from cute_ep.tools import bench_report as br
 
 SCRIPT = REPO / "scripts" / "benchmark.py"
 
@@ -474,7 +474,8 @@ def test_parse_lists():
 
 
 def test_bench_report_has_no_gpu_or_torch_import():
-    assert_imports_none("import cute_ep.bench_report", ("torch", "cutlass", "nvshmem", "cuda", "matplotlib"))
+    assert_imports_none("import cute_ep.tools.bench_report",
+                        ("torch", "cutlass", "nvshmem", "cuda", "matplotlib"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -608,7 +609,7 @@ def test_benchmark_heap_setting_error_exits_2(bm, monkeypatch, capsys, error, co
 _WORKER = r'''
 import benchmark as bm
 from _bench_stand_ins import Launching, StepTimer
-from cute_ep.cli import Printer, config_from_args
+from cute_ep.tools.cli import Printer, config_from_args
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
 

@@ -14,8 +14,8 @@ import torch
 
 from cute_ep.api import DispatchHandle
 from cute_ep.buffer import EpBuffer
-from cute_ep.kernels.buffers import BUFFERS, STATUS, status_layout
-from cute_ep.kernels.config import FAULT_WORDS, EpConfig
+from cute_ep.kernels.buffers import BUFFERS, FAULT_WORDS, STATUS, status_layout
+from cute_ep.kernels.config import EpConfig
 from cute_ep.profiler import pick_fastest_algorithm
 from cute_ep.status import CapacityExceeded, KernelDidNotRun, PeerTimeout, StatusBlock
 

@@ -23,9 +23,10 @@ from cute_ep.kernels.buffers import (
     EpParams,
     Pointers,
     Scalars,
+    packed_fp8_row_bytes,
     symmetric_bytes,
 )
-from cute_ep.kernels.config import EpConfig, packed_fp8_row_bytes
+from cute_ep.kernels.config import EpConfig
 
 BASE = dict(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256, dtype=torch.bfloat16,
             max_tokens=64)

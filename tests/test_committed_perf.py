@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cute_ep import bench_report as br
+from cute_ep.tools import bench_report as br
 
 PERF = Path(__file__).resolve().parents[1] / "baselines" / "perf"
 # Decode reports (scripts/decode_breakdown.py, another schema, no plot) are checked by test_decode_report.py,

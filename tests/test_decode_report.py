@@ -1,5 +1,5 @@
 """The decode report of scripts/decode_breakdown.py on the CPU: its arguments (exit 2, messages),
-row assembly from per-rank medians (cute_ep.bench_peers.decode_row), the report's check
+row assembly from per-rank medians (cute_ep.tools.bench_peers.decode_row), the report's check
 (check_decode_json), the committed baselines/perf/h200x2_decode.json, and a whole run of the script's
 driver over gloo with stand-ins for the GPU parts (EpBuffer, the CUDA-event timer, deep_ep)."""
 
@@ -22,8 +22,8 @@ from _launch import (
     write_worker,
 )
 
-from cute_ep import bench_peers as bp
-from cute_ep import bench_report as br
+from cute_ep.tools import bench_peers as bp
+from cute_ep.tools import bench_report as br
 
 SCRIPT = REPO / "scripts" / "decode_breakdown.py"
 BASELINE = REPO / "baselines" / "perf" / "h200x2_decode.json"
@@ -351,7 +351,7 @@ import _bench_stand_ins as stand_ins
 import decode_breakdown as db
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.bootstrap.runtime import Runtime
-from cute_ep.cli import Printer
+from cute_ep.tools.cli import Printer
 from cute_ep.input_checks import resolve_combine_algorithm
 
 KIND = sys.argv[1]
@@ -482,7 +482,7 @@ def test_whole_run_with_peers_none(tmp_path):
 def test_script_and_bench_peers_import_no_gpu_module():
     code = (
         f"import sys; sys.argv = ['x']; sys.path.insert(0, {str(SCRIPT.parent)!r}); "
-        "import decode_breakdown, cute_ep.bench_peers"
+        "import decode_breakdown, cute_ep.tools.bench_peers"
     )
     assert_imports_none(code, ("torch", "cutlass", "nvshmem", "deep_ep"))
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 from _launch import REPO
 
-from cute_ep import bench_peers as bp
 from cute_ep.bootstrap.gpu_share import (
     GPUS_PER_HOST_VAR,
     GpuPlacement,
@@ -28,6 +27,7 @@ from cute_ep.bootstrap.gpu_share import (
 from cute_ep.bootstrap.runtime import GIB, HeapConfigError, check_heap_fits, format_size, heap_bytes_for
 from cute_ep.input_checks import check_buffer_config, check_sm_budget, fit_hint, max_tokens_that_fit
 from cute_ep.kernels.config import ConfigError, EpConfig
+from cute_ep.tools import bench_peers as bp
 
 DSV3 = dict(num_experts=256, topk=8, hidden=7168, dtype=torch.bfloat16, max_tokens=4096)
 
@@ -251,7 +251,7 @@ def test_gpu_test_launches_on_four_gpus(tmp_path):
 
 
 def test_reports_record_who_shares_a_gpu():
-    from cute_ep.bench_report import gpu_share_meta
+    from cute_ep.tools.bench_report import gpu_share_meta
 
     nobody = {"ranks_per_gpu": None, "shared_gpu": None}
     assert gpu_share_meta(SimpleNamespace(device=torch.device("cpu"))) == nobody

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _launch import torchrun
+from _launch import forkrun
 
 from cute_ep.input_checks import check_dispatch_inputs
 from cute_ep.kernels.buffers import SIZE_SCALARS
@@ -48,6 +48,28 @@ BASE = dict(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256
 def test_config_constraints(change, message):
     with pytest.raises(ConfigError, match=message):
         EpConfig(**{**BASE, **change})
+
+
+@pytest.mark.parametrize(("hidden", "dtype", "sizes"), [
+    (100, torch.bfloat16, "the nearest valid sizes are 96 and 104 (multiples of 8 for torch.bfloat16)"),
+    (6, torch.float32, "the nearest valid sizes are 4 and 8 (multiples of 4 for torch.float32)"),
+    (3, torch.float16, "the nearest valid size is 8 (multiples of 8 for torch.float16)"),
+])
+def test_a_bad_hidden_names_the_nearest_valid_sizes(hidden, dtype, sizes):
+    with pytest.raises(ConfigError) as info:
+        EpConfig(**{**BASE, "hidden": hidden, "dtype": dtype})
+    assert str(info.value).endswith(sizes)
+
+
+@pytest.mark.parametrize(("world_size", "num_experts", "counts"), [
+    (3, 16, "use 15 or 18"), (4, 30, "use 28 or 32"), (8, 4, "use 8"), (256, 6143, "use 5888 or 6144"),
+])  # fmt: skip
+def test_experts_that_do_not_split_over_the_ranks_name_the_nearest_counts_that_do(world_size, num_experts,
+                                                                                   counts):
+    with pytest.raises(ConfigError) as info:
+        EpConfig(**{**BASE, "world_size": world_size, "local_world_size": 1, "num_experts": num_experts})
+    want = f"num_experts must be divisible by world_size={world_size}, got {num_experts}; {counts}"
+    assert str(info.value) == want
 
 
 def test_timeout_travels_as_milliseconds():
@@ -259,7 +281,7 @@ with Runtime(env, backend="gloo") as rt:
 def test_different_configs_on_different_ranks_fail_at_construction(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    proc = torchrun(script, 2, timeout=120)
+    proc = forkrun(script, 2, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     for rank in (0, 1):

@@ -8,8 +8,19 @@ import pytest
 import torch
 
 from cute_ep.kernels.buffers import BY_NAME as BUFFERS_BY_NAME
-from cute_ep.kernels.config import COMBINE_PULL, COMBINE_REDUCED, LAYOUT_EXPERT, LAYOUT_RANK, EpConfig
-from cute_ep.kernels.variants import COMBINE_STEP, DISPATCH_STEP, LAYOUT_STEP, VARIANTS, Variant, variant
+from cute_ep.kernels.config import EpConfig
+from cute_ep.kernels.variants import (
+    COMBINE_PULL,
+    COMBINE_REDUCED,
+    COMBINE_STEP,
+    DISPATCH_STEP,
+    LAYOUT_EXPERT,
+    LAYOUT_RANK,
+    LAYOUT_STEP,
+    VARIANTS,
+    Variant,
+    variant,
+)
 
 
 def _cfg(**kw) -> EpConfig:

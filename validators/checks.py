@@ -25,7 +25,7 @@ from torch import Tensor
 from cute_ep.bootstrap.dist_env import ROUTE_CLASSES, possible_route_classes, route_class
 from cute_ep.collectives import all_gather_objects, collective_device, world_of
 from cute_ep.fp8 import fp8_row_bytes, pack_fp8_rows, quantize_fp8
-from cute_ep.kernels.config import FP8_BLOCK
+from cute_ep.kernels.buffers import FP8_BLOCK
 from cute_ep.reference import (
     COMBINE_REFERENCES,
     ExpectedRankRecv,
@@ -990,7 +990,7 @@ def format_summary(result: CheckResult, name: str) -> str:
 
 
 def report(result: CheckResult, name: str, group: Any, say: Callable[[str], None]) -> bool:
-    """Print the check's line with ``say`` (e.g. ``cute_ep.cli.Printer``: rank 0 only) and, if it
+    """Print the check's line with ``say`` (e.g. ``cute_ep.tools.cli.Printer``: rank 0 only) and, if it
     failed, every failing rank's own message.
 
     Collective when the check failed (the verdict is the same on every rank). Returns result.passed.

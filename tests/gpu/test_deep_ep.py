@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import cute_ep.deep_ep as deep_ep
-from cute_ep.bench_peers import deepep_skip_reason, import_deep_ep
+from cute_ep.tools.bench_peers import deepep_skip_reason, import_deep_ep
 
 pytestmark = pytest.mark.gpu
 

@@ -1,6 +1,6 @@
 """Peers of ``scripts/benchmark.py`` (NCCL, DeepEP), its SM-budget sweep, and the results form of its report.
 
-Pure Python + numpy at import time (like :mod:`cute_ep.bench_report`): torch is imported inside the few
+Pure Python + numpy at import time (like :mod:`cute_ep.tools.bench_report`): torch is imported inside the few
 functions that take tensors, matplotlib inside :func:`plot_peers`, and ``deep_ep`` only by
 :func:`import_deep_ep` (or a :class:`DeepEpPeer` made without an injected module).
 
@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from cute_ep.bench_report import BenchReportError, bandwidth_gbps, rows_off, write_json_file
+from cute_ep.tools.bench_report import BenchReportError, bandwidth_gbps, rows_off, write_json_file
 
 __all__ = [
     "DECODE_API_TIMES",

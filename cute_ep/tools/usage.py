@@ -34,10 +34,11 @@ __all__ = [
 EXIT_USAGE = 2
 """Exit status of a run stopped by a usage, configuration or launch error."""
 
-REPEAT_DELAY_S = 2.0
+REPEAT_DELAY_S = 10.0
 """How long a rank other than 0 waits before it prints an error that every rank detects alike: long
-enough for a launcher to stop it once rank 0 has printed the error and exited, short enough that a
-launch whose rank 0 is late (still importing) shows the error soon."""
+enough for a launcher to stop it once rank 0 has printed the error and exited, even with 4 ranks
+importing torch on 2 busy cores (2 s was too short there: ranks printed the line three times), short
+enough that a launch whose rank 0 never prints shows the error soon."""
 
 
 class UsageError(ValueError):

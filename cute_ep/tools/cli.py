@@ -5,7 +5,7 @@ Small collectives on the Runtime's CPU (gloo) group, rank-0 printing, the report
 the expert of each received row, the arguments the launched scripts share, the buffer of a backend
 and its run, the run's banner line, the exit statuses and the ``main`` every launched script shares,
 the check that a backend can run on this machine, and the collective way out of a run after an error
-every rank got alike. Usage errors are printed by ``cute_ep.usage`` (re-exported here). Importing this
+every rank got alike. Usage errors are printed by ``cute_ep.tools.usage`` (re-exported here). Importing this
 module imports torch: scripts that must answer ``--help`` without torch import it after parsing.
 """
 
@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from cute_ep.collectives import all_gather_objects as all_gather
 from cute_ep.collectives import broadcast_from_root as broadcast_from_rank0
 from cute_ep.reference import apply_test_expert, global_expert_of_rows
-from cute_ep.usage import (
+from cute_ep.tools.usage import (
     EXIT_USAGE,
     REPEAT_DELAY_S,
     UsageError,
@@ -60,6 +61,7 @@ __all__ = [
     "exit_process",
     "expert_ids",
     "fill_expert_output",
+    "in_flags",
     "launch_rank",
     "leave",
     "make_buffer",
@@ -77,7 +79,7 @@ __all__ = [
 
 EXIT_PASS, EXIT_FAIL = 0, 1
 """Exit statuses of the scripts: every check passed / a check failed or a run-time error (and
-``EXIT_USAGE``, 2: bad usage, from ``cute_ep.usage``)."""
+``EXIT_USAGE``, 2: bad usage, from ``cute_ep.tools.usage``)."""
 
 
 def exit_process(code: int) -> None:
@@ -93,8 +95,10 @@ def exit_process(code: int) -> None:
     #179291 describes it). ``Runtime.close`` now frees its process groups, which joins those threads
     first. Measured on a 2-core CPU machine with gloo's workers stalled 2 ms at every lock
     (tests/_exit_checks.py), which makes the abort certain while a group outlives the run: the examples
-    (quickstart, moe_layer, echo_training) and scripts/dispatch_and_combine.py, profile_backends.py,
-    soak.py, moe_layer_bench.py and echo_bench.py, reference backend, 1 or 2 ranks, all exit 0 without it.
+    (quickstart, moe_layer, echo_training, deep_ep_drop_in) and scripts/dispatch_and_combine.py,
+    profile_backends.py, soak.py, moe_layer_bench.py and echo_bench.py, reference backend, 1 or 2 ranks,
+    all exit 0 without it (deep_ep_drop_in, which owns its group: 12 of 12 runs in both modes; with its
+    ``destroy_process_group`` removed, 4 of 4 abort).
     """
     sys.stdout.flush()
     sys.stderr.flush()
@@ -264,7 +268,7 @@ def add_combine_arg(p: argparse.ArgumentParser, note: str = "") -> None:
 def check_fp8_capacity_args(args: argparse.Namespace) -> None:
     """UsageError for a --fp8 whose --hidden is not a multiple of 128, or a bad --capacity-factor (for the
     scripts that have those arguments)."""
-    from cute_ep.kernels.config import FP8_BLOCK
+    from cute_ep.kernels.buffers import FP8_BLOCK
 
     if getattr(args, "fp8", False) and args.hidden % FP8_BLOCK:
         raise UsageError(f"--fp8 needs --hidden to be a multiple of {FP8_BLOCK}, got {args.hidden}")
@@ -333,6 +337,30 @@ def describe_rank(env: DistEnv, runtime: Any = None) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*")
+
+
+def in_flags(message: str, flags: Mapping[str, str]) -> str:
+    """``message`` (an ``EpConfig`` or ``RouterConfig`` error) in the words of a script's command line.
+
+    ``flags`` maps a field to what sets it there: a flag ("max_tokens" -> "--tokens") or words
+    ("world_size" -> "the world size"). Each field named in the message becomes its flag or words, and
+    "field=value" becomes "--flag=value" or "words (value)": "num_experts must be divisible by
+    world_size=3, got 16" -> "--experts must be divisible by the world size (3), got 16".
+    """
+    if not flags:
+        return message
+    names = "|".join(re.escape(name) for name in sorted(flags, key=len, reverse=True))
+
+    def say(m: re.Match[str]) -> str:
+        words, value = flags[m.group(1)], m.group(2)
+        if value is None:
+            return words
+        return f"{words}={value}" if FLAG.fullmatch(words) else f"{words} ({value})"
+
+    return re.sub(rf"\b({names})\b(?:=([^\s,;)\]]+))?", say, message)
+
+
 def setup_errors() -> tuple[type[BaseException], ...]:
     """The errors of a script's setup (its arguments, its ``EpConfig``, the launch environment, a backend
     this machine cannot run) that end the run with ``report_setup_error`` before any collective."""
@@ -394,6 +422,7 @@ def script_main(
     validate_args: Callable[[argparse.Namespace], None],
     make_config: Callable[[argparse.Namespace, DistEnv], EpConfig],
     run: Callable[[argparse.Namespace, DistEnv, EpConfig], int],
+    flags: Mapping[str, str] | None = None,
 ) -> int:
     """The ``main`` of a launched script: parse (bad syntax exits 2; with ``ScriptArgumentParser`` in one
     line), ``validate_args``, read the launch environment (``--local-world-size``, where the script has
@@ -401,8 +430,12 @@ def script_main(
     (``check_backends_run_here``); any of ``setup_errors()`` exits 2 with one line (``report_setup_error``:
     printed by every rank, before any rank can exit silently). Then ``run`` and return its status. A bad
     heap size (checked when the Runtime starts, on every rank alike) exits 2 with one message; any other
-    exception is printed by the rank that got it and exits 1 (``run_guarded``)."""
+    exception is printed by the rank that got it and exits 1 (``run_guarded``).
+
+    ``flags``: the script's flags of the ``EpConfig`` fields, for ``in_flags``: a configuration error then
+    names the flag the user gave ("--tokens must be >= 1, got 0") instead of the field."""
     from cute_ep.bootstrap.dist_env import DistEnv
+    from cute_ep.kernels.config import ConfigError
 
     args = build_parser().parse_args(argv)
     try:
@@ -412,6 +445,8 @@ def script_main(
         cfg = make_config(args, env)
         check_backends_run_here(args)
     except setup_errors() as exc:
+        if flags and isinstance(exc, ConfigError):
+            exc = UsageError(in_flags(str(exc), flags))
         return report_setup_error(exc)
     return run_guarded(run, args, env, cfg)
 

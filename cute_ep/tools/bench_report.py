@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from cute_ep._version import git_sha, package_versions
-from cute_ep.usage import script_parser  # re-exported: the scripts take it from here too
+from cute_ep.tools.usage import script_parser  # re-exported: the scripts take it from here too
 
 __all__ = [
     "META_KEYS",
