@@ -19,6 +19,7 @@ import socket
 import sys
 import types
 from pathlib import Path
+from typing import NoReturn
 
 
 def _free_port() -> int:
@@ -37,19 +38,30 @@ def _child(out: Path, run: int, rank: int, world: int, port: int, script: str, a
         target = os.open(out / f"run{run}_rank{rank}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)
+    run_program(script, args)
+
+
+def run_program(script: str, args: list[str]) -> NoReturn:
+    """Run ``script args`` (or ``-c CODE args``) as ``__main__``, as ``python`` would, then raise SystemExit
+    with its status: the caller lets it unwind so the interpreter exits as after any program."""
+    if script == "-c":
+        source, filename, args = args[0], "<string>", args[1:]
+        sys.path[0] = ""
+    else:
+        source, filename = Path(script).read_text(), script
+        sys.path[0] = str(Path(script).resolve().parent)
     sys.argv = [script, *args]
-    sys.path[0] = str(Path(script).resolve().parent)
     # The program's module is __main__, as when Python runs a file: its globals (a buffer, a runtime) live
     # until the interpreter's exit, where the exit tests look.
     main_module = types.ModuleType("__main__")
-    main_module.__file__ = script
+    main_module.__file__ = filename
     sys.modules["__main__"] = main_module
     code: object = 0
     try:
-        exec(compile(Path(script).read_text(), script, "exec"), main_module.__dict__)
+        exec(compile(source, filename, "exec"), main_module.__dict__)
     except SystemExit as exc:
         code = exc.code
-    raise SystemExit(code)  # unwinds to the top: the interpreter exits as after any program
+    raise SystemExit(code)
 
 
 def main() -> None:

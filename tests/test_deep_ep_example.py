@@ -1,11 +1,14 @@
 """examples/deep_ep_drop_in.py on the CPU: the DeepEP-API token dispatcher on ``cute_ep.deep_ep`` (reference
 backend over gloo), launched for real in both modes as a plain process (a world of one) and under torchrun
-with 2 ranks; a check that can fail (zero tolerance) and a module that does not import."""
+with 2 ranks (gloo's workers stalled at every lock, which makes an abort at exit certain if a process group
+outlives the run: the example ends without ``os._exit``); a check that can fail (zero tolerance) and a
+module that does not import."""
 
 from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+from _exit_checks import STALL_MS_VAR, stall_preload
 from _launch import REPO, assert_argument_error, example_rank_lines, run_single, torchrun
 
 EXAMPLE = REPO / "examples" / "deep_ep_drop_in.py"
@@ -21,8 +24,11 @@ def test_plain_python_is_a_world_of_one(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["normal", "low-latency"])
-def test_torchrun_two_ranks_pass(mode: str) -> None:
-    lines, text = example_rank_lines(torchrun(EXAMPLE, 2, "--mode", mode, timeout=TIMEOUT), world=2)
+def test_torchrun_two_ranks_pass_and_exit_cleanly(mode: str, tmp_path) -> None:
+    preload = stall_preload(tmp_path)  # None without a C compiler: then the plain launch
+    stall = {"LD_PRELOAD": preload, STALL_MS_VAR: "2"} if preload else {}
+    proc = torchrun(EXAMPLE, 2, "--mode", mode, timeout=TIMEOUT, **stall)
+    lines, text = example_rank_lines(proc, world=2)  # exit status 0 included
     assert not any("MISMATCH" in ln for ln in lines), text
 
 

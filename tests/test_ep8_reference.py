@@ -8,12 +8,12 @@ of 8 and as 2 virtual nodes of 4.
 from __future__ import annotations
 
 import pytest
-from _launch import REPO, torchrun
+from _launch import REPO, forkrun
 
 
 @pytest.mark.parametrize("local_world_size", [8, 4])
 def test_ep8_reference_flow_passes(local_world_size):
-    proc = torchrun(
+    proc = forkrun(
         REPO / "scripts" / "dispatch_and_combine.py", 8, "--backend", "reference",
         "--num-tokens", "32", "--hidden", "128", "--num-experts", "64", "--topk", "8",
         "--local-world-size", str(local_world_size), timeout=180,

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import RANK0_OF_FOUR, REPO, assert_argument_error, launch_ranks, run_single, torchrun
+from _launch import RANK0_OF_FOUR, REPO, assert_argument_error, forkrun, launch_ranks, run_single
 
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.inputs import make_inputs
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    return torchrun(SCRIPT, WORLD, *args, timeout=TIMEOUT)
+    return forkrun(SCRIPT, WORLD, *args, timeout=TIMEOUT)
 
 
 def _single(*args: str, **env: str) -> subprocess.CompletedProcess:

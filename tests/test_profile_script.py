@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch.distributed as dist
-from _launch import REPO, assert_argument_error, run_single, torchrun
+from _launch import REPO, assert_argument_error, forkrun, run_single
 
 SCRIPT = REPO / "scripts" / "profile_backends.py"
 SMALL = ["--backends", "reference,a2a", "--hidden", "64", "--num-experts", "8", "--topk", "2",
@@ -23,7 +23,7 @@ def _ok(proc) -> str:
 
 def test_profiles_every_shape_and_writes_the_table(tmp_path):
     out_json = tmp_path / "profile.json"
-    out = _ok(torchrun(SCRIPT, 2, *SMALL, "--tokens", "8,16", "--out-json", out_json, timeout=180))
+    out = _ok(forkrun(SCRIPT, 2, *SMALL, "--tokens", "8,16", "--out-json", out_json, timeout=180))
     assert "cute-ep profile_backends: backend reference,a2a (gloo)" in out
     assert out.count("<- chosen") == 2 and "excluded" not in out
     tables = json.loads(out_json.read_text())
@@ -36,8 +36,8 @@ def test_profiles_every_shape_and_writes_the_table(tmp_path):
 
 def test_the_reduced_combine_is_profiled_under_its_own_key(tmp_path):
     cache = tmp_path / "choices.json"
-    _ok(torchrun(SCRIPT, 2, *SMALL, "--tokens", "8", "--cache", cache, timeout=180))
-    out = _ok(torchrun(SCRIPT, 2, *SMALL, "--tokens", "8", "--cache", cache, "--combine", "reduced",
+    _ok(forkrun(SCRIPT, 2, *SMALL, "--tokens", "8", "--cache", cache, timeout=180))
+    out = _ok(forkrun(SCRIPT, 2, *SMALL, "--tokens", "8", "--cache", cache, "--combine", "reduced",
                        timeout=180))
     assert "reduced combine" in out and "<- chosen" in out and "excluded" not in out
     keys = sorted(json.loads(cache.read_text()))
@@ -46,9 +46,9 @@ def test_the_reduced_combine_is_profiled_under_its_own_key(tmp_path):
 
 def test_the_cache_answers_the_second_run(tmp_path):
     cache = tmp_path / "choices.json"
-    _ok(torchrun(SCRIPT, 2, *SMALL, "--tokens", "8", "--cache", cache, timeout=180))
+    _ok(forkrun(SCRIPT, 2, *SMALL, "--tokens", "8", "--cache", cache, timeout=180))
     assert len(json.loads(cache.read_text())) == 1
-    out = _ok(torchrun(SCRIPT, 2, *SMALL, "--tokens", "8", "--cache", cache, timeout=180))
+    out = _ok(forkrun(SCRIPT, 2, *SMALL, "--tokens", "8", "--cache", cache, timeout=180))
     assert "(cached in" in out and "<- chosen" not in out
 
 

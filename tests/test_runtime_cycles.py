@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from _launch import REPO, run_single, torchrun
+from _launch import REPO, forkrun, run_single
 
 SCRIPT = REPO / "scripts" / "runtime_cycles.py"
 
@@ -21,7 +21,7 @@ def _cycles(out: str) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("launch", [1, 2])
 def test_four_runtimes_one_after_another_on_two_ranks(launch):
-    proc = torchrun(SCRIPT, 2, "--backend", "reference", "--cycles", "4", timeout=150)
+    proc = forkrun(SCRIPT, 2, "--backend", "reference", "--cycles", "4", timeout=150)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert _cycles(proc.stdout) == [(r, c) for r in range(2) for c in range(4)], out[-4000:]

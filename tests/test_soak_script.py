@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import RANK0_OF_FOUR, REPO, assert_argument_error, run_single, torchrun
+from _launch import RANK0_OF_FOUR, REPO, assert_argument_error, forkrun, run_single
 
 from cute_ep.bootstrap.dist_env import DistEnv
 from cute_ep.fp8 import dequantize_fp8
@@ -48,7 +48,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    return torchrun(SCRIPT, nproc, *args, timeout=TIMEOUT)
+    return forkrun(SCRIPT, nproc, *args, timeout=TIMEOUT)
 
 
 def _single(*args: str, **env: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,85 @@
+"""Launch WORLD ranks of a program on this host as torchrun would, each rank forked from this process after
+torch and cute_ep are imported: a launch costs one set of imports instead of one per rank plus torchrun's
+own (about 3 s of CPU each on a 2-core machine, most of a small CPU test's launch).
+
+    python tests/_forkrun.py WORLD [--each DIR] SCRIPT [ARGS...]      (SCRIPT may be -c CODE)
+
+Every rank gets torchrun's launch variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT: MASTER_PORT from the environment if set, else a free port) and runs the program as
+``__main__`` with the interpreter's normal exit (tests/_zygote.py ``run_program``).
+
+- Without ``--each``: the ranks write to this process's stdout and stderr; once one exits with a non-zero
+  status the others get SIGTERM (as torchrun stops them), and this process exits 1 if any rank failed
+  (torchrun's status whatever a worker returned), else 0.
+- With ``--each DIR``: each rank's stdout and stderr go to DIR/rank<r>.out, its exit status to
+  DIR/rank<r>.status (negative: the signal that killed it); no rank is stopped; this process exits 0.
+
+The tests that check what torchrun itself prints or does still launch torchrun (tests/_launch.py
+``torchrun``). Not a test module (the leading underscore keeps pytest from collecting it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from _zygote import _free_port, run_program
+
+
+def _rank(rank: int, world: int, each: Path | None, script: str, args: list[str]) -> None:
+    """In the forked process: the launch variables, the output, then the program (never returns)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    if each is not None:
+        target = os.open(each / f"rank{rank}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, 1)
+        os.dup2(target, 2)
+        os.close(target)
+    run_program(script, args)
+
+
+def main() -> None:
+    world, *rest = sys.argv[1:]
+    each = None
+    if rest[0] == "--each":
+        each = Path(rest[1])
+        each.mkdir(parents=True, exist_ok=True)
+        rest = rest[2:]
+    script, *args = rest
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+    import torch  # noqa: F401  (imported once here, inherited by every rank)
+    import torch.distributed  # noqa: F401
+
+    import cute_ep  # noqa: F401
+    import cute_ep.a2a_backend  # noqa: F401
+    import cute_ep.reference_backend  # noqa: F401
+    import cute_ep.tools.cli  # noqa: F401
+
+    ranks: dict[int, int] = {}  # pid -> rank
+    for rank in range(int(world)):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _rank(rank, int(world), each, script, args)
+        ranks[pid] = rank
+    failed = False
+    while ranks:
+        pid, status = os.wait()
+        rank = ranks.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if each is not None:
+            (each / f"rank{rank}.status").write_text(str(code))
+        elif code != 0 and not failed:
+            failed = True
+            for other in ranks:  # as torchrun does: the launch has failed, stop the rest
+                os.kill(other, signal.SIGTERM)
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
