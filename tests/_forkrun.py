@@ -25,19 +25,8 @@ import signal
 import sys
 from pathlib import Path
 
-from _zygote import _free_port, run_program
-
-
-def _rank(rank: int, world: int, each: Path | None, script: str, args: list[str]) -> None:
-    """In the forked process: the launch variables, the output, then the program (never returns)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world))
-    if each is not None:
-        target = os.open(each / f"rank{rank}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(target, 1)
-        os.dup2(target, 2)
-        os.close(target)
-    run_program(script, args)
+from _launch import free_port
+from _zygote import fork_rank, import_once
 
 
 def main() -> None:
@@ -48,25 +37,13 @@ def main() -> None:
         each.mkdir(parents=True, exist_ok=True)
         rest = rest[2:]
     script, *args = rest
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-
-    import torch  # noqa: F401  (imported once here, inherited by every rank)
-    import torch.distributed  # noqa: F401
-
-    import cute_ep  # noqa: F401
-    import cute_ep.a2a_backend  # noqa: F401
-    import cute_ep.reference_backend  # noqa: F401
-    import cute_ep.tools.cli  # noqa: F401
+    master = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT") or free_port()))
+    import_once()
 
     ranks: dict[int, int] = {}  # pid -> rank
     for rank in range(int(world)):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _rank(rank, int(world), each, script, args)
-        ranks[pid] = rank
+        outputs = {} if each is None else {each / f"rank{rank}.out": (1, 2)}
+        ranks[fork_rank(rank, int(world), master, outputs, script, args)] = rank
     failed = False
     while ranks:
         pid, status = os.wait()

@@ -69,10 +69,7 @@ def torchrun(script: Arg, nproc: int, *args: Arg, timeout: float, **env: str) ->
 
     torchrun's own exit status is 1 whatever status a failing worker returned (see ``launch_ranks``).
     """
-    return subprocess.run(
-        torchrun_cmd(script, nproc, *args),
-        capture_output=True, text=True, timeout=timeout, env=clean_env(**env), cwd=REPO,
-    )  # fmt: skip
+    return _run_group(torchrun_cmd(script, nproc, *args), timeout, clean_env(**env))
 
 
 FORKRUN = Path(__file__).resolve().parent / "_forkrun.py"
@@ -191,7 +188,7 @@ def worker_results(worker: Arg, world: int, out_dir: Path, *args: Arg, timeout: 
 
     proc = forkrun(worker, world, out_dir, *args, timeout=timeout)
     tail = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{tail}"
+    assert proc.returncode == 0, f"the launch failed ({proc.returncode}):\n{tail}"
     return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
 
 

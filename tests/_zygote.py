@@ -15,28 +15,44 @@ underscore keeps pytest from collecting it); tests/_exit_checks.py runs it.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import types
 from pathlib import Path
 from typing import NoReturn
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from _launch import free_port
 
 
-def _child(out: Path, run: int, rank: int, world: int, port: int, script: str, args: list[str]) -> None:
-    """In the forked process: the launch variables, output to files, the program as ``__main__``, then the
-    interpreter's normal exit with the program's status (never returns)."""
-    if world > 1:
+def import_once() -> None:
+    """What every forked process inherits instead of importing it again: torch and the cute_ep modules the
+    programs run here use."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    import cute_ep  # noqa: F401
+    import cute_ep.a2a_backend  # noqa: F401
+    import cute_ep.reference_backend  # noqa: F401
+    import cute_ep.tools.cli  # noqa: F401
+
+
+def fork_rank(rank: int, world: int, master: tuple[str, int] | None, outputs: dict[Path, tuple[int, ...]],
+              script: str, args: list[str]) -> int:
+    """Fork a process that runs ``script args`` as rank ``rank`` of ``world`` and return its pid. In it:
+    torchrun's launch variables (none if ``master`` is None: a world of one), each file of ``outputs`` on
+    its file descriptors (one open file per path, so output written through several of them stays in
+    order), then ``run_program`` (never returns)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    if master is not None:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    for fd, suffix in ((1, "out"), (2, "err")):
-        target = os.open(out / f"run{run}_rank{rank}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(target, fd)
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+    for path, fds in outputs.items():
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for fd in fds:
+            os.dup2(target, fd)
         os.close(target)
     run_program(script, args)
 
@@ -68,23 +84,17 @@ def main() -> None:
     out, runs, world, parallel, script, *args = sys.argv[1:]
     out, runs, world, parallel = Path(out), int(runs), int(world), int(parallel)
     out.mkdir(parents=True, exist_ok=True)
-    import torch  # noqa: F401  (imported once here, inherited by every run)
-
-    import cute_ep  # noqa: F401
-    import cute_ep.reference_backend  # noqa: F401
+    import_once()
 
     running: dict[int, tuple[int, int]] = {}  # pid -> (run, rank)
     next_run = 0
     while next_run < runs or running:
         while next_run < runs and len({r for r, _ in running.values()}) < parallel:
-            port = _free_port()
+            master = ("127.0.0.1", free_port()) if world > 1 else None
             for rank in range(world):
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    _child(out, next_run, rank, world, port, script, args)
-                running[pid] = (next_run, rank)
+                outputs = {out / f"run{next_run}_rank{rank}.{suffix}": (fd,) for fd, suffix in ((1, "out"),
+                                                                                               (2, "err"))}
+                running[fork_rank(rank, world, master, outputs, script, args)] = (next_run, rank)
             next_run += 1
         pid, status = os.wait()
         run, rank = running.pop(pid)

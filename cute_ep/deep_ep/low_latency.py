@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cute_ep.fp8 import pack_fp8_rows
+from cute_ep.kernels.buffers import FP8_BLOCK, packed_fp8_row_bytes
+
 __all__ = [
     "FP8_MARGIN",
     "PaddedRecv",
@@ -25,11 +28,9 @@ __all__ = [
     "ue8m0_pack",
 ]
 
-FP8_BLOCK = 128
 FP8_MAX = 448.0
 FP8_MARGIN = 1e-4
 """The smallest amax of a block in DeepEP's cast (an all-zero block gets this amax, and finite scales)."""
-_VECTOR_BYTES = 16
 
 
 def cast_fp8_blocks(x: Tensor, round_scale: bool = False) -> tuple[Tensor, Tensor]:
@@ -68,14 +69,7 @@ def ue8m0_pack(scale_inv: Tensor) -> Tensor:
 def fp8_payload(q: Tensor, scale_inv: Tensor) -> Tensor:
     """Rows that carry e4m3 values and fp32 scales as raw bytes ([H bytes | 4 H / 128 bytes | zeros to 16]),
     as a bf16 tensor [T, P / 2] the kernels move like any row."""
-    t, hidden = q.shape
-    raw = hidden + 4 * scale_inv.shape[1]
-    row_bytes = -(-raw // _VECTOR_BYTES) * _VECTOR_BYTES
-    rows = torch.zeros((t, row_bytes), dtype=torch.uint8, device=q.device)
-    if t:
-        rows[:, :hidden] = q.view(torch.uint8)
-        rows[:, hidden:raw].view(torch.float32).copy_(scale_inv)
-    return rows.view(torch.bfloat16)
+    return pack_fp8_rows(q, scale_inv, packed_fp8_row_bytes(q.shape[1])).view(torch.bfloat16)
 
 
 def split_fp8_payload(rows: Tensor, hidden: int) -> tuple[Tensor, Tensor]:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cute_ep.kernels.config import VECTOR_BYTES
+
 __all__ = [
     "RowFormat",
     "channel_prefix_matrix",
@@ -26,7 +28,6 @@ __all__ = [
     "token_channels",
 ]
 
-_VECTOR_BYTES = 16
 _CARRIER = torch.bfloat16  # the element type the kernels move the bytes of a row as
 
 
@@ -146,7 +147,7 @@ class RowFormat:
     @property
     def row_bytes(self) -> int:
         raw = self.idx_end + 4 * self.topk
-        return -(-raw // _VECTOR_BYTES) * _VECTOR_BYTES
+        return -(-raw // VECTOR_BYTES) * VECTOR_BYTES
 
     @property
     def elems(self) -> int:
