@@ -54,7 +54,8 @@ need_mps() {
 
 launch() {  # launch NAME NPROC LOCAL_WORLD_SIZE GPUS_USED
   local name=$1 nproc=$2 lws=$3 gpus=$4
-  echo "=== $name: $nproc rank(s) on $gpus GPU(s), local world size $lws"
+  local seed=${GPU_TEST_SEED:-$((RANDOM * 32768 + RANDOM))}
+  echo "=== $name: $nproc rank(s) on $gpus GPU(s), local world size $lws, GPU_TEST_SEED=$seed"
   if ((nproc > gpus)) && ! need_mps; then
     summary+=("$name: not run (CUDA MPS did not start)")
     status=1
@@ -66,16 +67,24 @@ launch() {  # launch NAME NPROC LOCAL_WORLD_SIZE GPUS_USED
   logs="${GPU_TEST_LOG_DIR:-/tmp/cute_ep_gpu_tests}/${name// /_}"
   # No --local-ranks-filter: ranks other than 0 write their pytest report to $logs, and print only their
   # failures and watchdog reports (tests/gpu/conftest.py).
-  env CUTE_EP_GPUS_PER_HOST=$gpus CUTE_EP_LOCAL_WORLD_SIZE=$lws GPU_TEST_LOG_DIR="$logs" \
+  env CUTE_EP_GPUS_PER_HOST=$gpus CUTE_EP_LOCAL_WORLD_SIZE=$lws GPU_TEST_LOG_DIR="$logs" GPU_TEST_SEED=$seed \
     timeout "${GPU_TEST_TIMEOUT:-900}" \
     python3 -m torch.distributed.run --nproc-per-node "$nproc" --master-port "$port" \
     -m pytest tests/gpu -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
   local last
-  last=$(grep -E "passed|failed|error" "$log" | tail -n 1)
-  summary+=("$name: rc=$rc ${last}")
+  # rank 0's pytest line ("3 failed, 120 passed, 4 skipped in 40.1s"), not torchrun's failure lines
+  last=$(grep -E "^[0-9]+ (passed|failed|error|errors|skipped|deselected)|^no tests ran" "$log" | tail -n 1)
+  summary+=("$name (seed $seed): rc=$rc ${last:-no pytest summary (see the log above)}")
   ((rc == 0)) || status=1
   rm -f "$log"
+  # A shared launch that failed may have left the MPS server refusing new clients ("CUDA-capable
+  # device(s) is/are busy or unavailable" at the next launch's first CUDA call, seen on H100 and H200):
+  # a daemon this script started is stopped, and the next shared launch starts a fresh one.
+  if ((rc != 0 && nproc > gpus && started_mps)); then
+    bash scripts/mps.sh stop
+    started_mps=0
+  fi
 }
 wanted() { [[ " ${LAUNCHES:-$default} " == *" $1 "* ]]; }
 wanted 1 && launch "1 GPU" 1 1 1

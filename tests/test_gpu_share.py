@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 from types import SimpleNamespace
 
@@ -197,7 +198,8 @@ def test_mps_script_syntax_and_usage():
     assert proc.returncode == 2 and "usage: bash scripts/mps.sh start|stop|status" in proc.stderr
 
 
-def _launches(tmp_path, gpus: int) -> tuple[subprocess.CompletedProcess, list[str], list[tuple[str, ...]]]:
+def _launches(tmp_path, gpus: int, **environ: str
+              ) -> tuple[subprocess.CompletedProcess, list[str], list[tuple[str, ...]]]:
     """run_gpu_tests.sh on a host of ``gpus`` GPUs, with stand-ins for nvidia-smi, torchrun and mps.sh that
     record what it runs: (the run, every call, (GPUS=, LWS=, ranks) of each launch)."""
     bin_dir = tmp_path / "bin"
@@ -206,7 +208,13 @@ def _launches(tmp_path, gpus: int) -> tuple[subprocess.CompletedProcess, list[st
     smi = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3'\n" for i in range(gpus))
     (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{smi}")
     (bin_dir / "python3").write_text(
-        f"#!/bin/sh\necho \"launch GPUS=$CUTE_EP_GPUS_PER_HOST LWS=$CUTE_EP_LOCAL_WORLD_SIZE $*\" >> {log}\n"
+        f"#!/bin/sh\necho \"launch GPUS=$CUTE_EP_GPUS_PER_HOST LWS=$CUTE_EP_LOCAL_WORLD_SIZE $*"
+        f" SEED=$GPU_TEST_SEED\" >> {log}\n"
+        # FAIL_LWS: the launches of that local world size fail, as a launch with a failed test ends
+        "if [ \"$CUTE_EP_LOCAL_WORLD_SIZE\" = \"$FAIL_LWS\" ]; then\n"
+        "  echo 'E1127 torch/distributed/elastic: failed (exitcode: 1)'; echo '1 failed, 2 passed in 3.0s'\n"
+        "  echo '  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html'\n"
+        "  exit 1\nfi\n"
         "echo '3 passed'\n"
     )
     for f in bin_dir.iterdir():
@@ -216,10 +224,11 @@ def _launches(tmp_path, gpus: int) -> tuple[subprocess.CompletedProcess, list[st
     for name in ("run_gpu_tests.sh",):
         (repo / "scripts" / name).write_text((REPO / "scripts" / name).read_text())
     (repo / "scripts" / "mps.sh").write_text(f"#!/bin/sh\necho \"mps $1\" >> {log}\necho 'mps: started'\n")
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env = {k: v for k, v in os.environ.items() if k not in ("GPU_TEST_SEED", "FAIL_LWS")}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", **environ)
     proc = subprocess.run(["bash", str(repo / "scripts" / "run_gpu_tests.sh")], capture_output=True,
                           text=True, timeout=60, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == (1 if "FAIL_LWS" in environ else 0), proc.stdout + proc.stderr
     calls = log.read_text().splitlines()
     launches = [(*c.split()[1:3], c.split("--nproc-per-node ")[1].split()[0])
                 for c in calls if c.startswith("launch")]
@@ -234,7 +243,7 @@ def test_gpu_test_launches_on_one_gpu(tmp_path):
                         ("GPUS=1", "LWS=2", "4"), ("GPUS=1", "LWS=8", "8")]
     # MPS starts before the first shared launch and, having been started here, stops at the end.
     assert calls[1] == "mps start" and calls[-1] == "mps stop"
-    assert "8 ranks on one GPU: rc=0 3 passed" in proc.stdout
+    assert re.search(r"^8 ranks on one GPU \(seed \d+\): rc=0 3 passed$", proc.stdout, re.M), proc.stdout
 
 
 def test_gpu_test_launches_on_four_gpus(tmp_path):
@@ -247,7 +256,35 @@ def test_gpu_test_launches_on_four_gpus(tmp_path):
     starts = [i for i, c in enumerate(calls) if c == "mps start"]
     assert len(starts) == 1 and "--nproc-per-node 8" in calls[starts[0] + 1] and calls[-1] == "mps stop"
     assert not any("--local-ranks-filter" in c for c in calls)
-    assert "8 ranks on 4 GPUs as 2 virtual nodes x 4: rc=0 3 passed" in proc.stdout
+    assert re.search(r"^8 ranks on 4 GPUs as 2 virtual nodes x 4 \(seed \d+\): rc=0 3 passed$", proc.stdout,
+                     re.M), proc.stdout
+
+
+def test_a_failed_shared_launch_restarts_mps_and_its_summary_is_pytests_line(tmp_path):
+    """After a shared launch fails, the MPS daemon the script started is stopped and the next shared launch
+    starts a fresh one (a failed launch can leave the server refusing clients); the summary line is rank
+    0's pytest line, not torchrun's failure lines."""
+    proc, calls, launches = _launches(tmp_path, 1, FAIL_LWS="4")
+    names = [c.split()[0] if not c.startswith("launch") else "launch LWS=" + c.split()[2][4:] for c in calls]
+    assert names == ["launch LWS=1", "mps", "launch LWS=2", "launch LWS=4", "mps", "mps", "launch LWS=2",
+                     "launch LWS=8", "mps"], calls
+    assert [c for c in calls if c.startswith("mps")] == ["mps start", "mps stop", "mps start", "mps stop"]
+    assert re.search(r"^4 ranks on one GPU \(seed \d+\): rc=1 1 failed, 2 passed in 3.0s$", proc.stdout, re.M)
+    assert re.search(r"^2 ranks on one GPU \(seed \d+\): rc=0 3 passed$", proc.stdout, re.M)
+
+
+def test_each_launch_draws_a_fresh_input_seed_and_prints_it(tmp_path):
+    """Every launch passes its ranks a GPU_TEST_SEED of its own (fresh inputs on every run), printed in its
+    header and summary line; a GPU_TEST_SEED set by the caller repeats a launch's inputs."""
+    proc, calls, _ = _launches(tmp_path, 1)
+    seeds = [c.rsplit("SEED=", 1)[1] for c in calls if c.startswith("launch")]
+    assert len(seeds) == 5 and all(s.isdigit() for s in seeds) and len(set(seeds)) > 1, seeds
+    for seed in seeds:
+        assert f"GPU_TEST_SEED={seed}" in proc.stdout and f"(seed {seed})" in proc.stdout
+    fixed = tmp_path / "fixed"
+    fixed.mkdir()
+    _, calls, _ = _launches(fixed, 1, GPU_TEST_SEED="42")
+    assert [c.rsplit("SEED=", 1)[1] for c in calls if c.startswith("launch")] == ["42"] * 5
 
 
 def test_reports_record_who_shares_a_gpu():

@@ -15,6 +15,10 @@ Python watchdog cannot run.
 Output: every rank prints failures and watchdog reports on stderr as they happen. Ranks other than 0 send
 pytest's own report (stdout) to ``$GPU_TEST_LOG_DIR/rank<R>.log`` (default ``/tmp/cute_ep_gpu_tests``), so a
 launch without ``--local-ranks-filter`` shows rank 0's report once and every rank's failures.
+
+Inputs: every test draws its inputs from seeds offset by ``runtime.seed`` (``GPU_TEST_SEED``, default 0;
+``scripts/run_gpu_tests.sh`` picks a fresh one per launch and prints it), so repeated launches check fresh
+random inputs and a failing launch is reproduced with its printed seed.
 """
 
 from __future__ import annotations
@@ -207,6 +211,18 @@ def pytest_runtest_logreport(report):
         sys.stderr.flush()
 
 
+def launch_seed() -> int:
+    """The launch's input seed offset: ``GPU_TEST_SEED`` (an integer >= 0, the same on every rank), or 0."""
+    raw = os.environ.get("GPU_TEST_SEED", "0").strip() or "0"
+    try:
+        seed = int(raw)
+    except ValueError:
+        raise pytest.UsageError(f"GPU_TEST_SEED must be an integer >= 0, got {raw!r}") from None
+    if seed < 0:
+        raise pytest.UsageError(f"GPU_TEST_SEED must be an integer >= 0, got {raw!r}")
+    return seed
+
+
 @pytest.fixture(scope="session")
 def runtime():
     from cute_ep.bootstrap.compile import ModuleRegistry
@@ -221,6 +237,7 @@ def runtime():
         timeout=timedelta(seconds=300),
     ).start()
     rt.registry = ModuleRegistry(device_id=rt.device.index)
+    rt.seed = launch_seed()
     rt.add_finalizer(rt.registry.finalize_all)
     try:
         yield rt

@@ -62,8 +62,8 @@ def _setup(runtime, case, seed, fold="folded"):
     cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=min(topk, E),
                    hidden=hidden, dtype=dtype, max_tokens=max(tokens), num_sms=min(16, runtime.sm_share),
                    layout_in_dispatch=FOLDS[fold])
-    x, idx, w = make_inputs(rank, tokens[rank % 4], hidden, E, cfg.topk, dtype, seed, routing=routing,
-                            idx_dtype=torch.int32)
+    x, idx, w = make_inputs(rank, tokens[rank % 4], hidden, E, cfg.topk, dtype, runtime.seed + seed,
+                            routing=routing, idx_dtype=torch.int32)
     return cfg, rank, (x.to(runtime.device), idx.to(runtime.device), w.to(runtime.device))
 
 

@@ -105,7 +105,8 @@ def test_capacity_drops_and_fp8(runtime, dtype, hidden, topk, el, factor, routin
         assert buf.recv_x.shape[0] == cfg.required_capacity
         for it, (mode, fp8) in enumerate((("scatter", False), ("atomic", False), ("scatter", True),
                                           ("atomic", True))):
-            x, idx, w = make_inputs(rank, T, hidden, E, cfg.topk, dtype, 4321 + it, routing=routing)
+            x, idx, w = make_inputs(rank, T, hidden, E, cfg.topk, dtype, runtime.seed + 4321 + it,
+                                    routing=routing)
             x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
             eff_all, dropped = apply_expert_capacity(_gather(runtime, idx.cpu()), E, cfg.expert_capacity)
             buf.poison()
@@ -127,7 +128,7 @@ def test_capacity_raise_names_experts_and_keeps_result(runtime):
                    dtype=torch.bfloat16, max_tokens=32, num_sms=8, capacity_factor=0.5)
     dev = runtime.device
     with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
-        x, idx, w = make_inputs(rank, 32, 256, E, 2, torch.bfloat16, 99, routing="skewed")
+        x, idx, w = make_inputs(rank, 32, 256, E, 2, torch.bfloat16, runtime.seed + 99, routing="skewed")
         x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
         eff_all, dropped = apply_expert_capacity(_gather(runtime, idx.cpu()), E, cfg.expert_capacity)
         assert int(dropped.sum()) > 0
@@ -141,5 +142,5 @@ def test_capacity_raise_names_experts_and_keeps_result(runtime):
         # The result travels with the error, complete: combine still works on every rank.
         _check_call(runtime, buf, x, idx, w, exc.result, "scatter", False, eff_all)
         # Drops reported once: the next dispatch without drops does not raise again.
-        x2, idx2, w2 = make_inputs(rank, 1, 256, E, 2, torch.bfloat16, 100)
+        x2, idx2, w2 = make_inputs(rank, 1, 256, E, 2, torch.bfloat16, runtime.seed + 100)
         buf.dispatch(x2.to(dev), idx2.to(dev), w2.to(dev))

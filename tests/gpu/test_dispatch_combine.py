@@ -58,7 +58,8 @@ def _run_case(runtime, dtype, hidden, topk, el, tokens, routing, coverage, seed,
             if runtime.env.rank == 0:
                 print("\n" + buf.algorithm_table)
         for it, mode in enumerate(("scatter", "atomic", "scatter")):
-            x, idx, w = make_inputs(rank, T, hidden, E, topk, dtype, seed + it, routing=routing)
+            x, idx, w = make_inputs(rank, T, hidden, E, topk, dtype, runtime.seed + seed + it,
+                                    routing=routing)
             x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
             buf.poison()
             res = buf.dispatch(x, idx, w, mode=mode)
@@ -143,7 +144,8 @@ def test_combine_refuses_y_of_the_wrong_row_count(runtime):
                    dtype=torch.bfloat16, max_tokens=T, num_sms=min(16, runtime.sm_share), capacity=4 * R * T)
     dev = runtime.device
     with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
-        x, idx, w = (t.to(dev) for t in make_inputs(rank, T, H, E, 2, torch.bfloat16, 4321))
+        x, idx, w = (t.to(dev) for t in make_inputs(rank, T, H, E, 2, torch.bfloat16,
+                                                                 runtime.seed + 4321))
         buf.poison()
         res = buf.dispatch(x, idx, w)
         n = res.num_recv
@@ -180,7 +182,8 @@ def test_combine_refuses_y_of_the_wrong_row_count(runtime):
         buf.check_ran()
 
         # An earlier handle keeps its own count after a dispatch of another count.
-        x3, idx3, w3 = (t.to(dev) for t in make_inputs(rank, T // 2, H, E, 2, torch.bfloat16, 4322))
+        x3, idx3, w3 = (t.to(dev) for t in make_inputs(rank, T // 2, H, E, 2, torch.bfloat16,
+                                                                    runtime.seed + 4322))
         res3 = buf.dispatch(x3, idx3, w3)
         assert buf.combine(buf.expert_output(res3.num_recv), res3.handle).shape == (T // 2, H)
         buf.expert_output(n).copy_(y)

@@ -103,7 +103,7 @@ def test_graph_replay_over_changing_routings_equals_eager(runtime):
     out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
 
     def load(i: int) -> None:
-        g = torch.Generator().manual_seed(3000 + 10 * i + rank)
+        g = torch.Generator().manual_seed(runtime.seed + 3000 + 10 * i + rank)
         x.copy_(torch.randn(T, H, generator=g).to(torch.bfloat16))
         idx.copy_(skewed_idx(rank, T, E, K, 41, i, skew=1.3))
         w.copy_(torch.rand(T, K, generator=g))

@@ -31,7 +31,7 @@ def _setup(runtime, combine: str = "pull"):
     cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=K, hidden=H,
                    dtype=torch.bfloat16, max_tokens=T, num_sms=8, timeout_s=TIMEOUT_S,
                    combine_algorithm=combine)
-    x, idx, w = make_inputs(rank, T, H, E, K, torch.bfloat16, 99, routing="uniform")
+    x, idx, w = make_inputs(rank, T, H, E, K, torch.bfloat16, runtime.seed + 99, routing="uniform")
     dev = runtime.device
     return cfg, rank, R - 1, (x.to(dev), idx.to(dev).to(torch.int32), w.to(dev))
 

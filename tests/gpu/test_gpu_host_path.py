@@ -38,7 +38,7 @@ def _setup(runtime, T=32, H=256, K=4, num_sms=16, seed=7):
     E = 8 * R
     cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=K, hidden=H,
                    dtype=torch.bfloat16, max_tokens=T, num_sms=min(num_sms, runtime.sm_share))
-    x, idx, w = make_inputs(rank, T, H, E, K, torch.bfloat16, seed, routing="uniform")
+    x, idx, w = make_inputs(rank, T, H, E, K, torch.bfloat16, runtime.seed + seed, routing="uniform")
     dev = runtime.device
     return cfg, rank, (x.to(dev), idx.to(dev), w.to(dev))  # idx int64, as a router returns it
 
@@ -155,7 +155,7 @@ def test_sync_free_dispatch_eagerly_and_in_a_graph(runtime):
         with torch.cuda.graph(graph):
             g_res, g_out = step()
         for i in range(5):
-            xi, ii, wi = make_inputs(rank, T, H, E, K, cfg.dtype, 900 + i, routing="uniform")
+            xi, ii, wi = make_inputs(rank, T, H, E, K, cfg.dtype, runtime.seed + 900 + i, routing="uniform")
             x.copy_(xi)
             idx.copy_(ii.to(torch.int32))
             w.copy_(wi)

@@ -47,6 +47,11 @@ DEEPSEEK = with_case(BASE, name="bf16-deepseek", experts_per_rank=8, topk=4, sco
 SENTINEL = 3.0
 
 
+def _fresh(runtime, case: MoECase) -> MoECase:
+    """``case`` with the launch's seed (fresh inputs and weights on every launch)."""
+    return with_case(case, seed=case.seed + runtime.seed)
+
+
 def _ep(runtime):
     return lambda cfg: EpBuffer(runtime, cfg, registry=runtime.registry)
 
@@ -59,6 +64,7 @@ def _assert_close_to_reference(r: dict) -> None:
 @pytest.mark.parametrize("overlap", [False, True], ids=["one-stream", "overlap"])
 @pytest.mark.parametrize("case", [BASE, DEEPSEEK], ids=["softmax", "deepseek"])
 def test_layer_matches_the_dense_reference(runtime, case, overlap):
+    case = _fresh(runtime, case)
     r = layer_check(runtime, _ep(runtime), runtime.device, case, exact=(),
                     rtol=gpu_rtol(case.dtype, case.topk), overlap=overlap)
     _assert_close_to_reference(r)
@@ -66,7 +72,7 @@ def test_layer_matches_the_dense_reference(runtime, case, overlap):
 
 def test_layer_on_the_kernels_equals_the_layer_on_nccl_all_to_all(runtime):
     env, dev = runtime.env, runtime.device
-    case = DEEPSEEK
+    case = _fresh(runtime, DEEPSEEK)
     cfg = case.config(env.world_size, env.local_world_size)
     x, grad_out = case_inputs(case, env.rank)
     weights = global_weights(case, env.world_size)
@@ -121,7 +127,7 @@ def _layer(runtime, buf, case, **kw):
 @pytest.mark.parametrize("overlap", [False, True], ids=["one-stream", "overlap"])
 def test_forward_and_backward_make_no_host_sync(runtime, overlap):
     env, dev = runtime.env, runtime.device
-    case = DEEPSEEK
+    case = _fresh(runtime, DEEPSEEK)
     x, grad_out = (t.to(dev) for t in case_inputs(case, env.rank))
     with _ep(runtime)(case.config(env.world_size, env.local_world_size)) as buf:
         layer = _layer(runtime, buf, case, overlap=overlap)
@@ -141,7 +147,7 @@ def test_forward_and_backward_make_no_host_sync(runtime, overlap):
 @pytest.mark.parametrize("overlap", [False, True], ids=["one-stream", "overlap"])
 def test_graph_replay_equals_the_eager_step(runtime, overlap):
     env, dev = runtime.env, runtime.device
-    case = DEEPSEEK
+    case = _fresh(runtime, DEEPSEEK)
     params = ("router_weight", "w_gate_up", "w_down", "shared_gate_up", "shared_down")
     with _ep(runtime)(case.config(env.world_size, env.local_world_size)) as buf:
         layer = _layer(runtime, buf, case, overlap=overlap)
@@ -180,7 +186,7 @@ def test_graph_replay_equals_the_eager_step(runtime, overlap):
         x_grad = x_static.grad
 
         for i in range(1, 6):
-            g = torch.Generator().manual_seed(500 + 10 * i + env.rank)
+            g = torch.Generator().manual_seed(runtime.seed + 500 + 10 * i + env.rank)
             xi = torch.randn(x0.shape, generator=g).to(case.dtype).to(dev)
             gi = torch.randn(g0.shape, generator=g).to(case.dtype).to(dev)
             with torch.no_grad():

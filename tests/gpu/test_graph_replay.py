@@ -53,7 +53,7 @@ def test_graph_replay_with_new_inputs_and_stragglers(runtime, combine):
         out = torch.empty(T, H, dtype=dtype, device=dev)
 
         def load(i: int) -> None:
-            xi, ii, wi = make_inputs(rank, T, H, E, K, dtype, 5000 + i, routing="uniform")
+            xi, ii, wi = make_inputs(rank, T, H, E, K, dtype, runtime.seed + 5000 + i, routing="uniform")
             x.copy_(xi)
             idx.copy_(ii.to(torch.int32))
             w.copy_(wi)

@@ -71,7 +71,8 @@ def test_reduced_combine_matches_reference(runtime, dtype, hidden, topk, el, rou
     with EpBuffer(runtime, cfg, registry=runtime.registry, algorithm=algorithm) as buf:
         assert buf.partials.shape == (cfg.max_tokens * R, hidden)
         for it in range(3):
-            x, idx, w = make_inputs(rank, T, hidden, E, cfg.topk, dtype, 777 + it, routing=routing)
+            x, idx, w = make_inputs(rank, T, hidden, E, cfg.topk, dtype, runtime.seed + 777 + it,
+                                    routing=routing)
             x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
             eff_all, _ = apply_expert_capacity(_gather(runtime, idx.cpu()), E, cfg.expert_capacity)
             buf.poison()
@@ -103,7 +104,7 @@ def test_reduced_combine_refuses_what_it_cannot_do(runtime):
     dev = runtime.device
     base = dict(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=2, hidden=128,
                 dtype=torch.bfloat16, max_tokens=16, num_sms=8)
-    x, idx, w = make_inputs(rank, 16, 128, E, 2, torch.bfloat16, 5)
+    x, idx, w = make_inputs(rank, 16, 128, E, 2, torch.bfloat16, runtime.seed + 5)
     x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
     with EpBuffer(runtime, EpConfig(**base), registry=runtime.registry) as buf:
         res = buf.dispatch(x, idx, w)
