@@ -301,28 +301,53 @@ class MoELayer(nn.Module):
         else:
             self.shared_gate_up = self.shared_down = None
         self.reset_parameters(init_std, generator)
-        self._compile_expert_kernels(device)
+        self._prepare_first_step(device)
 
     # -- set-up ----------------------------------------------------------------------------------
 
-    def _compile_expert_kernels(self, device: torch.device) -> None:
-        """Compile (or load) the SwiGLU kernels of this layer now, then meet the other ranks.
+    def _prepare_first_step(self, device: torch.device) -> None:
+        """Before any step: compile (or load) the SwiGLU kernels, put them on the GPU, run the layer's local
+        work (router, experts, shared expert) forward and backward once on two dummy rows, wait for it, then
+        meet the other ranks.
 
-        Why: compiled on first use, they were built inside the first step, between its dispatch and its
-        combine, while the peers' combine kernels waited for this rank (up to ``cfg.timeout_s``). With 8
-        ranks compiling at once on one GPU's host, a rank took longer than that and the peers' combine
+        Why: a rank's first step should not wait on the host for the GPU, because the peers' dispatch and
+        combine kernels may already be waiting for this rank's. Made on first use, the SwiGLU kernels were
+        compiled inside the first step: with 8 ranks compiling at once on one GPU's host the peers' combine
         timed out (``PeerTimeout: combine on rank 2: rank 6 did not signal within 60 s``; 8 ranks on one
-        H200, 2026-11-26). Compiling here, and meeting on the host afterwards (its barrier waits as long as
-        the group's timeout allows), keeps every first step free of compiles."""
-        if resolve_impl(self.swiglu, device) != "kernel":
-            return
-        from cute_ep.swiglu import kernels
+        H200, 2026-11-26). Compiled ahead, the DSL still put them on the GPU at their first launch, and
+        under CUDA MPS the backward's library load waited there until the peers' combine timed out (its
+        stack, 8 ranks on one H100, 2026-11-27). The local step loads the other kernels of the step the
+        same way: it took the first forward's host time at 8 ranks on one H100 from 0.45 s to 0.01 s. (The
+        first backward there still waits 2-3 s on the host, and one rank long enough for the peers' combine
+        to time out: not explained yet; docs/results.md.) The host barrier after it (as long as the group's
+        timeout allows) starts every rank's first step together."""
+        on_gpu = device.type == "cuda"
+        kernel = resolve_impl(self.swiglu, device) == "kernel"
+        if kernel:
+            from cute_ep.swiglu import kernels
 
-        for direction in ("forward", "backward"):
-            kernels().compiled(direction, self.cfg.dtype)
+            kernels().load(self.cfg.dtype, device)
+        if on_gpu:
+            with torch.cuda.stream(self.gemm_stream or torch.cuda.current_stream(device)):
+                self._local_step(device)
+            torch.cuda.synchronize(device)
         group = getattr(getattr(self.buffer, "runtime", None), "cpu_group", None)
-        if group is not None and torch.distributed.is_initialized():
+        if (on_gpu or kernel) and group is not None and torch.distributed.is_initialized():
             torch.distributed.barrier(group=group)
+
+    def _local_step(self, device: torch.device) -> None:
+        """Forward and backward of the layer's local work on two dummy rows (one row for each of the first
+        two local experts); gradients are computed and dropped (``.grad`` stays untouched)."""
+        el, dt = self.cfg.experts_per_rank, self.cfg.dtype
+        x = torch.zeros(2, self.cfg.hidden, dtype=dt, device=device, requires_grad=True)
+        topk_w, _ = self.route(x)
+        offs = torch.full((el,), 2, dtype=torch.int32, device=device)
+        offs[0] = 1
+        total = topk_w.sum() + self.experts(x, offs).float().sum()
+        if self.shared_gate_up is not None:
+            total = total + self.shared_expert(x).float().sum()
+        params = [p for p in self.parameters() if p.requires_grad]
+        torch.autograd.grad(total, [x, *params], allow_unused=True)
 
     def _resolve_num_sms(self, num_sms: int | None) -> int:
         have = getattr(self.cfg, "num_sms", None)

@@ -238,6 +238,21 @@ class SwiGLUKernels:
         fn(*ptrs, self._pointer(offsets, 4), Int32(rows), Int32(inter), Int32(offsets.numel()),
            Int32(self._ctas(gate_up.device, rows, inter, gate_up.dtype)), cuda.CUstream(stream))
 
+    def load(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Compile (or load) both kernels of ``dtype`` and put them on ``device`` now, with one launch each
+        over a row that is not live, then wait for it: the DSL loads a compiled kernel's CUDA library at its
+        first launch, and that load waits for every kernel running on the GPU. Under CUDA MPS that
+        includes the other ranks' kernels, which may be waiting for this rank: at 8 ranks on one H100 a
+        layer's first backward waited in the SwiGLU backward's library load until the peers' combine
+        timed out (``PeerTimeout: combine on rank 0: rank 3 did not signal``, 2026-11-27)."""
+        vec = 16 // torch.empty((), dtype=dtype).element_size()
+        gate_up = torch.zeros(1, 2 * vec, dtype=dtype, device=device)
+        none_live = torch.zeros(1, dtype=torch.int32, device=device)
+        self.forward(gate_up, none_live, torch.empty(1, vec, dtype=dtype, device=device))
+        self.backward(gate_up, torch.zeros(1, vec, dtype=dtype, device=device), none_live,
+                      torch.empty_like(gate_up))
+        torch.cuda.synchronize(device)
+
     def forward(self, gate_up: Tensor, offsets: Tensor, out: Tensor) -> Tensor:
         """out[:offsets[-1]] = SwiGLU of gate_up's live rows, enqueued on the current stream."""
         self._check_kernel_args(gate_up, out)

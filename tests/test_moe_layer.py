@@ -300,14 +300,15 @@ def test_importing_the_layer_imports_no_gpu_module():
                         ["cutlass", "nvshmem", "cute_ep.buffer", "cute_ep.kernels.swiglu"])
 
 
-def test_the_layer_compiles_its_swiglu_kernels_before_any_step_and_then_meets_the_ranks(buf, monkeypatch):
-    """Where the SwiGLU kernel serves (a GPU), building the layer compiles both directions and then waits
-    for the other ranks, so no rank compiles inside a step while the peers' kernels wait for it."""
+def test_the_layer_loads_its_swiglu_kernels_before_any_step_and_then_meets_the_ranks(buf, monkeypatch):
+    """Where the SwiGLU kernel serves (a GPU), building the layer compiles both directions and puts them on
+    the GPU (``SwiGLUKernels.load``) and then waits for the other ranks, so no rank compiles or loads a
+    kernel inside a step while the peers' kernels wait for it."""
     import cute_ep.moe_layer as ml
     import cute_ep.swiglu as sw
 
     events = []
-    fake = SimpleNamespace(compiled=lambda direction, dtype: events.append(("compile", direction, dtype)))
+    fake = SimpleNamespace(load=lambda dtype, device: events.append(("load", dtype, device.type)))
     monkeypatch.setattr(sw, "kernels", lambda: fake)
     monkeypatch.setattr(ml, "resolve_impl", lambda impl, device: "kernel")
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
@@ -315,9 +316,30 @@ def test_the_layer_compiles_its_swiglu_kernels_before_any_step_and_then_meets_th
     group = object()
     monkeypatch.setattr(buf, "runtime", SimpleNamespace(cpu_group=group), raising=False)
     MoELayer(buf, 32)
-    assert events == [("compile", "forward", torch.bfloat16), ("compile", "backward", torch.bfloat16),
-                      ("barrier", group)]
+    assert events == [("load", torch.bfloat16, "cpu"), ("barrier", group)]
     events.clear()
-    monkeypatch.setattr(ml, "resolve_impl", lambda impl, device: "torch")  # CPU: nothing to compile
+    monkeypatch.setattr(ml, "resolve_impl", lambda impl, device: "torch")  # CPU: nothing to load
     MoELayer(buf, 32)
     assert events == []
+
+
+def test_the_local_warm_up_step_runs_every_local_part_and_leaves_no_gradient(buf, monkeypatch):
+    """The set-up step on a GPU (``_local_step``: router, experts, shared expert, forward and backward on
+    dummy rows) asks autograd for the gradient of every parameter and of its input without accumulating
+    any into ``.grad``: the caller's first step starts from untouched parameters."""
+    import cute_ep.moe_layer as ml
+
+    layer = MoELayer(buf, 32, shared_intermediate=16)
+    calls = []
+    real_grad = torch.autograd.grad
+
+    def grad(outputs, inputs, **kw):
+        calls.append([tuple(t.shape) for t in inputs])
+        return real_grad(outputs, inputs, **kw)
+
+    monkeypatch.setattr(ml.torch.autograd, "grad", grad)
+    layer._local_step(torch.device("cpu"))
+    params = [tuple(p.shape) for p in layer.parameters()]
+    assert calls == [[(2, layer.cfg.hidden), *params]]
+    assert len(params) == 5  # router, w_gate_up, w_down and the shared expert's two
+    assert all(p.grad is None for p in layer.parameters())
