@@ -239,6 +239,35 @@ def test_bad_calls_raise_value_errors(buf) -> None:
                      num_worst_tokens=10)
 
 
+def test_wrong_arguments_name_the_argument_and_the_value(buf) -> None:
+    """What a ported program can pass wrong, in a world of one (the 2-rank cases, one rank wrong or all:
+    tests/test_deep_ep_errors.py): the message names the argument, the value and what is accepted."""
+    s = _layout(buf)
+    args = _layout_args(s)
+    with pytest.raises(ValueError, match="x must be a torch.Tensor") as exc:
+        buf.dispatch(s.x.tolist(), **args)
+    assert isinstance(exc.value, TypeError)  # InputTypeError: a TypeError and a ValueError
+    with pytest.raises(ValueError, match=r"num_tokens_per_rank must be \[1\] int32 .*torch.float32"):
+        buf.dispatch(s.x, **{**args, "num_tokens_per_rank": s.per_rank.float()})
+    with pytest.raises(ValueError, match=r"topk_idx values must be expert ids .* got 4 at \[2, 1\]"):
+        idx = s.idx.clone()
+        idx[2, 1] = 4
+        buf.dispatch(s.x, **args, topk_idx=idx, topk_weights=s.w)
+    with pytest.raises(ValueError, match="num_experts must be a positive multiple of 1 ranks, got 4.0"):
+        buf.low_latency_dispatch(s.x, s.idx, 8, 4.0)
+    recv_x, _, _, _, handle, _ = buf.dispatch(s.x, **args)
+    with pytest.raises(ValueError, match=r"^x must be bfloat16, float16 or float32 .* got torch.float64"):
+        buf.combine(recv_x.double(), handle)  # the shape is right: the message is about the dtype
+    recv, _, ll_handle, _, _ = buf.low_latency_dispatch(s.x, s.idx, 8, s.e, use_fp8=False)
+    other = s.idx.clone()
+    other[0, 0] = next(e for e in range(s.e) if e not in s.idx[0].tolist())  # an expert it was not sent to
+    with pytest.raises(ValueError, match=r"topk_idx must be the ids low_latency_dispatch was given, or -1"):
+        buf.low_latency_combine(recv, other, s.w, ll_handle)
+    dropped = s.idx.clone()
+    dropped[0, 0] = -1  # -1 skips a pair: accepted
+    buf.low_latency_combine(recv, dropped, s.w, ll_handle)
+
+
 def test_handles_are_deepeps_tuples(buf) -> None:
     s = _layout(buf)
     out = buf.dispatch(s.x, **_layout_args(s), topk_idx=s.idx, topk_weights=s.w)
@@ -362,12 +391,18 @@ def test_budget_from_the_environment(monkeypatch) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_dispatch_layout_ignores_ids_out_of_range() -> None:
-    idx = torch.tensor([[0, 3], [-1, 7], [2, -5]])
-    per_rank, per_expert, in_rank = normal.dispatch_layout(idx, 4, 2)
-    assert per_expert.tolist() == [1, 0, 1, 1]
-    assert in_rank.tolist() == [[True, True], [False, False], [False, True]]
-    assert per_rank.tolist() == [1, 2]
+@pytest.mark.parametrize("bad", [4, -5, 10**6])
+def test_dispatch_layout_refuses_ids_out_of_range(buf, bad: int) -> None:
+    """DeepEP defines -1 (no expert) and the experts [0, E); any other id is an error here (it was counted
+    nowhere, so a pair vanished from num_tokens_per_expert without a word), and -1 is skipped."""
+    idx = torch.tensor([[0, 3], [-1, 2], [2, -1]])
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+    assert per_expert.tolist() == [1, 0, 2, 1] and per_rank.tolist() == [3]
+    assert in_rank.tolist() == [[True], [True], [True]]
+    idx[1, 0] = bad
+    expected = rf"topk_idx values must be expert ids in \[0, 4\) or -1 \(no expert\), got {bad} at \[1, 0\]"
+    with pytest.raises(ValueError, match=expected):
+        buf.get_dispatch_layout(idx, 4)
 
 
 def test_padded_layout_of_expert_major_rows() -> None:

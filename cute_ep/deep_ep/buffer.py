@@ -23,6 +23,12 @@ recently used buffers are freed to make room (collectively: every rank makes the
 whose buffers alone exceed the budget raises ``ValueError`` naming the bytes it needs
 (``Buffer.get_symmetric_bytes_hint`` computes them ahead).
 
+Wrong arguments (``checks``): every call checks its arguments before anything moves and raises ValueError
+naming the argument, the value and what is accepted; where the call waits on the host anyway (the reference
+backend; on the kernels a dispatch without num_worst_tokens or a handle, and a build of new buffers) the
+ranks agree first, so that an argument wrong on one rank raises on every rank and none waits alone. The
+Buffer stays usable after such an error.
+
 Streams (GPUs): as in DeepEP, every call runs on the Buffer's communication stream (``get_comm_stream``,
 high priority), after ``previous_event`` or else after the caller's current stream; with ``async_finish``
 the caller's stream does not wait and the returned event marks the end, otherwise it waits. On a CPU
@@ -34,9 +40,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +55,7 @@ from cute_ep.api import DispatchHandle
 from cute_ep.collectives import world_of
 from cute_ep.deep_ep import low_latency as ll
 from cute_ep.deep_ep import normal
+from cute_ep.deep_ep.checks import agree, check_expert_ids, check_tensors, error_of
 from cute_ep.deep_ep.runtime import GroupRuntime, NvshmemSession, choose_backend, resolve_group
 from cute_ep.deep_ep.utils import Config, EventHandle, EventOverlap, get_low_latency_rdma_size_hint
 from cute_ep.kernels.config import SUPPORTED_DTYPES, EpConfig
@@ -80,6 +88,30 @@ class _NormalRoute:
 
 
 @dataclass(frozen=True)
+class _DispatchArgs:
+    """A normal dispatch's checked arguments: x and its scales, is_token_in_rank, the row format, the
+    channels of the handle's matrices, the cached handle's route (or None), num_experts (0 with a cached
+    handle) and num_worst_tokens."""
+
+    x: Tensor
+    scales: Tensor | None
+    in_rank: Tensor
+    fmt: normal.RowFormat
+    channels: int
+    route: _NormalRoute | None
+    num_experts: int
+    num_worst: int
+
+    def same(self) -> dict[str, Any]:
+        """What must be the same on every rank (it chooses the buffers and the collectives)."""
+        return {"x's dtype and hidden size": (str(self.x.dtype), self.fmt.hidden),
+                "x_scales' columns": self.fmt.num_scales, "topk_idx's K (0: no top-k)": self.fmt.topk,
+                "num_experts (num_tokens_per_expert's length)": self.num_experts,
+                "num_worst_tokens": self.num_worst,
+                "handle (a cached dispatch's buffers)": None if self.route is None else self.route.max_tokens}
+
+
+@dataclass(frozen=True)
 class _LowLatencyRoute:
     """cute_ep's side of a low-latency handle: the expert-layout dispatch handle and each expert-major
     row's padded slot (``low_latency.PaddedRecv.slot``)."""
@@ -98,7 +130,9 @@ class NormalHandle(tuple):
     dtypes, plus ``.cute_ep``: the routing cute_ep's kernels need (pass the tuple itself to ``combine`` and
     cached ``dispatch``; a tuple rebuilt from the six entries is refused).
 
-    * rank_prefix_matrix [R, R] int32: entry [i, j] = tokens ranks 0..i send to rank j (exact);
+    * rank_prefix_matrix [R, R] int32: column r (this rank) holds at row i the tokens ranks 0..i send to it,
+      the other columns 0, as DeepEP's handle (every rank's counts, [source, destination], are in
+      ``.cute_ep.counts``);
     * channel_prefix_matrix [R, C] int32 (C = config.num_sms / 2 channels, DeepEP's split of a rank's tokens
       into C contiguous ranges): for each destination, the tokens of channels 0..c bound for it (exact);
     * recv_channel_prefix_matrix [R, C] int32: for each source, the rows received from its channels before
@@ -328,7 +362,9 @@ class Buffer:
 
     def destroy(self) -> None:
         """Free the buffers (collective: every rank calls it) and, with the last Buffer of the process,
-        NVSHMEM. Safe to call twice. (DeepEP allows it only with ``explicitly_destroy``; here always.)"""
+        NVSHMEM; on a gloo group, wait until gloo's worker threads hold nothing of this Buffer's collectives
+        (``checks.drain_gloo``: a program may keep its group until it exits). Safe to call twice, and after
+        a call that raised. (DeepEP allows it only with ``explicitly_destroy``; here always.)"""
         if self.runtime is None:
             return
         try:
@@ -336,8 +372,8 @@ class Buffer:
                 self._release()
         finally:
             if self._owns_runtime:
-                self.runtime.close()
-            self.runtime = None
+                self.runtime.close()  # lets gloo's workers finish with this Buffer's collectives first
+            self.runtime = self.group = None  # a destroyed Buffer refers to no process group
 
     def _release(self) -> None:
         try:
@@ -465,6 +501,11 @@ class Buffer:
         if buf is not None:
             self._buffers.move_to_end(key)
             return key, buf
+        if self.group_size > 1:  # a collective build: every rank must build the same (else a ConfigError)
+            name = ("the buffers' (row width, dtype, experts, top-k, tokens per rank): x's dtype and hidden "
+                    "size, num_experts, top-k and num_max_dispatch_tokens_per_rank")
+            agree(self.runtime.cpu_group, "cute_ep.deep_ep: building the buffers of a new shape", None,
+                  {name: (hidden, str(dtype), num_experts, topk, max_tokens)})
         env = self.runtime.env
         cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
                        num_experts=num_experts, topk=topk, hidden=hidden, dtype=dtype, max_tokens=max_tokens,
@@ -537,13 +578,17 @@ class Buffer:
                             ) -> tuple[Tensor, Tensor | None, Tensor, Tensor, EventOverlap]:
         """DeepEP's layout: (num_tokens_per_rank [R] int32, None (no RDMA ranks), num_tokens_per_expert [E]
         int32, is_token_in_rank [T, R] bool, event). topk_idx [T, K] int64 (int32 accepted), -1: none. Exact;
-        ids outside [-1, E) are counted nowhere. No host sync."""
+        ids outside [-1, E) raise ValueError (DeepEP defines -1, no expert, and the experts; on a GPU they are
+        not checked here: that is a host sync, which this call makes none of). Local: no collective."""
         self._check_alive()
         self._check_comm_flags(previous_event, async_finish, allocate_on_comm_stream)
+        check_tensors(self.device, topk_idx=(topk_idx, "[T, K] int64", torch.int64))
         if topk_idx.dim() != 2 or topk_idx.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"topk_idx must be [T, K] int64, got {list(topk_idx.shape)} {topk_idx.dtype}")
         self._check_num_experts(num_experts)
         self._check_device(topk_idx=topk_idx)
+        if not topk_idx.is_cuda:
+            check_expert_ids(topk_idx, num_experts)
         with _Scope(self, previous_event, async_finish) as scope:
             per_rank, per_expert, in_rank = normal.dispatch_layout(topk_idx, num_experts, self.group_size)
         event = scope.finish((per_rank, per_expert, in_rank), (topk_idx,))
@@ -576,59 +621,88 @@ class Buffer:
 
         Differences from DeepEP: x may be any dtype whose rows are a multiple of 16 bytes; any number of
         ranks and top-k the kernels take; ``config`` only sizes the handle's channel matrices (its num_sms
-        must be even). Without ``num_worst_tokens`` the call makes one host sync, and raises ``ValueError``
-        on every rank if some rank's ``num_tokens_per_rank`` disagrees with its ``is_token_in_rank``
-        (DeepEP would move wrong rows). Top-k ids and weights (and FP8 scales) ride in each token's row.
+        must be even); topk_idx values outside [-1, E) raise ValueError (checked where the call syncs the
+        host: on the reference backend always, on GPUs without num_worst_tokens). Without
+        ``num_worst_tokens`` the call makes one host sync, and raises ``ValueError`` on every rank if some
+        rank's ``num_tokens_per_rank`` disagrees with its ``is_token_in_rank`` (DeepEP would move wrong
+        rows). Top-k ids and weights (and FP8 scales) ride in each token's row.
         """
         self._check_alive()
-        self._check_comm_flags(previous_event, async_finish, allocate_on_comm_stream)
         del num_tokens_per_rdma_rank  # one NVLink domain: DeepEP's intranode dispatch ignores it too
+        synced = handle is None and num_worst_tokens == 0
+        a: _DispatchArgs = self._agreed("dispatch", lambda: self._dispatch_args(
+            x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+            expert_alignment, num_worst_tokens, config, previous_event, async_finish, allocate_on_comm_stream,
+            synced), _DispatchArgs.same, synced=synced)
+        world = self.group_size
+        with _Scope(self, previous_event, async_finish) as scope:
+            payload = a.fmt.pack(a.x, a.scales, topk_idx, topk_weights)
+            ids, zero_w = normal.rank_routing(a.in_rank)
+            if a.route is not None:
+                _, buf = self._buffer(a.fmt.elems, _CARRIER, world, world, a.route.max_tokens)
+                res = self._dispatch_on(buf, payload, ids, zero_w, "rank")
+                rows = min(a.route.num_recv, world * a.route.max_tokens)
+                recv_x, recv_scales, _, _ = a.fmt.unpack(res.recv_x[:rows], a.route.num_recv)
+                event = scope.finish((recv_x, recv_scales), (a.x, a.scales, a.in_rank))
+                out_x = (recv_x, recv_scales) if a.scales is not None else recv_x
+                return out_x, None, None, None, None, EventOverlap(event)
+            result = self._dispatch_fresh(a.x.shape[0], a.fmt, payload, ids, zero_w, a.in_rank,
+                                          num_tokens_per_rank, num_tokens_per_expert, topk_idx,
+                                          expert_alignment, num_worst_tokens, a.channels)
+            recv_x, recv_scales, recv_idx, recv_w, per_expert, new_handle = result
+            event = scope.finish((recv_x, recv_scales, recv_idx, recv_w, *new_handle),
+                                 (a.x, a.scales, a.in_rank, topk_idx, topk_weights, num_tokens_per_rank,
+                                  num_tokens_per_expert))
+        out_x = (recv_x, recv_scales) if a.scales is not None else recv_x
+        return out_x, recv_idx, recv_w, per_expert, new_handle, EventOverlap(event)
+
+    def _dispatch_args(self, x: Any, handle: Any, per_rank: Any, in_rank: Any, per_expert: Any, topk_idx: Any,
+                       topk_weights: Any, alignment: Any, num_worst: Any, config: Config | None,
+                       previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool,
+                       synced: bool) -> _DispatchArgs:
+        """``dispatch``'s arguments checked on this rank (no collective): ValueError names the first bad
+        one."""
+        self._check_comm_flags(previous_event, async_finish, allocate_on_comm_stream)
         config = config if config is not None else self.get_dispatch_config(self.group_size)
         channels = self._channels(config)
-        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        x, x_scales = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
+        route = None
         if handle is not None:
             route = self._route(handle, NormalHandle).cute_ep
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("dispatch with a cached handle takes no topk_idx / topk_weights (as DeepEP)")
             in_rank = handle[4]
         else:
-            missing = [n for n, v in (("num_tokens_per_rank", num_tokens_per_rank),
-                                      ("is_token_in_rank", is_token_in_rank),
-                                      ("num_tokens_per_expert", num_tokens_per_expert)) if v is None]
-            if missing:
-                raise ValueError(
-                    f"dispatch without a handle needs {', '.join(missing)} (get_dispatch_layout's)"
-                )
-            if (topk_idx is None) != (topk_weights is None):
-                raise ValueError("topk_idx and topk_weights go together")
-            in_rank = is_token_in_rank
-        if expert_alignment < 1 or num_worst_tokens < 0:
-            raise ValueError(f"expert_alignment must be >= 1 and num_worst_tokens >= 0, got "
-                             f"{expert_alignment} and {num_worst_tokens}")
+            self._check_fresh_args(per_rank, in_rank, per_expert, topk_idx, topk_weights)
+        for name, value in (("expert_alignment", alignment), ("num_worst_tokens", num_worst)):
+            if not isinstance(value, numbers.Integral) or value < (1 if name == "expert_alignment" else 0):
+                raise ValueError(f"{name} must be an int >= {1 if name == 'expert_alignment' else 0}, got "
+                                 f"{value!r}")
         fmt = self._row_format(x, x_scales, in_rank, topk_idx, topk_weights)
+        num_experts = 0
         if handle is None:
-            self._check_counts(num_tokens_per_rank, num_tokens_per_expert)
-        world = self.group_size
-        with _Scope(self, previous_event, async_finish) as scope:
-            payload = fmt.pack(x, x_scales, topk_idx, topk_weights)
-            ids, zero_w = normal.rank_routing(in_rank)
-            if handle is not None:
-                _, buf = self._buffer(fmt.elems, _CARRIER, world, world, route.max_tokens)
-                res = self._dispatch_on(buf, payload, ids, zero_w, "rank")
-                rows = min(route.num_recv, world * route.max_tokens)
-                recv_x, recv_scales, _, _ = fmt.unpack(res.recv_x[:rows], route.num_recv)
-                event = scope.finish((recv_x, recv_scales), (x, x_scales, in_rank))
-                out_x = (recv_x, recv_scales) if x_scales is not None else recv_x
-                return out_x, None, None, None, None, EventOverlap(event)
-            result = self._dispatch_fresh(x.shape[0], fmt, payload, ids, zero_w, in_rank, num_tokens_per_rank,
-                                          num_tokens_per_expert, topk_idx, expert_alignment, num_worst_tokens,
-                                          channels)
-            recv_x, recv_scales, recv_idx, recv_w, per_expert, new_handle = result
-            event = scope.finish((recv_x, recv_scales, recv_idx, recv_w, *new_handle),
-                                 (x, x_scales, in_rank, topk_idx, topk_weights, num_tokens_per_rank,
-                                  num_tokens_per_expert))
-        out_x = (recv_x, recv_scales) if x_scales is not None else recv_x
-        return out_x, recv_idx, recv_w, per_expert, new_handle, EventOverlap(event)
+            self._check_counts(per_rank, per_expert)
+            num_experts = per_expert.shape[0]
+            if topk_idx is not None and (self.backend == "reference" or synced or not topk_idx.is_cuda):
+                check_expert_ids(topk_idx, num_experts)  # on a GPU only where the call syncs anyway
+        return _DispatchArgs(x, x_scales, in_rank, fmt, channels, route, num_experts, num_worst)
+
+    def _check_fresh_args(self, per_rank: Any, in_rank: Any, per_expert: Any, topk_idx: Any,
+                          topk_weights: Any) -> None:
+        """A dispatch without a handle: the layout's three tensors given, top-k ids and weights together."""
+        missing = [n for n, v in (("num_tokens_per_rank", per_rank), ("is_token_in_rank", in_rank),
+                                  ("num_tokens_per_expert", per_expert)) if v is None]
+        if missing:
+            raise ValueError(f"dispatch without a handle needs {', '.join(missing)} (get_dispatch_layout's)")
+        if (topk_idx is None) != (topk_weights is None):
+            raise ValueError("topk_idx and topk_weights go together: pass both or neither, got "
+                             f"{'topk_idx' if topk_weights is None else 'topk_weights'} alone")
+        r = self.group_size
+        check_tensors(self.device, num_tokens_per_rank=(per_rank, f"[{r}] int32", torch.int32),
+                      is_token_in_rank=(in_rank, f"[T, {r}] bool", torch.bool),
+                      num_tokens_per_expert=(per_expert, "[E] int32", torch.int32),
+                      topk_idx=(topk_idx, "[T, K] int64", torch.int64),
+                      topk_weights=(topk_weights, "[T, K] float32", torch.float32))
 
     def _dispatch_fresh(self, tokens: int, fmt: normal.RowFormat, payload: Tensor, ids: Tensor,
                         zero_w: Tensor, in_rank: Tensor, per_rank_given: Tensor, per_expert_given: Tensor,
@@ -686,8 +760,11 @@ class Buffer:
             recv_idx = torch.where(here, local, -1).to(topk_idx.dtype)
             recv_w = torch.where(here, gw, torch.zeros_like(gw))
         recv_src_idx = torch.where(valid, src_token, -1).to(torch.int32)
+        # DeepEP's handle holds this rank's column only (the rest 0); ``route.counts`` holds them all.
+        prefix = torch.zeros((world, world), dtype=torch.int32, device=dev)
+        prefix[:, rank] = counts[:, rank].cumsum(dim=0).to(torch.int32)
         entries = (
-            counts.cumsum(dim=0).to(torch.int32),  # rank_prefix_matrix
+            prefix,  # rank_prefix_matrix
             normal.channel_prefix_matrix(in_rank, channels),
             normal.recv_channel_prefix_matrix(src_rank, src_token, valid, table[:, 0], channels),
             recv_src_idx,
@@ -713,24 +790,11 @@ class Buffer:
         ``num_worst_tokens`` dispatch that costs one host sync (the row counts).
         """
         self._check_alive()
-        self._check_comm_flags(previous_event, async_finish, allocate_on_comm_stream)
         del config
-        route = self._route(handle, NormalHandle).cute_ep
-        tokens = handle[4].shape[0]
-        if x.dim() != 2 or x.shape[0] != route.num_recv or x.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"x must be [{route.num_recv}, H] (the dispatch's rows) bf16/fp16/fp32, got "
-                             f"{list(x.shape)} {x.dtype}")
-        bias_0, bias_1 = self._unpack_bias(bias)
-        for name, b in (("bias", bias_0), ("bias[1]", bias_1)):
-            if b is not None and (tuple(b.shape) != (tokens, x.shape[1]) or b.dtype != x.dtype):
-                raise ValueError(
-                    f"{name} must be [{tokens}, {x.shape[1]}] {x.dtype}, got {list(b.shape)} {b.dtype}"
-                )
-        if topk_weights is not None and (topk_weights.dim() != 2 or topk_weights.shape[0] != x.shape[0]
-                                         or topk_weights.dtype != torch.float32):
-            raise ValueError(f"topk_weights must be [{x.shape[0]}, K] float32, got "
-                             f"{list(topk_weights.shape)} {topk_weights.dtype}")
-        self._check_device(x=x, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1)
+        route, bias_0, bias_1 = self._agreed("combine", lambda: self._combine_args(
+            x, handle, topk_weights, bias, previous_event, async_finish, allocate_on_comm_stream),
+            lambda _: {"x's dtype and hidden size": (str(x.dtype), x.shape[1]),
+                       "topk_weights (given or None)": topk_weights is not None}, synced=False)
         world = self.group_size
         with _Scope(self, previous_event, async_finish) as scope:
             rows = min(x.shape[0], world * route.max_tokens)
@@ -750,6 +814,40 @@ class Buffer:
                 weights = self._combine_weights(topk_weights, route, handle[4])
             event = scope.finish((out, weights), (x, topk_weights, bias_0, bias_1, *handle))
         return out, weights, EventOverlap(event)
+
+    def _combine_args(self, x: Any, handle: Any, topk_weights: Any, bias: Any, previous_event: Any,
+                      async_finish: bool, allocate_on_comm_stream: bool) -> tuple:
+        """``combine``'s arguments checked on this rank: (the handle's route, bias_0, bias_1)."""
+        self._check_comm_flags(previous_event, async_finish, allocate_on_comm_stream)
+        route = self._route(handle, NormalHandle).cute_ep
+        tokens, n = handle[4].shape[0], route.num_recv
+        check_tensors(self.device, x=(x, f"[{n}, H] bfloat16", torch.bfloat16),
+                      topk_weights=(topk_weights, f"[{n}, K] float32", torch.float32))
+        self._check_rows("x", x, n, "the rows the dispatch of this handle returned")
+        bias_0, bias_1 = self._unpack_bias(bias)
+        for name, b in (("bias", bias_0), ("bias[1]", bias_1)):
+            check_tensors(self.device, **{name: (b, f"[{tokens}, {x.shape[1]}] {x.dtype}", x.dtype)})
+            if b is not None and (tuple(b.shape) != (tokens, x.shape[1]) or b.dtype != x.dtype):
+                raise ValueError(
+                    f"{name} must be [{tokens}, {x.shape[1]}] {x.dtype}, got {list(b.shape)} {b.dtype}"
+                )
+        if topk_weights is not None and (topk_weights.dim() != 2 or topk_weights.shape[0] != n
+                                         or topk_weights.dtype != torch.float32):
+            raise ValueError(f"topk_weights must be [{n}, K] float32 (one row per received row), got "
+                             f"{list(topk_weights.shape)} {topk_weights.dtype}")
+        self._check_device(x=x, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1)
+        return route, bias_0, bias_1
+
+    @staticmethod
+    def _check_rows(name: str, x: Tensor, rows: int, what: str) -> None:
+        """A combine's x: [rows, H] (``what`` they are) with rows of a multiple of 16 bytes, bf16 / fp16 /
+        fp32 (the sum is fp32): the shape and the dtype named apart."""
+        if x.dim() != 2 or x.shape[0] != rows or (x.shape[1] * x.element_size()) % 16:
+            raise ValueError(f"{name} must be [{rows}, H] ({what}; H x element size a multiple of 16 bytes), "
+                             f"got {list(x.shape)}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} must be bfloat16, float16 or float32 (combine sums in float32), got "
+                             f"{x.dtype}; convert it with {name}.to(torch.bfloat16)")
 
     def internode_dispatch(self, *args: Any, **kwargs: Any) -> tuple:
         """DeepEP's internode normal dispatch: not supported (``NotImplementedError``)."""
@@ -839,17 +937,14 @@ class Buffer:
                 "their waits per peer); pass None"
             )
         m, world = num_max_dispatch_tokens_per_rank, self.group_size
-        self._check_ll_inputs(x, topk_idx, m, num_experts, use_fp8)
-        if use_ue8m0 and not round_scale:
-            raise ValueError("use_ue8m0=True needs round_scale=True (as DeepEP)")
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook cannot both be set (as DeepEP)")
-        el, hidden = num_experts // world, x.shape[1]
         stats = cumulative_local_expert_recv_stats
-        if stats is not None and (tuple(stats.shape) != (el,) or stats.dtype != torch.int32):
-            raise ValueError(f"cumulative_local_expert_recv_stats must be [{el}] int32, got "
-                             f"{list(stats.shape)} {stats.dtype}")
-        self._check_device(x=x, topk_idx=topk_idx, cumulative_local_expert_recv_stats=stats)
+        self._agreed("low_latency_dispatch", lambda: self._ll_dispatch_args(
+            x, topk_idx, m, num_experts, stats, use_fp8, round_scale, use_ue8m0, async_finish,
+            return_recv_hook), lambda _: {"x's dtype and hidden size": (str(x.dtype), x.shape[1]),
+                                          "num_max_dispatch_tokens_per_rank": m, "num_experts": num_experts,
+                                          "topk_idx's K": topk_idx.shape[1], "use_fp8": bool(use_fp8)},
+            synced=False)
+        el, hidden = num_experts // world, x.shape[1]
         with _Scope(self, None, async_finish) as scope:
             if use_fp8:
                 q, scale_inv = ll.cast_fp8_blocks(x, round_scale)
@@ -910,26 +1005,12 @@ class Buffer:
         if combine_wait_recv_cost_stats is not None:
             raise NotImplementedError("cute_ep.deep_ep: combine_wait_recv_cost_stats is not supported (the "
                                       "kernels do not time their waits per peer); pass None")
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook cannot both be set (as DeepEP)")
-        route = self._route(handle, LowLatencyHandle).cute_ep
-        world, el = self.group_size, route.num_experts // self.group_size
-        slots, hidden, t = world * route.max_tokens, route.hidden, route.num_tokens
-        src = self._staging(route)[self._ll_index] if zero_copy else x
-        if tuple(src.shape) != (el, slots, hidden) or src.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"x must be [{el}, {slots}, {hidden}] bf16/fp16/fp32, got {list(src.shape)} {src.dtype}"
-            )
-        k = route.dispatch_handle.topk_idx.shape[1]
-        if tuple(topk_idx.shape) != (t, k) or topk_idx.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"topk_idx must be [{t}, {k}] int64 (the dispatch's), got "
-                             f"{list(topk_idx.shape)} {topk_idx.dtype}")
-        if tuple(topk_weights.shape) != (t, k) or topk_weights.dtype != torch.float32:
-            raise ValueError(f"topk_weights must be [{t}, {k}] float32, got {list(topk_weights.shape)} "
-                             f"{topk_weights.dtype}")
-        if out is not None and (tuple(out.shape) != (t, hidden) or out.dtype != src.dtype):
-            raise ValueError(f"out must be [{t}, {hidden}] {src.dtype}, got {list(out.shape)} {out.dtype}")
-        self._check_device(x=src, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
+        route, src = self._agreed("low_latency_combine", lambda: self._ll_combine_args(
+            x, topk_idx, topk_weights, handle, zero_copy, out, async_finish and return_recv_hook), lambda r: {
+                "x's dtype": str(r[1].dtype),
+                "the handle's (num_max_dispatch_tokens_per_rank, hidden, num_experts)": (
+                    r[0].max_tokens, r[0].hidden, r[0].num_experts)}, synced=False)
+        hidden, k = route.hidden, route.dispatch_handle.topk_idx.shape[1]
         with _Scope(self, None, async_finish) as scope:
             key, buf = self._buffer(hidden, src.dtype, route.num_experts, k, route.max_tokens)
             self._fence(key)
@@ -948,6 +1029,51 @@ class Buffer:
         extra = (x, topk_idx, topk_weights, *handle[:2], combined) if async_finish else None
         return combined, EventOverlap(event, extra), _no_wait if return_recv_hook else None
 
+    def _ll_combine_args(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, zero_copy: bool,
+                         out: Any, both_flags: bool) -> tuple[_LowLatencyRoute, Tensor]:
+        """``low_latency_combine``'s arguments checked on this rank: (the handle's route, the rows to read:
+        x, or with ``zero_copy`` the next staging tensor)."""
+        if both_flags:
+            raise ValueError("async_finish and return_recv_hook cannot both be set (as DeepEP)")
+        route = self._route(handle, LowLatencyHandle).cute_ep
+        world, el = self.group_size, route.num_experts // self.group_size
+        slots, hidden, t = world * route.max_tokens, route.hidden, route.num_tokens
+        k = route.dispatch_handle.topk_idx.shape[1]
+        check_tensors(self.device, x=(x, f"[{el}, {slots}, {hidden}] bfloat16", torch.bfloat16),
+                      topk_idx=(topk_idx, f"[{t}, {k}] int64", torch.int64),
+                      topk_weights=(topk_weights, f"[{t}, {k}] float32", torch.float32),
+                      out=(out, f"[{t}, {hidden}] bfloat16", torch.bfloat16))
+        src = self._staging(route)[self._ll_index] if zero_copy else x
+        if tuple(src.shape) != (el, slots, hidden):
+            raise ValueError(f"x must be [{el}, {slots}, {hidden}] (local experts, ranks x "
+                             f"num_max_dispatch_tokens_per_rank, hidden: the dispatch's padded layout), got "
+                             f"{list(src.shape)}")
+        if src.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"x must be bfloat16, float16 or float32 (combine sums in float32), got "
+                             f"{src.dtype}; convert it with x.to(torch.bfloat16)")
+        if tuple(topk_idx.shape) != (t, k) or topk_idx.dtype not in _ID_DTYPES:
+            raise ValueError(f"topk_idx must be [{t}, {k}] int64 (the dispatch's), got "
+                             f"{list(topk_idx.shape)} {topk_idx.dtype}")
+        if tuple(topk_weights.shape) != (t, k) or topk_weights.dtype != torch.float32:
+            raise ValueError(f"topk_weights must be [{t}, {k}] float32, got {list(topk_weights.shape)} "
+                             f"{topk_weights.dtype}")
+        if out is not None and (tuple(out.shape) != (t, hidden) or out.dtype != src.dtype):
+            raise ValueError(f"out must be [{t}, {hidden}] {src.dtype}, got {list(out.shape)} {out.dtype}")
+        self._check_device(x=src, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
+        if self.backend == "reference" or not topk_idx.is_cuda:  # on a GPU: a host sync, so not checked
+            self._check_same_ids(topk_idx, route.dispatch_handle.topk_idx)
+        return route, src
+
+    @staticmethod
+    def _check_same_ids(topk_idx: Tensor, sent: Tensor) -> None:
+        """low_latency_combine's ids: the dispatch's, or -1 (the pair is skipped)."""
+        differ = (topk_idx >= 0) & (topk_idx.long() != sent.long())
+        if bool(differ.any()):
+            t, j = (int(i) for i in differ.nonzero()[0])
+            raise ValueError(f"topk_idx must be the ids low_latency_dispatch was given, or -1 to skip a "
+                             f"pair, got {int(topk_idx[t, j])} at [{t}, {j}] where the dispatch had "
+                             f"{int(sent[t, j])}")
+
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> Tensor:
         """The [El, R * M, H] bf16 tensor the next ``low_latency_combine(..., zero_copy=True)`` reads; fill it
         with the experts' outputs. Two alternate, as DeepEP's (each low-latency call flips them). Plain
@@ -965,6 +1091,21 @@ class Buffer:
         return pair
 
     # -- argument checks -------------------------------------------------------------------------
+
+    def _agreed(self, what: str, check: Callable[[], Any], same: Callable[[Any], dict[str, Any]], *,
+                synced: bool) -> Any:
+        """``check()`` (a call's argument checks on this rank; returns what the call needs), agreed over the
+        group before anything moves (``checks.agree``: if any rank's arguments are wrong, or ``same(result)``
+        differs between ranks, every rank raises ValueError) wherever the call waits on the host anyway: on
+        the reference backend, and on the kernels' only with ``synced``. A sync-free call on the kernels
+        raises on the rank at fault alone (an agreement would be a collective and a host sync; its peers'
+        kernels end with PeerTimeout)."""
+        result, error = error_of(check)
+        if self.group_size > 1 and (self.backend == "reference" or synced):
+            agree(self.runtime.cpu_group, what, error, {} if error is not None else same(result))
+        elif error is not None:
+            raise error
+        return result
 
     def _check_comm_flags(self, previous_event: Any, async_finish: bool,
                           allocate_on_comm_stream: bool) -> None:
@@ -992,6 +1133,8 @@ class Buffer:
 
     def _row_format(self, x: Tensor, scales: Tensor | None, in_rank: Tensor, topk_idx: Tensor | None,
                     topk_weights: Tensor | None) -> normal.RowFormat:
+        check_tensors(self.device, x=(x, "[T, H] (or a tuple (x, x_scales))", torch.bfloat16),
+                      x_scales=(scales, "[T, S] float32", torch.float32))
         if x.dim() != 2 or (x.shape[1] * x.element_size()) % 16:
             raise ValueError(f"x must be [T, H] with H x element size a multiple of 16 bytes, got "
                              f"{list(x.shape)} {x.dtype}")
@@ -1022,25 +1165,53 @@ class Buffer:
                                 0 if scales is None else scales.shape[1], k)
 
     def _check_counts(self, per_rank: Tensor, per_expert: Tensor) -> None:
-        if tuple(per_rank.shape) != (self.group_size,):
-            raise ValueError(f"num_tokens_per_rank must be [{self.group_size}], got {list(per_rank.shape)}")
-        if per_expert.dim() != 1 or per_expert.shape[0] % self.group_size or not per_expert.shape[0]:
-            raise ValueError(f"num_tokens_per_expert must be [E] with E a multiple of {self.group_size}, got "
-                             f"{list(per_expert.shape)}")
+        r = self.group_size
+        if tuple(per_rank.shape) != (r,) or per_rank.dtype not in _ID_DTYPES:
+            raise ValueError(f"num_tokens_per_rank must be [{r}] int32 (get_dispatch_layout's), got "
+                             f"{list(per_rank.shape)} {per_rank.dtype}")
+        if (per_expert.dim() != 1 or per_expert.shape[0] % r or not per_expert.shape[0]
+                or per_expert.dtype not in _ID_DTYPES):
+            raise ValueError(f"num_tokens_per_expert must be [E] int32 with E a multiple of {r} ranks "
+                             f"(get_dispatch_layout's), got {list(per_expert.shape)} {per_expert.dtype}")
         self._check_device(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert)
 
-    def _check_num_experts(self, num_experts: int) -> None:
-        if num_experts <= 0 or num_experts % self.group_size:
+    def _check_num_experts(self, num_experts: Any) -> None:
+        if not isinstance(num_experts, numbers.Integral) or num_experts <= 0 or num_experts % self.group_size:
             raise ValueError(
                 f"num_experts must be a positive multiple of {self.group_size} ranks, got {num_experts}"
             )
 
-    def _check_ll_inputs(self, x: Tensor, topk_idx: Tensor, m: int, num_experts: int, use_fp8: bool) -> None:
-        if x.dim() != 2 or x.dtype not in SUPPORTED_DTYPES or (x.shape[1] * x.element_size()) % 16:
-            raise ValueError(f"x must be [T, H] bf16/fp16/fp32 with rows a multiple of 16 bytes, got "
-                             f"{list(x.shape)} {x.dtype}")
+    def _ll_dispatch_args(self, x: Any, topk_idx: Any, m: Any, num_experts: Any, stats: Any, use_fp8: bool,
+                          round_scale: bool, use_ue8m0: bool, async_finish: bool,
+                          return_recv_hook: bool) -> None:
+        """``low_latency_dispatch``'s arguments checked on this rank."""
+        check_tensors(self.device, x=(x, "[T, H] bfloat16", torch.bfloat16),
+                      topk_idx=(topk_idx, "[T, K] int64", torch.int64),
+                      cumulative_local_expert_recv_stats=(stats, "[El] int32", torch.int32))
+        self._check_ll_inputs(x, topk_idx, m, num_experts, use_fp8)
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0=True needs round_scale=True (as DeepEP)")
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be set (as DeepEP)")
+        el = num_experts // self.group_size
+        if stats is not None and (tuple(stats.shape) != (el,) or stats.dtype != torch.int32):
+            raise ValueError(f"cumulative_local_expert_recv_stats must be [{el}] int32, got "
+                             f"{list(stats.shape)} {stats.dtype}")
+        self._check_device(x=x, topk_idx=topk_idx, cumulative_local_expert_recv_stats=stats)
+        if self.backend == "reference" or not topk_idx.is_cuda:  # on a GPU the kernels check them
+            check_expert_ids(topk_idx, num_experts)
+
+    def _check_ll_inputs(self, x: Tensor, topk_idx: Tensor, m: Any, num_experts: Any, use_fp8: bool) -> None:
+        if x.dim() != 2 or (x.shape[1] * x.element_size()) % 16:
+            raise ValueError(f"x must be [T, H] with rows a multiple of 16 bytes, got {list(x.shape)} "
+                             f"{x.dtype}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}; convert it with "
+                             f"x.to(torch.bfloat16)")
         if use_fp8 and x.shape[1] % 128:
             raise ValueError(f"use_fp8 needs hidden to be a multiple of 128, got {x.shape[1]}")
+        if not isinstance(m, numbers.Integral) or m < 1:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank must be an int >= 1, got {m!r}")
         if x.shape[0] > m:
             raise ValueError(f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank={m}")
         t = x.shape[0]

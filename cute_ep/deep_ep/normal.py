@@ -36,7 +36,8 @@ def dispatch_layout(topk_idx: Tensor, num_experts: int, num_ranks: int) -> tuple
     [E] int32, is_token_in_rank [T, R] bool) of topk_idx [T, K] (ids in [-1, E); -1: no expert).
 
     A token counts once for each rank owning one of its experts; every (t, k) pair counts for its expert.
-    Ids outside [-1, E) are counted nowhere (DeepEP leaves them undefined). No host sync.
+    ``Buffer.get_dispatch_layout`` refuses ids outside [-1, E) where it can without a host sync (CPU
+    tensors); any such id that reaches this function is counted nowhere. No host sync.
     """
     t = topk_idx.shape[0]
     dev = topk_idx.device

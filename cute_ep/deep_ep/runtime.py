@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from cute_ep.bootstrap.dist_env import LOCAL_WORLD_SIZE_OVERRIDE_VAR, DistEnv
 from cute_ep.collectives import all_gather_objects, world_of
+from cute_ep.deep_ep.checks import drain_gloo
 
 __all__ = ["BACKENDS", "GroupRuntime", "choose_backend", "resolve_group"]
 
@@ -118,10 +119,14 @@ class GroupRuntime:
         self._finalizers.append(fn)
 
     def close(self) -> None:
-        """Run the finalizers (reverse order)."""
+        """Run the finalizers (reverse order); then, on a gloo group, wait until its worker threads hold
+        nothing of the collectives made so far (``checks.drain_gloo``, collective): the group is the caller's,
+        which this runtime cannot free as ``Runtime.close`` frees its own, and the caller may keep it until
+        the interpreter exits, where a worker still freeing a tensor aborts the process."""
         finalizers, self._finalizers = self._finalizers, []
         for fn in reversed(finalizers):
             fn()
+        drain_gloo(self.group)
 
 
 class NvshmemSession:

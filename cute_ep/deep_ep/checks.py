@@ -1,0 +1,175 @@
+"""The argument checks of ``cute_ep.deep_ep.Buffer``'s calls, and the agreement that makes every rank raise.
+
+A collective call whose arguments are wrong on one rank must not leave the other ranks waiting in it (nor
+in whatever collective the failing rank runs next, ``destroy()`` included). So the calls check their
+arguments on each rank first (the functions here raise ``ValueError`` naming the argument, the value and
+what is accepted) and then, where the call is collective and synchronous anyway, ``agree``: every rank
+sends its error (or None) and the values that must match across ranks, and every rank raises alike, as
+``ReferenceEpBuffer`` does with its own inputs. Nothing has been moved or changed when they raise: the
+Buffer stays usable.
+
+``drain_gloo`` is what ``destroy()`` runs last on a gloo group it does not own (its docstring says why).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cute_ep.collectives import all_gather_objects
+from cute_ep.input_checks import check_tensor_args
+
+__all__ = ["agree", "check_expert_ids", "check_tensors", "drain_gloo", "error_of"]
+
+
+def error_of(check: Callable[[], Any]) -> tuple[Any, ValueError | None]:
+    """(check's result, None), or (None, the ValueError it raised)."""
+    try:
+        return check(), None
+    except ValueError as exc:
+        return None, exc
+
+
+def agree(group: Any, what: str, error: ValueError | None, same: dict[str, Any]) -> None:
+    """Collective over ``group``: raise on every rank if any rank's ``error`` is set (this rank's own error
+    as it is; elsewhere a ``ValueError`` naming the ranks at fault and their messages), or if a value of
+    ``same`` (name -> a picklable value; ignored where errors are set) differs between ranks."""
+    gathered = all_gather_objects((None if error is None else str(error), None if error else same), group)
+    if error is not None:
+        raise error
+    bad = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e is not None]
+    if bad:
+        raise ValueError(f"{what}: invalid arguments on another rank, so every rank raises "
+                         f"({'; '.join(bad)})")
+    for name, mine in same.items():
+        values = [s[name] for _, s in gathered]
+        if any(v != mine for v in values):
+            raise ValueError(f"{what}: {name} must be the same on every rank, got {values} (by rank)")
+
+
+def check_tensors(device: torch.device, **args: tuple[Any, str, torch.dtype]) -> None:
+    """``InputTypeError`` (a ValueError) for the first argument that is not a tensor: name=(value, what is
+    expected, the dtype to convert to); None values are skipped (optional arguments)."""
+    given = [(n, v, want, dt) for n, (v, want, dt) in args.items() if v is not None]
+    check_tensor_args(device, *given)
+
+
+def check_expert_ids(ids: Tensor, num_experts: int, name: str = "topk_idx") -> None:
+    """Every id in [-1, num_experts): DeepEP defines -1 (no expert) and the experts, nothing else. The
+    message names the first id outside, where it is, and the range found (one host sync on a GPU)."""
+    if not ids.numel():
+        return
+    outside = (ids < -1) | (ids >= num_experts)
+    if not bool(outside.any()):
+        return
+    t, k = (int(i) for i in outside.nonzero()[0])
+    raise ValueError(
+        f"{name} values must be expert ids in [0, {num_experts}) or -1 (no expert), got {int(ids[t, k])} at "
+        f"[{t}, {k}] (min {int(ids.min())}, max {int(ids.max())}); num_experts={num_experts}"
+    )
+
+
+def _gloo_workers(group: Any) -> int:
+    """The worker threads of the group's gloo backend (torch's default: 2)."""
+    try:
+        return int(group._get_backend(torch.device("cpu")).options._threads)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return 2
+
+
+def _is_gloo(group: Any) -> bool:
+    try:
+        return isinstance(group._get_backend(torch.device("cpu")), dist.ProcessGroupGloo)
+    except (AttributeError, RuntimeError, ValueError):
+        return False
+
+
+class _LastStep:
+    """Kept in a gloo worker's thread-local storage by ``drain_gloo``: the Python thread state that torch
+    (pybind11's gil_scoped_acquire) made there to free a tensor is cleared as the last Python step of that
+    (the GIL is let go of after it, not taken again), and with it this object, which then calls ``done``."""
+
+    __slots__ = ("done",)
+
+    def __init__(self, done: Callable[[], Any]) -> None:
+        self.done = done
+
+    def __del__(self) -> None:
+        self.done()
+
+
+_ROUND_WAIT_S = 60.0
+"""The longest ``drain_gloo`` waits for one round's tensors (microseconds, normally)."""
+_LEAVE_WAIT_S = 5.0
+"""The longest it waits for a worker to leave Python after freeing the probe (a torch that kept the
+worker's Python thread state would never say so)."""
+
+
+def _drain_round(group: Any, world: int, flag: int, here: int,
+                 local: threading.local) -> tuple[int | None, bool]:
+    """All-gather ``flag`` from a tensor that only the collective holds; wait until it is freed (in a gloo
+    worker: until that worker has left Python) and the collective holds none of the outputs. Returns (the
+    worker thread that freed it, or None where this thread did; whether any rank's flag is set)."""
+    flags = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
+    unheld = [sys.getrefcount(f) for f in flags]
+    probe = torch.tensor([flag], dtype=torch.int32)
+    freed: list[int] = []
+    left = threading.Event()
+    deadline = time.monotonic() + _ROUND_WAIT_S
+
+    def on_free(_: Any) -> None:  # runs in the thread that frees the probe
+        freed.append(threading.get_native_id())
+        local.last_step = _LastStep(left.set)
+
+    ref = weakref.ref(probe, on_free)
+    dist.all_gather(flags, probe, group=group, async_op=True)
+    del probe
+    while (ref() is not None or not freed) and time.monotonic() < deadline:  # a worker takes the GIL
+        time.sleep(1e-4)
+    if not freed:
+        raise RuntimeError(f"cute_ep.deep_ep: a gloo all_gather did not end within {_ROUND_WAIT_S:.0f} s "
+                           f"(is a peer gone?)")
+    worker = freed[0] if freed[0] != here else None
+    if worker is not None:
+        left.wait(_LEAVE_WAIT_S)
+    # While the collective holds a tensor, torch holds its Python object too, and lets go of that under the
+    # GIL in the worker: the flags' Python reference counts say when that is done.
+    while [sys.getrefcount(f) for f in flags] != unheld and time.monotonic() < deadline:
+        time.sleep(1e-4)
+    return worker, any(int(f) for f in flags)
+
+
+def drain_gloo(group: Any, timeout_s: float = 10.0) -> None:
+    """Collective: return once each of the group's gloo worker threads is done with every collective made
+    on it before this call, Python included (a no-op on other groups).
+
+    A gloo worker lets go of a collective's tensors a moment after the caller's wait returned; for a tensor
+    that Python made (``all_gather_object`` makes several), torch does that under the GIL (while C++ holds
+    such a tensor it holds its Python object too), and a worker that takes the GIL after the interpreter
+    began to exit is ended by CPython, which aborts the process ("terminate called without an active
+    exception"). A group the program keeps lives into that exit. So each round here all-gathers a
+    "not yet" flag from a tensor that only the collective holds: the worker that frees it names itself
+    (a weak reference's callback) and, leaving Python, says so (``_LastStep``). A worker runs its
+    collectives one at a time, so once every worker has freed one of these, none holds an earlier one.
+    The ranks stop in the same round: the first in which no rank's flag is set (each rank clears its flag
+    once it has seen all its workers, or after ``timeout_s``); every round waits for its own tensors.
+    """
+    if group is None or not dist.is_initialized() or not _is_gloo(group):
+        return
+    workers, world = _gloo_workers(group), dist.get_world_size(group)
+    here, local, seen = threading.get_native_id(), threading.local(), set()
+    deadline = time.monotonic() + timeout_s
+    more = True
+    while more:
+        flag = int(len(seen) < workers and time.monotonic() < deadline)
+        worker, more = _drain_round(group, world, flag, here, local)
+        if worker is not None:
+            seen.add(worker)
