@@ -130,3 +130,28 @@ def test_the_watchdog_leaves_tests_outside_its_folder_alone(tmp_path):
                           env={**os.environ, "GPU_TEST_WATCHDOG_S": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed, 1 skipped" in proc.stdout and "WATCHDOG" not in proc.stderr  # the GPU test: no CUDA
+
+
+def test_the_launch_seed_and_the_watchdog_limit_come_from_the_environment(monkeypatch):
+    """GPU_TEST_SEED (default 0) offsets every GPU test's input seeds; it and GPU_TEST_WATCHDOG_S must be
+    numbers >= 0, else pytest stops with a usage error naming the variable and its value."""
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("gpu_conftest", REPO / "tests" / "gpu" / "conftest.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    monkeypatch.delenv("GPU_TEST_SEED", raising=False)
+    monkeypatch.delenv("GPU_TEST_WATCHDOG_S", raising=False)
+    assert conf.launch_seed() == 0 and conf.watchdog_seconds() == 120.0
+    monkeypatch.setenv("GPU_TEST_SEED", "123456789")
+    monkeypatch.setenv("GPU_TEST_WATCHDOG_S", "0")
+    assert conf.launch_seed() == 123456789 and conf.watchdog_seconds() == 0.0
+    for name, bad, what in (("GPU_TEST_SEED", "-3", "an integer >= 0"),
+                            ("GPU_TEST_SEED", "1.5", "an integer"),
+                            ("GPU_TEST_WATCHDOG_S", "soon", "a number of seconds")):
+        monkeypatch.setenv(name, bad)
+        read = conf.launch_seed if name == "GPU_TEST_SEED" else conf.watchdog_seconds
+        with pytest.raises(pytest.UsageError, match=f"{name} must be {what}.*got '{bad}'"):
+            read()

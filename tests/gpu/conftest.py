@@ -93,16 +93,22 @@ BACKSTOP_S = float(os.environ.get("GPU_TEST_WATCHDOG_BACKSTOP_S", 15))
 """Seconds after the watchdog at which faulthandler dumps and exits if the watchdog could not run."""
 
 
+def _env_number(name: str, default: str, convert: type, what: str) -> float:
+    """``convert`` of the variable ``name`` (``default`` when unset or empty), which must be ``what``, >= 0:
+    else ``pytest.UsageError`` naming the variable, what it must be and its value."""
+    raw = os.environ.get(name, default).strip() or default
+    try:
+        value = convert(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise pytest.UsageError(f"{name} must be {what}, got {raw!r}")
+    return value
+
+
 def watchdog_seconds() -> float:
     """The per-test limit: ``GPU_TEST_WATCHDOG_S`` (default 120; 0 turns the watchdog off)."""
-    raw = os.environ.get("GPU_TEST_WATCHDOG_S", "120")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise pytest.UsageError(f"GPU_TEST_WATCHDOG_S must be a number of seconds, got {raw!r}") from None
-    if value < 0:
-        raise pytest.UsageError(f"GPU_TEST_WATCHDOG_S must be >= 0 (0: off), got {raw!r}")
-    return value
+    return _env_number("GPU_TEST_WATCHDOG_S", "120", float, "a number of seconds >= 0 (0: off)")
 
 
 class _Watchdog:
@@ -213,14 +219,7 @@ def pytest_runtest_logreport(report):
 
 def launch_seed() -> int:
     """The launch's input seed offset: ``GPU_TEST_SEED`` (an integer >= 0, the same on every rank), or 0."""
-    raw = os.environ.get("GPU_TEST_SEED", "0").strip() or "0"
-    try:
-        seed = int(raw)
-    except ValueError:
-        raise pytest.UsageError(f"GPU_TEST_SEED must be an integer >= 0, got {raw!r}") from None
-    if seed < 0:
-        raise pytest.UsageError(f"GPU_TEST_SEED must be an integer >= 0, got {raw!r}")
-    return seed
+    return _env_number("GPU_TEST_SEED", "0", int, "an integer >= 0")
 
 
 @pytest.fixture(scope="session")
