@@ -845,9 +845,7 @@ class Buffer:
         if x.dim() != 2 or x.shape[0] != rows or (x.shape[1] * x.element_size()) % 16:
             raise ValueError(f"{name} must be [{rows}, H] ({what}; H x element size a multiple of 16 bytes), "
                              f"got {list(x.shape)}")
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} must be bfloat16, float16 or float32 (combine sums in float32), got "
-                             f"{x.dtype}; convert it with {name}.to(torch.bfloat16)")
+        _check_row_dtype(name, x, " (combine sums in float32)")
 
     def internode_dispatch(self, *args: Any, **kwargs: Any) -> tuple:
         """DeepEP's internode normal dispatch: not supported (``NotImplementedError``)."""
@@ -1048,9 +1046,7 @@ class Buffer:
             raise ValueError(f"x must be [{el}, {slots}, {hidden}] (local experts, ranks x "
                              f"num_max_dispatch_tokens_per_rank, hidden: the dispatch's padded layout), got "
                              f"{list(src.shape)}")
-        if src.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"x must be bfloat16, float16 or float32 (combine sums in float32), got "
-                             f"{src.dtype}; convert it with x.to(torch.bfloat16)")
+        _check_row_dtype("x", src, " (combine sums in float32)")
         if tuple(topk_idx.shape) != (t, k) or topk_idx.dtype not in _ID_DTYPES:
             raise ValueError(f"topk_idx must be [{t}, {k}] int64 (the dispatch's), got "
                              f"{list(topk_idx.shape)} {topk_idx.dtype}")
@@ -1205,9 +1201,7 @@ class Buffer:
         if x.dim() != 2 or (x.shape[1] * x.element_size()) % 16:
             raise ValueError(f"x must be [T, H] with rows a multiple of 16 bytes, got {list(x.shape)} "
                              f"{x.dtype}")
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}; convert it with "
-                             f"x.to(torch.bfloat16)")
+        _check_row_dtype("x", x)
         if use_fp8 and x.shape[1] % 128:
             raise ValueError(f"use_fp8 needs hidden to be a multiple of 128, got {x.shape[1]}")
         if not isinstance(m, numbers.Integral) or m < 1:
@@ -1218,6 +1212,14 @@ class Buffer:
         if topk_idx.dim() != 2 or topk_idx.shape[0] != t or topk_idx.dtype not in _ID_DTYPES:
             raise ValueError(f"topk_idx must be [{t}, K] int64, got {list(topk_idx.shape)} {topk_idx.dtype}")
         self._check_num_experts(num_experts)
+
+
+def _check_row_dtype(name: str, rows: Tensor, why: str = "") -> None:
+    """ValueError unless ``rows`` (the argument ``name``) is bfloat16, float16 or float32, saying how to
+    convert it."""
+    if rows.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} must be bfloat16, float16 or float32{why}, got {rows.dtype}; convert it "
+                         f"with {name}.to(torch.bfloat16)")
 
 
 def _no_wait() -> None:
