@@ -7,9 +7,16 @@ ranks). NVSHMEM supports several processes per GPU, with two conditions this mod
   on-stream barriers and the processes' kernels time-slice instead of running together, so kernels that
   wait for each other crawl or time out. ``Runtime`` refuses to start a shared GPU without MPS
   (``GpuShareError`` says how to start it: ``bash scripts/mps.sh start``).
-* **Each rank counts on its share of the SMs.** The layout's CTAs wait for each other, one per SM: every
-  rank's grid must be resident at once beside the other ranks', so ``num_sms`` may not exceed
-  ``SMs // ranks on the GPU`` (``sm_share``), and then every rank's grid fits at once.
+* **Each rank counts on its share of the SMs, and the ranks together leave half the GPU free.** A rank
+  that waits in dispatch or combine holds its CTAs' SMs until the slowest rank on the GPU arrives, and
+  that rank must still run its own work on what is left, including GEMMs launched as thread-block
+  clusters, whose CTAs need free SMs together in one GPC. So the ranks on one GPU may hold at most half
+  of it between them: ``num_sms`` may not exceed ``SMs // (2 * ranks on the GPU)`` (``sm_share``; a rank
+  alone on its GPU may use every SM). Measured on one H100 (132 SMs) with 8 ranks running an MoE layer's
+  training step: at 16 SMs per rank (128 of 132) the peers' combine waited for one rank whose cuBLAS
+  GEMM (``nvjet_sm90_tst_64x8_64x16_2x4_h_bz_NNT``) could not start until their waits timed out, in the
+  first step and again in a later one; at 12 and 8 SMs per rank every step passed. The layout's CTAs
+  also wait for each other, so every rank's grid must be resident at once: within the share it is.
 * **No MPS thread percentage.** NVSHMEM asks that the ranks' ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` add up to
   at most 100, unless ``NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1`` (``shared_gpu_environ`` sets
   it). A percentage did not work with these kernels: on an H100 with 2 ranks at 50% each (66 SMs per
@@ -122,11 +129,13 @@ def shared_gpu_environ(placement: GpuPlacement, environ: Mapping[str, str]) -> d
 
 
 def sm_share(device_sms: int, ranks_per_gpu: int, context_sms: int | None = None) -> int:
-    """SMs one rank may count on: the GPU's ``device_sms`` split evenly over the ``ranks_per_gpu`` ranks on
-    it, and no more than its context may use (``context_sms``: the MPS limit, None if unknown)."""
+    """SMs one rank may count on: every SM of the GPU (``device_sms``) for a rank alone on it; half of
+    them split evenly over ``ranks_per_gpu`` > 1 ranks (module docstring: the other half runs the work of
+    a rank the others wait for); and no more than its context may use (``context_sms``: the MPS limit,
+    None if unknown)."""
     if device_sms < 1 or ranks_per_gpu < 1:
         raise ValueError(f"device_sms and ranks_per_gpu must be >= 1, got {device_sms}, {ranks_per_gpu}")
-    share = device_sms // ranks_per_gpu
+    share = device_sms if ranks_per_gpu == 1 else device_sms // (2 * ranks_per_gpu)
     if context_sms is not None and context_sms >= 1:
         share = min(share, context_sms)
     return max(share, 1)
@@ -134,19 +143,18 @@ def sm_share(device_sms: int, ranks_per_gpu: int, context_sms: int | None = None
 
 def sm_share_error(num_sms: int, shares: list[tuple[int, int, int]]) -> str | None:
     """Why ``num_sms`` CTAs per rank cannot run, or None. ``shares``: (share, device SMs, ranks on the GPU)
-    per rank with a GPU. The layout's CTAs wait for each other, so every rank's grid must be resident at
-    once: at most its share of its GPU."""
+    per rank with a GPU: at most the least share (``sm_share``, module docstring)."""
     if not shares:
         return None
     share, device_sms, ranks = min(shares)
     if num_sms <= share:
         return None
     if ranks > 1:
-        whose = f"a rank's share of its GPU, {share} SMs ({device_sms} SMs shared by {ranks} ranks)"
-    else:
-        whose = f"the GPU's SM count, {share}"
-    return (f"num_sms must be at most {whose}: the layout's CTAs wait for each other, one per SM, "
-            f"got {num_sms}")
+        return (f"num_sms must be at most a rank's share of its GPU, {share} SMs ({device_sms} SMs shared by "
+                f"{ranks} ranks, which may hold half of them between them: a rank the others wait for "
+                f"needs the rest for its own work), got {num_sms}: pass num_sms <= {share} (0 takes it)")
+    return (f"num_sms must be at most the GPU's SM count, {share}: the layout's CTAs wait for each other, "
+            f"one per SM, got {num_sms}")
 
 
 def mps_missing_message(gpu: int, ranks_per_gpu: int) -> str:

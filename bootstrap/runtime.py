@@ -458,8 +458,8 @@ class Runtime:
         """The GPU's SM count and this rank's share of it; refuse a shared GPU that MPS does not serve.
 
         Under an MPS active-thread limit this process's device attributes report its limit, so the GPU's
-        own count comes from a child process without one; the share is the least of the limit and an even
-        split of the GPU."""
+        own count comes from a child process without one; the share is the least of the limit and
+        ``sm_share``'s split of the GPU."""
         import torch
 
         from cute_ep.cuda_driver import driver, unlimited_sm_count

@@ -104,21 +104,24 @@ def test_mps_missing_message_says_how_to_start_it():
 
 def test_sm_share_splits_the_gpu_and_respects_the_mps_limit():
     assert sm_share(132, 1) == 132
-    assert [sm_share(132, n) for n in (2, 3, 4, 8)] == [66, 44, 33, 16]
-    assert sm_share(132, 4, context_sms=34) == 33  # a looser MPS limit than the split: still 33
-    assert sm_share(132, 8, context_sms=14) == 14  # a user's 12% (14 SMs on an H100): the limit wins
+    # Ranks sharing a GPU hold at most half of it between them (bootstrap/gpu_share.py says why).
+    assert [sm_share(132, n) for n in (2, 3, 4, 8)] == [33, 22, 16, 8]
+    assert sm_share(132, 4, context_sms=34) == 16  # a looser MPS limit than the split: still 16
+    assert sm_share(132, 8, context_sms=6) == 6  # a user's 5% (6 SMs on an H100): the limit wins
+    assert sm_share(132, 64) == 1  # never 0: one CTA per rank
     assert sm_share(132, 1, context_sms=None) == 132
 
 
 def test_num_sms_above_the_share_is_refused_naming_it():
-    assert sm_share_error(66, [(66, 132, 2), (66, 132, 2)]) is None
+    assert sm_share_error(33, [(33, 132, 2), (33, 132, 2)]) is None
     assert sm_share_error(500, []) is None  # no GPU: nothing to fit
-    msg = sm_share_error(132, [(66, 132, 2), (66, 132, 2)])
-    assert msg == ("num_sms must be at most a rank's share of its GPU, 66 SMs (132 SMs shared by 2 ranks): "
-                   "the layout's CTAs wait for each other, one per SM, got 132")
+    msg = sm_share_error(34, [(33, 132, 2), (33, 132, 2)])
+    assert msg == ("num_sms must be at most a rank's share of its GPU, 33 SMs (132 SMs shared by 2 ranks, "
+                   "which may hold half of them between them: a rank the others wait for needs the rest for "
+                   "its own work), got 34: pass num_sms <= 33 (0 takes it)")
     assert sm_share_error(133, [(132, 132, 1)]).startswith("num_sms must be at most the GPU's SM count, 132:")
-    with pytest.raises(ConfigError, match=r"share of its GPU, 16 SMs \(132 SMs shared by 8 ranks\).*got 24"):
-        check_sm_budget(24, [(16, 132, 8)] * 8)
+    with pytest.raises(ConfigError, match=r"share of its GPU, 8 SMs \(132 SMs shared by 8 ranks,.*got 16"):
+        check_sm_budget(16, [(8, 132, 8)] * 8)
 
 
 def _runtime(share, ranks, device_sms=132, world_size=4):
@@ -130,13 +133,13 @@ def _runtime(share, ranks, device_sms=132, world_size=4):
 def test_default_num_sms_is_the_share_and_an_explicit_one_above_it_is_refused():
     base = dict(world_size=4, local_world_size=4, **DSV3)
     assert EpConfig(**base).num_sms == 0  # "the rank's share", resolved by the GPU buffer
-    resolved = check_buffer_config(_runtime(33, 4), EpConfig(**base), kernels=True)
-    assert resolved.num_sms == 33
-    assert check_buffer_config(_runtime(33, 4), EpConfig(**base, num_sms=24), kernels=True).num_sms == 24
-    with pytest.raises(ConfigError, match=r"share of its GPU, 33 SMs \(132 SMs shared by 4 ranks\).*got 34"):
-        check_buffer_config(_runtime(33, 4), EpConfig(**base, num_sms=34), kernels=True)
+    resolved = check_buffer_config(_runtime(16, 4), EpConfig(**base), kernels=True)
+    assert resolved.num_sms == 16
+    assert check_buffer_config(_runtime(16, 4), EpConfig(**base, num_sms=12), kernels=True).num_sms == 12
+    with pytest.raises(ConfigError, match=r"share of its GPU, 16 SMs \(132 SMs shared by 4 ranks,.*got 17"):
+        check_buffer_config(_runtime(16, 4), EpConfig(**base, num_sms=17), kernels=True)
     # The CPU and all-to-all backends launch no kernels of ours: nothing is resolved or refused.
-    assert check_buffer_config(_runtime(33, 4), EpConfig(**base, num_sms=500)).num_sms == 500
+    assert check_buffer_config(_runtime(16, 4), EpConfig(**base, num_sms=500)).num_sms == 500
     with pytest.raises(ConfigError, match=r"num_sms must be >= 1 \(or 0: this rank's share .*got -1"):
         EpConfig(**base, num_sms=-1)
 
@@ -212,7 +215,8 @@ def _launches(tmp_path, gpus: int, **environ: str
         f" SEED=$GPU_TEST_SEED\" >> {log}\n"
         # FAIL_LWS: the launches of that local world size fail, as a launch with a failed test ends
         "if [ \"$CUTE_EP_LOCAL_WORLD_SIZE\" = \"$FAIL_LWS\" ]; then\n"
-        "  echo 'E1127 torch/distributed/elastic: failed (exitcode: 1)'; echo '1 failed, 2 passed in 3.0s'\n"
+        "  echo '3 passed in 2.9s'; echo 'E1127 torch/distributed/elastic: failed (exitcode: 1)'\n"
+        "  echo '1 failed, 2 passed in 3.0s'; echo '3 passed in 3.1s'\n"
         "  echo '  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html'\n"
         "  exit 1\nfi\n"
         "echo '3 passed'\n"
@@ -243,7 +247,8 @@ def test_gpu_test_launches_on_one_gpu(tmp_path):
                         ("GPUS=1", "LWS=2", "4"), ("GPUS=1", "LWS=8", "8")]
     # MPS starts before the first shared launch and, having been started here, stops at the end.
     assert calls[1] == "mps start" and calls[-1] == "mps stop"
-    assert re.search(r"^8 ranks on one GPU \(seed \d+\): rc=0 3 passed$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^8 ranks on one GPU \(seed \d+\): rc=0 3 passed \(1 rank\)$", proc.stdout,
+                     re.M), proc.stdout
 
 
 def test_gpu_test_launches_on_four_gpus(tmp_path):
@@ -256,21 +261,23 @@ def test_gpu_test_launches_on_four_gpus(tmp_path):
     starts = [i for i, c in enumerate(calls) if c == "mps start"]
     assert len(starts) == 1 and "--nproc-per-node 8" in calls[starts[0] + 1] and calls[-1] == "mps stop"
     assert not any("--local-ranks-filter" in c for c in calls)
-    assert re.search(r"^8 ranks on 4 GPUs as 2 virtual nodes x 4 \(seed \d+\): rc=0 3 passed$", proc.stdout,
-                     re.M), proc.stdout
+    assert re.search(r"^8 ranks on 4 GPUs as 2 virtual nodes x 4 \(seed \d+\): rc=0 3 passed \(1 rank\)$",
+                     proc.stdout, re.M), proc.stdout
 
 
-def test_a_failed_shared_launch_restarts_mps_and_its_summary_is_pytests_line(tmp_path):
+def test_a_failed_shared_launch_restarts_mps_and_its_summary_has_every_ranks_result(tmp_path):
     """After a shared launch fails, the MPS daemon the script started is stopped and the next shared launch
-    starts a fresh one (a failed launch can leave the server refusing clients); the summary line is rank
-    0's pytest line, not torchrun's failure lines."""
+    starts a fresh one (a failed launch can leave the server refusing clients); the summary line holds
+    every rank's pytest result (each distinct one once, failures first, timing dropped), not torchrun's
+    failure lines: a test that fails on one rank only shows."""
     proc, calls, launches = _launches(tmp_path, 1, FAIL_LWS="4")
     names = [c.split()[0] if not c.startswith("launch") else "launch LWS=" + c.split()[2][4:] for c in calls]
     assert names == ["launch LWS=1", "mps", "launch LWS=2", "launch LWS=4", "mps", "mps", "launch LWS=2",
                      "launch LWS=8", "mps"], calls
     assert [c for c in calls if c.startswith("mps")] == ["mps start", "mps stop", "mps start", "mps stop"]
-    assert re.search(r"^4 ranks on one GPU \(seed \d+\): rc=1 1 failed, 2 passed in 3.0s$", proc.stdout, re.M)
-    assert re.search(r"^2 ranks on one GPU \(seed \d+\): rc=0 3 passed$", proc.stdout, re.M)
+    want = r"^4 ranks on one GPU \(seed \d+\): rc=1 1 failed, 2 passed \(1 rank\); 3 passed \(2 ranks\)$"
+    assert re.search(want, proc.stdout, re.M), proc.stdout
+    assert re.search(r"^2 ranks on one GPU \(seed \d+\): rc=0 3 passed \(1 rank\)$", proc.stdout, re.M)
 
 
 def test_each_launch_draws_a_fresh_input_seed_and_prints_it(tmp_path):

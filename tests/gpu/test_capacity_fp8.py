@@ -125,7 +125,7 @@ def test_capacity_raise_names_experts_and_keeps_result(runtime):
     R, rank = env.world_size, env.rank
     E = 4 * R
     cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=2, hidden=256,
-                   dtype=torch.bfloat16, max_tokens=32, num_sms=8, capacity_factor=0.5)
+                   dtype=torch.bfloat16, max_tokens=32, num_sms=min(8, runtime.sm_share), capacity_factor=0.5)
     dev = runtime.device
     with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
         x, idx, w = make_inputs(rank, 32, 256, E, 2, torch.bfloat16, runtime.seed + 99, routing="skewed")

@@ -95,7 +95,7 @@ def test_graph_replay_over_changing_routings_equals_eager(runtime):
     E = el * R
     ee = ElasticExperts(E, S, group=runtime.group)
     cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=ee.num_physical, topk=K,
-                   hidden=H, dtype=torch.bfloat16, max_tokens=T, num_sms=16)
+                   hidden=H, dtype=torch.bfloat16, max_tokens=T, num_sms=min(16, runtime.sm_share))
     x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     idx = torch.empty(T, K, dtype=torch.int64, device=dev)
     w = torch.empty(T, K, dtype=torch.float32, device=dev)

@@ -29,7 +29,7 @@ def _setup(runtime, combine: str = "pull"):
     R, rank = env.world_size, env.rank
     T, H, K, E = 32, 256, 4, 8 * R
     cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=K, hidden=H,
-                   dtype=torch.bfloat16, max_tokens=T, num_sms=8, timeout_s=TIMEOUT_S,
+                   dtype=torch.bfloat16, max_tokens=T, num_sms=min(8, runtime.sm_share), timeout_s=TIMEOUT_S,
                    combine_algorithm=combine)
     x, idx, w = make_inputs(rank, T, H, E, K, torch.bfloat16, runtime.seed + 99, routing="uniform")
     dev = runtime.device

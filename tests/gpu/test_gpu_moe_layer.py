@@ -48,8 +48,9 @@ SENTINEL = 3.0
 
 
 def _fresh(runtime, case: MoECase) -> MoECase:
-    """``case`` with the launch's seed (fresh inputs and weights on every launch)."""
-    return with_case(case, seed=case.seed + runtime.seed)
+    """``case`` with the launch's seed (fresh inputs and weights on every launch), within the rank's SM
+    share (8 ranks on one GPU get 8 SMs each)."""
+    return with_case(case, seed=case.seed + runtime.seed, num_sms=min(case.num_sms, runtime.sm_share))
 
 
 def _ep(runtime):
@@ -207,8 +208,9 @@ def test_green_context_confines_the_gemms(runtime):
     module = getattr(torch.cuda, "green_contexts", None)
     if module is None or not getattr(module, "SUPPORTED", False):
         pytest.skip(f"torch {torch.__version__} has no green contexts")
-    # The communication keeps BASE's 16 SMs; the layer's compute gets the rest (in groups of 8).
-    case = with_case(BASE, name="green", shared_intermediate=64)
+    # The communication keeps BASE's 16 SMs (or the rank's share); the layer's compute gets the rest (in
+    # groups of 8).
+    case = with_case(_fresh(runtime, BASE), name="green", shared_intermediate=64)
     r = layer_check(runtime, _ep(runtime), runtime.device, case, exact=(),
                     rtol=gpu_rtol(case.dtype, case.topk), green_context=True, overlap=True)
     _assert_close_to_reference(r)

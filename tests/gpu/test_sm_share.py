@@ -26,9 +26,13 @@ def _cfg(runtime, **kw) -> EpConfig:
 def test_the_default_num_sms_is_the_least_share_and_more_is_refused(runtime):
     shares = all_gather_objects(runtime.sm_share, runtime.cpu_group)
     placement = runtime.placement
-    # An even split of the GPU, or less where MPS limits this process to fewer SMs.
+    # The whole GPU for a rank alone on it; ranks that share one hold at most half of it between them
+    # (less where MPS limits this process to fewer SMs).
     limit = runtime.mps_sm_limit or runtime.device_sms
-    assert runtime.sm_share == min(limit, runtime.device_sms // placement.ranks_per_gpu)
+    ranks = placement.ranks_per_gpu
+    split = runtime.device_sms if ranks == 1 else runtime.device_sms // (2 * ranks)
+    assert runtime.sm_share == min(limit, split)
+    assert ranks == 1 or runtime.sm_share * ranks <= runtime.device_sms // 2
     with EpBuffer(runtime, _cfg(runtime), registry=runtime.registry) as buf:
         assert buf.cfg.num_sms == min(shares)
         x = torch.randn(16, 256, device=runtime.device).to(torch.bfloat16)
