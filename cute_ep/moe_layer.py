@@ -317,9 +317,10 @@ class MoELayer(nn.Module):
         H200, 2026-11-26). Compiled ahead, the DSL still put them on the GPU at their first launch, and
         under CUDA MPS the backward's library load waited there until the peers' combine timed out (its
         stack, 8 ranks on one H100, 2026-11-27). The local step loads the other kernels of the step the
-        same way: it took the first forward's host time at 8 ranks on one H100 from 0.45 s to 0.01 s. (The
-        first backward there still waits 2-3 s on the host, and one rank long enough for the peers' combine
-        to time out: not explained yet; docs/results.md.) The host barrier after it (as long as the group's
+        same way (the first forward's host time at 8 ranks on one H100: 0.45 s -> 0.01 s), and its
+        backward is given an output gradient as a step's is, so torch imports its symbolic-shape module
+        (sympy) here: inside the first step's backward that import took 3.7-3.8 s of host time with 8
+        ranks on one host, and 11.8 s on one of them. The host barrier after it (as long as the group's
         timeout allows) starts every rank's first step together."""
         on_gpu = device.type == "cuda"
         kernel = resolve_impl(self.swiglu, device) == "kernel"
@@ -343,11 +344,13 @@ class MoELayer(nn.Module):
         topk_w, _ = self.route(x)
         offs = torch.full((el,), 2, dtype=torch.int32, device=device)
         offs[0] = 1
-        total = topk_w.sum() + self.experts(x, offs).float().sum()
+        total = topk_w.sum(1) + self.experts(x, offs).float().sum(1)
         if self.shared_gate_up is not None:
-            total = total + self.shared_expert(x).float().sum()
+            total = total + self.shared_expert(x).float().sum(1)
         params = [p for p in self.parameters() if p.requires_grad]
-        torch.autograd.grad(total, [x, *params], allow_unused=True)
+        # An explicit output gradient, as a step's backward(grad) passes: torch imports its symbolic-shape
+        # module (sympy) on the first such call, 3.8 s of host time with 8 ranks on one host's CPUs.
+        torch.autograd.grad(total, [x, *params], grad_outputs=torch.ones_like(total), allow_unused=True)
 
     def _resolve_num_sms(self, num_sms: int | None) -> int:
         have = getattr(self.cfg, "num_sms", None)
