@@ -131,8 +131,8 @@ class NormalHandle(tuple):
     cached ``dispatch``; a tuple rebuilt from the six entries is refused).
 
     * rank_prefix_matrix [R, R] int32: column r (this rank) holds at row i the tokens ranks 0..i send to it,
-      the other columns 0, as DeepEP's handle (every rank's counts, [source, destination], are in
-      ``.cute_ep.counts``);
+      as DeepEP's handle; the other columns 0 (DeepEP leaves them uninitialized; every rank's counts,
+      [source, destination], are in ``.cute_ep.counts``);
     * channel_prefix_matrix [R, C] int32 (C = config.num_sms / 2 channels, DeepEP's split of a rank's tokens
       into C contiguous ranges): for each destination, the tokens of channels 0..c bound for it (exact);
     * recv_channel_prefix_matrix [R, C] int32: for each source, the rows received from its channels before
