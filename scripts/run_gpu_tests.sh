@@ -23,7 +23,8 @@
 # launch when it is not running, and stops it at the end only if it started it.
 #
 # Prints rank 0's pytest output for each launch, every rank's failures as they happen, and a summary line
-# per launch; exits non-zero if any launch failed. The other ranks' pytest reports go to
+# per launch (every rank's pytest result, each distinct one once with its number of ranks, failures
+# first); exits non-zero if any launch failed. The other ranks' pytest reports go to
 # $GPU_TEST_LOG_DIR/<launch>/rank<R>.log (default /tmp/cute_ep_gpu_tests). A test that hangs ends itself
 # after GPU_TEST_WATCHDOG_S seconds (default 120; compile time not counted), printing the rank, the test and
 # every thread's stack (tests/gpu/conftest.py); GPU_TEST_TIMEOUT (default 900 s) bounds a whole launch.
@@ -72,10 +73,16 @@ launch() {  # launch NAME NPROC LOCAL_WORLD_SIZE GPUS_USED
     python3 -m torch.distributed.run --nproc-per-node "$nproc" --master-port "$port" \
     -m pytest tests/gpu -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
-  local last
-  # rank 0's pytest line ("3 failed, 120 passed, 4 skipped in 40.1s"), not torchrun's failure lines
-  last=$(grep -E "^[0-9]+ (passed|failed|error|errors|skipped|deselected)|^no tests ran" "$log" | tail -n 1)
-  summary+=("$name (seed $seed): rc=$rc ${last:-no pytest summary (see the log above)}")
+  local results
+  # Every rank's pytest line ("1 failed, 120 passed, 4 skipped in 40.1s"; not torchrun's failure lines),
+  # timing dropped, each distinct result once with its number of ranks, failures first: a test that fails
+  # on one rank only shows here.
+  results=$(grep -E "^[0-9]+ (passed|failed|error|errors|skipped|deselected)|^no tests ran" "$log" \
+    | sed -E 's/ in [0-9.]+s.*$//' | sort | uniq -c \
+    | awk '{n=$1; sub(/^ *[0-9]+ /, ""); bad=($0 ~ /failed|error/) ? 0 : 1
+            printf "%d\t%s (%d rank%s)\n", bad, $0, n, (n == 1 ? "" : "s")}' \
+    | sort -s -k1,1n | cut -f2 | paste -sd ';' | sed 's/;/; /g')
+  summary+=("$name (seed $seed): rc=$rc ${results:-no pytest summary (see the log above)}")
   ((rc == 0)) || status=1
   rm -f "$log"
   # A shared launch that failed may have left the MPS server refusing new clients ("CUDA-capable
