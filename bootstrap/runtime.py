@@ -462,7 +462,7 @@ class Runtime:
         ``sm_share``'s split of the GPU."""
         import torch
 
-        from cute_ep.cuda_driver import driver, unlimited_sm_count
+        from cute_ep.bootstrap.cuda_driver import driver, unlimited_sm_count
 
         limit = torch.cuda.get_device_properties(self.device).multi_processor_count
         lib = driver()

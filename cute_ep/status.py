@@ -108,7 +108,7 @@ class StatusBlock:
         self.mirror_ok = False
         self._seq = 0
         if self.words.is_cuda:
-            from cute_ep.cuda_driver import driver
+            from cute_ep.bootstrap.cuda_driver import driver
 
             lib = driver()
             self._driver = lib
@@ -211,10 +211,10 @@ class StatusBlock:
 
 def _raw_copy(words: torch.Tensor, host: torch.Tensor) -> Callable[[], None] | None:
     """A function copying ``words`` (device) into the pinned ``host`` on the current stream and waiting for
-    it, through two driver calls (``cute_ep.cuda_driver``): torch's ``copy_`` + ``synchronize`` cost ~15 us
-    more host time per read on the H200 test host (its dispatch, an event for the pinned block, a Stream
-    object). None without the driver library (the torch path then)."""
-    from cute_ep.cuda_driver import driver
+    it, through two driver calls (``cute_ep.bootstrap.cuda_driver``): torch's ``copy_`` + ``synchronize``
+    cost ~15 us more host time per read on the H200 test host (its dispatch, an event for the pinned block,
+    a Stream object). None without the driver library (the torch path then)."""
+    from cute_ep.bootstrap.cuda_driver import driver
     from cute_ep.launcher import current_stream_handle
 
     lib = driver()

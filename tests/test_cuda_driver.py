@@ -1,5 +1,5 @@
-"""The host path's own driver calls (cute_ep.cuda_driver), on the CPU: arguments pass through unchanged
-and an error names the call and the CUresult."""
+"""The host path's own driver calls (cute_ep.bootstrap.cuda_driver), on the CPU: arguments pass through
+unchanged and an error names the call and the CUresult."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import ctypes
 
 import pytest
 
-from cute_ep.cuda_driver import CudaDriverError, Driver
+from cute_ep.bootstrap.cuda_driver import CudaDriverError, Driver
 
 
 class _FakeLib:
