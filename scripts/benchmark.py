@@ -106,37 +106,21 @@ NVSHMEM_SYMMETRIC_SIZE).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shlex
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cute_ep.tools import bench_peers as bp  # pure Python + numpy (deep_ep only when a peer is opened)
 from cute_ep.tools import bench_report as br  # pure Python + numpy: safe before parsing
-from cute_ep.tools.usage import EXIT_USAGE, UsageError, report_usage_error  # torch-free: safe before parsing
+from cute_ep.tools import bench_timing as bt  # the timer, input sets and DeepEP peer; torch-free
+from cute_ep.tools.usage import EXIT_USAGE, UsageError, checked_args  # torch-free: safe before parsing
 
 EXIT_OK, EXIT_FAIL = 0, 1
 ROUTING_CHOICES = ("uniform", "skewed", "dropped")  # cute_ep.inputs.ROUTINGS (checked at run time)
 MODE_CHOICES = ("scatter", "atomic")  # kernels.config.MODES (checked at run time)
-DTYPE_CHOICES = ("bfloat16", "float16", "float32")
-MAX_TOKENS_PER_RANK = 256 * 256  # make_inputs' limit
-MULTICAST_VARS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
-RECORDED_VARS = (
-    *MULTICAST_VARS,
-    "NVSHMEM_SYMMETRIC_SIZE",
-    "CUDA_VISIBLE_DEVICES",
-    "CUTE_EP_LOCAL_WORLD_SIZE",
-    "NCCL_ALGO",
-    "NCCL_PROTO",
-)
-CPU_WAY_OUT = "on a CPU, scripts/profile_backends.py --backends reference,a2a times the CPU backends"
-"""What the GPU-only timing scripts suggest on a machine without CUDA."""
-MIN_HOST_US_PER_ITER = 20.0  # floor of the host enqueue estimate that sizes the sleep
-MAX_HOLD_MS = 5000.0
 
 
 class CheckFailed(RuntimeError):
@@ -153,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=7168, help="elements per row (H)")
     p.add_argument("--topk", type=int, default=8, help="experts per token (K)")
     p.add_argument("--num-experts", type=int, default=256, help="experts in total (E)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16", help="row element type")
+    p.add_argument("--dtype", choices=bt.DTYPE_CHOICES, default="bfloat16", help="row element type")
     p.add_argument(
         "--tokens",
         default="128,256,512,1024,2048,4096,8192",
@@ -222,8 +206,8 @@ def validate_args(args: argparse.Namespace) -> None:
         args.peer_list = bp.parse_peers(args.peers)
     except br.BenchReportError as exc:
         raise UsageError(str(exc)) from None
-    if max(args.token_list) > MAX_TOKENS_PER_RANK:
-        raise UsageError(f"--tokens values must be <= {MAX_TOKENS_PER_RANK}, got {max(args.token_list)}")
+    if max(args.token_list) > bt.MAX_TOKENS_PER_RANK:
+        raise UsageError(f"--tokens values must be <= {bt.MAX_TOKENS_PER_RANK}, got {max(args.token_list)}")
     if args.iters < 1 or args.warmup < 0 or args.input_sets < 1:
         raise UsageError(
             f"need --iters >= 1, --warmup >= 0, --input-sets >= 1; got {args.iters}, {args.warmup}, "
@@ -251,24 +235,6 @@ def validate_args(args: argparse.Namespace) -> None:
             check_writable(flag, value)
 
 
-def checked_args(
-    parser: argparse.ArgumentParser,
-    validate: Callable[[argparse.Namespace], None],
-    argv: list[str] | None,
-    usage_error: type[Exception] = UsageError,
-) -> argparse.Namespace | None:
-    """``argv`` parsed by ``parser`` (argparse exits 2 with its message on bad syntax) and checked by
-    ``validate``; None if that raised ``usage_error``, whose message every rank prints, rank 0 first
-    (``report_usage_error``; exit EXIT_USAGE)."""
-    args = parser.parse_args(argv)
-    try:
-        validate(args)
-    except usage_error as exc:
-        report_usage_error(exc)
-        return None
-    return args
-
-
 def check_writable(flag: str, value: str) -> None:
     """Raise UsageError unless ``value`` can be written (``bench_report.check_writable``; write_json and
     plot create missing parents)."""
@@ -279,119 +245,8 @@ def check_writable(flag: str, value: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# timing
+# one (routing, T): the checked round (the timer and input sets: cute_ep.tools.bench_timing)
 # --------------------------------------------------------------------------------------------------
-
-
-class Timer:
-    """Per-iteration CUDA-event timing of ``step(i)`` on the current stream (see the docstring).
-
-    The host first runs the warm-up (untimed) and measures how long it takes to enqueue one
-    iteration; then, after a host barrier, a sleep kernel holds the GPU for about 1.5x the time the
-    host needs to enqueue one settling iteration plus every timed one, so the events see GPU time only.
-    """
-
-    def __init__(self, runtime: Any) -> None:
-        import torch
-
-        self.runtime = runtime
-        self.device = runtime.device
-        torch.cuda._sleep(1000)
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        cycles = 20_000_000
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        torch.cuda.synchronize(self.device)
-        self.cycles_per_us = cycles / (start.elapsed_time(end) * 1e3)
-
-    def run(self, step: Callable[[int], None], warmup: int, iters: int) -> list[float]:
-        """Microseconds of each timed iteration (iteration i of the loop calls ``step(i)``)."""
-        import torch
-
-        self.runtime.barrier()
-        host = []
-        for i in range(warmup):
-            t0 = time.perf_counter()
-            step(i)
-            host.append((time.perf_counter() - t0) * 1e6)
-        # The median: a first call may set things up (NCCL's communicator, caches) and take long.
-        host_us = max(br.median(host) if host else 100.0, MIN_HOST_US_PER_ITER)
-        torch.cuda.synchronize(self.device)
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)
-        ]
-        hold_us = min(1.5 * host_us * (iters + 1) + 200.0, MAX_HOLD_MS * 1e3)
-        self.runtime.barrier()
-        torch.cuda._sleep(int(hold_us * self.cycles_per_us))
-        step(warmup)  # settles the ranks' skew after the sleep (untimed)
-        for i in range(iters):
-            events[i][0].record()
-            step(warmup + 1 + i)
-            events[i][1].record()
-        torch.cuda.synchronize(self.device)
-        return [s.elapsed_time(e) * 1e3 for s, e in events]
-
-
-# --------------------------------------------------------------------------------------------------
-# one (routing, T): inputs, NCCL buffers, the checked round
-# --------------------------------------------------------------------------------------------------
-
-
-class InputSet:
-    """One rank's inputs (on the GPU, topk_idx int32) and what the NCCL baseline needs of them."""
-
-    def __init__(
-        self, args: argparse.Namespace, cfg: Any, rank: int, device: Any, tokens: int, routing: str, seed: int
-    ) -> None:
-        import torch
-
-        from cute_ep.inputs import make_inputs
-
-        self.x, self.idx, self.w = make_inputs(
-            rank, tokens, cfg.hidden, cfg.num_experts, cfg.topk, cfg.dtype, seed, routing=routing,
-            device=device, idx_dtype=torch.int32,
-        )  # fmt: skip
-        idx_cpu = self.idx.cpu().numpy()
-        el = cfg.experts_per_rank
-        self.pairs_off = br.pairs_off(idx_cpu, rank, el)
-        self.rows_off = br.rows_off(idx_cpu, rank, el)  # rows dispatch sends: once per (t, dest rank)
-        self.send_splits = br.split_sizes(idx_cpu, cfg.world_size, el)
-        self.recv_splits: list[int] = []
-        # What DeepEP's rank-major dispatch sends and must deliver (checked before it is timed).
-        self.dest_rows = bp.rows_per_rank(idx_cpu, cfg.world_size, el)  # [R] (token, rank) pairs per rank
-        self.expert_pairs = bp.pairs_per_expert(idx_cpu, cfg.num_experts)  # [E]
-        self.dest_count = bp.dest_ranks_per_token(idx_cpu, cfg.world_size, el)  # [T] ranks per token
-        self.deepep_rows = 0  # rows this rank receives from DeepEP (exchange_splits)
-        self.deepep_per_expert: list[int] = []  # [El] of them per local expert
-        self.idx64: Any = None  # topk_idx as int64, DeepEP's dtype (made when DeepEP runs)
-        self.deepep: Any = None  # bench_peers.DeepEpDispatch of this set at the current budget
-        # This rank's rows grouped by destination rank, (t, k) row-major inside a destination.
-        flat = self.idx.to(torch.int64).view(-1)
-        pair = torch.nonzero(flat >= 0).view(-1)
-        dest = torch.div(flat[pair], el, rounding_mode="floor")
-        order = torch.sort(dest, stable=True).indices
-        self.send = self.x[torch.div(pair[order], cfg.topk, rounding_mode="floor")].contiguous()
-        self.out = torch.empty_like(self.x)  # our combine's output
-        self.handle: Any = None
-        self.num_recv = 0
-
-
-def exchange_splits(sets: list[InputSet], group: Any) -> None:
-    """recv_splits[s] = rows source s sends this rank, and what DeepEP must deliver here (deepep_rows,
-    deepep_per_expert), for every set (one host all-gather)."""
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    gathered: list[Any] = [None] * world
-    mine = [(s.send_splits, s.dest_rows, s.expert_pairs) for s in sets]
-    dist.all_gather_object(gathered, mine, group=group)
-    for j, s in enumerate(sets):
-        s.recv_splits = [gathered[src][j][0][rank] for src in range(world)]
-        s.deepep_rows, s.deepep_per_expert = bp.expected_receive(
-            [gathered[src][j][1] for src in range(world)], [gathered[src][j][2] for src in range(world)],
-            rank, len(s.expert_pairs) // world,
-        )  # fmt: skip
 
 
 def raise_if_failed(results: list, tag: str, group: Any, say: Any) -> None:
@@ -407,7 +262,7 @@ def raise_if_failed(results: list, tag: str, group: Any, say: Any) -> None:
         raise CheckFailed(f"{tag}: the {', '.join(failed)} check(s) failed (details above); not timing it")
 
 
-def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag: str, say: Any,
+def checked_round(buf: Any, cfg: Any, runtime: Any, s: bt.InputSet, mode: str, tag: str, say: Any,
                   fp8: bool = False, combines: tuple[str, ...] = ("pull",)) -> None:
     """Dispatch + test expert + combine on ``s``, checked bit for bit; raise CheckFailed on every rank.
     fp8: the received packed rows against the senders' rows quantized by cute_ep.fp8. combines: the
@@ -448,7 +303,7 @@ def checked_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, mode: str, tag:
 # --------------------------------------------------------------------------------------------------
 
 
-def checked_rank_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, tag: str, say: Any) -> None:
+def checked_rank_round(buf: Any, cfg: Any, runtime: Any, s: bt.InputSet, tag: str, say: Any) -> None:
     """One rank-layout dispatch and combine on ``s``, checked bit for bit against the torch references
     (``validators.checks.check_rank_dispatch`` / ``check_rank_combine``); raise CheckFailed on every rank."""
     from cute_ep.validators.checks import check_rank_combine, check_rank_dispatch
@@ -470,150 +325,6 @@ def checked_rank_round(buf: Any, cfg: Any, runtime: Any, s: InputSet, tag: str, 
     )))  # fmt: skip
     raise_if_failed(results, tag, group, say)
     say(f"{tag} checked: dispatch and combine bit-identical to the reference")
-
-
-def agree(runtime: Any, reason: str | None) -> str | None:
-    """Every rank's reason (None: fine here) -> one verdict, the same on every rank (a host all-gather):
-    DeepEP's calls are collective, so the ranks skip it together."""
-    from cute_ep.tools.cli import all_gather
-
-    return bp.first_reason(all_gather(reason, runtime.cpu_group))
-
-
-def open_deepep(runtime: Any, cfg: Any, args: argparse.Namespace) -> tuple[Any, str | None]:
-    """(a bench_peers.DeepEpPeer, None), or (None, why DeepEP cannot run in this world): the same on
-    every rank. Never raises for a missing or unusable deep_ep."""
-    env = runtime.env
-    module, import_error = bp.import_deep_ep()
-    why = bp.deepep_skip_reason(
-        import_error=import_error, device_type=runtime.device.type, world_size=env.world_size,
-        ranks_per_host=env.physical_local_world_size, dtype=args.dtype, hidden=cfg.hidden,
-        experts_per_rank=cfg.experts_per_rank, topk=cfg.topk,
-    )  # fmt: skip
-    why = agree(runtime, why)
-    if why:
-        return None, why
-    peer = bp.DeepEpPeer(runtime.group, world_size=env.world_size, hidden=cfg.hidden,
-                         num_experts=cfg.num_experts, module=module)  # fmt: skip
-    return peer, None
-
-
-def open_deepep_budget(peer: Any, budget: int, runtime: Any) -> tuple[Any, str | None]:
-    """(DeepEP at our SM budget ``budget``, None), or (None, why not), the same on every rank."""
-    why = bp.deepep_budget_skip_reason(budget)  # the same on every rank: no exchange
-    if why:
-        return None, why
-    dep, err = None, None
-    try:
-        dep = peer.budget(budget)
-    except Exception as exc:  # a Buffer that cannot be made (NVLink check, IPC, memory): skip, do not crash
-        err = f"DeepEP Buffer at {bp.deepep_num_sms(budget)} SMs failed ({type(exc).__name__}: {exc})"
-    why = agree(runtime, err)
-    if why:
-        # Not destroyed: its destroy is a device barrier that a rank without a buffer would never join.
-        peer.discard(budget)
-        return None, why
-    return dep, None
-
-
-def open_peer(
-    make_deepep: Callable[[Any, Any, argparse.Namespace], tuple[Any, str | None]],
-    runtime: Any,
-    cfg: Any,
-    args: argparse.Namespace,
-    meta: dict[str, Any],
-    say: Any,
-    not_requested: str,
-) -> tuple[Any, str | None]:
-    """DeepEP for a run (``make_deepep``, e.g. :func:`open_deepep`) if --peers names it: (the peer, None)
-    or (None, why not; ``not_requested`` without deepep in --peers). Records why not, or DeepEP's version,
-    in meta["deepep"] and says which."""
-    if "deepep" not in args.peer_list:
-        return None, not_requested
-    peer, skipped = make_deepep(runtime, cfg, args)
-    meta["deepep"]["skipped"] = skipped
-    if peer is None:
-        say(f"DeepEP skipped: {skipped}")
-        return None, skipped
-    meta["deepep"]["version"] = bp.deepep_version()
-    budgets = ", ".join(f"{b}->{bp.deepep_num_sms(b) or 'none'}" for b in args.num_sms_list)
-    version = meta["deepep"]["version"] or "(version unknown)"
-    say(f"DeepEP {version}: SM budgets (ours->DeepEP's) {budgets}")
-    return peer, skipped
-
-
-def open_budget(
-    make_buffer: Callable[[Any, Any], Any],
-    runtime: Any,
-    cfg: Any,
-    budget: int,
-    peer: Any,
-    peer_skipped: str | None,
-    say: Any,
-) -> tuple[Any, Any, Any, str | None]:
-    """One SM budget of a run: (``cfg`` at ``budget``, our buffer of it (``make_buffer``; said when
-    ready), DeepEP at that budget or None, why not (``peer_skipped`` without a peer))."""
-    cfg_b = dataclasses.replace(cfg, num_sms=budget)
-    t0 = time.perf_counter()
-    buf = make_buffer(runtime, cfg_b)  # the first compiles the module (tens of s) unless cached
-    say(f"EpBuffer ({budget} SMs) ready in {time.perf_counter() - t0:.1f} s")
-    dep, dep_skipped = None, peer_skipped
-    if peer is not None:
-        dep, dep_skipped = open_deepep_budget(peer, budget, runtime)
-        if dep_skipped:
-            say(f"DeepEP at {budget} SMs skipped: {dep_skipped}")
-    return cfg_b, buf, dep, dep_skipped
-
-
-def measure_deepep(dep: Any, sets: list[InputSet], runtime: Any, timer: Any,
-                   args: argparse.Namespace) -> tuple[list[float] | None, str | None]:  # fmt: skip
-    """This rank's medians (us, in bench_peers.DEEPEP_TIMES order) of DeepEP on ``sets``, or (None, why
-    not); the verdict is the same on every rank.
-
-    First, untimed, per set: a full dispatch (its handle, rows and routing are what the timed calls
-    reuse), checked (rows received, rows per local expert, the cached dispatch repeats it bit for bit,
-    combine(dispatch(x)) = x times the token's destination ranks). Then the four timed calls."""
-    import torch
-
-    n = len(sets)
-    why = None
-    try:
-        for s in sets:
-            if s.idx64 is None:
-                s.idx64 = s.idx.to(torch.int64)  # DeepEP's topk_idx dtype; converted once, untimed
-            # Every rank makes the same collective calls whatever its checks say; the verdicts meet below.
-            s.deepep = made = dep.dispatch_full(s.x, s.idx64, s.w)
-            cached = dep.dispatch_cached(s.x, made.handle)
-            combined = dep.combine(made.recv_x, made.handle)
-            why = why or bp.check_deepep_dispatch(
-                made.recv_x.shape[0], made.tokens_per_expert, s.deepep_rows, s.deepep_per_expert
-            )
-            if why is None and not torch.equal(cached, made.recv_x):
-                why = "DeepEP's cached dispatch differs from its full dispatch on the same input"
-            if why is None:
-                why = bp.check_deepep_combine(s.x, combined, torch.from_numpy(s.dest_count).to(s.x.device))
-    except Exception as exc:  # the same call on every rank: a host-side refusal is the same everywhere
-        why = f"DeepEP call failed ({type(exc).__name__}: {exc})"
-    why = agree(runtime, why)
-    steps = {
-        "dispatch": lambda i: dep.dispatch_cached(sets[i % n].x, sets[i % n].deepep.handle),
-        "full_dispatch": lambda i: dep.dispatch_full(sets[i % n].x, sets[i % n].idx64, sets[i % n].w),
-        "dispatch_permute": lambda i: dep.dispatch_permute(sets[i % n].x, sets[i % n].deepep),
-        "combine": lambda i: dep.combine(sets[i % n].deepep.recv_x, sets[i % n].deepep.handle),
-    }
-    medians: list[float] = []
-    for name in bp.DEEPEP_TIMES:
-        if why:
-            break
-        err = None
-        try:
-            medians.append(br.median(timer.run(steps[name], args.warmup, args.iters)))
-        except Exception as exc:
-            err = f"DeepEP {name} failed while timed ({type(exc).__name__}: {exc})"
-        why = agree(runtime, err)
-    for s in sets:
-        s.deepep = None  # its received rows: up to R * T rows of H per set
-    return (None, why) if why else (medians, None)
 
 
 def measure(
@@ -639,8 +350,8 @@ def measure(
 
     env, device = runtime.env, runtime.device
     n = args.input_sets
-    sets = [InputSet(args, cfg, env.rank, device, tokens, routing, args.seed + j) for j in range(n)]
-    exchange_splits(sets, runtime.cpu_group)
+    sets = [bt.InputSet(cfg, env.rank, device, tokens, routing, args.seed + j) for j in range(n)]
+    bt.exchange_splits(sets, runtime.cpu_group)
     recv = torch.empty((max(sum(s.recv_splits) for s in sets), cfg.hidden), dtype=cfg.dtype, device=device)
     nccl_group = runtime.group
 
@@ -684,7 +395,7 @@ def measure(
     if deepep is None and not deepep_skipped:
         deepep_skipped = "not requested"
     if deepep is not None:
-        deepep_us, deepep_skipped = measure_deepep(deepep, sets, runtime, timer, args)
+        deepep_us, deepep_skipped = bt.measure_deepep(deepep, sets, runtime, timer, args)
         if deepep_skipped:
             say(f"[{routing} T={tokens} num_sms={cfg.num_sms}] DeepEP skipped: {deepep_skipped}")
     deepep_per_rank = all_gather(deepep_us, runtime.cpu_group)  # all lists or all None (agreed)
@@ -774,7 +485,7 @@ def measure(
             # that dispatch's handle (the last input set's).
             last = sets[-1]
 
-            def our_reduced_combine(i: int, last: InputSet = last) -> None:
+            def our_reduced_combine(i: int, last: bt.InputSet = last) -> None:
                 buf.launch_combine(last.handle, last.out, "reduced")
 
             reduced_c = br.median(timer.run(our_reduced_combine, args.warmup, args.iters))
@@ -795,18 +506,6 @@ def measure(
         for label, t_d, t_nccl_d, d_row, t_c in variants:
             add_row(label, "expert", checked, t_d, t_nccl_d, d_row, t_c)
     return rows
-
-
-def deepep_meta(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
-    """A report's meta["deepep"] before the run (:func:`open_peer` fills in version or skipped), plus
-    ``extra``."""
-    return {
-        "requested": "deepep" in args.peer_list,
-        "version": None,  # filled in when DeepEP runs
-        "skipped": None,  # why it cannot run in this world (rows also say why per budget / size)
-        "num_sms": {str(b): bp.deepep_num_sms(b) or None for b in args.num_sms_list},
-        **extra,
-    }
 
 
 def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any]:
@@ -836,7 +535,7 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
         "dtype": args.dtype,
         "num_sms_budgets": args.num_sms_list,
         "peers": args.peer_list,
-        "deepep": deepep_meta(
+        "deepep": bt.deepep_meta(
             args,
             timing=(
                 "same timer, same input sets; dispatch = cached handle; full_dispatch = layout + dispatch "
@@ -875,7 +574,7 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
             "median per rank, slowest rank reported; dispatch includes the layout kernel; combine "
             "includes copying the handle's slots"
         ),
-        "environment": {k: os.environ.get(k) for k in RECORDED_VARS},
+        "environment": {k: os.environ.get(k) for k in bt.RECORDED_VARS},
         "versions": versions,
         "git_sha": br.git_sha(),
         "timestamp": br.utc_timestamp(),
@@ -902,7 +601,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"routings must be in {ROUTINGS} and modes in {sorted(MODES)}")
         env = DistEnv.from_environ(local_world_size=args.local_world_size)
         cfg = config_from_args(args, env, max_tokens=max(args.token_list))
-        require_cuda("scripts/benchmark.py (it times the GPU kernels)", CPU_WAY_OUT)
+        require_cuda("scripts/benchmark.py (it times the GPU kernels)", bt.CPU_WAY_OUT)
     except setup_errors() as exc:
         return report_setup_error(exc)
 
@@ -911,17 +610,6 @@ def run(args: argparse.Namespace) -> int:
             return sweep(args, cfg, runtime, Printer(env.rank))
 
     return run_guarded(timed_sweep, args, env, cfg)
-
-
-def shared_module_buffers(runtime: Any) -> Callable[[Any, Any], Any]:
-    """make_buffer(runtime, cfg) -> EpBuffer, every buffer on one ModuleRegistry: the SM budgets of a sweep
-    differ only in a run-time scalar, so they share one compiled module."""
-    from cute_ep.bootstrap.compile import ModuleRegistry
-    from cute_ep.buffer import EpBuffer
-
-    registry = ModuleRegistry(device_id=runtime.device.index)
-    runtime.add_finalizer(registry.finalize_all)
-    return lambda rt, c: EpBuffer(rt, c, registry=registry)
 
 
 def sweep(
@@ -938,14 +626,15 @@ def sweep(
     and the plot.
 
     ``make_buffer(runtime, cfg)`` / ``make_timer(runtime)`` / ``make_deepep(runtime, cfg, args)`` default
-    to EpBuffers sharing one module / Timer / :func:`open_deepep` (the CPU tests pass stand-ins to run
-    this flow over gloo). ``make_deepep`` returns (a bench_peers.DeepEpPeer, None) or (None, why not).
+    to EpBuffers sharing one module / bench_timing.Timer / bench_timing.open_deepep (the CPU tests pass
+    stand-ins to run this flow over gloo). ``make_deepep`` returns (a bench_peers.DeepEpPeer, None) or
+    (None, why not).
     """
     from cute_ep.tools.cli import all_gather, leave
 
-    make_buffer = shared_module_buffers(runtime) if make_buffer is None else make_buffer
-    make_timer = Timer if make_timer is None else make_timer
-    make_deepep = open_deepep if make_deepep is None else make_deepep
+    make_buffer = bt.shared_module_buffers(runtime) if make_buffer is None else make_buffer
+    make_timer = bt.Timer if make_timer is None else make_timer
+    make_deepep = bt.open_deepep if make_deepep is None else make_deepep
 
     env = runtime.env
     # "max" in --num-sms: the least SM share of any rank (the whole GPU where a rank has one to itself).
@@ -967,16 +656,16 @@ def sweep(
         "dispatch time = layout + dispatch kernels; combine time = handle slot copy + combine kernel; "
         "NCCL = all_to_all_single of the same rows",
     )
-    for var in multicast_warnings():
+    for var in bt.multicast_warnings():
         say(f"warning: {var}")
-    peer, peer_skipped = open_peer(make_deepep, runtime, cfg, args, meta, say,
+    peer, peer_skipped = bt.open_peer(make_deepep, runtime, cfg, args, meta, say,
                                    "not requested (--peers without deepep)")  # fmt: skip
     timer = make_timer(runtime)
     rows: list[dict[str, Any]] = []
     buf = None
     try:
         for bi, budget in enumerate(args.num_sms_list):
-            cfg_b, buf, dep, dep_skipped = open_budget(
+            cfg_b, buf, dep, dep_skipped = bt.open_budget(
                 make_buffer, runtime, cfg, budget, peer, peer_skipped, say
             )
             if bi == 0:
@@ -1012,16 +701,6 @@ def write_report(path: str, meta: dict[str, Any], rows: list[dict[str, Any]]) ->
     """The report at ``path``: bench_report's schema, and the results form of bench_peers (checked first)."""
     bp.check_perf_json({"meta": meta, "rows": rows})
     br.write_json(path, meta, rows)
-
-
-def multicast_warnings() -> list[str]:
-    """Lines about multicast variables that are not set to 'off' (this script never changes them)."""
-    off = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-    return [
-        f"{k}={os.environ.get(k)!r} (NVLink multicast is expected off: {k}={v})"
-        for k, v in off.items()
-        if os.environ.get(k) != v
-    ]
 
 
 def main(argv: list[str] | None = None) -> int:

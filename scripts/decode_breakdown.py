@@ -29,8 +29,9 @@ With --host-costs, the host operations those calls are made of are timed alone a
 copies, a launch of the module with and without a kernel, a stream sync, the status read).
 And DeepEP (--peers deepep; optional: when ``import deep_ep`` fails or the world cannot run it, its
 columns say why) at the same budget (``cute_ep.tools.bench_peers.deepep_num_sms``: the largest even count <=
-min(budget, 128)), on the same inputs, with the same timer (``benchmark.measure_deepep``: checked first;
-its cached-handle dispatch, its full layout + dispatch call with its host sync, and its combine).
+min(budget, 128)), on the same inputs, with the same timer (``cute_ep.tools.bench_timing.measure_deepep``:
+checked first; its cached-handle dispatch, its full layout + dispatch call with its host sync, and its
+combine).
 Nothing of ours is validated here: run ``scripts/benchmark.py`` (which checks every configuration it
 times) for the results themselves.
 
@@ -59,15 +60,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchmark as bm  # noqa: E402  (the timer, input sets and DeepEP peer of the benchmark)
-
-from cute_ep.tools import bench_peers as bp  # noqa: E402  (pure Python + numpy: safe before parsing)
-from cute_ep.tools import bench_report as br  # noqa: E402
-from cute_ep.tools.usage import EXIT_USAGE, UsageError  # noqa: E402  (torch-free: safe before parsing)
+from cute_ep.tools import bench_peers as bp  # pure Python + numpy: safe before parsing
+from cute_ep.tools import bench_report as br
+from cute_ep.tools import bench_timing as bt  # the timer, input sets and DeepEP peer; torch-free
+from cute_ep.tools.usage import EXIT_USAGE, UsageError, checked_args  # torch-free: safe before parsing
 
 EXIT_OK, EXIT_FAIL = 0, 1
-DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 PEERS = ("deepep",)  # of bench_peers.PEER_CHOICES, the ones this script times
 
 
@@ -77,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--num-experts", type=int, default=256)
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
+    p.add_argument("--dtype", choices=bt.DTYPE_CHOICES, default="bfloat16")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--num-sms", default="max",
@@ -111,8 +109,8 @@ def validate_args(args: argparse.Namespace) -> None:
         args.peer_list = bp.parse_peers(args.peers)
     except br.BenchReportError as exc:
         raise UsageError(str(exc)) from None
-    if max(args.token_list) > bm.MAX_TOKENS_PER_RANK:
-        raise UsageError(f"--tokens values must be <= {bm.MAX_TOKENS_PER_RANK}, got {max(args.token_list)}")
+    if max(args.token_list) > bt.MAX_TOKENS_PER_RANK:
+        raise UsageError(f"--tokens values must be <= {bt.MAX_TOKENS_PER_RANK}, got {max(args.token_list)}")
     other = [p for p in args.peer_list if p not in PEERS]
     if other:
         raise UsageError(
@@ -143,7 +141,7 @@ def make_config(args: argparse.Namespace, env: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bm.checked_args(build_parser(), validate_args, argv, UsageError)
+    args = checked_args(build_parser(), validate_args, argv)
     if args is None:
         return EXIT_USAGE
     from cute_ep.bootstrap.dist_env import DistEnv
@@ -153,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         env = DistEnv.from_environ()
         cfg = make_config(args, env)
-        require_cuda("scripts/decode_breakdown.py (it times the GPU kernels)", bm.CPU_WAY_OUT)
+        require_cuda("scripts/decode_breakdown.py (it times the GPU kernels)", bt.CPU_WAY_OUT)
     except setup_errors() as exc:
         return report_setup_error(exc)
 
@@ -192,7 +190,7 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any, device: str) -> 
         "routing": "uniform",
         "seed": 0,
         "peers": args.peer_list,
-        "deepep": bm.deepep_meta(args),
+        "deepep": bt.deepep_meta(args),
         "timing": (
             "kernels: scripts/benchmark.py's Timer (CUDA events per iteration, GPU held by a sleep while the "
             "host enqueues), median per rank, slowest rank; dispatch = layout + dispatch kernels; combine = "
@@ -201,7 +199,7 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any, device: str) -> 
             "benchmark.measure_deepep (dispatch = cached handle; full_dispatch = layout + dispatch, host "
             "sync included)"
         ),
-        "environment": {k: os.environ.get(k) for k in bm.RECORDED_VARS},
+        "environment": {k: os.environ.get(k) for k in bt.RECORDED_VARS},
         "versions": br.package_versions(),
         "git_sha": br.git_sha(),
         "timestamp": br.utc_timestamp(),
@@ -368,15 +366,15 @@ def decode_report(
     """Every (num_sms, tokens) with one EpBuffer per SM budget; rank 0 prints and writes the report.
 
     ``make_buffer(runtime, cfg)`` / ``make_timer(runtime)`` / ``make_deepep(runtime, cfg, args)`` /
-    ``measure_api(buf, input_set, iters)`` default to EpBuffers sharing one module / benchmark.Timer /
-    benchmark.open_deepep / :func:`api_breakdown` (the CPU tests pass stand-ins to run this over gloo)."""
+    ``measure_api(buf, input_set, iters)`` default to EpBuffers sharing one module / bench_timing.Timer /
+    bench_timing.open_deepep / :func:`api_breakdown` (the CPU tests pass stand-ins to run this over gloo)."""
     import torch
 
     from cute_ep.tools.cli import all_gather
 
-    make_buffer = bm.shared_module_buffers(runtime) if make_buffer is None else make_buffer
-    make_timer = bm.Timer if make_timer is None else make_timer
-    make_deepep = bm.open_deepep if make_deepep is None else make_deepep
+    make_buffer = bt.shared_module_buffers(runtime) if make_buffer is None else make_buffer
+    make_timer = bt.Timer if make_timer is None else make_timer
+    make_deepep = bt.open_deepep if make_deepep is None else make_deepep
     measure_api = api_breakdown if measure_api is None else measure_api
 
     env = runtime.env
@@ -388,25 +386,24 @@ def decode_report(
         f"K {cfg.topk}, E {cfg.num_experts}, {args.dtype}, tokens/rank {args.token_list}, "
         f"num_sms {args.num_sms_list}, default combine {cfg.combine_algorithm}; slowest rank's median "
         f"of {args.iters} (us); git {meta['git_sha']}")  # fmt: skip
-    for line in bm.multicast_warnings():
+    for line in bt.multicast_warnings():
         say(f"warning: {line}")
-    peer, peer_skipped = bm.open_peer(make_deepep, runtime, cfg, args, meta, say,
+    peer, peer_skipped = bt.open_peer(make_deepep, runtime, cfg, args, meta, say,
                                       "not requested (--peers none)")  # fmt: skip
     timer = make_timer(runtime)
-    ns = argparse.Namespace(hidden=cfg.hidden)
     rows: list[dict[str, Any]] = []
     for budget in args.num_sms_list:
-        cfg_b, buf, dep, dep_skipped = bm.open_budget(
+        cfg_b, buf, dep, dep_skipped = bt.open_budget(
             make_buffer, runtime, cfg, budget, peer, peer_skipped, say
         )
         for t in args.token_list:
-            s = bm.InputSet(ns, cfg_b, env.rank, runtime.device, t, "uniform", 0)
+            s = bt.InputSet(cfg_b, env.rank, runtime.device, t, "uniform", 0)
             med = kernel_medians(buf, s, timer, args)
             med.update(measure_api(buf, s, args.iters))
             dep_us, why = None, dep_skipped
             if dep is not None:
-                bm.exchange_splits([s], runtime.cpu_group)  # what DeepEP must deliver (checked first)
-                dep_us, why = bm.measure_deepep(dep, [s], runtime, timer, args)
+                bt.exchange_splits([s], runtime.cpu_group)  # what DeepEP must deliver (checked first)
+                dep_us, why = bt.measure_deepep(dep, [s], runtime, timer, args)
             per_rank = all_gather((med, dep_us), runtime.cpu_group)  # DeepEP: all lists or all None
             row = bp.decode_row(
                 tokens=t, num_sms=budget, combine_algorithm=cfg.combine_algorithm,

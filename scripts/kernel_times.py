@@ -34,12 +34,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchmark as bm  # noqa: E402  (the timer and input sets of the benchmark)
-
-from cute_ep.tools import bench_peers as bp  # noqa: E402
-from cute_ep.tools import bench_report as br  # noqa: E402
-from cute_ep.tools.usage import EXIT_USAGE, script_parser  # noqa: E402  (torch-free)
+from cute_ep.tools import bench_peers as bp
+from cute_ep.tools import bench_report as br
+from cute_ep.tools import bench_timing as bt  # the timer and input sets of the benchmark; torch-free
+from cute_ep.tools.usage import EXIT_USAGE, UsageError, checked_args, script_parser  # torch-free
 
 LAYOUT_CHOICES = ("expert", "rank")
 
@@ -53,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--num-experts", type=int, default=256)
-    p.add_argument("--dtype", choices=sorted(bm.DTYPE_CHOICES), default="bfloat16")
+    p.add_argument("--dtype", choices=sorted(bt.DTYPE_CHOICES), default="bfloat16")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--combine", choices=("pull", "reduced"), default="reduced",
@@ -72,20 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate_args(args: argparse.Namespace) -> None:
     """Parses the comma lists into ``token_list`` / ``num_sms_list`` / ``layout_list``; raises
-    bm.UsageError naming the bad value."""
+    UsageError naming the bad value."""
     try:
         args.token_list = br.parse_int_list(args.tokens, "--tokens")
         args.num_sms_list = bp.parse_num_sms(args.num_sms)
         args.layout_list = br.parse_name_list(args.layouts, "--layouts", LAYOUT_CHOICES)
     except br.BenchReportError as exc:
-        raise bm.UsageError(str(exc)) from None
-    if max(args.token_list) > bm.MAX_TOKENS_PER_RANK:
+        raise UsageError(str(exc)) from None
+    if max(args.token_list) > bt.MAX_TOKENS_PER_RANK:
         most = max(args.token_list)
-        raise bm.UsageError(f"--tokens values must be <= {bm.MAX_TOKENS_PER_RANK}, got {most}")
+        raise UsageError(f"--tokens values must be <= {bt.MAX_TOKENS_PER_RANK}, got {most}")
     if args.layout_in_dispatch is not None and args.layout_in_dispatch < 0:
-        raise bm.UsageError(f"--layout-in-dispatch must be >= 0 tokens, got {args.layout_in_dispatch}")
+        raise UsageError(f"--layout-in-dispatch must be >= 0 tokens, got {args.layout_in_dispatch}")
     if args.iters < 1 or args.warmup < 0:
-        raise bm.UsageError(f"need --iters >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+        raise UsageError(f"need --iters >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
 
 
 def time_kernels(buf: Any, s: Any, layout: str, timer: Any, args: argparse.Namespace) -> dict[str, float]:
@@ -149,8 +147,8 @@ def report(args: argparse.Namespace, cfg: Any, runtime: Any, say: Any) -> int:
 
     from cute_ep.tools.cli import all_gather
 
-    make_buffer = bm.shared_module_buffers(runtime)
-    timer = bm.Timer(runtime)
+    make_buffer = bt.shared_module_buffers(runtime)
+    timer = bt.Timer(runtime)
     env = runtime.env
     args.num_sms_list = bp.resolve_num_sms(args.num_sms_list, bp.least_sm_share(runtime))
     device = torch.cuda.get_device_name(runtime.device)
@@ -167,7 +165,7 @@ def report(args: argparse.Namespace, cfg: Any, runtime: Any, say: Any) -> int:
     for budget in args.num_sms_list:
         with make_buffer(runtime, dataclasses.replace(cfg, num_sms=budget)) as buf:
             for tokens in args.token_list:
-                s = bm.InputSet(args, cfg, env.rank, runtime.device, tokens, "uniform", 0)
+                s = bt.InputSet(cfg, env.rank, runtime.device, tokens, "uniform", 0)
                 for layout in args.layout_list:
                     mine = time_kernels(buf, s, layout, timer, args)
                     every = all_gather(mine, runtime.cpu_group)
@@ -181,7 +179,7 @@ def report(args: argparse.Namespace, cfg: Any, runtime: Any, say: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bm.checked_args(build_parser(), validate_args, argv, bm.UsageError)
+    args = checked_args(build_parser(), validate_args, argv)
     if args is None:
         return EXIT_USAGE
     from cute_ep.bootstrap.dist_env import DistEnv
@@ -196,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                        num_experts=args.num_experts, topk=args.topk, hidden=args.hidden,
                        dtype=DTYPES[args.dtype], max_tokens=max(args.token_list),
                        num_sms=args.num_sms_list[0], combine_algorithm=args.combine, **fold)
-        require_cuda("scripts/kernel_times.py (it times the GPU kernels)", bm.CPU_WAY_OUT)
+        require_cuda("scripts/kernel_times.py (it times the GPU kernels)", bt.CPU_WAY_OUT)
     except setup_errors() as exc:
         return report_setup_error(exc)
 

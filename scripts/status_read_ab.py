@@ -24,13 +24,10 @@ run-time error, 2 bad arguments.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cute_ep.tools import bench_report as br  # noqa: E402  (pure Python + numpy: safe before parsing)
-from cute_ep.tools.usage import EXIT_USAGE, report_usage_error  # noqa: E402  (torch-free)
+from cute_ep.tools import bench_report as br  # pure Python + numpy: safe before parsing
+from cute_ep.tools.usage import EXIT_USAGE, report_usage_error  # torch-free
 
 VARIANTS = ("mirror", "plain read", "sync=False")
 MAX_TOKENS = 65536

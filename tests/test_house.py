@@ -20,6 +20,8 @@ PACKAGE_DIRS = {
     "cute_ep.validators": REPO / "validators",
 }
 TOOLS = "cute_ep.tools"
+TOOL_MODULES = ("bench_peers", "bench_report", "bench_timing", "cli", "usage")
+"""The modules of cute_ep.tools."""
 
 
 def modules_in(package: str, folder: Path) -> dict[str, Path]:
@@ -64,8 +66,8 @@ def imported_names(module: str, path: Path) -> list[str]:
 
 def test_the_tools_are_a_package_of_their_own():
     tools = modules_in(TOOLS, REPO / "cute_ep" / "tools")
-    assert set(tools) == {TOOLS, *(f"{TOOLS}.{m}" for m in ("bench_peers", "bench_report", "cli", "usage"))}
-    for old in ("bench_peers", "bench_report", "cli", "usage"):
+    assert set(tools) == {TOOLS, *(f"{TOOLS}.{m}" for m in TOOL_MODULES)}
+    for old in TOOL_MODULES:
         assert not (REPO / "cute_ep" / f"{old}.py").exists(), f"cute_ep/{old}.py: it lives in cute_ep/tools/"
 
 
@@ -86,5 +88,5 @@ def test_importing_every_library_module_imports_no_tool():
     static check above misses an import that a string names, e.g. importlib.import_module)."""
     lines = [f"importlib.import_module({m!r})" for m in sorted(library_modules())]
     code = "\n".join(["import importlib", *lines])
-    tools = [TOOLS, *(f"{TOOLS}.{m}" for m in ("bench_peers", "bench_report", "cli", "usage"))]
+    tools = [TOOLS, *(f"{TOOLS}.{m}" for m in TOOL_MODULES)]
     assert_imports_none(code, tools, timeout=180)

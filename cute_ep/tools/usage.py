@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import NoReturn
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "REPEAT_DELAY_S",
     "ScriptArgumentParser",
     "UsageError",
+    "checked_args",
     "launch_rank",
     "report_usage_error",
     "script_parser",
@@ -110,3 +112,21 @@ def script_parser(doc: str, epilog: str | None = None) -> argparse.ArgumentParse
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog=epilog,
     )
+
+
+def checked_args(
+    parser: argparse.ArgumentParser,
+    validate: Callable[[argparse.Namespace], None],
+    argv: list[str] | None,
+    usage_error: type[Exception] = UsageError,
+) -> argparse.Namespace | None:
+    """``argv`` (None: ``sys.argv[1:]``) parsed by ``parser`` (argparse exits 2 with its message on bad
+    syntax) and checked by ``validate(args)``; None if that raised ``usage_error``, whose message every
+    rank prints, rank 0 first (:func:`report_usage_error`; the script then exits ``EXIT_USAGE``)."""
+    args = parser.parse_args(argv)
+    try:
+        validate(args)
+    except usage_error as exc:
+        report_usage_error(exc)
+        return None
+    return args
