@@ -26,31 +26,32 @@ closed and rebuilt.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from cute_ep.api import BackendBase, DispatchHandle, DispatchResult
+from cute_ep.gpu_checks import (
+    check_gpu_runtime,
+    check_kernel_handle,
+    check_kernel_layout,
+    check_reduced_handle,
+)
 from cute_ep.input_checks import (
     check_buffer_config,
     check_combine_input,
-    check_combine_layout,
     check_combine_out,
     check_dispatch_algorithm,
     check_dispatch_inputs,
     check_dispatch_options,
-    check_layout,
     check_topk_values,
     note_dispatch_rows,
-    resolve_combine_algorithm,
 )
 from cute_ep.kernels.buffers import BUFFERS, CALL, HOST, STATUS, SYMMETRIC, Buffer, Pointers, buffers_of
 from cute_ep.kernels.config import (
     DISPATCH_ALGORITHMS,
-    LAYOUT_SMEM_INTS,
     MODES,
     OP_COMBINE,
     OP_DISPATCH,
@@ -60,34 +61,14 @@ from cute_ep.kernels.config import (
 )
 from cute_ep.kernels.variants import variant
 from cute_ep.launcher import current_stream_handle
-from cute_ep.status import StatusBlock, capacity_error
+from cute_ep.status import StatusBlock
+from cute_ep.status_checks import StatusChecks
+from cute_ep.streams import on_stream
 
 __all__ = ["EpBuffer", "check_gpu_runtime"]
 
-_CURRENT_STREAM = nullcontext()  # the body of a call without ``stream`` runs on the current stream
 
-
-def check_gpu_runtime(runtime: Any) -> None:
-    """RuntimeError unless ``runtime`` can carry the GPU backend: CUDA present and a Runtime started with
-    backend "nvshmem" (its device a GPU). The message names the CPU backends, so that a machine without
-    CUDA gets the way out instead of torch's "Torch not compiled with CUDA enabled" from deep inside."""
-    cpu_way = ('on a CPU use cute_ep.ReferenceEpBuffer(runtime, cfg) (or A2aEpBuffer) on '
-               'Runtime(env, backend="gloo")')
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            "EpBuffer runs the CuTe kernels on a CUDA GPU, and torch.cuda.is_available() is False here; "
-            + cpu_way
-        )
-    backend, device = getattr(runtime, "backend", None), getattr(runtime, "device", None)
-    if backend != "nvshmem" or device is None or device.type != "cuda":
-        raise RuntimeError(
-            f'EpBuffer needs a started Runtime(env, backend="nvshmem") (one GPU per rank), got backend='
-            f"{backend!r} with device {device}; ReferenceEpBuffer and A2aEpBuffer run on "
-            'Runtime(env, backend="gloo")'
-        )
-
-
-class EpBuffer(BackendBase):
+class EpBuffer(StatusChecks, BackendBase):
     """Owns one configuration's NVSHMEM symmetric buffers and compiled module (see module docstring).
 
     runtime:  a started ``cute_ep.bootstrap.Runtime`` with backend "nvshmem".
@@ -201,7 +182,7 @@ class EpBuffer(BackendBase):
         (this rank's own inputs named as before, else the rank that passed invalid ones).
         """
         self._check_open()
-        self._check_layout(layout, mode, fp8)
+        check_kernel_layout(self.cfg, layout, mode, fp8)
         check_dispatch_options(self.cfg, mode, fp8)
         check_dispatch_algorithm(algorithm)
         x, idx, w = check_dispatch_inputs(self.cfg, self.device, x, topk_idx, topk_weights, values=False)
@@ -211,7 +192,7 @@ class EpBuffer(BackendBase):
         # write into (the handle's storage), then the handle while they run; after the wait, only the views
         # whose length is the count. A tensor operation costs 1.4-5 us of host time on the H200 test host (a
         # torch.cat of three 20-37 us, a copy_ 15-19 us), so the calls below are counted.
-        with self._on_stream(stream, previous_event, x, idx, w) as on:
+        with on_stream(self.device, stream, previous_event, x, idx, w) as on:
             # The handle owns its routing (a caller editing its tensors later cannot change combine): one
             # [3, T, K] int32 block; the layout writes the slots into its first plane and copies the ids
             # and weights into the others.
@@ -375,11 +356,11 @@ class EpBuffer(BackendBase):
         c = self.cfg
         # y's rows: the handle's dispatch's num_recv (noted at the dispatch), or the whole capacity.
         check_combine_input(c, self.device, y, handle, self._latest_recv)
-        self._check_kernel_handle(handle)
+        check_kernel_handle(handle)
         self._check_combine_algorithm(handle, algorithm)
         out = torch.empty((handle.num_tokens, c.hidden), dtype=c.dtype, device=self.device)
-        with self._on_stream(stream, previous_event, y, out, handle.topk_idx, handle.topk_weights,
-                             handle.scatter):
+        with on_stream(self.device, stream, previous_event, y, out, handle.topk_idx, handle.topk_weights,
+                       handle.scatter):
             if y.data_ptr() != self.recv_y.data_ptr():
                 self.recv_y[: y.shape[0]].copy_(y)
             self._enqueue_combine(handle, out, algorithm)
@@ -407,103 +388,10 @@ class EpBuffer(BackendBase):
         # (the buffers stay allocated until NVSHMEM is torn down); the error itself propagates.
         self._closed = True
 
-    # -- host-visible checks -----------------------------------------------------------------------
-
-    def check_faults(self) -> None:
-        """Raise ``PeerTimeout`` if a kernel of this buffer timed out waiting for a peer (host sync).
-
-        ``dispatch`` and ``combine`` check; after ``launch_*`` calls (e.g. CUDA graph replays) call it
-        before trusting the results."""
-        self.status.check_faults(self.rank)
-
-    def check_ran(self) -> None:
-        """Raise ``PeerTimeout`` (a wait timed out), ``KernelDidNotRun`` (a kernel did not complete: every
-        operation's epoch must equal its launches) or ``ValueError`` (the latest dispatch refused invalid
-        topk_idx on some rank) after ``launch_*`` calls, ``dispatch(sync=False)`` or ``combine`` (host
-        sync)."""
-        status = self.status.read()
-        self._check_ran(status, OP_LAYOUT, OP_DISPATCH, OP_COMBINE)
-        refused = self.status.refused_inputs(status)
-        if refused is not None:
-            raise ValueError(f"dispatch: {refused}")
-
-    def dropped_rows(self) -> torch.Tensor:
-        """Rows dropped beyond ``cfg.expert_capacity`` per global expert ([E] int64 on the CPU) since the
-        last ``dropped_rows``/``check_capacity``/``dispatch`` report; resets the count (host sync)."""
-        counts = self.dropped.cpu().to(torch.int64)
-        self.dropped.zero_()
-        return counts + self._pending_drops()
-
-    def check_capacity(self, result: Any = None) -> None:
-        """With on_overflow="raise": raise ``CapacityExceeded`` (carrying ``result``, if given) if rows
-        were dropped since the last report (host sync; call it after ``launch_dispatch`` / graph
-        replays). Every rank raises alike. With "drop" the drops stay counted for ``dropped_rows``."""
-        self._take_drops(self.dropped.cpu(), result)
-
     # -- internals -------------------------------------------------------------------------------
 
-    def _on_stream(self, stream: torch.cuda.Stream | None, previous_event: torch.cuda.Event | None,
-                   *used: torch.Tensor) -> AbstractContextManager[torch.cuda.Stream | None]:
-        """Enqueue the body on ``stream`` after ``previous_event`` (or after the caller's current stream);
-        the caller's tensors it uses stay allocated until ``stream`` is done with them. Without a stream,
-        the current one (waiting for ``previous_event`` first, if given; the context's value is then
-        None)."""
-        if stream is None:
-            if previous_event is not None:
-                torch.cuda.current_stream(self.device).wait_event(previous_event)
-            return _CURRENT_STREAM  # no generator to run: this is every plain call's path
-        return self._on_side_stream(stream, previous_event, used)
-
-    @contextmanager
-    def _on_side_stream(self, stream: torch.cuda.Stream, previous_event: torch.cuda.Event | None,
-                        used: tuple[torch.Tensor, ...]) -> Iterator[torch.cuda.Stream]:
-        caller = torch.cuda.current_stream(self.device)
-        if previous_event is not None:
-            stream.wait_event(previous_event)
-        else:
-            stream.wait_stream(caller)
-        for tensor in used:
-            tensor.record_stream(stream)
-        with torch.cuda.stream(stream):
-            yield stream
-
-    def _check_layout(self, layout: str, mode: str, fp8: bool) -> None:
-        check_layout(self.cfg, layout, mode, fp8)
-        c = self.cfg
-        if layout == "rank" and 2 * c.num_experts + c.world_size > LAYOUT_SMEM_INTS:
-            raise ValueError(  # the layout kernel's per-warp counts of experts and ranks in shared memory
-                f"layout='rank' needs 2 * num_experts + world_size <= {LAYOUT_SMEM_INTS}, got "
-                f"{2 * c.num_experts + c.world_size}"
-            )
-
-    @staticmethod
-    def _check_kernel_handle(handle: DispatchHandle) -> None:
-        """The kernels read the handle's ids as contiguous int32 and its weights as contiguous fp32 where
-        they are (``check_combine_input`` has checked the shapes and the other dtypes)."""
-        idx, w = handle.topk_idx, handle.topk_weights
-        if idx.dtype != torch.int32 or not idx.is_contiguous():
-            raise ValueError(
-                f"handle.topk_idx must be contiguous int32 for the kernels, got {idx.dtype} with stride "
-                f"{idx.stride()}: pass topk_idx.to(torch.int32).contiguous()"
-            )
-        if not w.is_contiguous():
-            raise ValueError(
-                f"handle.topk_weights must be contiguous for the kernels, got stride {w.stride()}: pass "
-                f"topk_weights.contiguous()"
-            )
-
     def _check_combine_algorithm(self, handle: DispatchHandle, algorithm: str | None) -> None:
-        if check_combine_layout(handle, algorithm) == "rank":
-            return
-        if resolve_combine_algorithm(self.cfg, algorithm) != "reduced":
-            return
-        sent = self._sent
-        if sent is None or handle.topk_idx is not sent[0] or handle.topk_weights is not sent[1]:
-            raise ValueError(
-                "combine algorithm 'reduced' weights rows with the weights the latest dispatch sent: pass "
-                "that dispatch's handle unchanged (this one has other ids or weights, or comes from an "
-                "earlier dispatch), or use algorithm='pull'"
-            )
+        check_reduced_handle(self.cfg, handle, algorithm, self._sent)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -532,27 +420,3 @@ class EpBuffer(BackendBase):
         if not torch.cuda.is_current_stream_capturing():  # a captured launch runs only when replayed
             for ran in (OP_LAYOUT, OP_DISPATCH) if op == OP_DISPATCH else (op,):  # OP_DISPATCH: both
                 self._calls[ran] += 1
-
-    def _pending_drops(self) -> torch.Tensor:
-        pending, self._drops = self._drops, torch.zeros(self.cfg.num_experts, dtype=torch.int64)
-        return pending
-
-    def _take_drops(self, dropped: Any, result: Any = None) -> None:
-        """Account for drop counts just read (a tensor, or the status read's numpy array): raise (policy
-        "raise") or keep them for dropped_rows."""
-        if not dropped.any():  # the common case, decided before any copy
-            return
-        counts = torch.as_tensor(dropped).to(torch.int64)  # a copy: ``dropped`` may alias the status block
-        self.dropped.zero_()  # enqueued after the kernels that counted them: the next call counts afresh
-        if self.cfg.on_overflow == "raise":
-            error = capacity_error(self.cfg, counts + self._pending_drops(), result)
-            if error is not None:
-                raise error
-            return
-        self._drops += counts
-
-    def _check_ran(self, status: dict[str, Any], *ops: int) -> None:
-        """Raise if a kernel timed out (``PeerTimeout``) or did not run: its epoch must equal the number
-        of launches so far."""
-        self.status.check_ran(self.rank, status, self._calls, *ops)
-
