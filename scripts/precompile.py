@@ -5,21 +5,21 @@ To run (one process; no torchrun, no NVSHMEM initialization):
 
     python scripts/precompile.py --cache /shared/cute_ep_objects                 # bf16, fp16, fp32
     python scripts/precompile.py --cache /shared/cute_ep_objects --dtype bfloat16
-    # later, on the GPU nodes: the first launch loads instead of compiling (~70 s per dtype saved)
+    # later, on the GPU nodes: the first launch loads instead of compiling (minutes per dtype saved)
     CUTE_EP_COMPILE_CACHE=/shared/cute_ep_objects torchrun --nproc-per-node 4 scripts/dispatch_and_combine.py
 
 Why: one module per element type holds every kernel, and compiling it (NVSHMEM's device library is
-linked in) takes tens of seconds per dtype, on every fresh node. A build host without a GPU can do it
+linked in) takes minutes per dtype, on every fresh node. A build host without a GPU can do it
 once: with no GPU visible the kernels are compiled for sm_90 (H100/H200), the architecture a GPU
 host of that kind looks the file up under. Files are named by the key and a fingerprint of the
 kernel sources, the DSL and nvshmem4py versions and the architecture, so a file made from other
 sources is never loaded.
 
-Progress: one line per dtype when it starts (loading from the cache, or compiling: measured 350-1700 s
-per dtype on a 2-core machine without a GPU, depending on what else runs there), a line every
---progress-every seconds while it compiles, and one when it is done. LLVM's warning "Linking two modules
-of different data layouts" (printed by the native compiler while NVSHMEM's device library is linked in,
-harmless) is kept out of stderr; every other line there passes through.
+Progress: one line per dtype when it starts (loading from the cache, or compiling: measured 138-146 s
+per dtype on one machine and about 7 min per dtype on a 2-core machine, 2026-11-27; longer beside other
+work), a line every --progress-every seconds while it compiles, and one when it is done. LLVM's warning
+"Linking two modules of different data layouts" (printed by the native compiler while NVSHMEM's device
+library is linked in, harmless) is kept out of stderr; every other line there passes through.
 
 Constraints: the same nvidia-cutlass-dsl and nvshmem4py versions as the GPU nodes; ``--arch`` only
 where no GPU is visible. Exit 0 when every module is in the cache, 2 for bad arguments.
@@ -39,9 +39,11 @@ from typing import Any
 from cute_ep.tools.cli import DTYPES
 
 DEFAULT_DTYPES = ("bfloat16", "float16", "float32")
-MEASURED_S = (350, 1700)
-"""Seconds one dtype's module took to compile on a 2-core machine without a GPU, alone and beside other
-work (613, 991 and 1336 s for bf16, fp32 and fp16 there on 2026-11-26): what the progress lines quote."""
+MEASURED = "138-146 s per dtype on one machine, about 7 min per dtype on a 2-core machine (2026-11-27)"
+"""How long this script took per dtype, with the machines: what the plan line quotes. Beside other work
+it takes longer: 613, 991 and 1336 s for bf16, fp32 and fp16 on a busy 2-core machine (2026-11-26)."""
+MEASURED_S = (138, 420)
+"""The range of MEASURED in seconds (about 7 min = 420 s): what the totals and the progress lines quote."""
 PROGRESS_EVERY_S = 30.0
 LAYOUT_WARNING = "Linking two modules of different data layouts"
 """LLVM's warning when NVSHMEM's device library (built with another data layout string) is linked into
@@ -49,17 +51,18 @@ the module: harmless, and printed on every compile."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cache", required=True, help="folder of the object files (CUTE_EP_COMPILE_CACHE)")
     p.add_argument("--dtype", action="append", choices=sorted(DTYPES),
                    help="element type to compile (repeatable); default: bfloat16, float16, float32")
     p.add_argument("--arch", default=None,
                    help="target when no GPU is visible (default sm_90); a visible GPU is always the target")
     p.add_argument("--no-swiglu", dest="swiglu", action="store_false",
-                   help="skip the MoE layer's SwiGLU kernels (forward and backward per dtype)")
+                   help="compile the EP kernels only; without this flag the MoE layer's SwiGLU kernels "
+                        "(forward and backward per dtype) are compiled too")
     p.add_argument("--progress-every", type=float, default=PROGRESS_EVERY_S, metavar="SECONDS",
-                   help="print how long a compile has run every this many seconds (0: never)")
+                   help="print how long a compile has run every this many seconds (0: never; "
+                        "default: %(default)s)")
     return p
 
 
@@ -91,7 +94,7 @@ while True:
             forward(line + b"\n")
     if due is not None and time.monotonic() >= due:
         os.write(1, f"  {name}: compiling, {time.monotonic() - start:.0f} s so far "
-                    f"(usually {lo}-{hi} s on a 2-core machine)\n".encode())
+                    f"(measured {lo}-{hi} s per dtype)\n".encode())
         due += every
 if pending:
     forward(pending)
@@ -150,8 +153,8 @@ def plan_line(names: list[str], cached: list[str], arch: str) -> str:
     if not todo:
         return f"{head}, all in the cache already"
     loads = f"; {', '.join(cached)} from the cache" if cached else ""
-    return (f"{head}: compiling {', '.join(todo)}{loads}; about {lo}-{hi} s per dtype on a 2-core machine, "
-            f"{len(todo) * lo / 60:.0f}-{len(todo) * hi / 60:.0f} min in all")
+    return (f"{head}: compiling {', '.join(todo)}{loads}; measured {MEASURED}: "
+            f"{len(todo) * lo / 60:.0f}-{len(todo) * hi / 60:.0f} min in all, longer beside other work")
 
 
 def say(line: str) -> None:
