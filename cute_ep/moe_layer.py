@@ -348,8 +348,7 @@ class MoELayer(nn.Module):
         if self.shared_gate_up is not None:
             total = total + self.shared_expert(x).float().sum(1)
         params = [p for p in self.parameters() if p.requires_grad]
-        # An explicit output gradient, as a step's backward(grad) passes: torch imports its symbolic-shape
-        # module (sympy) on the first such call, 3.8 s of host time with 8 ranks on one host's CPUs.
+        # An explicit output gradient, as a step's backward(grad) passes (the sympy import: docstring above).
         torch.autograd.grad(total, [x, *params], grad_outputs=torch.ones_like(total), allow_unused=True)
 
     def _resolve_num_sms(self, num_sms: int | None) -> int:

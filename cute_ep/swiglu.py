@@ -241,10 +241,9 @@ class SwiGLUKernels:
     def load(self, dtype: torch.dtype, device: torch.device) -> None:
         """Compile (or load) both kernels of ``dtype`` and put them on ``device`` now, with one launch each
         over a row that is not live, then wait for it: the DSL loads a compiled kernel's CUDA library at its
-        first launch, and that load waits for every kernel running on the GPU. Under CUDA MPS that
-        includes the other ranks' kernels, which may be waiting for this rank: at 8 ranks on one H100 a
-        layer's first backward waited in the SwiGLU backward's library load until the peers' combine
-        timed out (``PeerTimeout: combine on rank 0: rank 3 did not signal``, 2026-11-27)."""
+        first launch, and made there inside a step, with 8 ranks on one H100 under CUDA MPS, a layer's first
+        backward was found waiting in the SwiGLU backward's library load while the peers' combine timed
+        out (``PeerTimeout: combine on rank 0: rank 3 did not signal``, 2026-11-27)."""
         vec = 16 // torch.empty((), dtype=dtype).element_size()
         gate_up = torch.zeros(1, 2 * vec, dtype=dtype, device=device)
         none_live = torch.zeros(1, dtype=torch.int32, device=device)

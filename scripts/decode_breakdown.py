@@ -192,11 +192,11 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any, device: str) -> 
         "peers": args.peer_list,
         "deepep": bt.deepep_meta(args),
         "timing": (
-            "kernels: scripts/benchmark.py's Timer (CUDA events per iteration, GPU held by a sleep while the "
-            "host enqueues), median per rank, slowest rank; dispatch = layout + dispatch kernels; combine = "
-            "the buffer's default algorithm (handle slot copy included); public calls: wall time from an "
-            "idle GPU to the results (torch.cuda.synchronize), median per rank, slowest rank; DeepEP: "
-            "benchmark.measure_deepep (dispatch = cached handle; full_dispatch = layout + dispatch, host "
+            "kernels: cute_ep.tools.bench_timing's Timer (CUDA events per iteration, GPU held by a sleep "
+            "while the host enqueues), median per rank, slowest rank; dispatch = layout + dispatch kernels; "
+            "combine = the buffer's default algorithm (handle slot copy included); public calls: wall time "
+            "from an idle GPU to the results (torch.cuda.synchronize), median per rank, slowest rank; DeepEP:"
+            " bench_timing.measure_deepep (dispatch = cached handle; full_dispatch = layout + dispatch, host "
             "sync included)"
         ),
         "environment": {k: os.environ.get(k) for k in bt.RECORDED_VARS},
