@@ -55,200 +55,18 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import nvshmem.core.device.cute as nvshmem_cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Int32, Int64
 
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import DONE_DISPATCH, INPUT_FAULT_RANKS, SIGNAL_DISPATCH, EpParams
-from cute_ep.kernels.config import (
-    ALGO_DEDUP,
-    ALGO_PUT_WARP,
-    MODE_ATOMIC,
-    MODE_SCATTER,
-    OP_DISPATCH,
-    VECTOR_BYTES,
-    WARP,
-)
+from cute_ep.kernels.config import MODE_ATOMIC, OP_DISPATCH, WARP
+from cute_ep.kernels.dispatch_senders import send_pair, send_token_by_lanes, send_token_by_rank
 from cute_ep.kernels.layout import LayoutKernel, cta_tokens
 from cute_ep.kernels.ptx import fence_sys, ld_volatile_i32
 from cute_ep.kernels.quantize import quantize_row_warp
 from cute_ep.kernels.rank_layout import RankLayoutKernel
-from cute_ep.kernels.rows import copy_row_to_lanes, element, element_addr, row_space, row_view
+from cute_ep.kernels.rows import element_addr, row_space
 from cute_ep.kernels.signals import fault_free, last_cta_arrives, signal_and_wait_peers
-
-
-@cute.jit
-def bound_for(p: EpParams, t: Int32, j: Int32, end: Int32, d: Int32, kept_only: Int32) -> Int32:
-    """1 if token t's pair j (j < end) has an expert on rank d and, with ``kept_only``, a slot (it was
-    not dropped for capacity); else 0. A lane's vote in the group scans of the dispatch kernel."""
-    same = Int32(0)
-    if j < end:
-        e = p.topk_idx[t, j]
-        if e >= 0:
-            if e // p.experts_per_rank == d:
-                same = Int32(1)
-                if kept_only != 0:
-                    if p.scatter[t, j] < 0:
-                        same = Int32(0)
-    return same
-
-
-# 128-bit pieces per lane in flight in the dispatch's row copies. With 8 (ROW_COPY_UNROLL) the dispatch
-# kernels, 16 warps at 128 registers, spilled (ptxas: 248 / 308 bytes of spill stores in Dispatch /
-# RankDispatch; ncu at 4096 tokens: 581,632 local-memory requests each); with 4 they use 122 / 128
-# registers and spill nothing, and 16 warps x 4 pieces keep as many bytes in flight per SM as 8 x 8.
-DISPATCH_ROW_UNROLL = 4
-
-
-@cute.jit
-def send_row_to_lanes(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d: Int32, slot: Int32,
-                      sends: Int32, row_bytes: Int32, lane: Int32):
-    """The warp moves one row (``row_bytes`` from ``src_addr``) into row ``slot`` of rank ``d``'s
-    ``recv_x`` for each lane set in ``sends`` (each such lane holds its own d and slot; every lane calls
-    this): 128-bit stores through the peer pointers of this node, every destination from one load of each
-    piece (ALGO_PUT_WARP: only to this rank itself), then ``put_warp`` to each destination on other nodes."""
-    recv_x = row_space(p.recv_x, row_bytes)
-    store = Int32(0)
-    if ((sends >> lane) & 1) != 0:
-        if d // p.local_world_size == p.rank // p.local_world_size:
-            store = Int32(1)
-            if p.algo == ALGO_PUT_WARP:
-                if d != p.rank:
-                    store = Int32(0)
-    stores = Int32(cute.arch.vote_ballot_sync(store != 0))
-    dst = Int64(0)
-    if store != 0:
-        dst = recv_x.on_peer(d).row(slot)
-    copy_row_to_lanes(dtype, src_addr, dst, stores, row_bytes // VECTOR_BYTES, lane, DISPATCH_ROW_UNROLL)
-    n = row_bytes // (dtype.width // 8)
-    puts = sends & ~stores
-    for _ in range(cute.arch.popc(puts)):
-        j = Int32(cute.arch.clz(cute.arch.brev(puts)))  # the lowest destination left
-        puts = puts & (puts - 1)
-        dj = cute.arch.shuffle_sync(d, j)
-        row = cute.arch.shuffle_sync(slot, j)
-        nvshmem_cute.put_warp(row_view(dtype, recv_x.row(row), n),
-                              row_view(dtype, src_addr, n), dj)
-
-
-@cute.jit
-def send_row(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d: Int32, slot: Int32, row_bytes: Int32,
-             lane: Int32):
-    """``send_row_to_lanes`` for one destination (``d`` and ``slot`` the same in every lane)."""
-    send_row_to_lanes(dtype, p, src_addr, d, slot, Int32(1), row_bytes, lane)
-
-
-@cute.jit
-def pair_in_lane(p: EpParams, t: Int32, lane: Int32, mode: Int32):
-    """Token t's pair ``lane`` (K <= 32 lanes hold a token): (expert, slot, weight, destination rank), with
-    -1 / -1 / 0.0 / -1 past K or without an expert. The slot is the layout's (-1: dropped for capacity),
-    or in MODE_ATOMIC taken now from the expert's cursor (and written back into ``scatter``)."""
-    e = Int32(-1)
-    slot = Int32(-1)
-    w = Float32(0.0)
-    if lane < p.topk:
-        e = p.topk_idx[t, lane]
-        w = p.topk_w[t, lane]
-        if mode == MODE_ATOMIC:
-            if e >= 0:
-                slot = cute.arch.atomic_add(p.cursor.iterator + e, Int32(1))
-                if slot >= p.send_limit[e]:
-                    slot = Int32(-1)  # beyond the expert's capacity: dropped
-            p.scatter[t, lane] = slot
-        else:
-            slot = p.scatter[t, lane]  # -1: dropped by the layout (capacity)
-    d = Int32(-1)
-    if e >= 0:
-        d = e // p.experts_per_rank
-    return e, slot, w, d
-
-
-@cute.jit
-def send_token_by_lanes(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin: Int32, k_end: Int32,
-                        src_addr: Int64, row_bytes: Int32, lane: Int32):
-    """Expert layout with K <= 32: lane j holds the token's pair j (expert, slot, weight: loaded once, and
-    in atomic mode every pair's slot taken at once, the token's experts being distinct). Each pair's
-    group (the token's pairs bound for its rank) is one ``match_sync``; its primary (the group's first
-    kept pair) the lowest bit of the group's kept lanes. Of the pairs [k_begin, k_end), the row goes in
-    one copy to every pair that receives it (all kept pairs, or under dedup the primaries and the pairs of
-    this rank), and each kept pair's lane writes its weight, source tag and from-slot; with ``groups`` the
-    later members enter their primary's list."""
-    K, M, rank = p.topk, p.max_tokens, p.rank
-    e, slot, w, d = pair_in_lane(p, t, lane, p.mode)
-    lt = Int32(cute.arch.lanemask_lt())
-    valid = Int32(cute.arch.vote_ballot_sync(d >= 0))
-    kept = Int32(cute.arch.vote_ballot_sync(slot >= 0))
-    same = Int32(cute.arch.match_sync(cute.arch.FULL_MASK, d))  # lanes bound for the same rank
-    group = same & valid  # this pair's group, dropped pairs too (0 without an expert)
-    g = Int32(cute.arch.clz(cute.arch.brev(same & kept)))  # the primary's lane (32: none kept)
-    if g >= WARP:
-        g = lane
-    slot_g = cute.arch.shuffle_sync(slot, g)
-    mine = Int32(0)
-    if lane >= k_begin:
-        if lane < k_end:
-            mine = Int32(1)
-    receives = Int32(0)  # this pair's row arrives itself (else its receiver fans it out)
-    if slot >= 0:
-        receives = Int32(1)
-        if p.algo == ALGO_DEDUP:
-            if d != rank:
-                if g != lane:
-                    receives = Int32(0)
-    sends = Int32(cute.arch.vote_ballot_sync(receives * mine != 0))
-    send_row_to_lanes(dtype, p, src_addr, d, slot, sends, row_bytes, lane)
-    if mine != 0:
-        if slot >= 0:
-            from_slot = Int32(-1)
-            if receives == 0:
-                from_slot = slot_g
-            if p.combine_algo != 0:
-                if g == lane:
-                    from_slot = Int32(-1) - cute.arch.popc(group & ~lt)  # a primary: its group from here on
-            nvshmem_cute.p(element(p.recv_w, slot), w, d)
-            nvshmem_cute.p(element(p.recv_src, slot), (rank * M + t) * K + lane, d)
-            nvshmem_cute.p(element(p.recv_from, slot), from_slot, d)
-        if p.combine_algo != 0:
-            if d >= 0:
-                if g < lane:
-                    # A later member (or a dropped pair: -1) enters the primary's list at its place: the
-                    # group's pairs in [g, lane).
-                    m = cute.arch.popc(group & lt & ~((Int32(1) << g) - Int32(1)))
-                    nvshmem_cute.p(element(p.recv_group, (slot_g, m)), slot, d)
-
-
-@cute.jit
-def send_token_by_rank(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin: Int32, k_end: Int32,
-                       src_addr: Int64, row_bytes: Int32, lane: Int32):
-    """Rank layout with K <= 32: lane j holds the token's pair j (its rank and its row there, loaded once);
-    the primaries (a rank's first pair, ``match_sync``) among pairs [k_begin, k_end) each send the row
-    and, from lanes j < K, the token's ids and weights masked to that rank's experts."""
-    K, El = p.topk, p.experts_per_rank
-    e, slot, w, d = pair_in_lane(p, t, lane, Int32(MODE_SCATTER))  # one order in this layout
-    same = Int32(cute.arch.match_sync(cute.arch.FULL_MASK, d))  # lanes bound for the same rank
-    lead = Int32(0)
-    if d >= 0:
-        if slot >= 0:
-            if (same & Int32(cute.arch.lanemask_lt())) == 0:
-                if lane >= k_begin:
-                    if lane < k_end:
-                        lead = Int32(1)
-    sends = Int32(cute.arch.vote_ballot_sync(lead != 0))
-    send_row_to_lanes(dtype, p, src_addr, d, slot, sends, row_bytes, lane)  # one load for every rank
-    for _ in range(cute.arch.popc(sends)):
-        j = Int32(cute.arch.clz(cute.arch.brev(sends)))  # the lowest primary left
-        sends = sends & (sends - 1)
-        dj = cute.arch.shuffle_sync(d, j)
-        row = cute.arch.shuffle_sync(slot, j)
-        if lane < K:
-            local = Int32(-1)
-            wj = Float32(0.0)
-            if d == dj:
-                local = e - dj * El
-                wj = w
-            nvshmem_cute.p(element(p.recv_topk_idx, (row, lane)), local, dj)
-            nvshmem_cute.p(element(p.recv_topk_w, (row, lane)), wj, dj)
-        if lane == 0:
-            nvshmem_cute.p(element(p.recv_src, row), p.rank * p.max_tokens + t, dj)
 
 
 @cute.jit
@@ -288,11 +106,8 @@ class DispatchKernel(EpKernel):
 
     @cute.kernel
     def kernel(self, p: EpParams):
-        K, El, M, rank = p.topk, p.experts_per_rank, p.max_tokens, p.rank
-        mode, algo = p.mode, p.algo
-        groups = p.combine_algo  # a reduced-combine buffer: record each (token, rank) group
+        K, mode = p.topk, p.mode
         by_rank = self.by_rank  # one row per (token, destination rank), at the layout's row
-        topk_idx, scatter = p.topk_idx, p.scatter  # [T, K], [M, K]
         WPC = self.threads // WARP
         NCTA, _, _ = cute.arch.grid_dim()
         dtype = p.x.element_type
@@ -357,100 +172,7 @@ class DispatchKernel(EpKernel):
                     send_token_by_lanes(dtype, p, t, k_begin, k_end, src_addr, row_bytes, lane)
                 k_stop = k_begin
             for k in range(k_begin, k_stop):
-                e = topk_idx[t, k]
-                if e >= 0:
-                    d = e // El
-                    slot = Int32(-1)
-                    if mode == MODE_ATOMIC:
-                        got = Int32(0)
-                        if lane == 0:
-                            got = cute.arch.atomic_add(p.cursor.iterator + e, Int32(1))
-                            if got >= p.send_limit[e]:
-                                got = Int32(-1)  # beyond the expert's capacity: dropped
-                            scatter[t, k] = got
-                        slot = cute.arch.shuffle_sync(got, 0)
-                        cute.arch.sync_warp()  # the vote of a later k reads this scatter entry
-                    else:
-                        slot = scatter[t, k]  # -1: dropped by the layout (capacity)
-                    # The group of (t, d): token t's pairs bound for rank d, ascending k. Its primary g is
-                    # the first kept one: dedup sends the row only there, and the reduced combine sums the
-                    # group on rank d into one partial row (the lists below are written only for it).
-                    g = k
-                    vote = Int32(0)
-                    if slot >= 0:
-                        if algo == ALGO_DEDUP:
-                            vote = Int32(1)
-                        if cutlass.const_expr(by_rank):
-                            vote = Int32(1)
-                    if groups != 0:
-                        vote = Int32(1)
-                    if vote != 0:
-                        # The first kept k' < k bound for the same rank, if any; lanes split the k'.
-                        for j0 in range(0, k, WARP):
-                            kept = bound_for(p, t, j0 + lane, k, d, Int32(1))
-                            ballot = cute.arch.vote_ballot_sync(kept != 0)
-                            if g == k:
-                                if ballot != 0:
-                                    g = j0 + Int32(cute.arch.clz(cute.arch.brev(ballot)))
-                    m = Int32(0)  # k's place in the group: pairs bound for d in [g, k), dropped ones too
-                    n = Int32(0)  # the primary's group size: pairs bound for d in [k, K)
-                    if groups != 0:
-                        lo = k
-                        hi = K
-                        if g != k:
-                            lo = g
-                            hi = k
-                        cnt = Int32(0)
-                        for j0 in range(lo, hi, WARP):
-                            member = bound_for(p, t, j0 + lane, hi, d, Int32(0))
-                            cnt = cnt + Int32(cute.arch.popc(cute.arch.vote_ballot_sync(member != 0)))
-                        if g != k:
-                            m = cnt
-                        else:
-                            n = cnt
-                    if slot >= 0:
-                        # The per-pair primitives send every pair's row; rows for this rank are local
-                        # writes (no fan-out needed).
-                        first = g
-                        if algo != ALGO_DEDUP:
-                            first = k
-                        if d == rank:
-                            first = k
-                        if cutlass.const_expr(by_rank):
-                            first = g  # the rank layout has one row per (token, rank), whoever sends it
-                        if first == k:
-                            send_row(dtype, p, src_addr, d, slot, row_bytes, lane)
-                        if cutlass.const_expr(by_rank):
-                            if first == k:
-                                # The token's ids and weights, those of other ranks' experts masked.
-                                for j in range(lane, K, WARP):
-                                    ej = topk_idx[t, j]
-                                    local = Int32(-1)
-                                    wj = Float32(0.0)
-                                    if ej >= 0:
-                                        if ej // El == d:
-                                            local = ej - d * El
-                                            wj = p.topk_w[t, j]
-                                    nvshmem_cute.p(element(p.recv_topk_idx, (slot, j)), local, d)
-                                    nvshmem_cute.p(element(p.recv_topk_w, (slot, j)), wj, d)
-                                if lane == 0:
-                                    nvshmem_cute.p(element(p.recv_src, slot), rank * M + t, d)
-                        if lane == 0:
-                            if cutlass.const_expr(not by_rank):
-                                from_slot = Int32(-1)
-                                if first != k:
-                                    from_slot = scatter[t, first]  # atomic mode: written above by this lane
-                                if groups != 0:
-                                    if g == k:
-                                        from_slot = Int32(-1) - n  # a primary: <= -2 encodes its group size
-                                nvshmem_cute.p(element(p.recv_w, slot), p.topk_w[t, k], d)
-                                nvshmem_cute.p(element(p.recv_src, slot), (rank * M + t) * K + k, d)
-                                nvshmem_cute.p(element(p.recv_from, slot), from_slot, d)
-                    if groups != 0:
-                        if g != k:
-                            if lane == 0:
-                                # A later member (or a dropped pair: -1) enters the primary's list.
-                                nvshmem_cute.p(element(p.recv_group, (scatter[t, g], m)), slot, d)
+                send_pair(dtype, p, t, k, src_addr, row_bytes, lane, by_rank)
         nvshmem_cute.quiet()
         fence_sys()  # this thread's peer-pointer stores, before the CTA's arrival below
 

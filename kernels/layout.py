@@ -63,265 +63,39 @@ from cutlass import Int32, Int64
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import DONE_LAYOUT, INPUT_FAULT_FIRST, INPUT_FAULT_RANKS, SIGNAL_COUNT, EpParams
 from cute_ep.kernels.config import LAYOUT_SMEM_INTS, LAYOUT_THREADS, OP_LAYOUT, WARP
+from cute_ep.kernels.layout_warps import TOKEN_REGS, count_pairs, count_tokens, place_pairs, place_tokens
 from cute_ep.kernels.ptx import fence_sys, ld_volatile_i32
 from cute_ep.kernels.rows import element, element_addr
+from cute_ep.kernels.scan import exclusive_scan_cta, prefix_at, sum_earlier_ctas
 from cute_ep.kernels.signals import SIGNAL_SET, fault_free, last_cta_arrives, record_fault, wait_signal_ge
 
-# A token's ids are held in registers when K <= TOKEN_REGS (loaded together, one memory latency per warp
-# step); larger K reads them one at a time from global memory (through the L1).
-TOKEN_REGS = 8
+
+@cute.jit
+def copy_own_routing(p: EpParams, pair_ids: cute.Tensor, first: Int32, end: Int32, NT: cutlass.Constexpr):
+    """Pairs [first, end) stepping by NT (a thread's share of its CTA's) of ``topk_idx`` / ``topk_w`` into
+    ``own_idx`` / ``own_w``, the dispatch handle's own copy of the routing."""
+    n = p.num_tokens * p.topk
+    own_ids = cute.make_tensor(p.own_idx.iterator, cute.make_layout(n))
+    own_w = cute.make_tensor(p.own_w.iterator, cute.make_layout(n))
+    pair_w = cute.make_tensor(p.topk_w.iterator, cute.make_layout(n))
+    for i in range(first, end, NT):
+        own_ids[i] = pair_ids[i]
+        own_w[i] = pair_w[i]
 
 
 @cute.jit
-def valid_id(e: Int32, E: Int32) -> Int32:
-    """``e`` if it names an expert (0 <= e < E), else -1."""
-    v = e
-    if e >= E:
-        v = Int32(-1)
-    if e < 0:
-        v = Int32(-1)
-    return v
-
-
-@cute.jit
-def token_regs(token_pairs: cute.Tensor, t: Int32, live: cutlass.Boolean, t_safe: Int32, K: Int32):
-    """Token t's K <= TOKEN_REGS raw ids as a list of TOKEN_REGS values (-1 past K or when not ``live``).
-    Every load is issued (at a clamped, valid address: token ``t_safe``, pair K - 1), so all are in flight
-    at once."""
-    ids = []
-    for k in cutlass.range_constexpr(TOKEN_REGS):
-        kk = Int32(k)
-        if kk >= K:
-            kk = K - 1
-        tt = t
-        if not live:
-            tt = t_safe
-        v = token_pairs[tt, kk]
-        if not live:
-            v = Int32(-1)
-        if kk != k:
-            v = Int32(-1)
-        ids.append(v)
-    return ids
-
-
-@cute.jit
-def rank_bit(bits: Int32, raw: Int32, E: Int32, El: Int32, d0: Int32) -> Int32:
-    """``bits`` with the bit of raw id ``raw``'s rank set (if it names an expert on ranks d0 .. d0 + 31)."""
-    out = bits
-    e = valid_id(raw, E)
-    if e >= 0:
-        b = e // El - d0
-        if b >= 0:
-            if b < WARP:
-                out = bits | (Int32(1) << b)
-    return out
-
-
-@cute.jit
-def rank_bits(token_pairs: cute.Tensor, ids, t: Int32, live: cutlass.Boolean, K: Int32, E: Int32, El: Int32,
-              d0: Int32, regs: cutlass.Constexpr) -> Int32:
-    """Bit b set: token t (when ``live``) has an expert on rank d0 + b (0 <= b < 32). ``regs``: its ids
-    are the registers ``ids`` (token_regs), else they are read from ``token_pairs``."""
-    bits = Int32(0)
-    if live:
-        if cutlass.const_expr(regs):
-            for k in cutlass.range_constexpr(TOKEN_REGS):
-                bits = rank_bit(bits, ids[k], E, El, d0)
-        else:
-            for k in range(K):
-                bits = rank_bit(bits, token_pairs[t, k], E, El, d0)
-    return bits
-
-
-@cute.jit
-def pair_fault(token_pairs: cute.Tensor, ids, hist: cute.Tensor, t: Int32, k, raw: Int32, warp: Int32,
-               E: Int32, regs: cutlass.Constexpr) -> Int32:
-    """Counts pair k of token t (raw id ``raw``) in the warp's histogram and returns 1 if it is invalid:
-    outside [-1, E), or an expert an earlier pair of the token already named. ``regs``: k is a
-    compile-time index into the registers ``ids``."""
-    bad = Int32(0)
-    if raw < -1:
-        bad = Int32(1)
-    if raw >= E:
-        bad = Int32(1)
-    if raw >= 0:
-        if raw < E:
-            cute.arch.atomic_add(hist.iterator + (warp * E + raw), Int32(1))
-            if cutlass.const_expr(regs):
-                for j in cutlass.range_constexpr(k):
-                    if ids[j] == raw:
-                        bad = Int32(1)
-            else:
-                for j in range(k):
-                    if token_pairs[t, j] == raw:
-                        bad = Int32(1)
-    return bad
-
-
-@cute.jit
-def count_pairs(pair_ids: cute.Tensor, token_pairs: cute.Tensor, hist: cute.Tensor, invalid: cute.Tensor,
-                start: Int32, end: Int32, warp: Int32, lane: Int32, E: Int32, K: Int32):
-    """Step 1 of the expert layout for the warp's pairs [start, end): a lane per pair, the token's earlier
-    pairs (the repeated-id check) by global loads that the L1 serves."""
-    for i in range(start + lane, end, WARP):
-        bad = pair_fault(token_pairs, None, hist, i // K, i % K, pair_ids[i], warp, E, False)
-        if bad != 0:
-            cute.arch.atomic_add(invalid.iterator, Int32(1))
-
-
-@cute.jit
-def lane_token(token_pairs: cute.Tensor, base: Int32, lane: Int32, t_start: Int32, t_end: Int32, K: Int32,
-               regs: cutlass.Constexpr):
-    """The rank layout's walks take a lane per token, 32 tokens per warp step: the lane's token of the step
-    starting at ``base`` as (t, live: t < t_end, its ids: ``token_regs`` when ``regs``, else None)."""
-    t = base + lane
-    live = t < t_end
-    ids = None
-    if cutlass.const_expr(regs):
-        ids = token_regs(token_pairs, t, live, t_start, K)
-    return t, live, ids
-
-
-@cute.jit
-def ranks_in_word(R: Int32, d0: Int32) -> Int32:
-    """Destination ranks d0 .. d0 + n - 1 share a 32-bit word of ``rank_bits``: n = min(R - d0, 32)."""
-    n = R - d0
-    if n > WARP:
-        n = WARP
-    return n
-
-
-@cute.jit
-def count_tokens(token_pairs: cute.Tensor, hist: cute.Tensor, rhist: cute.Tensor, invalid: cute.Tensor,
-                 t_start: Int32, t_end: Int32, warp: Int32, lane: Int32, E: Int32, K: Int32, El: Int32,
-                 R: Int32, regs: cutlass.Constexpr):
-    """Step 1 of the rank layout for the warp's tokens [t_start, t_end): a lane per token, 32 tokens per
-    step. The lane checks its token's ids and counts its pairs per expert; a ballot per destination rank
-    counts the step's tokens bound there (``rhist``, lane 0 of the warp keeps the running count).
-    ``regs``: K <= TOKEN_REGS, the ids in registers."""
-    for base in range(t_start, t_end, WARP):  # warp-uniform bounds: every lane votes
-        t, live, ids = lane_token(token_pairs, base, lane, t_start, t_end, K, regs)
-        bad = Int32(0)
-        if live:
-            if cutlass.const_expr(regs):
-                for k in cutlass.range_constexpr(TOKEN_REGS):
-                    bad = bad + pair_fault(token_pairs, ids, hist, t, k, ids[k], warp, E, True)
-            else:
-                for k in range(K):
-                    bad = bad + pair_fault(token_pairs, ids, hist, t, k, token_pairs[t, k], warp, E, False)
-        if bad != 0:
-            cute.arch.atomic_add(invalid.iterator, bad)
-        for d0 in range(0, R, WARP):
-            bits = rank_bits(token_pairs, ids, t, live, K, E, El, d0, regs)
-            for b in range(ranks_in_word(R, d0)):
-                ballot = cute.arch.vote_ballot_sync(((bits >> b) & 1) != 0)
-                if lane == 0:
-                    rhist[warp * R + d0 + b] = rhist[warp * R + d0 + b] + cute.arch.popc(ballot)
-
-
-@cute.jit
-def place_pair(token_slots: cute.Tensor, t: Int32, k, raw: Int32, d: Int32, row: Int32, E: Int32, El: Int32):
-    """Pair k of token t takes ``row`` if its raw id ``raw`` names an expert on rank d."""
-    e = valid_id(raw, E)
-    if e >= 0:
-        if e // El == d:
-            token_slots[t, k] = row
-
-
-@cute.jit
-def place_tokens(token_pairs: cute.Tensor, token_slots: cute.Tensor, rhist: cute.Tensor, t_start: Int32,
-                 t_end: Int32, warp: Int32, lane: Int32, E: Int32, K: Int32, El: Int32, R: Int32,
-                 accepted: cutlass.Boolean, regs: cutlass.Constexpr):
-    """Step 4 of the rank layout: a lane per token, 32 tokens per step. For each destination rank d, a
-    ballot of the step's tokens bound for d: a token's row on d is the warp's running row base
-    (``rhist``) plus the tokens of earlier lanes bound for d, and every pair of the token on d takes that
-    row. Pairs with no valid id, and every pair of a refused call, get -1. ``regs`` as in count_tokens."""
-    lt = cute.arch.lanemask_lt()
-    for base in range(t_start, t_end, WARP):  # warp-uniform bounds: every lane votes
-        t, live, ids = lane_token(token_pairs, base, lane, t_start, t_end, K, regs)
-        if live:
-            for k in range(K):
-                token_slots[t, k] = Int32(-1)
-        for d0 in range(0, R, WARP):
-            bits = rank_bits(token_pairs, ids, t, live, K, E, El, d0, regs)
-            for b in range(ranks_in_word(R, d0)):
-                d = d0 + b
-                bound = ((bits >> b) & 1) != 0
-                ballot = cute.arch.vote_ballot_sync(bound)
-                row_base = rhist[warp * R + d]
-                if bound:
-                    if accepted:
-                        row = row_base + cute.arch.popc(Int32(ballot) & Int32(lt))
-                        if cutlass.const_expr(regs):
-                            for k in cutlass.range_constexpr(TOKEN_REGS):
-                                place_pair(token_slots, t, k, ids[k], d, row, E, El)
-                        else:
-                            for k in range(K):
-                                place_pair(token_slots, t, k, token_pairs[t, k], d, row, E, El)
-                cute.arch.sync_warp()  # every lane read the base before lane 0 moves it
-                if lane == 0:
-                    rhist[warp * R + d] = row_base + cute.arch.popc(ballot)
-                cute.arch.sync_warp()
-
-
-@cute.jit
-def exclusive_scan_cta(vals: cute.Tensor, n: Int32, scratch: cute.Tensor, NT: cutlass.Constexpr):
-    """``vals[0:n]`` (shared memory) becomes its exclusive prefix sums and ``scratch[NT // WARP]`` their
-    total; ``scratch`` holds NT // WARP + 1 ints of shared memory. Every thread of the CTA (NT threads,
-    at most 32 warps) calls it; it ends with a CTA barrier.
-
-    Each thread sums a contiguous chunk, each warp scans its threads' chunk sums with shuffles, warp 0
-    scans the warp totals, and each thread writes its chunk's prefixes."""
-    tid, _, _ = cute.arch.thread_idx()
-    warp = tid // WARP
-    lane = tid % WARP
-    NWT = NT // WARP
-    per = (n + NT - 1) // NT
-    lo = tid * per
-    hi = lo + per
-    if hi > n:
-        hi = n
-    own = Int32(0)
-    for i in range(lo, hi):
-        own = own + vals[i]
-    incl = own  # inclusive scan of the chunk sums across the warp
-    for k in cutlass.range_constexpr(5):
-        got = cute.arch.shuffle_sync_up(incl, 1 << k)
-        if lane >= (1 << k):
-            incl = incl + got
-    if lane == WARP - 1:
-        scratch[warp] = incl
-    cute.arch.sync_threads()
-    if warp == 0:
-        wt = Int32(0)
-        if lane < NWT:
-            wt = scratch[lane]
-        winc = wt
-        for k in cutlass.range_constexpr(5):
-            got = cute.arch.shuffle_sync_up(winc, 1 << k)
-            if lane >= (1 << k):
-                winc = winc + got
-        if lane < NWT:
-            scratch[lane] = winc - wt  # the warps before this one
-        if lane == WARP - 1:
-            scratch[NWT] = winc
-    cute.arch.sync_threads()
-    run = scratch[warp] + incl - own
-    for i in range(lo, hi):
-        c = vals[i]
-        vals[i] = run
-        run = run + c
-    cute.arch.sync_threads()
-
-
-@cute.jit
-def prefix_at(prefix: cute.Tensor, total: Int32, i: Int32, n: Int32) -> Int32:
-    """Entry ``i`` (0 <= i <= n) of exclusive prefix sums held as ``prefix[0:n]`` and their ``total``."""
-    v = total
-    if i < n:
-        v = prefix[i]
-    return v
+def relative_warp_bases(parts: cute.Tensor, base_of: cute.Tensor, col0: Int32, ncol: Int32, NW: Int32,
+                        bid: Int32, colsum: cute.Tensor, tid: Int32, NT: cutlass.Constexpr):
+    """Each histogram warp's first slot (row) per column, relative to this rank's first one, replacing its
+    count in ``base_of[w * ncol + col]``: the earlier CTAs' counts of the column (``parts``' columns col0
+    on, summed into ``colsum``), then the CTA's earlier warps'."""
+    sum_earlier_ctas(parts, col0, ncol, bid, colsum, NT)
+    for col in range(tid, ncol, NT):
+        run = colsum[col]
+        for w in range(NW):
+            c = base_of[w * ncol + col]
+            base_of[w * ncol + col] = run
+            run = run + c
 
 
 @cute.jit
@@ -332,44 +106,6 @@ def cta_tokens(num_tokens: Int32, cta: Int32, ncta: Int32):
     first = Int32(Int64(num_tokens) * Int64(cta) // Int64(ncta))
     end = Int32(Int64(num_tokens) * Int64(cta + 1) // Int64(ncta))
     return first, end
-
-
-PARTS_IN_FLIGHT = 16  # loads of earlier CTAs' counts a thread issues before it adds the first
-
-
-@cute.jit
-def sum_earlier_ctas(parts: cute.Tensor, col0: Int32, ncols: Int32, n: Int32, acc: cute.Tensor,
-                     NT: cutlass.Constexpr):
-    """``acc[i]`` (shared memory) = the sum of ``parts[c, col0 + i]`` over CTAs c < n, for i < ncols. Every
-    thread of the CTA (NT threads) calls it; it ends with a CTA barrier.
-
-    The CTAs of this launch wrote those rows (volatile loads). Why this shape: a CTA far down a grid of 132
-    sums 131 rows per column; each column is split over NT // ncols threads (all of them for the rank
-    layout's R columns), each with PARTS_IN_FLIGHT loads issued before the first is added, so the CTA waits
-    for a few memory latencies rather than one per row."""
-    tid, _, _ = cute.arch.thread_idx()
-    per_col = NT // ncols
-    if per_col < 1:
-        per_col = Int32(1)
-    for i in range(tid, ncols, NT):
-        acc[i] = Int32(0)
-    cute.arch.sync_threads()
-    for item in range(tid, ncols * per_col, NT):
-        col = item % ncols
-        total = Int32(0)
-        for c0 in range(item // ncols, n, per_col * PARTS_IN_FLIGHT):
-            vals = []
-            for j in cutlass.range_constexpr(PARTS_IN_FLIGHT):
-                c = c0 + j * per_col
-                if c >= n:
-                    c = n - 1  # a valid address; its value is not counted
-                vals.append(ld_volatile_i32(element_addr(parts, (c, col0 + col))))
-            for j in cutlass.range_constexpr(PARTS_IN_FLIGHT):
-                if c0 + j * per_col < n:
-                    total = total + vals[j]
-        if total != 0:
-            cute.arch.atomic_add(acc.iterator + col, total)
-    cute.arch.sync_threads()
 
 
 @cute.jit
@@ -384,6 +120,44 @@ def wait_for_leader(p: EpParams, value: Int64, epoch: Int64):
         if wait_signal_ge(element_addr(p.layout_done, 0), value, timeout_ns) == 0:
             record_fault(p.fault, Int32(OP_LAYOUT), p.rank, epoch)
     cute.arch.sync_threads()
+
+
+@cute.jit
+def exchange_counts(p: EpParams, epoch: Int64, tid: Int32, warp: Int32, NT: cutlass.Constexpr):
+    """The leader's count exchange (every thread of it calls this; it ends with a CTA barrier): this
+    rank's row of ``counts`` into row ``rank`` of every peer's, raising ``signals[SIGNAL_COUNT, rank]``
+    there, then a bounded wait for every peer's row here (a peer that never arrives is recorded in
+    ``fault``). After a fault (an earlier timed-out wait) this buffer exchanges nothing more."""
+    R, rank = p.world_size, p.rank
+    my_row = p.counts[rank, None]
+    my_signal = element(p.signals, (SIGNAL_COUNT, rank))
+    if fault_free(p.fault):
+        for q in range(warp, R, NT // WARP):
+            if q != rank:
+                nvshmem_cute.put_signal_warp(my_row, my_row, my_signal, epoch, SIGNAL_SET, q)
+        for q in range(tid, R, NT):
+            if q != rank:
+                arrived = wait_signal_ge(element_addr(p.signals, (SIGNAL_COUNT, q)), epoch,
+                                         Int64(p.timeout_ms) * 1000000)
+                if arrived == 0:
+                    record_fault(p.fault, Int32(OP_LAYOUT), q, epoch)
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def input_verdict(p: EpParams, flags: cute.Tensor):
+    """One thread: how many ranks sent invalid pairs (column E of their count rows) and the lowest, into
+    ``flags[1]`` and ``input_fault``."""
+    ranks = Int32(0)
+    first = Int32(-1)
+    for s in range(p.world_size):
+        if ld_volatile_i32(element_addr(p.counts, (s, p.num_experts))) != 0:
+            if ranks == 0:
+                first = s
+            ranks = ranks + 1
+    flags[1] = ranks
+    p.input_fault[INPUT_FAULT_RANKS] = ranks
+    p.input_fault[INPUT_FAULT_FIRST] = first
 
 
 class LayoutKernel(EpKernel):
@@ -407,9 +181,7 @@ class LayoutKernel(EpKernel):
         NT = self.threads
         by_rank = self.by_rank
         parts = p.layout_parts  # [num_sms + 2, E + 1 + R]: each CTA's count row, the totals, the bases
-        TOTALS = p.num_sms  # the row the CTAs add their counts into (the leader reads and zeroes it)
         BASES = p.num_sms + 1  # the row of this rank's first slot (row) per column, from the leader
-        ncols = E + 1 + R
         num_pairs = p.num_tokens * K
         pair_ids = cute.make_tensor(p.topk_idx.iterator, cute.make_layout(num_pairs))
         pair_slots = cute.make_tensor(p.scatter.iterator, cute.make_layout(num_pairs))
@@ -425,56 +197,18 @@ class LayoutKernel(EpKernel):
         # its tensors before combine), here rather than by host-enqueued copies, which cost a driver call
         # each and run after the kernels, before the status read.
         if p.own_routing != 0:
-            own_ids = cute.make_tensor(p.own_idx.iterator, cute.make_layout(num_pairs))
-            own_w = cute.make_tensor(p.own_w.iterator, cute.make_layout(num_pairs))
-            pair_w = cute.make_tensor(p.topk_w.iterator, cute.make_layout(num_pairs))
-            for i in range(t_first * K + tid, t_end * K, NT):
-                own_ids[i] = pair_ids[i]
-                own_w[i] = pair_w[i]
+            copy_own_routing(p, pair_ids, t_first * K + tid, t_end * K, NT)
 
-        smem = cutlass.memory.SmemAllocator()
-        # hist[w * E + e]: pairs of warp w routed to expert e; later the warp's running slot base.
-        hist = smem.allocate_tensor(Int32, cute.make_layout(LAYOUT_SMEM_INTS), 16)
-        # colsum[e]: rows all ranks send to expert e (the leader, after the exchange); the last E ints.
-        colsum = cute.make_tensor(hist.iterator + (LAYOUT_SMEM_INTS - E), cute.make_layout(E))
-        # As many histogram warps as fit the rest (E <= LAYOUT_SMEM_INTS // 2 is checked on the host; the
-        # rank layout's per-warp token counts take R more ints per warp: 2 E + R <= LAYOUT_SMEM_INTS).
+        # As many histogram warps as fit the shared memory (``shared_counts``) beside the column sums.
         per_warp = E
         if cutlass.const_expr(by_rank):
-            per_warp = E + R
+            per_warp = E + R  # each warp's counts per expert, then per destination rank
         NW = (LAYOUT_SMEM_INTS - E) // per_warp
         if NW > NT // WARP:
             NW = NT // WARP
-        # rank layout: rhist[w * R + d]: warp w's tokens bound for rank d; later the warp's running row base.
-        rhist = cute.make_tensor(hist.iterator + NW * E, cute.make_layout(NW * R))
-        # flags[0]: this CTA's pairs with invalid ids; flags[1]: ranks that had some (after the exchange);
-        # flags[2]: this CTA arrived last (it is the leader).
-        flags = smem.allocate_tensor(Int32, cute.make_layout(3), 4)
-        # scan[w]: the prefix scan's per-warp totals, then scan[NT // WARP] the column sums' total.
-        scan = smem.allocate_tensor(Int32, cute.make_layout(WARP + 1), 4)
-
         epoch = p.epochs[OP_LAYOUT] + Int64(1)
-
-        for i in range(tid, NW * per_warp, NT):
-            hist[i] = Int32(0)
-        if tid == 0:
-            flags[0] = Int32(0)
-        cute.arch.sync_threads()
-
-        # Each warp takes a contiguous part of the CTA's range (any contiguous split gives the same slots):
-        # pairs in the expert layout, whole tokens in the rank layout (a lane per token there).
-        lo = t_first * K
-        hi = t_end * K
-        if cutlass.const_expr(by_rank):
-            lo = t_first
-            hi = t_end
-        chunk = (hi - lo + NW - 1) // NW
-        start = lo + warp * chunk
-        end = start + chunk
-        if end > hi:
-            end = hi
-        if warp >= NW:
-            end = start  # no work for warps beyond the histograms
+        hist, colsum, rhist, flags, scan = self.shared_counts(E, R, NW, per_warp, tid)
+        start, end = self.warp_part(t_first, t_end, K, NW, warp)
 
         # 1. per-warp histograms, and the ids' values, checked here instead of on the host (which would cost
         # a host sync): every id in [-1, E), no expert twice in a token (a pair is compared with the token's
@@ -488,29 +222,8 @@ class LayoutKernel(EpKernel):
         else:
             count_pairs(pair_ids, p.topk_idx, hist, flags, start, end, warp, lane, E, K)
         cute.arch.sync_threads()
-
-        # 2. the CTA's count row: into its row of parts, and added into the totals row
-        for col in range(tid, ncols, NT):
-            total = Int32(0)
-            if col < E:
-                for w in range(NW):
-                    total = total + hist[w * E + col]
-            if col == E:
-                total = flags[0]
-            if col > E:
-                if cutlass.const_expr(by_rank):
-                    for w in range(NW):
-                        total = total + rhist[w * R + (col - E - 1)]
-            parts[bid, col] = total
-            if total != 0:
-                cute.arch.atomic_add(parts.iterator + cute.crd2idx((TOTALS, col), parts.layout), total)
-        cute.arch.sync_threads()
-        if tid == 0:
-            flags[2] = last_cta_arrives(p.done, DONE_LAYOUT)  # fences this CTA's counts first
-            if flags[2] != 0:
-                fence_sys()  # the other CTAs' counts before this CTA's reads of them, and before the release
-                p.layout_done[0] = epoch * 2 - Int64(1)
-        cute.arch.sync_threads()
+        # 2. the CTA's count row; the last CTA to arrive leads
+        self.publish_counts(p, hist, rhist, flags, NW, epoch)
 
         # 3. the last CTA to arrive (the leader: every CTA's counts are in) announces that in ``layout_done``
         # (2 * epoch - 1), then runs the count exchange and the offsets and publishes them (2 * epoch). The
@@ -526,15 +239,9 @@ class LayoutKernel(EpKernel):
         base_of, col0, ncol = hist, Int32(0), E
         if cutlass.const_expr(by_rank):
             base_of, col0, ncol = rhist, E + 1, R
-        # Each CTA's warps' first slots (rows) relative to this rank's first one per column: the earlier
-        # CTAs' counts (summed into colsum: the leader is done with it by now), then the earlier warps'.
-        sum_earlier_ctas(parts, col0, ncol, bid, colsum, NT)
-        for col in range(tid, ncol, NT):
-            run = colsum[col]
-            for w in range(NW):
-                c = base_of[w * ncol + col]
-                base_of[w * ncol + col] = run
-                run = run + c
+        # Each CTA's warps' first slots (rows) relative to this rank's first one per column (colsum: the
+        # leader is done with it by now).
+        relative_warp_bases(parts, base_of, col0, ncol, NW, bid, colsum, tid, NT)
         if not leader:
             wait_for_leader(p, epoch * 2, epoch)
         cute.arch.sync_threads()
@@ -551,10 +258,7 @@ class LayoutKernel(EpKernel):
                 base_of[w * ncol + col] = base_of[w * ncol + col] + first
         cute.arch.sync_threads()
 
-        # 4. scatter slots. Expert layout: 32 pairs per warp step in row-major order; a pair's slot is its
-        # warp's running base for the expert plus the earlier lanes with the same expert (``match_sync``
-        # finds them in one instruction; 32 shuffles did before). Rank layout: a lane per token
-        # (``place_tokens``).
+        # 4. scatter slots: a lane per pair (expert layout) or per token (rank layout, ``place_tokens``)
         if cutlass.const_expr(by_rank):
             ids, slots = p.topk_idx, p.scatter
             if K <= TOKEN_REGS:
@@ -562,39 +266,94 @@ class LayoutKernel(EpKernel):
             else:
                 place_tokens(ids, slots, rhist, start, end, warp, lane, E, K, El, R, accepted, False)
         else:
-            lt = cute.arch.lanemask_lt()
-            gt = cute.arch.lanemask_gt()
-            for base in range(start, end, WARP):  # warp-uniform bounds: every lane takes part in the match
-                i = base + lane
-                e = Int32(-1)
-                if i < end:
-                    e = pair_ids[i]
-                    if e >= E:
-                        e = Int32(-1)  # invalid (the call is refused): no slot, and no shared-memory index
-                    if e < -1:
-                        e = Int32(-1)
-                same = Int32(cute.arch.match_sync(cute.arch.FULL_MASK, e))  # lanes holding this expert
-                before = cute.arch.popc(same & Int32(lt))
-                slot = Int32(-1)
-                if e >= 0:
-                    slot = hist[warp * E + e] + before
-                    if slot >= p.send_limit[e]:
-                        slot = Int32(-1)  # dropped: beyond the expert's capacity
-                if refused:
-                    slot = Int32(-1)
-                if i < end:
-                    pair_slots[i] = slot
-                cute.arch.sync_warp()  # every lane read its base before the expert's last lane moves it
-                if e >= 0:
-                    if (same & Int32(gt)) == 0:
-                        hist[warp * E + e] = hist[warp * E + e] + before + 1
-                cute.arch.sync_warp()
+            place_pairs(pair_ids, pair_slots, hist, p.send_limit, start, end, warp, lane, E, refused)
         cute.arch.sync_threads()  # the CTA's slots, before its warps send them (dispatch, layout folded in)
 
         if leader:
             if tid == 0:
                 if fault_free(p.fault):  # a timed-out call does not count as run
                     p.epochs[OP_LAYOUT] = epoch
+
+    @cute.jit
+    def shared_counts(self, E: Int32, R: Int32, NW: Int32, per_warp: Int32, tid: Int32):
+        """The CTA's shared memory for the counts of ``NW`` histogram warps, (hist, colsum, rhist, flags,
+        scan), the counts (``per_warp`` ints a warp) and flags[0] zeroed. Every thread calls it; it ends
+        with a CTA barrier.
+
+        hist[w * E + e]: pairs of histogram warp w routed to expert e; later the warp's running slot base.
+        colsum[e]: rows all ranks send to expert e (the leader, after the exchange); hist's last E ints.
+        NW warps fit the rest (E <= LAYOUT_SMEM_INTS // 2 is checked on the host; the rank layout's per-warp
+        token counts take R more ints per warp: 2 E + R <= LAYOUT_SMEM_INTS).
+        rhist[w * R + d] (rank layout): warp w's tokens bound for rank d; later the warp's running row base.
+        flags[0]: this CTA's pairs with invalid ids; flags[1]: ranks that had some (after the exchange);
+        flags[2]: this CTA arrived last (it is the leader).
+        scan[w]: the prefix scan's per-warp totals, then scan[NT // WARP] the column sums' total."""
+        smem = cutlass.memory.SmemAllocator()
+        hist = smem.allocate_tensor(Int32, cute.make_layout(LAYOUT_SMEM_INTS), 16)
+        colsum = cute.make_tensor(hist.iterator + (LAYOUT_SMEM_INTS - E), cute.make_layout(E))
+        rhist = cute.make_tensor(hist.iterator + NW * E, cute.make_layout(NW * R))
+        flags = smem.allocate_tensor(Int32, cute.make_layout(3), 4)
+        scan = smem.allocate_tensor(Int32, cute.make_layout(WARP + 1), 4)
+        for i in range(tid, NW * per_warp, self.threads):
+            hist[i] = Int32(0)
+        if tid == 0:
+            flags[0] = Int32(0)
+        cute.arch.sync_threads()
+        return hist, colsum, rhist, flags, scan
+
+    @cute.jit
+    def warp_part(self, t_first: Int32, t_end: Int32, K: Int32, NW: Int32, warp: Int32):
+        """The warp's contiguous part [start, end) of the CTA's range (any contiguous split gives the same
+        slots): pairs in the expert layout, whole tokens in the rank layout (a lane per token there); empty
+        for warps beyond the histograms."""
+        lo = t_first * K
+        hi = t_end * K
+        if cutlass.const_expr(self.by_rank):
+            lo = t_first
+            hi = t_end
+        chunk = (hi - lo + NW - 1) // NW
+        start = lo + warp * chunk
+        end = start + chunk
+        if end > hi:
+            end = hi
+        if warp >= NW:
+            end = start  # no work for warps beyond the histograms
+        return start, end
+
+    @cute.jit
+    def publish_counts(self, p: EpParams, hist: cute.Tensor, rhist: cute.Tensor, flags: cute.Tensor,
+                       NW: Int32, epoch: Int64):
+        """Step 2: the CTA's count row (experts, invalid pairs, and in the rank layout destination ranks)
+        into its row of ``layout_parts`` and added into the totals row; then the CTA arrives, and the last
+        to arrive (``flags[2]``) announces in ``layout_done`` that every CTA's counts are in. Every thread
+        calls it; it ends with a CTA barrier."""
+        R, E = p.world_size, p.num_experts
+        NT = self.threads
+        parts = p.layout_parts
+        TOTALS = p.num_sms  # the row the CTAs add their counts into (the leader reads and zeroes it)
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        for col in range(tid, E + 1 + R, NT):
+            total = Int32(0)
+            if col < E:
+                for w in range(NW):
+                    total = total + hist[w * E + col]
+            if col == E:
+                total = flags[0]
+            if col > E:
+                if cutlass.const_expr(self.by_rank):
+                    for w in range(NW):
+                        total = total + rhist[w * R + (col - E - 1)]
+            parts[bid, col] = total
+            if total != 0:
+                cute.arch.atomic_add(parts.iterator + cute.crd2idx((TOTALS, col), parts.layout), total)
+        cute.arch.sync_threads()
+        if tid == 0:
+            flags[2] = last_cta_arrives(p.done, DONE_LAYOUT)  # fences this CTA's counts first
+            if flags[2] != 0:
+                fence_sys()  # the other CTAs' counts before this CTA's reads of them, and before the release
+                p.layout_done[0] = epoch * 2 - Int64(1)
+        cute.arch.sync_threads()
 
     @cute.jit
     def exchange_and_offsets(self, p: EpParams, epoch: Int64, colsum: cute.Tensor, scan: cute.Tensor,
@@ -620,35 +379,11 @@ class LayoutKernel(EpKernel):
             parts[TOTALS, col] = Int32(0)
         cute.arch.sync_threads()
 
-        my_row = counts[rank, None]
-        NWT = NT // WARP
-        my_signal = element(p.signals, (SIGNAL_COUNT, rank))
-        # After a fault (an earlier timed-out wait) this buffer exchanges nothing more.
-        if fault_free(p.fault):
-            for q in range(warp, R, NWT):
-                if q != rank:
-                    nvshmem_cute.put_signal_warp(my_row, my_row, my_signal, epoch, SIGNAL_SET, q)
-            for q in range(tid, R, NT):
-                if q != rank:
-                    arrived = wait_signal_ge(element_addr(p.signals, (SIGNAL_COUNT, q)), epoch,
-                                             Int64(p.timeout_ms) * 1000000)
-                    if arrived == 0:
-                        record_fault(p.fault, Int32(OP_LAYOUT), q, epoch)
-        cute.arch.sync_threads()
-
+        exchange_counts(p, epoch, tid, warp, NT)
         # The verdict on the inputs: every rank's invalid pairs arrived with its count row, so every rank
         # refuses the call alike (the host raises; the kernels move no data; the epochs still advance).
         if tid == 0:
-            ranks = Int32(0)
-            first = Int32(-1)
-            for s in range(R):
-                if ld_volatile_i32(element_addr(counts, (s, E))) != 0:
-                    if ranks == 0:
-                        first = s
-                    ranks = ranks + 1
-            flags[1] = ranks
-            p.input_fault[INPUT_FAULT_RANKS] = ranks
-            p.input_fault[INPUT_FAULT_FIRST] = first
+            input_verdict(p, flags)
         cute.arch.sync_threads()
         accepted = flags[1] == 0
 

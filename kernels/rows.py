@@ -77,7 +77,7 @@ def copy_row_to_lanes(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64
     row bound for several slots or ranks is read from memory once, not once per copy).
     Why unrolled: a warp that loads one piece, stores it and moves on has one load in flight and waits
     a full memory latency per 512 bytes; ``unroll`` independent loads per lane before the stores hide it
-    (ROW_COPY_UNROLL, or fewer where registers are short: kernels/dispatch.py).
+    (ROW_COPY_UNROLL, or fewer where registers are short: kernels/dispatch_senders.py).
     Why the last step is predicated rather than a loop of single pieces: a row of 7168 bf16 (896 pieces)
     is 3 full steps and 128 pieces, and that tail piece by piece was 4 more latencies per row.
     """

@@ -18,7 +18,7 @@ import torch
 from _sm90 import DTYPES, sm90_params
 
 from cute_ep.bootstrap.compile import ModuleRegistry
-from cute_ep.kernels.dispatch import DISPATCH_ROW_UNROLL
+from cute_ep.kernels.dispatch_senders import DISPATCH_ROW_UNROLL
 from cute_ep.kernels.rows import ROW_COPY_UNROLL
 
 

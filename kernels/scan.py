@@ -1,0 +1,109 @@
+"""CTA-wide sums for the layout's step 3 (kernels/layout.py): an exclusive prefix scan of a shared-memory
+vector, reading its entries, and each column's sum over the CTAs' count rows of ``layout_parts``."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from cute_ep.kernels.config import WARP
+from cute_ep.kernels.ptx import ld_volatile_i32
+from cute_ep.kernels.rows import element_addr
+
+
+@cute.jit
+def exclusive_scan_cta(vals: cute.Tensor, n: Int32, scratch: cute.Tensor, NT: cutlass.Constexpr):
+    """``vals[0:n]`` (shared memory) becomes its exclusive prefix sums and ``scratch[NT // WARP]`` their
+    total; ``scratch`` holds NT // WARP + 1 ints of shared memory. Every thread of the CTA (NT threads,
+    at most 32 warps) calls it; it ends with a CTA barrier.
+
+    Each thread sums a contiguous chunk, each warp scans its threads' chunk sums with shuffles, warp 0
+    scans the warp totals, and each thread writes its chunk's prefixes."""
+    tid, _, _ = cute.arch.thread_idx()
+    warp = tid // WARP
+    lane = tid % WARP
+    NWT = NT // WARP
+    per = (n + NT - 1) // NT
+    lo = tid * per
+    hi = lo + per
+    if hi > n:
+        hi = n
+    own = Int32(0)
+    for i in range(lo, hi):
+        own = own + vals[i]
+    incl = own  # inclusive scan of the chunk sums across the warp
+    for k in cutlass.range_constexpr(5):
+        got = cute.arch.shuffle_sync_up(incl, 1 << k)
+        if lane >= (1 << k):
+            incl = incl + got
+    if lane == WARP - 1:
+        scratch[warp] = incl
+    cute.arch.sync_threads()
+    if warp == 0:
+        wt = Int32(0)
+        if lane < NWT:
+            wt = scratch[lane]
+        winc = wt
+        for k in cutlass.range_constexpr(5):
+            got = cute.arch.shuffle_sync_up(winc, 1 << k)
+            if lane >= (1 << k):
+                winc = winc + got
+        if lane < NWT:
+            scratch[lane] = winc - wt  # the warps before this one
+        if lane == WARP - 1:
+            scratch[NWT] = winc
+    cute.arch.sync_threads()
+    run = scratch[warp] + incl - own
+    for i in range(lo, hi):
+        c = vals[i]
+        vals[i] = run
+        run = run + c
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def prefix_at(prefix: cute.Tensor, total: Int32, i: Int32, n: Int32) -> Int32:
+    """Entry ``i`` (0 <= i <= n) of exclusive prefix sums held as ``prefix[0:n]`` and their ``total``."""
+    v = total
+    if i < n:
+        v = prefix[i]
+    return v
+
+
+PARTS_IN_FLIGHT = 16  # loads of earlier CTAs' counts a thread issues before it adds the first
+
+
+@cute.jit
+def sum_earlier_ctas(parts: cute.Tensor, col0: Int32, ncols: Int32, n: Int32, acc: cute.Tensor,
+                     NT: cutlass.Constexpr):
+    """``acc[i]`` (shared memory) = the sum of ``parts[c, col0 + i]`` over CTAs c < n, for i < ncols. Every
+    thread of the CTA (NT threads) calls it; it ends with a CTA barrier.
+
+    The CTAs of this launch wrote those rows (volatile loads). Why this shape: a CTA far down a grid of 132
+    sums 131 rows per column; each column is split over NT // ncols threads (all of them for the rank
+    layout's R columns), each with PARTS_IN_FLIGHT loads issued before the first is added, so the CTA waits
+    for a few memory latencies rather than one per row."""
+    tid, _, _ = cute.arch.thread_idx()
+    per_col = NT // ncols
+    if per_col < 1:
+        per_col = Int32(1)
+    for i in range(tid, ncols, NT):
+        acc[i] = Int32(0)
+    cute.arch.sync_threads()
+    for item in range(tid, ncols * per_col, NT):
+        col = item % ncols
+        total = Int32(0)
+        for c0 in range(item // ncols, n, per_col * PARTS_IN_FLIGHT):
+            vals = []
+            for j in cutlass.range_constexpr(PARTS_IN_FLIGHT):
+                c = c0 + j * per_col
+                if c >= n:
+                    c = n - 1  # a valid address; its value is not counted
+                vals.append(ld_volatile_i32(element_addr(parts, (c, col0 + col))))
+            for j in cutlass.range_constexpr(PARTS_IN_FLIGHT):
+                if c0 + j * per_col < n:
+                    total = total + vals[j]
+        if total != 0:
+            cute.arch.atomic_add(acc.iterator + col, total)
+    cute.arch.sync_threads()
