@@ -8,11 +8,15 @@ sends its error (or None) and the values that must match across ranks, and every
 ``ReferenceEpBuffer`` does with its own inputs. Nothing has been moved or changed when they raise: the
 Buffer stays usable.
 
+``CallChecks`` holds the checks that both modes of ``Buffer`` share, and ``_agreed``: a call's checks,
+agreed over the group wherever the call waits on the host anyway.
+
 ``drain_gloo`` is what ``destroy()`` runs last on a gloo group it does not own (its docstring says why).
 """
 
 from __future__ import annotations
 
+import numbers
 import sys
 import threading
 import time
@@ -25,9 +29,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cute_ep.collectives import all_gather_objects
+from cute_ep.deep_ep.handles import NormalHandle
 from cute_ep.input_checks import check_tensor_args
+from cute_ep.kernels.config import SUPPORTED_DTYPES
 
-__all__ = ["agree", "check_expert_ids", "check_tensors", "drain_gloo", "error_of"]
+__all__ = ["CallChecks", "agree", "check_expert_ids", "check_tensors", "drain_gloo", "error_of"]
+
+_ID_DTYPES = (torch.int64, torch.int32)
 
 
 def error_of(check: Callable[[], Any]) -> tuple[Any, ValueError | None]:
@@ -75,6 +83,56 @@ def check_expert_ids(ids: Tensor, num_experts: int, name: str = "topk_idx") -> N
         f"{name} values must be expert ids in [0, {num_experts}) or -1 (no expert), got {int(ids[t, k])} at "
         f"[{t}, {k}] (min {int(ids.min())}, max {int(ids.max())}); num_experts={num_experts}"
     )
+
+
+def _check_row_dtype(name: str, rows: Tensor, why: str = "") -> None:
+    """ValueError unless ``rows`` (the argument ``name``) is bfloat16, float16 or float32, saying how to
+    convert it."""
+    if rows.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} must be bfloat16, float16 or float32{why}, got {rows.dtype}; convert it "
+                         f"with {name}.to(torch.bfloat16)")
+
+
+class CallChecks:
+    """The argument checks both modes of ``Buffer`` share. They use what ``BufferLifecycle`` sets
+    (``group_size``, ``backend``, ``runtime``, ``device``)."""
+
+    def _agreed(self, what: str, check: Callable[[], Any], same: Callable[[Any], dict[str, Any]], *,
+                synced: bool) -> Any:
+        """``check()`` (a call's argument checks on this rank; returns what the call needs), agreed over the
+        group before anything moves (``checks.agree``: if any rank's arguments are wrong, or ``same(result)``
+        differs between ranks, every rank raises ValueError) wherever the call waits on the host anyway: on
+        the reference backend, and on the kernels' only with ``synced``. A sync-free call on the kernels
+        raises on the rank at fault alone (an agreement would be a collective and a host sync; its peers'
+        kernels end with PeerTimeout)."""
+        result, error = error_of(check)
+        if self.group_size > 1 and (self.backend == "reference" or synced):
+            agree(self.runtime.cpu_group, what, error, {} if error is not None else same(result))
+        elif error is not None:
+            raise error
+        return result
+
+    @staticmethod
+    def _route(handle: Any, kind: type) -> Any:
+        if not isinstance(handle, kind):
+            raise ValueError(
+                f"handle must be the {kind.__name__} this Buffer's "
+                f"{'dispatch' if kind is NormalHandle else 'low_latency_dispatch'} returned (it carries the "
+                f"routing of cute_ep's kernels), got {type(handle).__name__}"
+            )
+        return handle
+
+    def _check_device(self, **tensors: Any) -> None:
+        for name, t in tensors.items():
+            if t is not None and t.device != self.device:
+                raise ValueError(f"{name} must be on {self.device} (this Buffer's backend: {self.backend}), "
+                                 f"got {t.device}")
+
+    def _check_num_experts(self, num_experts: Any) -> None:
+        if not isinstance(num_experts, numbers.Integral) or num_experts <= 0 or num_experts % self.group_size:
+            raise ValueError(
+                f"num_experts must be a positive multiple of {self.group_size} ranks, got {num_experts}"
+            )
 
 
 def _gloo_workers(group: Any) -> int:

@@ -1,0 +1,80 @@
+"""DeepEP's two handles as ``cute_ep.deep_ep.Buffer`` returns them: the tuples of DeepEP's shapes and dtypes
+that its callers index and pass back, each carrying (``.cute_ep``) the routing cute_ep's kernels need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from cute_ep.api import DispatchHandle
+
+__all__ = ["LowLatencyHandle", "NormalHandle"]
+
+
+@dataclass(frozen=True)
+class _NormalRoute:
+    """What cute_ep's side of a normal-mode handle holds: the rank-layout dispatch handle, the buffers'
+    max_tokens, the rows DeepEP's dispatch returned (N, or num_worst_tokens), the [R, R] token counts
+    (source, destination) on the device and, when a host sync read them, on the host."""
+
+    dispatch_handle: DispatchHandle
+    max_tokens: int
+    num_recv: int
+    counts: Tensor
+    counts_host: list[list[int]] | None
+
+
+@dataclass(frozen=True)
+class _LowLatencyRoute:
+    """cute_ep's side of a low-latency handle: the expert-layout dispatch handle and each expert-major
+    row's padded slot (``low_latency.PaddedRecv.slot``)."""
+
+    dispatch_handle: DispatchHandle
+    slot: Tensor
+    max_tokens: int
+    hidden: int
+    num_experts: int
+    num_tokens: int
+
+
+class NormalHandle(tuple):
+    """DeepEP's normal-mode handle, the 6-tuple ``(rank_prefix_matrix, channel_prefix_matrix,
+    recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)`` with DeepEP's shapes and
+    dtypes, plus ``.cute_ep``: the routing cute_ep's kernels need (pass the tuple itself to ``combine`` and
+    cached ``dispatch``; a tuple rebuilt from the six entries is refused).
+
+    * rank_prefix_matrix [R, R] int32: column r (this rank) holds at row i the tokens ranks 0..i send to it,
+      as DeepEP's handle; the other columns 0 (DeepEP leaves them uninitialized; every rank's counts,
+      [source, destination], are in ``.cute_ep.counts``);
+    * channel_prefix_matrix [R, C] int32 (C = config.num_sms / 2 channels, DeepEP's split of a rank's tokens
+      into C contiguous ranges): for each destination, the tokens of channels 0..c bound for it (exact);
+    * recv_channel_prefix_matrix [R, C] int32: for each source, the rows received from its channels before
+      c (exact);
+    * recv_src_idx [N] int32: each received row's token index on its source rank (exact);
+    * is_token_in_rank [T, R] bool: the caller's tensor (exact);
+    * send_head [T, R] int32: for a token bound for rank r, the number of earlier tokens of its channel
+      bound for r, -1 elsewhere (the values DeepEP's dispatch writes; DeepEP's combine later rewrites its
+      -1 entries in place, this combine leaves the tensor unchanged).
+    """
+
+    cute_ep: _NormalRoute
+
+    def __new__(cls, entries: tuple, route: _NormalRoute) -> NormalHandle:
+        obj = super().__new__(cls, entries)
+        obj.cute_ep = route
+        return obj
+
+
+class LowLatencyHandle(tuple):
+    """DeepEP's low-latency handle, the 5-tuple ``(packed_recv_src_info [El, R * M] int32,
+    packed_recv_layout_range [El, R] int64, num_max_dispatch_tokens_per_rank, hidden, num_experts)``, plus
+    ``.cute_ep``: the routing cute_ep's combine needs (pass the tuple itself)."""
+
+    cute_ep: _LowLatencyRoute
+
+    def __new__(cls, entries: tuple, route: _LowLatencyRoute) -> LowLatencyHandle:
+        obj = super().__new__(cls, entries)
+        obj.cute_ep = route
+        return obj

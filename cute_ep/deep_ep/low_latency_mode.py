@@ -1,0 +1,265 @@
+"""DeepEP's low-latency mode on a ``cute_ep.deep_ep.Buffer`` (``LowLatencyMode``): ``low_latency_dispatch``
+and ``low_latency_combine`` on the expert layout, the staging tensors of ``zero_copy`` combines, and their
+argument checks. The per-expert padded layout and DeepEP's FP8 cast: ``cute_ep.deep_ep.low_latency``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cute_ep.deep_ep import low_latency as ll
+from cute_ep.deep_ep.checks import _ID_DTYPES, _check_row_dtype, check_expert_ids, check_tensors
+from cute_ep.deep_ep.handles import LowLatencyHandle, _LowLatencyRoute
+from cute_ep.deep_ep.lifecycle import _Scope
+from cute_ep.deep_ep.pool import _CARRIER
+from cute_ep.deep_ep.utils import EventOverlap
+
+__all__ = ["LowLatencyMode"]
+
+
+class LowLatencyMode:
+    """DeepEP's low-latency calls of ``Buffer``. They use what ``BufferLifecycle`` sets (``runtime``,
+    ``group_size``, ``device``, ``backend``, ``_combined``, ``_ll_index``: DeepEP's buffer parity,
+    ``_ll_staging``), ``BufferPool``'s buffers and ``CallChecks``' checks."""
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """A barrier (collective): the kernels' signals never need cleaning (they count calls), so this
+        only keeps DeepEP's call sequence."""
+        self._check_alive()
+        del num_max_dispatch_tokens_per_rank, hidden, num_experts
+        self.runtime.barrier()
+
+    def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: Tensor | None = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False) -> tuple:
+        """DeepEP's low-latency dispatch, sync-free: ``(recv_x, recv_count, handle, event, hook)``.
+
+        recv_x [El, R * M, H] bf16 (x's dtype), or with ``use_fp8`` ``(q, scales)``: q [El, R * M, H]
+        float8_e4m3fn, scales [El, R * M, H / 128] fp32, or with ``use_ue8m0`` [El, R * M, ceil(H / 512)]
+        int32 (four exponent bytes each), both column-major in their last two dimensions as DeepEP's;
+        expert l's rows in slots [0, recv_count[l]) (M = num_max_dispatch_tokens_per_rank); recv_count [El]
+        int32; handle: ``LowLatencyHandle`` (src_info: each slot's token index on its source;
+        layout_range: ``(begin << 32) | rows`` per source rank). ``cumulative_local_expert_recv_stats`` [El]
+        int32 gets recv_count added.
+
+        The FP8 cast is DeepEP's (per 128 columns, amax at least 1e-4; ``round_scale``: power-of-two scales),
+        done on the sender in torch; the values and scales arrive bit for bit. Within an expert the blocks of
+        source ranks come in rank order, each source's tokens ascending (DeepEP's order depends on arrival).
+        ``return_recv_hook``: the data is complete when the call returns; the hook (call it, as with DeepEP)
+        does nothing. Results are fresh tensors (DeepEP's reuse two buffers). A token naming an expert twice
+        is refused. Work and memory traffic scale with the receive capacity (every row a rank could get), as
+        the host does not know the received count. x may be bf16, fp16 or fp32 and H any size the kernels
+        take (a multiple of 128 with FP8).
+
+        Raises:
+            NotImplementedError: ``dispatch_wait_recv_cost_stats`` (no per-peer wait timing).
+            ValueError: bad shapes or dtypes, more tokens than M, ``use_ue8m0`` without ``round_scale``, or
+                both ``async_finish`` and ``return_recv_hook`` (as DeepEP).
+        """
+        self._check_alive()
+        if dispatch_wait_recv_cost_stats is not None:
+            raise NotImplementedError(
+                "cute_ep.deep_ep: dispatch_wait_recv_cost_stats is not supported (the kernels do not time "
+                "their waits per peer); pass None"
+            )
+        m, world = num_max_dispatch_tokens_per_rank, self.group_size
+        stats = cumulative_local_expert_recv_stats
+        self._agreed("low_latency_dispatch", lambda: self._ll_dispatch_args(
+            x, topk_idx, m, num_experts, stats, use_fp8, round_scale, use_ue8m0, async_finish,
+            return_recv_hook), lambda _: {"x's dtype and hidden size": (str(x.dtype), x.shape[1]),
+                                          "num_max_dispatch_tokens_per_rank": m, "num_experts": num_experts,
+                                          "topk_idx's K": topk_idx.shape[1], "use_fp8": bool(use_fp8)},
+            synced=False)
+        el, hidden = num_experts // world, x.shape[1]
+        with _Scope(self, None, async_finish) as scope:
+            if use_fp8:
+                q, scale_inv = ll.cast_fp8_blocks(x, round_scale)
+                payload = ll.fp8_payload(q, scale_inv)
+            else:
+                payload = x.contiguous()
+            _, buf = self._buffer(payload.shape[1], payload.dtype, num_experts, topk_idx.shape[1], m)
+            self._ll_index ^= 1
+            weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=self.device)
+            res = self._dispatch_on(buf, payload, topk_idx.contiguous(), weights, "expert")
+            padded = ll.padded_layout(res.recv_x, res.recv_src, res.tokens_per_expert, world, m,
+                                      topk_idx.shape[1])
+            if use_fp8:
+                q_rows, s_rows = ll.split_fp8_payload(padded.rows, hidden)
+                recv_q = q_rows.contiguous()
+                slots, nsc = world * m, s_rows.shape[-1]
+                if use_ue8m0:
+                    packed = ll.ue8m0_pack(s_rows.reshape(-1, nsc)).view(el, slots, -1)
+                    scales = torch.empty((el, packed.shape[-1], slots), dtype=torch.int32, device=self.device)
+                else:
+                    packed = s_rows
+                    scales = torch.empty((el, nsc, slots), dtype=torch.float32, device=self.device)
+                scales = scales.transpose(1, 2)
+                scales.copy_(packed)
+                recv: Any = (recv_q, scales)
+            else:
+                recv = padded.rows
+            if stats is not None:
+                stats.add_(padded.count)
+            route = _LowLatencyRoute(res.handle, padded.slot, m, hidden, num_experts, x.shape[0])
+            handle = LowLatencyHandle((padded.src_info, padded.layout_range, m, hidden, num_experts), route)
+            outputs = (*(recv if isinstance(recv, tuple) else (recv,)), padded.count, padded.src_info,
+                       padded.layout_range, padded.slot)
+            event = scope.finish(outputs, (x, topk_idx, stats))
+        extra = (x, topk_idx, *outputs[:-1], stats) if async_finish else None
+        hook = _no_wait if return_recv_hook else None
+        return recv, padded.count, handle, EventOverlap(event, extra), hook
+
+    def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: tuple,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Tensor | None = None,
+                            combine_wait_recv_cost_stats: Tensor | None = None) -> tuple:
+        """DeepEP's low-latency combine: ``(combined_x [T, H], event, hook)``, combined_x[t] = the sum over k
+        ascending of topk_weights[t, k] * x[expert, slot of (t, k)], in fp32 (product and sum rounded
+        separately), rounded once; pairs whose ``topk_idx`` is -1 are skipped (the rest must be the
+        dispatch's ids). x [El, R * M, H] bf16 (fp16 / fp32 work too) in the dispatch's padded layout;
+        ``zero_copy``: read the rows from ``get_next_low_latency_combine_buffer(handle)`` instead of x;
+        ``out``: write the result there and return it. ``return_recv_hook`` as in ``low_latency_dispatch``.
+
+        Raises:
+            NotImplementedError: ``use_logfmt`` (no LogFMT format), ``combine_wait_recv_cost_stats``.
+            ValueError: bad shapes or dtypes, or both ``async_finish`` and ``return_recv_hook``.
+        """
+        self._check_alive()
+        if use_logfmt:
+            raise NotImplementedError("cute_ep.deep_ep: use_logfmt=True (LogFMT combine) is not supported; "
+                                      "the rows travel in x's dtype")
+        if combine_wait_recv_cost_stats is not None:
+            raise NotImplementedError("cute_ep.deep_ep: combine_wait_recv_cost_stats is not supported (the "
+                                      "kernels do not time their waits per peer); pass None")
+        route, src = self._agreed("low_latency_combine", lambda: self._ll_combine_args(
+            x, topk_idx, topk_weights, handle, zero_copy, out, async_finish and return_recv_hook), lambda r: {
+                "x's dtype": str(r[1].dtype),
+                "the handle's (num_max_dispatch_tokens_per_rank, hidden, num_experts)": (
+                    r[0].max_tokens, r[0].hidden, r[0].num_experts)}, synced=False)
+        hidden, k = route.hidden, route.dispatch_handle.topk_idx.shape[1]
+        with _Scope(self, None, async_finish) as scope:
+            key, buf = self._buffer(hidden, src.dtype, route.num_experts, k, route.max_tokens)
+            self._fence(key)
+            self._ll_index ^= 1
+            y = buf.expert_output(buf.cfg.capacity)
+            ll.expert_major_rows(src, route.slot, y)
+            sent = route.dispatch_handle
+            ids = torch.where(topk_idx < 0, torch.full_like(sent.topk_idx, -1), sent.topk_idx).contiguous()
+            combined = buf.combine(y, dataclasses.replace(sent, topk_idx=ids,
+                                                          topk_weights=topk_weights.contiguous()))
+            self._combined.add(key)
+            if out is not None:
+                out.copy_(combined)
+                combined = out
+            event = scope.finish((combined,), (x, topk_idx, topk_weights, *handle[:2]))
+        extra = (x, topk_idx, topk_weights, *handle[:2], combined) if async_finish else None
+        return combined, EventOverlap(event, extra), _no_wait if return_recv_hook else None
+
+    def _ll_combine_args(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, zero_copy: bool,
+                         out: Any, both_flags: bool) -> tuple[_LowLatencyRoute, Tensor]:
+        """``low_latency_combine``'s arguments checked on this rank: (the handle's route, the rows to read:
+        x, or with ``zero_copy`` the next staging tensor)."""
+        if both_flags:
+            raise ValueError("async_finish and return_recv_hook cannot both be set (as DeepEP)")
+        route = self._route(handle, LowLatencyHandle).cute_ep
+        world, el = self.group_size, route.num_experts // self.group_size
+        slots, hidden, t = world * route.max_tokens, route.hidden, route.num_tokens
+        k = route.dispatch_handle.topk_idx.shape[1]
+        check_tensors(self.device, x=(x, f"[{el}, {slots}, {hidden}] bfloat16", torch.bfloat16),
+                      topk_idx=(topk_idx, f"[{t}, {k}] int64", torch.int64),
+                      topk_weights=(topk_weights, f"[{t}, {k}] float32", torch.float32),
+                      out=(out, f"[{t}, {hidden}] bfloat16", torch.bfloat16))
+        src = self._staging(route)[self._ll_index] if zero_copy else x
+        if tuple(src.shape) != (el, slots, hidden):
+            raise ValueError(f"x must be [{el}, {slots}, {hidden}] (local experts, ranks x "
+                             f"num_max_dispatch_tokens_per_rank, hidden: the dispatch's padded layout), got "
+                             f"{list(src.shape)}")
+        _check_row_dtype("x", src, " (combine sums in float32)")
+        if tuple(topk_idx.shape) != (t, k) or topk_idx.dtype not in _ID_DTYPES:
+            raise ValueError(f"topk_idx must be [{t}, {k}] int64 (the dispatch's), got "
+                             f"{list(topk_idx.shape)} {topk_idx.dtype}")
+        if tuple(topk_weights.shape) != (t, k) or topk_weights.dtype != torch.float32:
+            raise ValueError(f"topk_weights must be [{t}, {k}] float32, got {list(topk_weights.shape)} "
+                             f"{topk_weights.dtype}")
+        if out is not None and (tuple(out.shape) != (t, hidden) or out.dtype != src.dtype):
+            raise ValueError(f"out must be [{t}, {hidden}] {src.dtype}, got {list(out.shape)} {out.dtype}")
+        self._check_device(x=src, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
+        if self.backend == "reference" or not topk_idx.is_cuda:  # on a GPU: a host sync, so not checked
+            self._check_same_ids(topk_idx, route.dispatch_handle.topk_idx)
+        return route, src
+
+    @staticmethod
+    def _check_same_ids(topk_idx: Tensor, sent: Tensor) -> None:
+        """low_latency_combine's ids: the dispatch's, or -1 (the pair is skipped)."""
+        differ = (topk_idx >= 0) & (topk_idx.long() != sent.long())
+        if bool(differ.any()):
+            t, j = (int(i) for i in differ.nonzero()[0])
+            raise ValueError(f"topk_idx must be the ids low_latency_dispatch was given, or -1 to skip a "
+                             f"pair, got {int(topk_idx[t, j])} at [{t}, {j}] where the dispatch had "
+                             f"{int(sent[t, j])}")
+
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> Tensor:
+        """The [El, R * M, H] bf16 tensor the next ``low_latency_combine(..., zero_copy=True)`` reads; fill it
+        with the experts' outputs. Two alternate, as DeepEP's (each low-latency call flips them). Plain
+        device memory: zero_copy saves no copy here."""
+        self._check_alive()
+        return self._staging(self._route(handle, LowLatencyHandle).cute_ep)[self._ll_index]
+
+    def _staging(self, route: _LowLatencyRoute) -> list[Tensor]:
+        key = (route.max_tokens, route.hidden, route.num_experts)
+        pair = self._ll_staging.setdefault(key, [None, None])
+        i = self._ll_index
+        if pair[i] is None:
+            el, slots = route.num_experts // self.group_size, self.group_size * route.max_tokens
+            pair[i] = torch.zeros((el, slots, route.hidden), dtype=_CARRIER, device=self.device)
+        return pair
+
+    # -- argument checks -------------------------------------------------------------------------
+
+    def _ll_dispatch_args(self, x: Any, topk_idx: Any, m: Any, num_experts: Any, stats: Any, use_fp8: bool,
+                          round_scale: bool, use_ue8m0: bool, async_finish: bool,
+                          return_recv_hook: bool) -> None:
+        """``low_latency_dispatch``'s arguments checked on this rank."""
+        check_tensors(self.device, x=(x, "[T, H] bfloat16", torch.bfloat16),
+                      topk_idx=(topk_idx, "[T, K] int64", torch.int64),
+                      cumulative_local_expert_recv_stats=(stats, "[El] int32", torch.int32))
+        self._check_ll_inputs(x, topk_idx, m, num_experts, use_fp8)
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0=True needs round_scale=True (as DeepEP)")
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be set (as DeepEP)")
+        el = num_experts // self.group_size
+        if stats is not None and (tuple(stats.shape) != (el,) or stats.dtype != torch.int32):
+            raise ValueError(f"cumulative_local_expert_recv_stats must be [{el}] int32, got "
+                             f"{list(stats.shape)} {stats.dtype}")
+        self._check_device(x=x, topk_idx=topk_idx, cumulative_local_expert_recv_stats=stats)
+        if self.backend == "reference" or not topk_idx.is_cuda:  # on a GPU the kernels check them
+            check_expert_ids(topk_idx, num_experts)
+
+    def _check_ll_inputs(self, x: Tensor, topk_idx: Tensor, m: Any, num_experts: Any, use_fp8: bool) -> None:
+        if x.dim() != 2 or (x.shape[1] * x.element_size()) % 16:
+            raise ValueError(f"x must be [T, H] with rows a multiple of 16 bytes, got {list(x.shape)} "
+                             f"{x.dtype}")
+        _check_row_dtype("x", x)
+        if use_fp8 and x.shape[1] % 128:
+            raise ValueError(f"use_fp8 needs hidden to be a multiple of 128, got {x.shape[1]}")
+        if not isinstance(m, numbers.Integral) or m < 1:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank must be an int >= 1, got {m!r}")
+        if x.shape[0] > m:
+            raise ValueError(f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank={m}")
+        t = x.shape[0]
+        if topk_idx.dim() != 2 or topk_idx.shape[0] != t or topk_idx.dtype not in _ID_DTYPES:
+            raise ValueError(f"topk_idx must be [{t}, K] int64, got {list(topk_idx.shape)} {topk_idx.dtype}")
+        self._check_num_experts(num_experts)
+
+
+def _no_wait() -> None:
+    """The receive hook: the data is already complete (``low_latency_dispatch``)."""

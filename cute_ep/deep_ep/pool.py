@@ -1,0 +1,140 @@
+"""The backends' buffers of a ``cute_ep.deep_ep.Buffer`` (``BufferPool``): one per shape (row width, dtype,
+experts, top-k, max_tokens), built on first use and kept, the least recently used freed when a new one
+would exceed the byte budget; the fence before a buffer's expert outputs are written again; and the
+bytes a call shape needs (``get_symmetric_bytes_hint``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cute_ep.deep_ep import normal
+from cute_ep.deep_ep.checks import agree
+from cute_ep.deep_ep.lifecycle import BUDGET_ENV_VAR
+from cute_ep.kernels.config import EpConfig
+
+__all__ = ["MIN_BUCKET", "BufferPool"]
+
+MIN_BUCKET = 64
+"""The least max_tokens of a normal-mode buffer (larger ones are powers of two)."""
+_CARRIER = torch.bfloat16
+
+
+def _bucket(tokens: int) -> int:
+    return max(MIN_BUCKET, 1 << max(0, tokens - 1).bit_length())
+
+
+class BufferPool:
+    """The backends' buffers of ``Buffer``, keyed by shape. They use what ``BufferLifecycle`` sets
+    (``group``, ``group_size``, ``runtime``, ``backend``, ``device``, ``symmetric_bytes``, ``_registry``,
+    ``_sm_cap``, ``_nccl``, ``_buffers``: key -> buffer, least recently used first, ``_combined``) and
+    ``_buffer_sms()``: ``Buffer.num_sms``, the SMs of a buffer built now."""
+
+    @staticmethod
+    def get_symmetric_bytes_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, *,
+                                 num_topk: int = 0, num_experts: int = 0, fp8: bool = False,
+                                 low_latency: bool = False, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of symmetric buffers one call shape needs on GPUs (cute-ep's own, beside DeepEP's hints).
+
+        Normal mode: a dispatch of ``dtype`` rows (``fp8``: e4m3 with fp32 scales per 128 columns), with
+        ``num_topk`` ids and weights riding along (0: none), and the combine of its rows. Low-latency
+        mode (``low_latency``): a dispatch to ``num_experts`` experts with top-``num_topk`` (``fp8``:
+        use_fp8) and its combine. ``num_max_tokens_per_rank`` is rounded to the normal mode's bucket."""
+        def cfg(width: int, dt: torch.dtype, experts: int, topk: int, tokens: int) -> EpConfig:
+            return EpConfig(world_size=num_ranks, local_world_size=num_ranks, num_experts=experts, topk=topk,
+                            hidden=width, dtype=dt, max_tokens=tokens)
+
+        if low_latency:
+            m = num_max_tokens_per_rank
+            combine = cfg(hidden, _CARRIER, num_experts, num_topk, m)
+            if not fp8:
+                return combine.symmetric_bytes()
+            width = -(-(hidden + 4 * (hidden // 128)) // 16) * 8
+            dispatch = cfg(width, _CARRIER, num_experts, num_topk, m)
+            return combine.symmetric_bytes() + dispatch.symmetric_bytes()
+        m = _bucket(num_max_tokens_per_rank)
+        fmt = normal.RowFormat(torch.float8_e4m3fn if fp8 else dtype, hidden,
+                               torch.float32 if fp8 else None, hidden // 128 if fp8 else 0, num_topk)
+        combine = cfg(hidden, dtype, num_ranks, num_ranks, m)
+        total = combine.symmetric_bytes()
+        if fp8 or not fmt.passthrough or dtype != _CARRIER:
+            total += cfg(fmt.elems, _CARRIER, num_ranks, num_ranks, m).symmetric_bytes()
+        return total
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Any = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> Tensor:
+        """Not supported: there is no single raw buffer (``NotImplementedError``)."""
+        raise NotImplementedError(
+            "cute_ep.deep_ep: get_local_buffer_tensor is not supported: the buffers are per shape "
+            "(EpBuffer's recv_x / recv_y), not one raw byte range"
+        )
+
+    def _used_bytes(self) -> int:
+        return sum(b.cfg.symmetric_bytes() for b in self._buffers.values())
+
+    def _buffer(self, hidden: int, dtype: torch.dtype, num_experts: int, topk: int, max_tokens: int
+                ) -> tuple[tuple, Any]:
+        """(key, the backend's buffer) for rows of ``hidden`` ``dtype`` elements, ``num_experts`` experts,
+        top-``topk``, ``max_tokens`` tokens per rank: the one built before, or a new one (collective)."""
+        key = (hidden, dtype, num_experts, topk, max_tokens)
+        buf = self._buffers.get(key)
+        if buf is not None:
+            self._buffers.move_to_end(key)
+            return key, buf
+        if self.group_size > 1:  # a collective build: every rank must build the same (else a ConfigError)
+            name = ("the buffers' (row width, dtype, experts, top-k, tokens per rank): x's dtype and hidden "
+                    "size, num_experts, top-k and num_max_dispatch_tokens_per_rank")
+            agree(self.runtime.cpu_group, "cute_ep.deep_ep: building the buffers of a new shape", None,
+                  {name: (hidden, str(dtype), num_experts, topk, max_tokens)})
+        env = self.runtime.env
+        cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
+                       num_experts=num_experts, topk=topk, hidden=hidden, dtype=dtype, max_tokens=max_tokens,
+                       num_sms=min(self._buffer_sms(), self._sm_cap) if self.backend == "cute" else 0)
+        if self.backend == "cute":
+            from cute_ep.buffer import EpBuffer
+
+            need = cfg.symmetric_bytes()
+            if need > self.symmetric_bytes:
+                raise ValueError(
+                    f"cute_ep.deep_ep: rows of {hidden} x {dtype} with {num_experts} experts, top-{topk} and "
+                    f"up to {max_tokens} tokens per rank need {need} bytes of symmetric buffers, more than "
+                    f"this Buffer's budget of {self.symmetric_bytes} (num_nvl_bytes + num_rdma_bytes); "
+                    f"create the Buffer with symmetric_bytes >= {need}, or set {BUDGET_ENV_VAR}"
+                )
+            while self._buffers and self._used_bytes() + need > self.symmetric_bytes:
+                old = next(iter(self._buffers))  # the least recently used; every rank evicts the same
+                self._buffers.pop(old).close()
+                self._combined.discard(old)
+            buf = EpBuffer(self.runtime, cfg, registry=self._registry)
+        else:
+            from cute_ep.reference_backend import ReferenceEpBuffer
+
+            buf = ReferenceEpBuffer(self.runtime, cfg)
+        self._buffers[key] = buf
+        return key, buf
+
+    def _bucketed(self, hidden: int, dtype: torch.dtype, num_experts: int, topk: int, tokens: int) -> int:
+        """max_tokens for a normal-mode dispatch of up to ``tokens`` tokens per rank: the least built buffer
+        of this shape that holds them, else the bucket (every rank decides alike)."""
+        want = _bucket(tokens)
+        built = [k[4] for k in self._buffers if k[:4] == (hidden, dtype, num_experts, topk) and k[4] >= want]
+        return min(built, default=want)
+
+    def _dispatch_on(self, buf: Any, x: Tensor, ids: Tensor, weights: Tensor, layout: str) -> Any:
+        self._combined.clear()  # a dispatch orders every rank's earlier combines before later writes
+        return buf.dispatch(x, ids, weights, layout=layout, sync=False)
+
+    def _fence(self, key: tuple) -> None:
+        """Before writing a buffer's expert outputs again without a dispatch in between (GPU kernels
+        only): wait until every peer's previous combine, which reads them, is done (one small all-reduce
+        on the communication stream)."""
+        if self.backend != "cute" or key not in self._combined or self.group_size == 1:
+            return
+        if self._nccl:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+        else:  # a host barrier orders device work only after a device sync
+            self.runtime.barrier()
