@@ -229,9 +229,10 @@ def format_gib(nbytes: int) -> str:
 def share_unique_id(group: Any, make_uid: Callable[[], numpy.ndarray], rank: int) -> numpy.ndarray:
     """Rank 0 of `group` calls `make_uid()`; every rank returns the same bytes as a uint8 array.
 
-    `group` must handle CPU tensors (gloo, or a ``cpu:gloo,...`` default group); None means the
-    default group. `rank` is the caller's rank in `group`. The length is broadcast first, so any
-    id size works (NVSHMEM's is 128 bytes).
+    None means the default group. `rank` is the caller's rank in `group`. On a group that handles CPU
+    tensors (gloo, or a ``cpu:gloo,...`` group) the length is broadcast first, then the bytes, so any id
+    size works (NVSHMEM's is 128 bytes); a pure NCCL group carries no CPU tensors, so there the bytes go
+    as one pickled object (staged on the current CUDA device).
     """
     import numpy as np
     import torch
@@ -241,6 +242,11 @@ def share_unique_id(group: Any, make_uid: Callable[[], numpy.ndarray], rank: int
     if rank != group_rank:
         raise ValueError(f"rank={rank} but this process is rank {group_rank} of the group")
     src = 0 if group is None else dist.get_global_rank(group, 0)
+
+    if dist.get_backend(group) == "nccl":
+        box = [np.ascontiguousarray(make_uid()).view(np.uint8).tobytes() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return np.frombuffer(box[0], dtype=np.uint8).copy()
 
     if rank == 0:
         payload = np.ascontiguousarray(make_uid()).view(np.uint8).reshape(-1).copy()
@@ -376,7 +382,6 @@ class Runtime:
         self.device = torch.device("cpu")
 
     def _start_nvshmem(self) -> None:
-        import numpy as np
         import torch
         import torch.distributed as dist
 
@@ -399,16 +404,14 @@ class Runtime:
         self.placement = placement
         # Heap size first: NVSHMEM reads the variable when it initialises, and a user error here
         # should surface before any rendezvous.
+        from .nvshmem_start import size_symmetric_heap, start_nvshmem
+
+        heap = size_symmetric_heap(self.symmetric_bytes, placement.gpu, ranks_per_gpu=placement.ranks_per_gpu,
+                                   shared_gpu=placement.shared, fit_hint=self.fit_hint)
         # Remember whether the size is ours: a later Runtime in this process must not take it for
         # the user's setting.
-        self._heap_env_set_here = HEAP_ENV_VAR not in os.environ
-        self.symmetric_size = configure_symmetric_heap(
-            heap_bytes_for(self.symmetric_bytes, shared_gpu=placement.shared),
-            minimum_bytes=self.symmetric_bytes,
-        )
-        if placement.ranks_per_gpu > 1:
-            total = torch.cuda.get_device_properties(placement.gpu).total_memory
-            check_heap_fits(self.symmetric_size, placement.ranks_per_gpu, total, self.fit_hint)
+        self._heap_env_set_here = heap.set_here
+        self.symmetric_size = heap.size
 
         torch.cuda.set_device(placement.gpu)
         self.device = torch.device("cuda", placement.gpu)
@@ -430,29 +433,8 @@ class Runtime:
                 gloo_kwargs["timeout"] = self.timeout
             self.cpu_group = dist.new_group(**gloo_kwargs)
 
-        import nvshmem.core as nvshmem
-
-        device = _cuda_core_device(placement.gpu)
-        device.set_current()  # NVSHMEM initialises on the current context: make it this GPU's
-
-        if env.rank == 0:
-            uid = nvshmem.get_unique_id()
-        else:
-            uid = nvshmem.get_unique_id(empty=True)
-        # uid._data is a one-element numpy record array (128 bytes); view it as raw bytes.
-        uid_bytes = uid._data.view(np.uint8)
-        shared = share_unique_id(self.cpu_group, lambda: uid_bytes.copy(), env.rank)
-        if shared.size != uid_bytes.size:
-            raise RuntimeError(f"NVSHMEM unique id is {uid_bytes.size} bytes here, got {shared.size}")
-        uid_bytes[:] = shared
-
-        nvshmem.init(device=device, uid=uid, rank=env.rank, nranks=env.world_size, initializer_method="uid")
+        start_nvshmem(self.cpu_group, env.rank, env.world_size, placement.gpu, heap)
         self._nvshmem_up = True
-        pe, npes = nvshmem.my_pe(), nvshmem.n_pes()
-        if (pe, npes) != (env.rank, env.world_size):
-            raise RuntimeError(
-                f"NVSHMEM reports PE {pe} of {npes}, expected rank {env.rank} of {env.world_size}"
-            )
 
     def _measure_sm_share(self, placement: GpuPlacement) -> None:
         """The GPU's SM count and this rank's share of it; refuse a shared GPU that MPS does not serve.
@@ -637,12 +619,3 @@ def start(
     """Create and start a `Runtime`; use it as ``with start(env, ...) as rt:``."""
     return Runtime(env, symmetric_bytes=symmetric_bytes, backend=backend, timeout=timeout,
                    fit_hint=fit_hint).start()
-
-
-def _cuda_core_device(index: int) -> Any:
-    """cuda.core's Device for GPU `index` (older cuda-core releases keep it in `experimental`)."""
-    try:
-        from cuda.core import Device
-    except ImportError:
-        from cuda.core.experimental import Device
-    return Device(index)

@@ -10,8 +10,10 @@ dispatch and its combine may use buffers of different row widths here.
 NVSHMEM: DeepEP's ``Buffer`` starts NVSHMEM itself, and so does the first "cute" Buffer of a process: its
 PEs are the group's ranks (NVSHMEM's unique id is broadcast over the group), and its symmetric heap is
 sized once, from that Buffer's byte budget (``NVSHMEM_SYMMETRIC_SIZE`` set by the user wins, if it holds
-the budget). Later Buffers of the process share it (same group only, and a budget that fits the heap);
-``destroy()`` of the last one finalizes it.
+the budget). The start is ``cute_ep.bootstrap.nvshmem_start.start_nvshmem``, the one ``Runtime`` makes, with
+its checks: where ranks of the group share a GPU, the heaps follow the shared-GPU rule and must fit the GPU
+together (``HeapConfigError`` otherwise). Later Buffers of the process share it (same group only, and a
+budget that fits the heap); ``destroy()`` of the last one finalizes it.
 """
 
 from __future__ import annotations
@@ -135,37 +137,19 @@ class NvshmemSession:
     current: NvshmemSession | None = None
 
     def __init__(self, runtime: GroupRuntime, budget: int) -> None:
-        import numpy as np
-
         from cute_ep.bootstrap.compile import ModuleRegistry
-        from cute_ep.bootstrap.runtime import (
-            HEAP_ENV_VAR,
-            _cuda_core_device,
-            configure_symmetric_heap,
-            heap_bytes_for,
-            parse_size,
-        )
+        from cute_ep.bootstrap.nvshmem_start import start_nvshmem
 
         self.ranks = _group_ranks(runtime.group)
         self.users = 0
-        self._heap_env_set_here = HEAP_ENV_VAR not in os.environ
-        heap = configure_symmetric_heap(heap_bytes_for(budget), minimum_bytes=budget)
-        self.heap_bytes = parse_size(heap)
         self.budget = budget
-        import nvshmem.core as nvshmem
-
         index = runtime.device.index if runtime.device.index is not None else torch.cuda.current_device()
-        device = _cuda_core_device(index)
-        device.set_current()
         env = runtime.env
-        uid = nvshmem.get_unique_id() if env.rank == 0 else nvshmem.get_unique_id(empty=True)
-        raw = uid._data.view(np.uint8)
-        box = [raw.tobytes() if env.rank == 0 else None]
-        if env.world_size > 1:
-            src = dist.get_global_rank(runtime.group, 0) if runtime.group is not dist.group.WORLD else 0
-            dist.broadcast_object_list(box, src=src, group=runtime.group)
-        raw[:] = np.frombuffer(box[0], dtype=np.uint8)
-        nvshmem.init(device=device, uid=uid, rank=env.rank, nranks=env.world_size, initializer_method="uid")
+        sharing = _most_ranks_on_one_gpu(runtime.group, env.world_size, index)
+        heap = start_nvshmem(runtime.group, env.rank, env.world_size, index, budget, ranks_per_gpu=sharing,
+                             shared_gpu=sharing > 1, fit_hint=_buffer_fit_hint)
+        self._heap_env_set_here = heap.set_here
+        self.heap_bytes = heap.nbytes
         self.registry = ModuleRegistry(device_id=index)
         NvshmemSession.current = self
 
@@ -197,15 +181,33 @@ class NvshmemSession:
         self.users -= 1
         if self.users > 0:
             return
-        import nvshmem.core as nvshmem
-
+        from cute_ep.bootstrap.nvshmem_start import nvshmem_core
         from cute_ep.bootstrap.runtime import HEAP_ENV_VAR
 
         NvshmemSession.current = None
         self.registry.finalize_all()
-        nvshmem.finalize()
+        nvshmem_core().finalize()
         if self._heap_env_set_here:
             os.environ.pop(HEAP_ENV_VAR, None)
+
+
+def _buffer_fit_hint(room: int) -> str:
+    """What a Buffer may ask for when its heap must fit a GPU that ranks share (``room``: the most bytes of
+    symmetric buffers per rank that fit)."""
+    return (f"for a Buffer, num_nvl_bytes + num_rdma_bytes (or symmetric_bytes=, or "
+            f"CUTE_EP_DEEP_EP_SYMMETRIC_BYTES) of at most {room} bytes")
+
+
+def _most_ranks_on_one_gpu(group: Any, world: int, index: int) -> int:
+    """The most ranks of ``group`` that one GPU serves (1 in a world of one), every rank's GPU ``index``
+    told apart by its UUID (collective), so ranks on different hosts or with different CUDA_VISIBLE_DEVICES
+    never count as sharing. The most over the group, not this rank's own count: every rank then sizes the
+    same heap and makes the same fit check, so a refused heap stops every rank before the unique id's
+    broadcast, where the others would wait."""
+    if world == 1:
+        return 1
+    gpus = all_gather_objects(str(torch.cuda.get_device_properties(index).uuid), group)
+    return max(gpus.count(gpu) for gpu in gpus)
 
 
 def _group_ranks(group: Any) -> tuple[int, ...]:
