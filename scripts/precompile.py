@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         target_arch,
         use_cpu_target,
     )
-    from cute_ep.kernels import swiglu
+    from cute_ep.kernels import swiglu, token_layout
     from cute_ep.kernels.config import EpConfig
     from cute_ep.kernels.host import build
 
@@ -210,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
                     registry.get(skey, lambda d=direction, n=name: swiglu.build(d, DTYPES[n]))
                 how = "loaded (already there)" if registry.loads > loads else "compiled"
                 say(f"{name} SwiGLU {direction}: {how} in {time.perf_counter() - t0:.1f} s")
+    # cute_ep.deep_ep's get_dispatch_layout kernel, per id type (no element type; seconds to build)
+    for id_type in token_layout.ID_TYPES:
+        loads, t0 = registry.loads, time.perf_counter()
+        with watched_compile(f"token layout ({id_type} ids)", args.progress_every):
+            registry.get(token_layout.compile_key(id_type), lambda i=id_type: token_layout.build(i))
+        how = "loaded (already there)" if registry.loads > loads else "compiled"
+        say(f"token layout ({id_type} ids): {how} in {time.perf_counter() - t0:.1f} s")
     return 0
 
 

@@ -18,6 +18,7 @@ from cute_ep.deep_ep.checks import _ID_DTYPES, _check_row_dtype, check_expert_id
 from cute_ep.deep_ep.handles import NormalHandle, _NormalRoute
 from cute_ep.deep_ep.lifecycle import _Scope
 from cute_ep.deep_ep.pool import _CARRIER
+from cute_ep.deep_ep.token_layout import TokenLayout, shared_token_layout
 from cute_ep.deep_ep.utils import Config, EventOverlap
 
 __all__ = ["NormalMode"]
@@ -59,7 +60,9 @@ class NormalMode:
         """DeepEP's layout: (num_tokens_per_rank [R] int32, None (no RDMA ranks), num_tokens_per_expert [E]
         int32, is_token_in_rank [T, R] bool, event). topk_idx [T, K] int64 (int32 accepted), -1: none. Exact;
         ids outside [-1, E) raise ValueError (DeepEP defines -1, no expert, and the experts; on a GPU they are
-        not checked here: that is a host sync, which this call makes none of). Local: no collective."""
+        not checked here: that is a host sync, which this call makes none of; they count nowhere). Local: no
+        collective. On the CuTe backend one kernel launch (up to 8192 experts and 64 ranks; beyond, torch
+        operations with the same results)."""
         self._check_alive()
         self._check_comm_flags(previous_event, async_finish, allocate_on_comm_stream)
         check_tensors(self.device, topk_idx=(topk_idx, "[T, K] int64", torch.int64))
@@ -70,7 +73,12 @@ class NormalMode:
         if not topk_idx.is_cuda:
             check_expert_ids(topk_idx, num_experts)
         with _Scope(self, previous_event, async_finish) as scope:
-            per_rank, per_expert, in_rank = normal.dispatch_layout(topk_idx, num_experts, self.group_size)
+            if self.backend == "cute" and TokenLayout.fits(topk_idx, num_experts, self.group_size):
+                # one launch (kernels/token_layout.py) instead of a dozen torch operations
+                layout = shared_token_layout()(topk_idx, num_experts, self.group_size)
+            else:
+                layout = normal.dispatch_layout(topk_idx, num_experts, self.group_size)
+            per_rank, per_expert, in_rank = layout
         event = scope.finish((per_rank, per_expert, in_rank), (topk_idx,))
         return per_rank, None, per_expert, in_rank, EventOverlap(event)
 

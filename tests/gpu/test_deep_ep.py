@@ -238,6 +238,45 @@ def test_sync_free_calls_make_no_host_sync(runtime, buffers, calls: str) -> None
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_layout_kernel_matches_torch(runtime, buffers, id_dtype: torch.dtype) -> None:
+    """get_dispatch_layout on the kernels' Buffer (one launch of kernels/token_layout.py) against the torch
+    form on the CPU, bit for bit: DeepSeek's and DeepEP's low-latency expert counts, top-k 1 to 64, no
+    tokens and one token, -1 ids, and ids outside [-1, E) (counted nowhere; a GPU call does not check
+    them); no host sync once compiled. Local to each rank (no collective)."""
+    from cute_ep.deep_ep import normal
+    from cute_ep.deep_ep.token_layout import TokenLayout
+
+    kern, _ = buffers
+    rank, world = runtime.env.rank, runtime.env.world_size
+    g = torch.Generator().manual_seed(runtime.seed * 1000 + 7 * rank + (id_dtype == torch.int32))
+    big = 2**40 if id_dtype == torch.int64 else 2**31 - 1
+    cases = [(0, 8, 256), (1, 1, 1), (4096, 8, 256), (333, 9, 288), (128, 64, 64), (50, 33, 300)]
+    for i, (tokens, topk, per) in enumerate(cases):
+        experts = world * -(-per // world)
+        idx = torch.rand(tokens, experts, generator=g).topk(topk, dim=1).indices  # distinct experts
+        idx[torch.rand(tokens, topk, generator=g) < 0.1] = -1
+        if i % 2 and tokens:
+            bad = torch.rand(tokens, topk, generator=g) < 0.05
+            idx[bad] = torch.tensor([experts, experts + 5, -7, big])[torch.randint(0, 4, (int(bad.sum()),),
+                                                                                     generator=g)]
+        idx = idx.to(id_dtype)
+        gpu = idx.to(runtime.device)
+        assert TokenLayout.fits(gpu, experts, world), (tokens, topk, experts)
+        got = kern.get_dispatch_layout(gpu, experts)
+        want = normal.dispatch_layout(idx, experts, world)
+        for name, a, b in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"),
+                              (got[0], got[2], got[3]), want, strict=True):
+            assert_same(f"{name} (T={tokens}, K={topk}, E={experts})", a, b)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kern.get_dispatch_layout(gpu, experts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
 def test_low_latency_in_a_cuda_graph(runtime, buffers) -> None:
     """low_latency_dispatch -> experts -> low_latency_combine captured once, replayed with new inputs: the
     same outputs as eager calls."""

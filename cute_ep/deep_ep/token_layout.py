@@ -1,0 +1,88 @@
+"""``Buffer.get_dispatch_layout`` on a GPU in one launch: the compiled ``TokenLayoutKernel``
+(kernels/token_layout.py) and its call. Its results equal ``cute_ep.deep_ep.normal.dispatch_layout``'s,
+the torch form the CPU backends use (and the GPU where the kernel's bounds do not hold).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["TokenLayout"]
+
+_ID_TYPES = {torch.int64: "int64", torch.int32: "int32"}
+
+
+class TokenLayout:
+    """The layout launch and its compiled functions, one per id type, made on first use (``registry``: a
+    ``cute_ep.bootstrap.compile.ModuleRegistry`` that registers nothing with NVSHMEM; default: a new one,
+    which honours ``CUTE_EP_COMPILE_CACHE``)."""
+
+    def __init__(self, registry: Any = None) -> None:
+        if registry is None:
+            from cute_ep.bootstrap.compile import ModuleRegistry
+
+            registry = ModuleRegistry(register=False, max_alive=4)
+        self.registry = registry
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def fits(topk_idx: Tensor, num_experts: int, num_ranks: int, *, on_gpu: bool | None = None) -> bool:
+        """Whether the kernel takes this layout: CUDA ids (``on_gpu`` overrides the device check) of int64
+        or int32, E and R within its shared-memory bounds, sizes that index in int32."""
+        from cute_ep.kernels.token_layout import MAX_EXPERTS, MAX_RANKS
+
+        on_gpu = topk_idx.is_cuda if on_gpu is None else on_gpu
+        t, k = topk_idx.shape
+        return (on_gpu and topk_idx.dtype in _ID_TYPES and num_experts <= MAX_EXPERTS
+                and num_ranks <= MAX_RANKS and t * max(k, num_ranks) < 2**31)
+
+    def compiled(self, id_dtype: torch.dtype) -> Any:
+        """The compiled layout for topk_idx of ``id_dtype`` (torch.int64 or torch.int32)."""
+        from cute_ep.kernels import token_layout as k
+
+        name = _ID_TYPES[id_dtype]
+        with self._lock:
+            return self.registry.get(k.compile_key(name), lambda: k.build(name))
+
+    def __call__(self, topk_idx: Tensor, num_experts: int, num_ranks: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)
+        of topk_idx [T, K] (``fits``), enqueued on the current stream; new tensors, no host sync."""
+        import cuda.bindings.driver as cuda
+        from cutlass import Int32, Int64, Uint8
+        from cutlass.cute import AddressSpace
+        from cutlass.cute.runtime import make_ptr
+
+        from cute_ep.launcher import current_stream_handle
+
+        ids = topk_idx.contiguous()
+        t, k = ids.shape
+        dev = ids.device
+        in_rank = torch.empty((t, num_ranks), dtype=torch.bool, device=dev)
+        per_rank = torch.empty(num_ranks, dtype=torch.int32, device=dev)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        fn = self.compiled(ids.dtype)
+        elem = Int64 if ids.dtype == torch.int64 else Int32
+        gmem = AddressSpace.gmem
+        fn(make_ptr(elem, ids.data_ptr(), gmem, assumed_align=ids.element_size()),
+           make_ptr(Uint8, in_rank.data_ptr(), gmem, assumed_align=1),
+           make_ptr(Int32, per_rank.data_ptr(), gmem, assumed_align=4),
+           make_ptr(Int32, per_expert.data_ptr(), gmem, assumed_align=4), Int32(t), Int32(k),
+           Int32(num_experts), Int32(num_ranks), cuda.CUstream(current_stream_handle(dev.index)))
+        return per_rank, per_expert, in_rank
+
+
+_SHARED: TokenLayout | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_token_layout() -> TokenLayout:
+    """The process's ``TokenLayout`` (its compiled functions serve every Buffer)."""
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = TokenLayout()
+        return _SHARED
