@@ -61,6 +61,42 @@ class Launcher:
         self._run()
 
 
+class PreparedCall:
+    """Calls a compiled function with separate arguments (pointers, int32 scalars, the stream) through
+    argument storage made once, as ``Launcher`` does for the module's bundle: a call writes each
+    argument's new value into its storage and runs the packed address list (``packed_runner``), with
+    none of the DSL's per-call conversion (nor a ``make_ptr`` per pointer).
+
+    compiled: the function; args: stand-ins of its arguments, in order (``make_ptr`` pointers, ``Int32``
+    scalars, a ``CUstream``), kept alive here (the storage is theirs); kinds: per argument "ptr",
+    "i32" or "stream".
+    """
+
+    _SLOT = {"ptr": "c_uint64", "i32": "c_int32", "stream": "c_uint64"}
+
+    def __init__(self, compiled, args: tuple, kinds: tuple[str, ...]) -> None:
+        import ctypes
+
+        if len(args) != len(kinds) or any(k not in self._SLOT for k in kinds):
+            raise ValueError(f"kinds must name each of the {len(args)} arguments as one of "
+                             f"{sorted(self._SLOT)}, got {kinds}")
+        exe, adapted = compiled.generate_execution_args(*args)
+        self._keep = (args, adapted, exe)
+        addrs = [a if isinstance(a, int) else a.value for a in exe]
+        if len(addrs) != len(args):
+            raise RuntimeError(f"unexpected argument layout of the compiled function: {len(addrs)} storage "
+                               f"addresses for {len(args)} arguments")
+        self.slots = [getattr(ctypes, self._SLOT[k]).from_address(a)
+                      for k, a in zip(kinds, addrs, strict=True)]
+        self._run = packed_runner(compiled, exe)
+
+    def __call__(self, *values: int) -> None:
+        """One call with these argument values (device addresses, integers, the raw stream handle)."""
+        for slot, value in zip(self.slots, values, strict=True):
+            slot.value = value
+        self._run()
+
+
 def packed_runner(compiled, exe: list) -> Callable[[], None]:
     """A function that runs ``compiled`` on the argument storage ``exe`` points into.
 

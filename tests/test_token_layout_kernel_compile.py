@@ -86,3 +86,28 @@ def test_fits_names_what_the_kernel_takes():
     huge = torch.empty(2**28, 8, dtype=torch.int64, device="meta")  # 2**31 pairs: past int32 indexing
     assert not TokenLayout.fits(huge, 256, 4, on_gpu=True)
     assert TokenLayout.fits(huge[: 2**28 - 1], 256, 4, on_gpu=True)
+
+
+def test_the_prepared_call_writes_each_argument_where_the_compiled_function_reads_it():
+    """TokenLayout launches through a PreparedCall: its slots are the compiled function's own argument
+    storage (they read back the stand-ins' values in argument order), and a call writes each value into
+    its slot before the packed launch (run here by a stand-in: no GPU)."""
+    use_cpu_target()
+    from cute_ep.deep_ep.token_layout import TokenLayout
+    from cute_ep.launcher import PreparedCall
+
+    registry = ModuleRegistry(register=False)
+    registry.disk = None
+    layout = TokenLayout(registry)
+    call = layout.prepared(torch.int32)
+    assert layout.prepared(torch.int32) is call  # made once
+    # kernels/token_layout.py's example_args: four pointers, then T, K, E, R, then stream 0
+    assert [s.value for s in call.slots] == [1 << 20, 1 << 21, 1 << 22, 1 << 23, 64, 8, 256, 4, 0]
+    seen = []
+    call._run = lambda: seen.append([s.value for s in call.slots])
+    call(0x7000, 0x8000, 0x9000, 0xA000, 4096, 9, 288, 8, 0x1234)
+    assert seen == [[0x7000, 0x8000, 0x9000, 0xA000, 4096, 9, 288, 8, 0x1234]]
+    call(0x7000, 0x8000, 0x9000, 0xA000, 0, 9, 288, 8, 0x1234)
+    assert seen[-1][4] == 0
+    with pytest.raises(ValueError, match="kinds must name each of the 2 arguments"):
+        PreparedCall(layout.compiled(torch.int32), (1, 2), ("ptr", "float"))

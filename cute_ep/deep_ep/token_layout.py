@@ -14,6 +14,9 @@ from torch import Tensor
 __all__ = ["TokenLayout"]
 
 _ID_TYPES = {torch.int64: "int64", torch.int32: "int32"}
+# the kernel's arguments (kernels/token_layout.py): topk_idx, in_rank, per_rank, per_expert, T, K, E, R,
+# stream
+_KINDS = ("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "stream")
 
 
 class TokenLayout:
@@ -28,6 +31,7 @@ class TokenLayout:
             registry = ModuleRegistry(register=False, max_alive=4)
         self.registry = registry
         self._lock = threading.Lock()
+        self._calls: dict[torch.dtype, Any] = {}
 
     @staticmethod
     def fits(topk_idx: Tensor, num_experts: int, num_ranks: int, *, on_gpu: bool | None = None) -> bool:
@@ -48,14 +52,21 @@ class TokenLayout:
         with self._lock:
             return self.registry.get(k.compile_key(name), lambda: k.build(name))
 
+    def prepared(self, id_dtype: torch.dtype) -> Any:
+        """The compiled layout for ``id_dtype`` behind a ``cute_ep.launcher.PreparedCall`` (made once):
+        why: the DSL's own call converts its nine arguments anew each time."""
+        if id_dtype not in self._calls:
+            from cute_ep.kernels.token_layout import example_args
+            from cute_ep.launcher import PreparedCall
+
+            fn = self.compiled(id_dtype)
+            with self._lock:
+                self._calls.setdefault(id_dtype, PreparedCall(fn, example_args(_ID_TYPES[id_dtype]), _KINDS))
+        return self._calls[id_dtype]
+
     def __call__(self, topk_idx: Tensor, num_experts: int, num_ranks: int) -> tuple[Tensor, Tensor, Tensor]:
         """(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)
         of topk_idx [T, K] (``fits``), enqueued on the current stream; new tensors, no host sync."""
-        import cuda.bindings.driver as cuda
-        from cutlass import Int32, Int64, Uint8
-        from cutlass.cute import AddressSpace
-        from cutlass.cute.runtime import make_ptr
-
         from cute_ep.launcher import current_stream_handle
 
         ids = topk_idx.contiguous()
@@ -64,16 +75,11 @@ class TokenLayout:
         in_rank = torch.empty((t, num_ranks), dtype=torch.bool, device=dev)
         per_rank = torch.empty(num_ranks, dtype=torch.int32, device=dev)
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        fn = self.compiled(ids.dtype)
-        elem = Int64 if ids.dtype == torch.int64 else Int32
-        gmem = AddressSpace.gmem
-        fn(make_ptr(elem, ids.data_ptr(), gmem, assumed_align=ids.element_size()),
-           make_ptr(Uint8, in_rank.data_ptr(), gmem, assumed_align=1),
-           make_ptr(Int32, per_rank.data_ptr(), gmem, assumed_align=4),
-           make_ptr(Int32, per_expert.data_ptr(), gmem, assumed_align=4), Int32(t), Int32(k),
-           Int32(num_experts), Int32(num_ranks), cuda.CUstream(current_stream_handle(dev.index)))
+        call = self.prepared(ids.dtype)
+        with self._lock:  # the call's argument storage is shared
+            call(ids.data_ptr(), in_rank.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), t, k,
+                 num_experts, num_ranks, current_stream_handle(dev.index))
         return per_rank, per_expert, in_rank
-
 
 _SHARED: TokenLayout | None = None
 _SHARED_LOCK = threading.Lock()
