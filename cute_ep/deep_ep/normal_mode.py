@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cute_ep.deep_ep import normal
-from cute_ep.deep_ep.checks import _ID_DTYPES, _check_row_dtype, check_expert_ids, check_tensors
+from cute_ep.deep_ep.checks import _ID_DTYPES, _check_row_dtype, agree, check_expert_ids, check_tensors
 from cute_ep.deep_ep.handles import NormalHandle, _NormalRoute
 from cute_ep.deep_ep.lifecycle import _Scope
 from cute_ep.deep_ep.pool import _CARRIER
@@ -171,8 +171,8 @@ class NormalMode:
         if handle is None:
             self._check_counts(per_rank, per_expert)
             num_experts = per_expert.shape[0]
-            if topk_idx is not None and (self.backend == "reference" or synced or not topk_idx.is_cuda):
-                check_expert_ids(topk_idx, num_experts)  # on a GPU only where the call syncs anyway
+            # topk_idx's values: checked with the count table (``_dispatch_fresh``), where the call reads it
+        del synced
         return _DispatchArgs(x, x_scales, in_rank, fmt, channels, route, num_experts, num_worst)
 
     def _check_fresh_args(self, per_rank: Any, in_rank: Any, per_expert: Any, topk_idx: Any,
@@ -197,27 +197,36 @@ class NormalMode:
                         topk_idx: Tensor | None, alignment: int, num_worst: int, channels: int) -> tuple:
         """A dispatch without a cached handle (inside the call's stream scope)."""
         world, rank, dev = self.group_size, self.rank, self.device
-        el = per_expert_given.shape[0] // world
-        mine = torch.cat([torch.full((1,), tokens, dtype=torch.int64, device=dev),
+        num_experts = per_expert_given.shape[0]
+        el = num_experts // world
+        # ids outside [-1, E): counted on the device, read with the table (no host sync of their own)
+        outside = torch.zeros(1, dtype=torch.int64, device=dev)
+        if topk_idx is not None:
+            outside = ((topk_idx < -1) | (topk_idx >= num_experts)).sum(dtype=torch.int64).reshape(1)
+        mine = torch.cat([torch.full((1,), tokens, dtype=torch.int64, device=dev), outside,
                           in_rank.sum(dim=0, dtype=torch.int64), per_rank_given.to(torch.int64),
                           per_expert_given.to(torch.int64)])
-        table = self._all_gather_rows(mine)  # [R, 1 + 2R + E]: every rank's counts
-        counts = table[:, 1 : 1 + world]  # [source, destination] tokens, from is_token_in_rank
+        table = self._all_gather_rows(mine)  # [R, 2 + 2R + E]: every rank's counts
+        c0 = 2  # the columns: tokens, ids outside, then [c0, c0 + R) destinations, R given, E experts
+        counts = table[:, c0 : c0 + world]  # [source, destination] tokens, from is_token_in_rank
         counts_host = None
         # The call's host sync; none with num_worst_tokens on a GPU (on a CPU the table is on the host).
         host = table.cpu() if num_worst == 0 or table.device.type == "cpu" else None
+        if host is not None:
+            self._refuse_outside_ids(host[:, 1].tolist(), topk_idx, num_experts)
         if num_worst == 0:
-            given = host[:, 1 + world : 1 + 2 * world]
-            bad = [r for r in range(world) if not torch.equal(given[r], host[r, 1 : 1 + world])]
+            given = host[:, c0 + world : c0 + 2 * world]
+            bad = [r for r in range(world) if not torch.equal(given[r], host[r, c0 : c0 + world])]
             if bad:
                 raise ValueError(
                     f"dispatch: num_tokens_per_rank disagrees with is_token_in_rank.sum(0) on rank(s) {bad}: "
-                    f"{given[bad[0]].tolist()} vs {host[bad[0], 1 : 1 + world].tolist()}"
+                    f"{given[bad[0]].tolist()} vs {host[bad[0], c0 : c0 + world].tolist()}"
                 )
             max_tokens = self._bucketed(fmt.elems, _CARRIER, world, world, int(host[:, 0].max()))
-            counts_host = host[:, 1 : 1 + world].tolist()
+            counts_host = host[:, c0 : c0 + world].tolist()
             num_out = sum(row[rank] for row in counts_host)
-            sums = host[:, 1 + 2 * world + rank * el : 1 + 2 * world + (rank + 1) * el].sum(dim=0).tolist()
+            first = c0 + 2 * world + rank * el
+            sums = host[:, first : first + el].sum(dim=0).tolist()
             per_expert = [(n + alignment - 1) // alignment * alignment for n in sums]
         else:
             max_tokens = self._bucketed(fmt.elems, _CARRIER, world, world, -(-num_worst // world))
@@ -261,6 +270,25 @@ class NormalMode:
         )
         route = _NormalRoute(res.handle, max_tokens, num_out, counts, counts_host)
         return recv_x, recv_scales, recv_idx, recv_w, per_expert, NormalHandle(entries, route)
+
+    def _refuse_outside_ids(self, outside: list[int], topk_idx: Tensor | None, num_experts: int) -> None:
+        """ValueError on every rank when some rank's topk_idx holds ids outside [-1, E) (``outside``: each
+        rank's count, from the table): that rank names its first such id, the others name that rank and
+        its message (``checks.agree``, a collective only on this error's path)."""
+        bad = [r for r, n in enumerate(outside) if n]
+        if not bad:
+            return
+        error = None
+        if self.rank in bad:
+            try:
+                check_expert_ids(topk_idx, num_experts)
+            except ValueError as exc:
+                error = exc
+        if self.group_size == 1:
+            if error is not None:
+                raise error
+            return
+        agree(self.runtime.cpu_group, "dispatch", error, {})
 
     def combine(self, x: Tensor, handle: tuple, topk_weights: Tensor | None = None, bias: Any = None,
                 config: Config | None = None, previous_event: EventOverlap | None = None,
