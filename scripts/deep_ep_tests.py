@@ -100,12 +100,12 @@ def count_checks(test: str, text: str) -> dict[str, int] | None:
 def build_report(runs: dict[str, dict[str, dict]], *, gpu: str, num_gpus: int, commit: str, date: str,
                  deepep_version: str) -> dict:
     """The report from ``runs[test][module]`` = {"command", "rc", "text"} (one entry per run made)."""
+    parsed = {(test, m): parse_values(test, r["text"]) for test, by in runs.items() for m, r in by.items()}
     lines = []
     for test, name, _, _, _, how in LINES:
         if test not in runs:
             continue
-        values = {m: parse_values(test, runs[test][m]["text"])[name] if m in runs[test] else None
-                  for m in MODULES}
+        values = {m: parsed[test, m][name] if (test, m) in parsed else None for m in MODULES}
         ratio = None
         if values["deep_ep"] and values["cute_ep"] is not None:
             ratio = round(values["cute_ep"] / values["deep_ep"], 3)

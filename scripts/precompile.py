@@ -205,19 +205,23 @@ def main(argv: list[str] | None = None) -> int:
             # The MoE layer's SwiGLU kernels (no NVSHMEM): built on a layer's first use otherwise.
             for direction in ("forward", "backward"):
                 skey = swiglu.compile_key(direction, DTYPES[name])
-                loads, t0 = registry.loads, time.perf_counter()
-                with watched_compile(f"{name} SwiGLU {direction}", args.progress_every):
-                    registry.get(skey, lambda d=direction, n=name: swiglu.build(d, DTYPES[n]))
-                how = "loaded (already there)" if registry.loads > loads else "compiled"
-                say(f"{name} SwiGLU {direction}: {how} in {time.perf_counter() - t0:.1f} s")
+                compile_apart(registry, f"{name} SwiGLU {direction}", skey,
+                              lambda d=direction, n=name: swiglu.build(d, DTYPES[n]), args.progress_every)
     # cute_ep.deep_ep's get_dispatch_layout kernel, per id type (no element type; seconds to build)
     for id_type in token_layout.ID_TYPES:
-        loads, t0 = registry.loads, time.perf_counter()
-        with watched_compile(f"token layout ({id_type} ids)", args.progress_every):
-            registry.get(token_layout.compile_key(id_type), lambda i=id_type: token_layout.build(i))
-        how = "loaded (already there)" if registry.loads > loads else "compiled"
-        say(f"token layout ({id_type} ids): {how} in {time.perf_counter() - t0:.1f} s")
+        compile_apart(registry, f"token layout ({id_type} ids)", token_layout.compile_key(id_type),
+                      lambda i=id_type: token_layout.build(i), args.progress_every)
     return 0
+
+
+def compile_apart(registry: Any, label: str, key: tuple, build: Callable[[], Any], every: float) -> None:
+    """One kernel compiled apart from the EP module (no NVSHMEM; seconds to build), built or loaded into
+    ``registry``'s cache under ``key``, and a line saying which and how long it took."""
+    loads, t0 = registry.loads, time.perf_counter()
+    with watched_compile(label, every):
+        registry.get(key, build)
+    how = "loaded (already there)" if registry.loads > loads else "compiled"
+    say(f"{label}: {how} in {time.perf_counter() - t0:.1f} s")
 
 
 if __name__ == "__main__":

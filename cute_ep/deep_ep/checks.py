@@ -33,7 +33,8 @@ from cute_ep.deep_ep.handles import NormalHandle
 from cute_ep.input_checks import check_tensor_args
 from cute_ep.kernels.config import SUPPORTED_DTYPES
 
-__all__ = ["CallChecks", "agree", "check_expert_ids", "check_tensors", "drain_gloo", "error_of"]
+__all__ = ["CallChecks", "agree", "check_expert_ids", "check_tensors", "drain_gloo", "error_of",
+           "outside_ids"]
 
 _ID_DTYPES = (torch.int64, torch.int32)
 
@@ -70,12 +71,17 @@ def check_tensors(device: torch.device, **args: tuple[Any, str, torch.dtype]) ->
     check_tensor_args(device, *given)
 
 
+def outside_ids(ids: Tensor, num_experts: int) -> Tensor:
+    """Where ``ids`` holds values outside [-1, num_experts) (bool, ids' shape; no host sync)."""
+    return (ids < -1) | (ids >= num_experts)
+
+
 def check_expert_ids(ids: Tensor, num_experts: int, name: str = "topk_idx") -> None:
     """Every id in [-1, num_experts): DeepEP defines -1 (no expert) and the experts, nothing else. The
     message names the first id outside, where it is, and the range found (one host sync on a GPU)."""
     if not ids.numel():
         return
-    outside = (ids < -1) | (ids >= num_experts)
+    outside = outside_ids(ids, num_experts)
     if not bool(outside.any()):
         return
     t, k = (int(i) for i in outside.nonzero()[0])

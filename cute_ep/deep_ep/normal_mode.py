@@ -14,7 +14,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cute_ep.deep_ep import normal
-from cute_ep.deep_ep.checks import _ID_DTYPES, _check_row_dtype, agree, check_expert_ids, check_tensors
+from cute_ep.deep_ep.checks import (
+    _ID_DTYPES,
+    _check_row_dtype,
+    agree,
+    check_expert_ids,
+    check_tensors,
+    outside_ids,
+)
 from cute_ep.deep_ep.handles import NormalHandle, _NormalRoute
 from cute_ep.deep_ep.lifecycle import _Scope
 from cute_ep.deep_ep.pool import _CARRIER
@@ -120,8 +127,8 @@ class NormalMode:
         synced = handle is None and num_worst_tokens == 0
         a: _DispatchArgs = self._agreed("dispatch", lambda: self._dispatch_args(
             x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-            expert_alignment, num_worst_tokens, config, previous_event, async_finish, allocate_on_comm_stream,
-            synced), _DispatchArgs.same, synced=synced)
+            expert_alignment, num_worst_tokens, config, previous_event, async_finish,
+            allocate_on_comm_stream), _DispatchArgs.same, synced=synced)
         world = self.group_size
         with _Scope(self, previous_event, async_finish) as scope:
             payload = a.fmt.pack(a.x, a.scales, topk_idx, topk_weights)
@@ -146,8 +153,8 @@ class NormalMode:
 
     def _dispatch_args(self, x: Any, handle: Any, per_rank: Any, in_rank: Any, per_expert: Any, topk_idx: Any,
                        topk_weights: Any, alignment: Any, num_worst: Any, config: Config | None,
-                       previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool,
-                       synced: bool) -> _DispatchArgs:
+                       previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool
+                       ) -> _DispatchArgs:
         """``dispatch``'s arguments checked on this rank (no collective): ValueError names the first bad
         one."""
         self._check_comm_flags(previous_event, async_finish, allocate_on_comm_stream)
@@ -172,7 +179,6 @@ class NormalMode:
             self._check_counts(per_rank, per_expert)
             num_experts = per_expert.shape[0]
             # topk_idx's values: checked with the count table (``_dispatch_fresh``), where the call reads it
-        del synced
         return _DispatchArgs(x, x_scales, in_rank, fmt, channels, route, num_experts, num_worst)
 
     def _check_fresh_args(self, per_rank: Any, in_rank: Any, per_expert: Any, topk_idx: Any,
@@ -202,7 +208,7 @@ class NormalMode:
         # ids outside [-1, E): counted on the device, read with the table (no host sync of their own)
         outside = torch.zeros(1, dtype=torch.int64, device=dev)
         if topk_idx is not None:
-            outside = ((topk_idx < -1) | (topk_idx >= num_experts)).sum(dtype=torch.int64).reshape(1)
+            outside = outside_ids(topk_idx, num_experts).sum(dtype=torch.int64).reshape(1)
         mine = torch.cat([torch.full((1,), tokens, dtype=torch.int64, device=dev), outside,
                           in_rank.sum(dim=0, dtype=torch.int64), per_rank_given.to(torch.int64),
                           per_expert_given.to(torch.int64)])
