@@ -7,6 +7,9 @@ loop, lists the rows to sum in a per-warp routing list in shared memory (row add
 order of the sum), and hands the list to ``kernels.rowsum.weighted_sum_rows``. With fewer items than
 warps an item's row is split into parts over the idle warps. The last CTA to finish completes the
 operation. ``CombineFamily`` holds those pieces; a kernel subclasses it and writes only its ``kernel``.
+
+Every kernel is compiled under a name profilers show as ``cute_ep::<step>()::kernel``
+(``kernels.naming.profiler_name``).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from cutlass import Float32, Int32, Int64
 from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_COMBINE, SIGNAL_COMBINE, EpParams
 from cute_ep.kernels.config import OP_COMBINE
+from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.rows import elem_view, row_space
 from cute_ep.kernels.rowsum import weighted_sum_rows
 from cute_ep.kernels.signals import fault_free, signal_and_wait_peers
@@ -46,6 +47,12 @@ class CombineKernel(CombineFamily):
 
     @cute.kernel
     def kernel(self, p: EpParams):
+        self.pull(p)
+
+    @cute.jit
+    def pull(self, p: EpParams):
+        """The kernel's body, by every thread of every CTA (the module docstring); the rank layout's
+        combine (kernels/rank_combine.py) runs it too, under its own name."""
         R, L, K, El = p.world_size, p.local_world_size, p.topk, p.experts_per_rank
         recv_y, dtype = p.recv_y, self.dtype
         # my_addr / my_weight: the valid k of the current token, ascending
@@ -112,3 +119,6 @@ class CombineKernel(CombineFamily):
             cute.arch.sync_warp()
 
         self.finish(p, Int32(DONE_COMBINE), epoch)
+
+
+profiler_name(CombineKernel.kernel, "combine")

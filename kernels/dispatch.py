@@ -62,6 +62,7 @@ from cute_ep.kernels.buffers import DONE_DISPATCH, INPUT_FAULT_RANKS, SIGNAL_DIS
 from cute_ep.kernels.config import MODE_ATOMIC, OP_DISPATCH, WARP
 from cute_ep.kernels.dispatch_senders import send_pair, send_token_by_lanes, send_token_by_rank
 from cute_ep.kernels.layout import LayoutKernel, cta_tokens
+from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.ptx import fence_sys, ld_volatile_i32
 from cute_ep.kernels.quantize import quantize_row_warp
 from cute_ep.kernels.rank_layout import RankLayoutKernel
@@ -106,6 +107,12 @@ class DispatchKernel(EpKernel):
 
     @cute.kernel
     def kernel(self, p: EpParams):
+        self.send(p)
+
+    @cute.jit
+    def send(self, p: EpParams):
+        """The kernel's body, by every thread of every CTA (the module docstring); the rank layout's
+        kernel (kernels/rank_dispatch.py) runs it too, under its own name."""
         K, mode = p.topk, p.mode
         by_rank = self.by_rank  # one row per (token, destination rank), at the layout's row
         WPC = self.threads // WARP
@@ -190,3 +197,6 @@ class DispatchKernel(EpKernel):
                     p.epochs[OP_DISPATCH] = epoch
             if p.mirror_seq != 0:
                 mirror_status(p, self.threads)
+
+
+profiler_name(DispatchKernel.kernel, "dispatch")

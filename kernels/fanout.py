@@ -17,6 +17,7 @@ from cutlass import Int32
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import EpParams
 from cute_ep.kernels.config import VECTOR_BYTES, WARP
+from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.rows import copy_row_warp, row_space
 from cute_ep.kernels.signals import fault_free
 
@@ -50,3 +51,6 @@ class FanoutKernel(EpKernel):
             if f >= Int32(0):
                 if f < C:
                     copy_row_warp(dtype, recv_x.row(f), recv_x.row(s), NV, lane)
+
+
+profiler_name(FanoutKernel.kernel, "fanout")

@@ -64,6 +64,7 @@ from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import DONE_LAYOUT, INPUT_FAULT_FIRST, INPUT_FAULT_RANKS, SIGNAL_COUNT, EpParams
 from cute_ep.kernels.config import LAYOUT_SMEM_INTS, LAYOUT_THREADS, OP_LAYOUT, WARP
 from cute_ep.kernels.layout_warps import TOKEN_REGS, count_pairs, count_tokens, place_pairs, place_tokens
+from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.ptx import fence_sys, ld_volatile_i32
 from cute_ep.kernels.rows import element, element_addr
 from cute_ep.kernels.scan import exclusive_scan_cta, prefix_at, sum_earlier_ctas
@@ -448,3 +449,6 @@ class LayoutKernel(EpKernel):
         if tid == 0:
             fence_sys()  # everything above, before the release the other CTAs wait for
             p.layout_done[0] = epoch * 2
+
+
+profiler_name(LayoutKernel.kernel, "layout")

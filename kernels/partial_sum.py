@@ -18,6 +18,7 @@ from cutlass import Float32, Int32
 from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_COMBINE, SIGNAL_COMBINE, EpParams
 from cute_ep.kernels.config import OP_COMBINE, REDUCED_GRID_FACTOR
+from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.rows import row_space
 from cute_ep.kernels.rowsum import weighted_sum_rows
 from cute_ep.kernels.signals import fault_free, signal_and_wait_peers
@@ -73,3 +74,6 @@ class PartialSumKernel(CombineFamily):
             cute.arch.sync_warp()
 
         self.finish(p, Int32(DONE_COMBINE), epoch)
+
+
+profiler_name(PartialSumKernel.kernel, "partial_sum")

@@ -21,12 +21,17 @@ from cutlass import Int32
 from cute_ep.kernels.buffers import EpParams
 from cute_ep.kernels.combine import CombineKernel
 from cute_ep.kernels.config import WARP
+from cute_ep.kernels.naming import profiler_name
 
 
 class RankCombineKernel(CombineKernel):
     """The rank-layout combine (see the module docstring)."""
 
     by_rank = True
+
+    @cute.kernel
+    def kernel(self, p: EpParams):
+        self.pull(p)
 
     @cute.jit
     def rank_lanes(self, p: EpParams, t: Int32, lane: Int32):
@@ -91,3 +96,6 @@ class RankCombineKernel(CombineKernel):
             if p.scatter[t, j] >= 0:
                 d = e // El
         return d
+
+
+profiler_name(RankCombineKernel.kernel, "rank_combine")

@@ -8,10 +8,21 @@ Compiled apart rather than as a run-time branch so that the expert layout's kern
 
 from __future__ import annotations
 
+import cutlass.cute as cute
+
+from cute_ep.kernels.buffers import EpParams
 from cute_ep.kernels.dispatch import DispatchKernel
+from cute_ep.kernels.naming import profiler_name
 
 
 class RankDispatchKernel(DispatchKernel):
     """The rank layout's dispatch (see the module docstring)."""
 
     by_rank = True
+
+    @cute.kernel
+    def kernel(self, p: EpParams):
+        self.send(p)
+
+
+profiler_name(RankDispatchKernel.kernel, "rank_dispatch")

@@ -9,10 +9,21 @@ tokens (2x H200) when an earlier form of the rank steps (shuffles per pair) was 
 
 from __future__ import annotations
 
+import cutlass.cute as cute
+
+from cute_ep.kernels.buffers import EpParams
 from cute_ep.kernels.layout import LayoutKernel
+from cute_ep.kernels.naming import profiler_name
 
 
 class RankLayoutKernel(LayoutKernel):
     """The rank layout's layout kernel (see the module docstring)."""
 
     by_rank = True
+
+    @cute.kernel
+    def kernel(self, p: EpParams):
+        self.route(p)
+
+
+profiler_name(RankLayoutKernel.kernel, "rank_layout")

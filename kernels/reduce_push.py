@@ -37,6 +37,7 @@ from cutlass import Int32
 from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_PUSH, SIGNAL_COMBINE, EpParams
 from cute_ep.kernels.config import OP_COMBINE, REDUCED_GRID_FACTOR
+from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.ptx import fence_sys
 from cute_ep.kernels.rows import element, row_space, row_view
 from cute_ep.kernels.rowsum import weighted_sum_rows
@@ -120,3 +121,6 @@ class ReducePushKernel(CombineFamily):
                     my_signal = element(p.signals, (SIGNAL_COMBINE, rank))
                     for peer in range(R):
                         nvshmem_cute.signal_op(my_signal, epoch * 2, SIGNAL_SET, peer)
+
+
+profiler_name(ReducePushKernel.kernel, "reduce_push")

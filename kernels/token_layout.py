@@ -22,6 +22,8 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass import Int32, Int64, Uint8
 
+from cute_ep.kernels.naming import profiler_name
+
 MAX_EXPERTS = 8192  # shared-memory histogram bound (32 KB of counts)
 MAX_RANKS = 64  # the normal mode's bound on ranks
 ID_TYPES = {"int64": Int64, "int32": Int32}
@@ -87,6 +89,9 @@ class TokenLayoutKernel:
             if raw < self.id_type(num_experts):
                 e = Int32(raw)
         return e
+
+
+profiler_name(TokenLayoutKernel.kernel, "get_dispatch_layout")
 
 
 # --------------------------------------------------------------------------------------------------

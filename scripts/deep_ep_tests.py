@@ -68,6 +68,13 @@ LINES = (
     ("low_latency", "combine recv (return_recv_hook)",
      rf"\| Combine send/recv time: {_NUM} \+ {_NUM} us", 2, 1.0, "slowest rank"),
 )
+# What a cute_ep value of a line means where it is not what DeepEP's means (kept in the report beside it).
+_HOOK_NOTE = ("cute_ep's return_recv_hook does nothing (the data is complete when the call returns): the "
+              "profiler's two kernels per period are two calls' whole kernels, not a send / receive split")
+CUTE_EP_NOTES = {name: _HOOK_NOTE for name in ("dispatch send (return_recv_hook)",
+                                                "dispatch recv (return_recv_hook)",
+                                                "combine send (return_recv_hook)",
+                                                "combine recv (return_recv_hook)")}
 # test_intranode.py prints "[testing] Running with ... ..." and then " passed" on the same line per check.
 _CHECK = re.compile(r"^\[testing\] Running with .*\.\.\.( passed)?")
 
@@ -109,7 +116,10 @@ def build_report(runs: dict[str, dict[str, dict]], *, gpu: str, num_gpus: int, c
         ratio = None
         if values["deep_ep"] and values["cute_ep"] is not None:
             ratio = round(values["cute_ep"] / values["deep_ep"], 3)
-        lines.append({"test": test, "line": name, "unit": "us", "how": how, **values, "ratio": ratio})
+        line = {"test": test, "line": name, "unit": "us", "how": how, **values, "ratio": ratio}
+        if name in CUTE_EP_NOTES and values["cute_ep"] is not None:
+            line["cute_ep_note"] = CUTE_EP_NOTES[name]
+        lines.append(line)
     return {
         "what": "DeepEP's own tests/test_intranode.py and tests/test_low_latency.py, unchanged, run on "
                 "DeepEP and (import swapped) on cute_ep.deep_ep on one host; each line's value as the test "

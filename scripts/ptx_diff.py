@@ -31,15 +31,17 @@ from pathlib import Path
 
 _FUNCTION_START = re.compile(r"(?m)^(?=\.visible \.entry|\.func|\.visible \.func|\.weak \.func)")
 _FUNCTION_NAME = re.compile(r"(?:\.visible \.entry|\.func|\.visible \.func|\.weak \.func)[^\n]*?(\w+)\(")
-# An entry point's name ends with the DSL's argument signature and the index of its launch site.
-_ENTRY_SUFFIX = re.compile(r"(kernel_cutlass_kernel_\w+?Kernel)_object_at_\w*?_\d+\b")
+# An entry point's name ends with the index of its launch site: after the DSL's argument signature in
+# its default names, after ``...EvE6kernel`` in the names profilers read (kernels/naming.py).
+_ENTRY_SUFFIX = re.compile(r"(kernel_cutlass_kernel_\w+?Kernel)_object_at_\w*?_\d+\b"
+                           r"|(_ZZN7cute_ep\d+\w+?EvE6kernel)_\d+\b")
 _INSTRUCTION = re.compile(r"(?m)^\s*([a-z]+(?:\.\w+)*)")
 
 
 def normalize(ptx: str) -> str:
     """``ptx`` without what only follows the order of functions in the file: entry-point suffixes, block
     label numbers, call-sequence and prototype numbers and the ``.globl`` comments."""
-    ptx = _ENTRY_SUFFIX.sub(r"\1", ptx)
+    ptx = _ENTRY_SUFFIX.sub(lambda m: m.group(1) or m.group(2), ptx)
     ptx = re.sub(r"\$L__BB\d+_", "$L__BB_", ptx)
     ptx = re.sub(r"callseq \d+", "callseq", ptx)
     ptx = re.sub(r"prototype_\d+", "prototype", ptx)
@@ -86,9 +88,13 @@ def compare(before: str, after: str) -> list[FunctionDiff]:
 
 
 def short_name(name: str) -> str:
-    """The kernel class of an entry point (``DispatchKernel``), else the name itself."""
+    """The kernel of an entry point (``DispatchKernel``, or ``cute_ep::dispatch`` for the names profilers
+    read), else the name itself."""
     m = re.search(r"([A-Z]\w*Kernel)$", name)
-    return m.group(1) if m else name
+    if m:
+        return m.group(1)
+    m = re.fullmatch(r"_ZZN7cute_ep\d+(\w+?)EvE6kernel", name)
+    return f"cute_ep::{m.group(1)}" if m else name
 
 
 def report(diffs: list[FunctionDiff]) -> str:

@@ -99,6 +99,11 @@ def test_report_pairs_the_modules_with_their_ratio_and_is_whole(dt):
     assert len(rep["lines"]) == len(dt.LINES)
     assert rep["runs"]["intranode"]["cute_ep"]["checks"] == {"run": 2, "passed": 2}
     assert dt.check_report(rep) == []
+    # ours has no send / receive split: those lines say so; DeepEP's own lines carry no note
+    notes = {ln["line"]: ln.get("cute_ep_note") for ln in rep["lines"]}
+    assert "does nothing" in notes["dispatch send (return_recv_hook)"]
+    assert notes["combine recv (return_recv_hook)"] == notes["dispatch send (return_recv_hook)"]
+    assert notes["[tuning] Best combine"] is None and notes["dispatch + combine (bench avg_t)"] is None
     json.dumps(rep)  # plain JSON
 
 

@@ -24,14 +24,16 @@ from cute_ep.kernels.rows import ROW_COPY_UNROLL
 
 def _entries(ptx: str) -> list[tuple[str, str]]:
     """(kind, PTX text) of each entry point in order; kind is Layout / Dispatch / Fanout / Combine /
-    ReducePush / PartialSum / RankLayout / RankDispatch / RankCombine (the rank layout's variants)."""
+    ReducePush / PartialSum / RankLayout / RankDispatch / RankCombine (the rank layout's variants), read
+    from the symbol each is compiled under: ``cute_ep::<step>()::kernel``, C++-mangled
+    (``kernels/naming.py``), e.g. ``_ZZN7cute_ep13rank_dispatchEvE6kernel_4``."""
     out = []
     for part in re.split(r"(?m)^(?=\.visible \.entry|\.func|\.visible \.func|\.weak \.func)", ptx):
-        m = re.match(r"\.visible \.entry (\w+)", part)
+        m = re.match(r"\.visible \.entry _ZZN7cute_ep(\d+)(\w+)EvE6kernel_\d+\(", part)
         if m:
-            # The longer names first: the leftmost match of "RankDispatchKernel" is the whole name.
-            names = "RankLayout|RankDispatch|RankCombine|Layout|Dispatch|Fanout|Combine|ReducePush|PartialSum"
-            out.append((re.search(rf"({names})Kernel", m.group(1)).group(1), part))
+            step = m.group(2)
+            assert len(step) == int(m.group(1)), m.group(0)  # a well-formed mangled name
+            out.append(("".join(w.capitalize() for w in step.split("_")), part))
     return out
 
 

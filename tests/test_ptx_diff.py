@@ -31,6 +31,13 @@ def test_launch_order_alone_is_identical():
                                                                          ("DispatchKernel", "identical")]
 
 
+def test_profiler_names_lose_their_launch_site_too(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ENTRY", "_ZZN7cute_ep13rank_dispatchEvE6kernel_{site}")
+    diffs = ptx_diff.compare(_module(4, BODY, label=3), _module(7, BODY, label=7))
+    named = [(ptx_diff.short_name(d.name), d.verdict) for d in diffs]
+    assert named == [("<header>", "identical"), ("cute_ep::rank_dispatch", "identical")]
+
+
 def test_the_same_instructions_in_another_order_have_the_same_counts():
     lines = BODY.splitlines(keepends=True)
     diffs = ptx_diff.compare(_module(0, BODY), _module(0, "".join([lines[1], lines[0], lines[2]])))
