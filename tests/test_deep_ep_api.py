@@ -283,6 +283,33 @@ def test_handles_are_deepeps_tuples(buf) -> None:
     assert isinstance(recv, tuple) and count.tolist() == s.per_expert.tolist()
 
 
+def test_low_latency_results_live_in_two_alternating_sets(buf) -> None:
+    """As DeepEP's two low-latency buffers: a dispatch's results stay valid through the next low-latency
+    call, and the dispatch after that (the same parity) rewrites the same tensors. FP8 values are a view
+    of the received rows: values, scale, and the kept rows' zero padding behind them."""
+    s = _layout(buf)
+    first, count_a, handle_a, _, _ = buf.low_latency_dispatch(s.x, s.idx, 8, s.e, use_fp8=False)
+    kept = (first.clone(), count_a.clone(), handle_a[0].clone(), handle_a[1].clone())
+    y = torch.zeros_like(first)
+    buf.low_latency_combine(y, s.idx, s.w, handle_a)  # the second call: the first's results intact
+    for now, before in zip((first, count_a, handle_a[0], handle_a[1]), kept, strict=True):
+        assert same_bits(now, before)
+    other = s.x.flip(0).contiguous()
+    again, count_b, handle_b, _, _ = buf.low_latency_dispatch(other, s.idx, 8, s.e, use_fp8=False)
+    assert again.data_ptr() == first.data_ptr() and count_b.data_ptr() == count_a.data_ptr()
+    assert handle_b[0].data_ptr() == handle_a[0].data_ptr()
+    n = int(count_b[0])
+    assert n and not same_bits(first[0, :n], kept[0][0, :n])  # rewritten with the other rows
+    (q, scales), count, _, _, _ = buf.low_latency_dispatch(s.x, s.idx, 8, s.e)  # the other parity
+    row_bytes = q.stride(-2)  # the packed rows: 128 e4m3 bytes, one fp32 scale, zeros to 16 bytes
+    assert q.stride(-1) == 1 and row_bytes == 144
+    for e in range(q.shape[0]):
+        n = int(count[e])
+        raw = q[e].view(torch.uint8).as_strided((n, row_bytes), (row_bytes, 1))
+        assert same_bits(raw[:, 128:132].view(torch.float32).view(n), scales[e, :n, 0])
+        assert not bool(raw[:, 132:].any())
+
+
 # --------------------------------------------------------------------------------------------------
 # events and streams
 # --------------------------------------------------------------------------------------------------
@@ -418,7 +445,7 @@ def test_padded_layout_of_expert_major_rows() -> None:
     assert p.src_info[0, :3].tolist() == [0, 2, 1] and p.src_info[1, :1].tolist() == [2]
     begin, count = (p.layout_range >> 32).tolist(), (p.layout_range & 0xFFFFFFFF).tolist()
     assert count == [[2, 1], [0, 1]] and begin == [[0, 2], [0, 0]]
-    assert p.slot.tolist() == [0, 1, 2, 6, -1, -1]
+    assert p.slot.tolist() == [0, 1, 2, 6, 11, 11]  # stale rows: the last slot (combine ignores them)
     back = torch.empty(6, 8, dtype=torch.bfloat16)
     ll.expert_major_rows(p.rows, p.slot, back)
     assert same_bits(back[:4], rows[:4])

@@ -29,9 +29,11 @@ backend; on the kernels a dispatch without num_worst_tokens or a handle, and a b
 ranks agree first, so that an argument wrong on one rank raises on every rank and none waits alone. The
 Buffer stays usable after such an error.
 
-Streams (GPUs): as in DeepEP, every call runs on the Buffer's communication stream (``get_comm_stream``,
-high priority), after ``previous_event`` or else after the caller's current stream; with ``async_finish``
-the caller's stream does not wait and the returned event marks the end, otherwise it waits. On a CPU
+Streams (GPUs): as in DeepEP, a call with ``previous_event`` or ``async_finish`` runs on the Buffer's
+communication stream (``get_comm_stream``, high priority), after ``previous_event`` or else after the
+caller's current stream; with ``async_finish`` the caller's stream does not wait and the returned event
+marks the end, otherwise it waits. A call with neither runs on the caller's stream (the same order,
+without the streams' waits and the allocator's cross-stream bookkeeping). On a CPU
 (the reference backend) every call is complete when it returns: ``async_finish`` returns an event with
 nothing to wait for.
 """

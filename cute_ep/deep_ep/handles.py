@@ -28,8 +28,9 @@ class _NormalRoute:
 
 @dataclass(frozen=True)
 class _LowLatencyRoute:
-    """cute_ep's side of a low-latency handle: the expert-layout dispatch handle and each expert-major
-    row's padded slot (``low_latency.PaddedRecv.slot``)."""
+    """cute_ep's side of a low-latency handle: the expert-layout dispatch handle, each expert-major row's
+    padded slot (``low_latency.PaddedRecv.slot``), and the caller's topk_idx with its version counter at
+    the dispatch (a combine given that same tensor, unchanged, reuses the dispatch's ids as they are)."""
 
     dispatch_handle: DispatchHandle
     slot: Tensor
@@ -37,6 +38,8 @@ class _LowLatencyRoute:
     hidden: int
     num_experts: int
     num_tokens: int
+    given_ids: Tensor
+    given_version: int
 
 
 class NormalHandle(tuple):

@@ -50,8 +50,14 @@ class _Scope:
 
     def __init__(self, buffer: BufferLifecycle, previous_event: Any = None,
                  async_finish: bool = False) -> None:
-        self.comm = buffer._comm_stream
         self.previous = getattr(getattr(previous_event, "event", None), "event", None)
+        # A call with neither previous_event nor async_finish runs on the caller's stream: its order is the
+        # same (the caller's stream would wait for the communication stream right away), and the outputs
+        # belong to the stream that uses them. On the communication stream they must be marked as used by
+        # the caller's (record_stream), and the allocator then keeps each freed block until an event
+        # passes: with the host ahead of the GPU, every call allocated anew (a cudaMalloc per call).
+        in_place = not async_finish and self.previous is None
+        self.comm = None if in_place else buffer._comm_stream
         self.async_finish = async_finish
         self.compute: Any = None
         self._ctx: Any = None
@@ -80,7 +86,8 @@ class _Scope:
     def finish(self, outputs: tuple, inputs: tuple) -> EventHandle | None:
         """After the body: the event (async_finish) or the caller's stream waiting for the work; the
         outputs made on the communication stream are marked as used by the caller's stream, and with
-        async_finish the inputs as used by the communication stream."""
+        async_finish the inputs as used by the communication stream. A call that ran on the caller's
+        stream (or on a CPU) has nothing to wait for or mark."""
         if self.comm is None:
             return EventHandle.completed() if self.async_finish else None
         # Inside a CUDA graph capture the graph owns its memory, and record_stream cannot be captured.
@@ -148,6 +155,9 @@ class BufferLifecycle:
         self._combined: set[tuple] = set()  # buffers combined on since the latest dispatch (see _fence)
         self._ll_index = 0  # DeepEP's low-latency buffer parity: flips on every low-latency call
         self._ll_staging: dict[tuple, list[Tensor | None]] = {}
+        self._ll_scratch: dict[tuple, Any] = {}  # low_latency.PaddedScratch per buffer key
+        self._ll_kept: dict[tuple, Tensor] = {}  # LowLatencyMode._ll_cached
+        self._ll_recv: dict[tuple, Any] = {}  # low_latency.PaddedOut per (buffer key, parity)
 
     def _start_kernels(self) -> None:
         """NVSHMEM (this Buffer's session, or the given runtime's), the compiled-module registry, and the

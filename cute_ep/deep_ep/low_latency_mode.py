@@ -18,6 +18,7 @@ from cute_ep.deep_ep.handles import LowLatencyHandle, _LowLatencyRoute
 from cute_ep.deep_ep.lifecycle import _Scope
 from cute_ep.deep_ep.pool import _CARRIER
 from cute_ep.deep_ep.utils import EventOverlap
+from cute_ep.kernels.buffers import packed_fp8_row_bytes
 
 __all__ = ["LowLatencyMode"]
 
@@ -43,7 +44,9 @@ class LowLatencyMode:
         """DeepEP's low-latency dispatch, sync-free: ``(recv_x, recv_count, handle, event, hook)``.
 
         recv_x [El, R * M, H] bf16 (x's dtype), or with ``use_fp8`` ``(q, scales)``: q [El, R * M, H]
-        float8_e4m3fn, scales [El, R * M, H / 128] fp32, or with ``use_ue8m0`` [El, R * M, ceil(H / 512)]
+        float8_e4m3fn (a view of the received rows, which hold the scales behind the values: rows
+        ``H + 4 H / 128`` bytes apart rounded up to 16, not H; ``.contiguous()`` gives DeepEP's), scales
+        [El, R * M, H / 128] fp32, or with ``use_ue8m0`` [El, R * M, ceil(H / 512)]
         int32 (four exponent bytes each), both column-major in their last two dimensions as DeepEP's;
         expert l's rows in slots [0, recv_count[l]) (M = num_max_dispatch_tokens_per_rank); recv_count [El]
         int32; handle: ``LowLatencyHandle`` (src_info: each slot's token index on its source;
@@ -51,10 +54,14 @@ class LowLatencyMode:
         int32 gets recv_count added.
 
         The FP8 cast is DeepEP's (per 128 columns, amax at least 1e-4; ``round_scale``: power-of-two scales),
-        done on the sender in torch; the values and scales arrive bit for bit. Within an expert the blocks of
-        source ranks come in rank order, each source's tokens ascending (DeepEP's order depends on arrival).
+        done on the sender in torch; the values and scales arrive bit for bit. Within an expert the blocks
+        of source ranks come in rank order, each source's tokens ascending (DeepEP's order depends on
+        arrival). A ``low_latency_combine`` given this call's ``topk_idx`` tensor, unchanged since, reuses
+        the ids the dispatch kept.
         ``return_recv_hook``: the data is complete when the call returns; the hook (call it, as with DeepEP)
-        does nothing. Results are fresh tensors (DeepEP's reuse two buffers). A token naming an expert twice
+        does nothing. As DeepEP's, the results live in two alternating sets of receive tensors: valid until
+        the next low-latency dispatch that lands on the same set (the second low-latency call after this
+        one, a combine counting as a call; copy what must live longer). A token naming an expert twice
         is refused. Work and memory traffic scale with the receive capacity (every row a rank could get), as
         the host does not know the received count. x may be bf16, fp16 or fp32 and H any size the kernels
         take (a multiple of 128 with FP8).
@@ -78,37 +85,42 @@ class LowLatencyMode:
                                           "num_max_dispatch_tokens_per_rank": m, "num_experts": num_experts,
                                           "topk_idx's K": topk_idx.shape[1], "use_fp8": bool(use_fp8)},
             synced=False)
-        el, hidden = num_experts // world, x.shape[1]
+        el, hidden, k = num_experts // world, x.shape[1], topk_idx.shape[1]
         with _Scope(self, None, async_finish) as scope:
-            if use_fp8:
-                q, scale_inv = ll.cast_fp8_blocks(x, round_scale)
-                payload = ll.fp8_payload(q, scale_inv)
+            if use_fp8:  # cast into the rows the kernels move: [H bytes of e4m3 | H / 128 fp32 | zeros]
+                packed = self._ll_cached("fp8 rows", (m, packed_fp8_row_bytes(hidden)), torch.uint8)
+                ll.cast_fp8_blocks(x, round_scale, out=packed[: x.shape[0]])
+                payload = packed[: x.shape[0]].view(torch.bfloat16)
             else:
                 payload = x.contiguous()
-            _, buf = self._buffer(payload.shape[1], payload.dtype, num_experts, topk_idx.shape[1], m)
+            key, buf = self._buffer(payload.shape[1], payload.dtype, num_experts, k, m)
+            parity = self._ll_index  # DeepEP's buffer parity: this call's receive tensors
             self._ll_index ^= 1
-            weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=self.device)
+            # the expert layout carries a weight per row; DeepEP's low-latency dispatch has none
+            weights = self._ll_cached("weights", (m, k), torch.float32)[: x.shape[0]]
             res = self._dispatch_on(buf, payload, topk_idx.contiguous(), weights, "expert")
-            padded = ll.padded_layout(res.recv_x, res.recv_src, res.tokens_per_expert, world, m,
-                                      topk_idx.shape[1])
+            scratch, into = self._ll_receive(key, parity, res.recv_x, el, m)
+            padded = ll.padded_layout(res.recv_x, res.recv_src, res.tokens_per_expert, world, m, k, scratch,
+                                      into)
             if use_fp8:
-                q_rows, s_rows = ll.split_fp8_payload(padded.rows, hidden)
-                recv_q = q_rows.contiguous()
+                recv_q, s_rows = ll.split_fp8_payload(padded.rows, hidden)  # q: rows P bytes apart, no copy
                 slots, nsc = world * m, s_rows.shape[-1]
                 if use_ue8m0:
-                    packed = ll.ue8m0_pack(s_rows.reshape(-1, nsc)).view(el, slots, -1)
-                    scales = torch.empty((el, packed.shape[-1], slots), dtype=torch.int32, device=self.device)
+                    packed_scales = ll.ue8m0_pack(s_rows.reshape(-1, nsc)).view(el, slots, -1)
+                    shape, dtype = (el, packed_scales.shape[-1], slots), torch.int32
                 else:
-                    packed = s_rows
-                    scales = torch.empty((el, nsc, slots), dtype=torch.float32, device=self.device)
-                scales = scales.transpose(1, 2)
-                scales.copy_(packed)
+                    packed_scales = s_rows
+                    shape, dtype = (el, nsc, slots), torch.float32
+                # DeepEP's: column-major in the last two dimensions, kept per parity as the rows
+                scales = self._ll_cached(f"scales {parity}", shape, dtype).transpose(1, 2)
+                scales.copy_(packed_scales)
                 recv: Any = (recv_q, scales)
             else:
                 recv = padded.rows
             if stats is not None:
                 stats.add_(padded.count)
-            route = _LowLatencyRoute(res.handle, padded.slot, m, hidden, num_experts, x.shape[0])
+            route = _LowLatencyRoute(res.handle, padded.slot, m, hidden, num_experts, x.shape[0], topk_idx,
+                                     topk_idx._version)
             handle = LowLatencyHandle((padded.src_info, padded.layout_range, m, hidden, num_experts), route)
             outputs = (*(recv if isinstance(recv, tuple) else (recv,)), padded.count, padded.src_info,
                        padded.layout_range, padded.slot)
@@ -152,7 +164,10 @@ class LowLatencyMode:
             y = buf.expert_output(buf.cfg.capacity)
             ll.expert_major_rows(src, route.slot, y)
             sent = route.dispatch_handle
-            ids = torch.where(topk_idx < 0, torch.full_like(sent.topk_idx, -1), sent.topk_idx).contiguous()
+            ids = sent.topk_idx
+            if topk_idx is not route.given_ids or topk_idx._version != route.given_version:
+                # pairs the caller set to -1 are skipped; the rest are the dispatch's (checked above on CPUs)
+                ids = torch.where(topk_idx < 0, torch.full_like(ids, -1), ids)
             combined = buf.combine(y, dataclasses.replace(sent, topk_idx=ids,
                                                           topk_weights=topk_weights.contiguous()))
             self._combined.add(key)
@@ -221,6 +236,32 @@ class LowLatencyMode:
             el, slots = route.num_experts // self.group_size, self.group_size * route.max_tokens
             pair[i] = torch.zeros((el, slots, route.hidden), dtype=_CARRIER, device=self.device)
         return pair
+
+    def _ll_receive(self, key: tuple, parity: int, recv_rows: Tensor, el: int, m: int
+                    ) -> tuple[ll.PaddedScratch, ll.PaddedOut]:
+        """The padded layout's scratch for a buffer, and its receive tensors for one parity: DeepEP's two
+        alternating low-latency buffers (a dispatch's results stay valid until the next low-latency
+        dispatch of the same parity, i.e. the second low-latency call after it), made once each."""
+        scratch = self._ll_scratch.get(key)
+        if scratch is None:
+            scratch = self._ll_scratch[key] = ll.PaddedScratch.make(recv_rows.shape[0], el, self.group_size,
+                                                                    m, self.device)
+        into = self._ll_recv.get((key, parity))
+        if into is None:
+            into = ll.PaddedOut.make(scratch, self.group_size, recv_rows.shape[1], recv_rows.dtype,
+                                     self.device)
+            self._ll_recv[key, parity] = into
+        return scratch, into
+
+    def _ll_cached(self, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """A zero-filled tensor kept for the low-latency calls of this shape: what the kernels read and the
+        calls rewrite in full before each read (the FP8 rows' values and scales, padding left zero), or
+        never write (the zero weights). Kept, not made per call: each tensor operation costs host time."""
+        key = (what, shape, dtype)
+        t = self._ll_kept.get(key)
+        if t is None:
+            t = self._ll_kept[key] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return t
 
     # -- argument checks -------------------------------------------------------------------------
 

@@ -132,15 +132,17 @@ class NormalMode:
         world = self.group_size
         with _Scope(self, previous_event, async_finish) as scope:
             payload = a.fmt.pack(a.x, a.scales, topk_idx, topk_weights)
-            ids, zero_w = normal.rank_routing(a.in_rank)
             if a.route is not None:
+                # the handle's dispatch kept the per-rank ids and zero weights it was given (its own copy)
+                sent = a.route.dispatch_handle
                 _, buf = self._buffer(a.fmt.elems, _CARRIER, world, world, a.route.max_tokens)
-                res = self._dispatch_on(buf, payload, ids, zero_w, "rank")
+                res = self._dispatch_on(buf, payload, sent.topk_idx, sent.topk_weights, "rank")
                 rows = min(a.route.num_recv, world * a.route.max_tokens)
                 recv_x, recv_scales, _, _ = a.fmt.unpack(res.recv_x[:rows], a.route.num_recv)
                 event = scope.finish((recv_x, recv_scales), (a.x, a.scales, a.in_rank))
                 out_x = (recv_x, recv_scales) if a.scales is not None else recv_x
                 return out_x, None, None, None, None, EventOverlap(event)
+            ids, zero_w = normal.rank_routing(a.in_rank)
             result = self._dispatch_fresh(a.x.shape[0], a.fmt, payload, ids, zero_w, a.in_rank,
                                           num_tokens_per_rank, num_tokens_per_expert, topk_idx,
                                           expert_alignment, num_worst_tokens, a.channels)
