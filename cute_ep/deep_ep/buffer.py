@@ -44,11 +44,17 @@ from typing import Any
 
 from cute_ep.deep_ep.checks import CallChecks
 from cute_ep.deep_ep.handles import LowLatencyHandle, NormalHandle
-from cute_ep.deep_ep.lifecycle import BUDGET_ENV_VAR, BufferLifecycle, _plain_torch_defaults
+from cute_ep.deep_ep.lifecycle import BUDGET_ENV_VAR, BufferLifecycle
 from cute_ep.deep_ep.low_latency_mode import LowLatencyMode
 from cute_ep.deep_ep.normal_mode import NormalMode
 from cute_ep.deep_ep.pool import BufferPool
-from cute_ep.deep_ep.utils import Config, EventHandle, EventOverlap, get_low_latency_rdma_size_hint
+from cute_ep.deep_ep.utils import (
+    Config,
+    EventHandle,
+    EventOverlap,
+    get_low_latency_rdma_size_hint,
+    plain_torch_defaults,
+)
 
 __all__ = ["BUDGET_ENV_VAR", "Buffer", "LowLatencyHandle", "NormalHandle"]
 
@@ -95,7 +101,7 @@ class Buffer(BufferLifecycle, BufferPool, CallChecks, NormalMode, LowLatencyMode
                  explicitly_destroy: bool = False, comm: Any = None, *, backend: str | None = None,
                  symmetric_bytes: int | None = None, runtime: Any = None) -> None:
         del num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl  # see the docstring
-        with _plain_torch_defaults():
+        with plain_torch_defaults():
             self._init(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, explicitly_destroy, comm,
                        backend, symmetric_bytes, runtime)
 

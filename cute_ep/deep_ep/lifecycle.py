@@ -6,10 +6,8 @@ and the compiled-module registry (GPUs), and the communication stream; and where
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,7 +16,7 @@ from torch import Tensor
 
 from cute_ep.collectives import world_of
 from cute_ep.deep_ep.runtime import GroupRuntime, NvshmemSession, choose_backend, resolve_group
-from cute_ep.deep_ep.utils import EventHandle
+from cute_ep.deep_ep.utils import EventHandle, plain_torch_defaults
 
 __all__ = ["BUDGET_ENV_VAR", "BufferLifecycle"]
 
@@ -26,27 +24,9 @@ BUDGET_ENV_VAR = "CUTE_EP_DEEP_EP_SYMMETRIC_BYTES"
 """Overrides a Buffer's symmetric byte budget (a size as NVSHMEM_SYMMETRIC_SIZE takes it: "8G", "512M")."""
 
 
-@contextlib.contextmanager
-def _plain_torch_defaults() -> Iterator[None]:
-    """torch's own defaults (fp32, CPU) inside a call: callers may set others (DeepEP's tests set bf16 and
-    CUDA with ``torch.set_default_dtype`` / ``set_default_device``), and the backends' host-side tensors
-    must not follow them."""
-    dtype, device = torch.get_default_dtype(), torch.get_default_device()
-    if dtype == torch.float32 and device.type == "cpu":
-        yield
-        return
-    torch.set_default_dtype(torch.float32)
-    torch.set_default_device(None)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(dtype)
-        torch.set_default_device(device)
-
-
 class _Scope:
     """One call's work on the Buffer's communication stream (``cute_ep.deep_ep.buffer``'s docstring:
-    Streams); on a CPU, in place. Inside it torch's defaults are its own (``_plain_torch_defaults``)."""
+    Streams); on a CPU, in place. Inside it torch's defaults are its own (``utils.plain_torch_defaults``)."""
 
     def __init__(self, buffer: BufferLifecycle, previous_event: Any = None,
                  async_finish: bool = False) -> None:
@@ -64,7 +44,7 @@ class _Scope:
         self._defaults: Any = None
 
     def __enter__(self) -> _Scope:
-        self._defaults = _plain_torch_defaults()
+        self._defaults = plain_torch_defaults()
         self._defaults.__enter__()
         if self.comm is not None:
             self.compute = torch.cuda.current_stream(self.comm.device)
@@ -199,7 +179,7 @@ class BufferLifecycle:
         if self.runtime is None:
             return
         try:
-            with _plain_torch_defaults():
+            with plain_torch_defaults():
                 self._release()
         finally:
             if self._owns_runtime:

@@ -417,6 +417,10 @@ class NormalMode:
         """[R, n]: every rank's 1-D ``row`` (same length), in rank order (collective, no host sync)."""
         if self.group_size == 1:
             return row[None]
+        if self._nccl and row.is_cuda:  # one collective into one tensor (no list of R, no stack)
+            out = torch.empty((self.group_size, row.shape[0]), dtype=row.dtype, device=row.device)
+            dist.all_gather_into_tensor(out, row, group=self.group)
+            return out
         part = row if self._nccl or not row.is_cuda else row.cpu()
         out = [torch.empty_like(part) for _ in range(self.group_size)]
         dist.all_gather(out, part, group=self.group)

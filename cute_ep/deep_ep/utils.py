@@ -1,5 +1,6 @@
 """Events and the tuning ``Config`` of ``cute_ep.deep_ep``: DeepEP v1.2.1's ``EventHandle``, ``EventOverlap``
-and ``Config`` (and its buffer size hints), with the same names, arguments and results.
+and ``Config`` (and its buffer size hints), with the same names, arguments and results; and
+``plain_torch_defaults``, under which the Buffer's calls run.
 
 On a GPU an ``EventHandle`` is a ``torch.cuda.Event`` recorded on a stream; on a CPU (the reference
 backend) there are no streams, so an event is complete when it is made and waiting for it returns at
@@ -8,6 +9,8 @@ once. Importing this module imports no GPU library.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,6 +22,7 @@ __all__ = [
     "EventHandle",
     "EventOverlap",
     "get_low_latency_rdma_size_hint",
+    "plain_torch_defaults",
 ]
 
 NUM_MAX_NVL_PEERS = 8
@@ -197,3 +201,21 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
     signal = _align(num_experts * 4, 128)
     total = 2 * (send + recv + signal)
     return (total + NUM_BUFFER_ALIGNMENT_BYTES) // NUM_BUFFER_ALIGNMENT_BYTES * NUM_BUFFER_ALIGNMENT_BYTES
+
+
+@contextlib.contextmanager
+def plain_torch_defaults() -> Iterator[None]:
+    """torch's own defaults (fp32, CPU) inside a call: callers may set others (DeepEP's tests set bf16 and
+    CUDA with ``torch.set_default_dtype`` / ``set_default_device``), and the backends' host-side tensors
+    must not follow them."""
+    dtype, device = torch.get_default_dtype(), torch.get_default_device()
+    if dtype == torch.float32 and device.type == "cpu":
+        yield
+        return
+    torch.set_default_dtype(torch.float32)
+    torch.set_default_device(None)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(dtype)
+        torch.set_default_device(device)
