@@ -1,0 +1,59 @@
+"""scripts/deep_ep_call_costs.py on a machine without a GPU: its help, a clear refusal (exit 2) instead of a
+traceback, and its two timers' arithmetic with stand-in events and clocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _launch import REPO, import_script
+
+
+@pytest.fixture(scope="module")
+def cc():
+    return import_script(REPO / "scripts" / "deep_ep_call_costs.py", "deep_ep_call_costs_script")
+
+
+def test_help_and_no_gpu(cc, capsys, monkeypatch):
+    with pytest.raises(SystemExit) as e:
+        cc.main(["--help"])
+    assert e.value.code == 0 and "cute_ep.deep_ep" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cc.main(["--mode", "normal"]) == 2
+    assert "needs CUDA GPUs" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cc.main(["--mode", "internode"])
+    assert e.value.code == 2
+
+
+def test_bad_counts_are_refused(cc, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cc.main(["--iters", "1"]) == 2
+    assert "--iters must be >= 2" in capsys.readouterr().err
+
+
+def test_wall_averages_all_but_the_first_timing(cc, monkeypatch):
+    times = iter([9.0, 0.004, 0.002, 0.003])  # ms; the first (a cold call) is dropped
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            pass
+
+        def record(self) -> None:
+            pass
+
+        def elapsed_time(self, other: Event) -> float:
+            return next(times)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    calls = []
+    assert cc.wall_us(lambda: calls.append(1), warmup=3, iters=4) == pytest.approx(3.0)
+    assert len(calls) == 7
+
+
+def test_host_time_is_the_median_of_calls_after_settling(cc, monkeypatch):
+    clock = iter([0.0, 5e-6, 1.0, 1.0 + 9e-6, 2.0, 2.0 + 7e-6])
+    monkeypatch.setattr(cc.time, "perf_counter", lambda: next(clock))
+    events = []
+    median = cc.host_us(lambda: events.append("call"), 3, lambda: events.append("settle"))
+    assert median == pytest.approx(7.0) and events == ["settle", "call"] * 3
