@@ -11,7 +11,8 @@ EP2 config of 24 SMs): a dispatch with the layout given (one host sync), a cache
 rows and of FP8 rows with per-128-column scales, and a combine of the received rows. Low-latency mode
 (its own Buffer, 128 tokens, top-8 of 288): dispatch + combine of BF16 and of FP8 rows (DeepEP's own
 low-latency kernels need DeepEP built with NVSHMEM; where its import lacks them the DeepEP column says
-why). Wall: ``--iters`` calls between CUDA events after ``--warmup`` (the average, the first dropped);
+why). Wall: DeepEP's own ``bench`` (``cute_ep.tools.bench_timing.deepep_bench``: ``--warmup`` calls, the
+L2 flushed, ``--iters`` calls between CUDA events, the average with the first dropped);
 host: the median over ``--iters`` calls of ``time.perf_counter`` around one call after a device sync and
 a barrier. With ``--profile-dir`` each rank writes, for ours, a cProfile of ten calls of each kind and a
 ``torch.profiler`` table (CPU and CUDA). Rank 0 prints one line per (module, call) with every rank's value.
@@ -41,24 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=30, help="timed calls per measurement, >= 2")
     p.add_argument("--profile-dir", default="", help="write each rank's profiles of our calls here")
     return p
-
-
-def wall_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
-    """Average microseconds of ``fn`` between CUDA events over ``iters - 1`` calls (the first dropped)."""
-    import torch
-
-    torch.cuda.synchronize()
-    for _ in range(warmup):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends, strict=True):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    times = [s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends, strict=True)][1:]
-    return sum(times) / len(times)
 
 
 def host_us(fn: Callable[[], object], iters: int, settle: Callable[[], object]) -> float:
@@ -167,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     group = dist.new_group(list(range(world)))
     import cute_ep.deep_ep as ours
     from cute_ep.tools.bench_peers import import_deep_ep
+    from cute_ep.tools.bench_timing import deepep_bench
 
     theirs, why = import_deep_ep()
     modules = [("cute_ep", ours)] + ([("deep_ep", theirs)] if theirs is not None else [])
@@ -189,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             buf = calls.pop("_buffer")
             for call, fn in calls.items():
-                results[name, call] = (wall_us(fn, args.warmup, args.iters), host_us(fn, args.iters, settle))
+                wall = deepep_bench(fn, args.warmup, args.iters)[0]
+                results[name, call] = (wall, host_us(fn, args.iters, settle))
             if name == "cute_ep" and args.profile_dir:
                 profile(calls, Path(args.profile_dir), rank, mode)
             settle()

@@ -30,26 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def bench(fn, warmup: int, iters: int) -> tuple[float, float]:
-    """DeepEP's bench: (average, minimum) microseconds of ``fn`` over ``iters - 1`` CUDA-event timings."""
-    import torch
-
-    torch.cuda.synchronize()
-    cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
-    for _ in range(warmup):
-        fn()
-    cache.zero_()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends, strict=True):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    times = [s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends, strict=True)][1:]
-    return sum(times) / len(times), min(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
@@ -71,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     import cute_ep.deep_ep as ours
     from cute_ep.tools.bench_peers import import_deep_ep
+    from cute_ep.tools.bench_timing import deepep_bench as bench
 
     theirs, why = import_deep_ep()
     torch.manual_seed(rank)

@@ -1,5 +1,6 @@
 """What the GPU timing scripts share (``scripts/benchmark.py``, ``scripts/decode_breakdown.py``,
-``scripts/kernel_times.py``): their argument limits, the CUDA-event :class:`Timer`, the deterministic
+``scripts/kernel_times.py``; ``scripts/layout_bench.py`` and ``scripts/deep_ep_call_costs.py`` time calls
+with :func:`deepep_bench`): their argument limits, the CUDA-event :class:`Timer`, the deterministic
 :class:`InputSet` of one (routing, T), the EpBuffers of an SM-budget sweep, DeepEP opened and timed beside
 ours (:func:`open_peer`, :func:`open_budget`, :func:`measure_deepep`; the peer itself is
 :mod:`cute_ep.tools.bench_peers`), and the environment a report records.
@@ -37,6 +38,7 @@ __all__ = [
     "InputSet",
     "Timer",
     "agree",
+    "deepep_bench",
     "deepep_meta",
     "exchange_splits",
     "measure_deepep",
@@ -65,6 +67,29 @@ CPU_WAY_OUT = "on a CPU, scripts/profile_backends.py --backends reference,a2a ti
 """What the GPU-only timing scripts suggest on a machine without CUDA."""
 MIN_HOST_US_PER_ITER = 20.0  # floor of the host enqueue estimate that sizes the sleep
 MAX_HOLD_MS = 5000.0  # longest sleep that holds the GPU while the host enqueues
+
+
+def deepep_bench(fn: Callable[[], Any], warmup: int, iters: int) -> tuple[float, float]:
+    """DeepEP's own ``bench`` (its tests/utils.py), for timing a public call as DeepEP's tests do: ``warmup``
+    calls, the L2 flushed, ``iters`` calls each between two CUDA events on the current stream (the host
+    launching as it goes), the first dropped. Returns (average, minimum) microseconds. Unlike
+    :class:`Timer`, the host's own cost is inside each timing: it times calls, not kernels."""
+    import torch
+
+    torch.cuda.synchronize()
+    cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
+    for _ in range(warmup):
+        fn()
+    cache.zero_()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends, strict=True):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends, strict=True)][1:]
+    return sum(times) / len(times), min(times)
 
 
 def multicast_warnings() -> list[str]:
