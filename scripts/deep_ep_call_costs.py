@@ -74,6 +74,7 @@ def normal_calls(module, group, rank: int) -> dict[str, Callable[[], object]]:
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout, topk_idx=idx, topk_weights=w, config=cfg)
+
     def fresh() -> object:
         return buf.dispatch(x, **layout, topk_idx=idx, topk_weights=w, config=cfg)
 
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     theirs, why = import_deep_ep()
     modules = [("cute_ep", ours)] + ([("deep_ep", theirs)] if theirs is not None else [])
+
     def settle() -> None:
         torch.cuda.synchronize()
         dist.barrier(group)
