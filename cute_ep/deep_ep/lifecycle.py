@@ -135,9 +135,7 @@ class BufferLifecycle:
         self._combined: set[tuple] = set()  # buffers combined on since the latest dispatch (see _fence)
         self._ll_index = 0  # DeepEP's low-latency buffer parity: flips on every low-latency call
         self._ll_staging: dict[tuple, list[Tensor | None]] = {}
-        self._ll_scratch: dict[tuple, Any] = {}  # low_latency.PaddedScratch per buffer key
-        self._ll_kept: dict[tuple, Tensor] = {}  # LowLatencyMode._ll_cached
-        self._ll_recv: dict[tuple, Any] = {}  # low_latency.PaddedOut per (buffer key, parity)
+        self._ll_kept: dict[tuple, Any] = {}  # LowLatencyMode._ll_kept_of: tensors and scratch kept per shape
 
     def _start_kernels(self) -> None:
         """NVSHMEM (this Buffer's session, or the given runtime's), the compiled-module registry, and the

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cute_ep.fp8 import pack_fp8_rows
 from cute_ep.kernels.buffers import FP8_BLOCK, packed_fp8_row_bytes
 
 __all__ = [
@@ -24,7 +23,6 @@ __all__ = [
     "PaddedScratch",
     "cast_fp8_blocks",
     "expert_major_rows",
-    "fp8_payload",
     "padded_layout",
     "split_fp8_payload",
     "ue8m0_pack",
@@ -43,8 +41,9 @@ def cast_fp8_blocks(x: Tensor, round_scale: bool = False, *, out: Tensor | None 
     product's bits) and scale = 1 / scale_inv; q = e4m3(x * scale), saturated at +-448.
 
     Returns (q [T, H] float8_e4m3fn, scale_inv [T, H / 128] fp32): x ~ q * scale_inv. ``out``: packed rows
-    [T, P] uint8 (``fp8_payload``'s layout, P >= H + 4 H / 128) to write q and scale_inv into; the returned
-    tensors are then views of it. Seven tensor operations without ``round_scale`` and no host sync (the
+    [T, P] uint8 (the layout ``split_fp8_payload`` reads, P >= H + 4 H / 128) to write q and scale_inv into
+    (the bytes past them are left as they are); the returned tensors are then views of it. Seven tensor
+    operations without ``round_scale`` and no host sync (the
     constants are made once per device): on the GPU each costs host time, so they are counted."""
     t, hidden = x.shape
     blocks = x.reshape(t, hidden // FP8_BLOCK, FP8_BLOCK)
@@ -98,15 +97,10 @@ def ue8m0_pack(scale_inv: Tensor) -> Tensor:
     return padded.view(torch.int32)
 
 
-def fp8_payload(q: Tensor, scale_inv: Tensor) -> Tensor:
-    """Rows that carry e4m3 values and fp32 scales as raw bytes ([H bytes | 4 H / 128 bytes | zeros to 16]),
-    as a bf16 tensor [T, P / 2] the kernels move like any row."""
-    return pack_fp8_rows(q, scale_inv, packed_fp8_row_bytes(q.shape[1])).view(torch.bfloat16)
-
-
 def split_fp8_payload(rows: Tensor, hidden: int) -> tuple[Tensor, Tensor]:
-    """``fp8_payload``'s inverse on [..., P / 2] bf16 rows: views (q [..., H] float8_e4m3fn, scale_inv
-    [..., H / 128] fp32)."""
+    """Views of the packed FP8 rows the kernels move (any element type; P bytes each, P =
+    ``packed_fp8_row_bytes(H)``: [H bytes of e4m3 | 4 H / 128 bytes of fp32 scales | zeros to 16]):
+    (q [..., H] float8_e4m3fn, scale_inv [..., H / 128] fp32)."""
     raw = rows.view(torch.uint8)
     scale_end = hidden + 4 * (hidden // FP8_BLOCK)
     return raw[..., :hidden].view(torch.float8_e4m3fn), raw[..., hidden:scale_end].view(torch.float32)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -242,26 +243,26 @@ class LowLatencyMode:
         """The padded layout's scratch for a buffer, and its receive tensors for one parity: DeepEP's two
         alternating low-latency buffers (a dispatch's results stay valid until the next low-latency
         dispatch of the same parity, i.e. the second low-latency call after it), made once each."""
-        scratch = self._ll_scratch.get(key)
-        if scratch is None:
-            scratch = self._ll_scratch[key] = ll.PaddedScratch.make(recv_rows.shape[0], el, self.group_size,
-                                                                    m, self.device)
-        into = self._ll_recv.get((key, parity))
-        if into is None:
-            into = ll.PaddedOut.make(scratch, self.group_size, recv_rows.shape[1], recv_rows.dtype,
-                                     self.device)
-            self._ll_recv[key, parity] = into
-        return scratch, into
+        world = self.group_size
+        scratch = self._ll_kept_of(("scratch", key), lambda: ll.PaddedScratch.make(
+            recv_rows.shape[0], el, world, m, self.device))
+        return scratch, self._ll_kept_of(("receive", key, parity), lambda: ll.PaddedOut.make(
+            scratch, world, recv_rows.shape[1], recv_rows.dtype, self.device))
 
     def _ll_cached(self, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """A zero-filled tensor kept for the low-latency calls of this shape: what the kernels read and the
         calls rewrite in full before each read (the FP8 rows' values and scales, padding left zero), or
-        never write (the zero weights). Kept, not made per call: each tensor operation costs host time."""
-        key = (what, shape, dtype)
-        t = self._ll_kept.get(key)
-        if t is None:
-            t = self._ll_kept[key] = torch.zeros(shape, dtype=dtype, device=self.device)
-        return t
+        never write (the zero weights)."""
+        return self._ll_kept_of((what, shape, dtype),
+                                lambda: torch.zeros(shape, dtype=dtype, device=self.device))
+
+    def _ll_kept_of(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """What the low-latency calls keep under ``key`` (made by ``make`` on first use): each tensor made
+        per call would cost host time."""
+        kept = self._ll_kept.get(key)
+        if kept is None:
+            kept = self._ll_kept[key] = make()
+        return kept
 
     # -- argument checks -------------------------------------------------------------------------
 

@@ -421,7 +421,7 @@ class NormalMode:
             out = torch.empty((self.group_size, row.shape[0]), dtype=row.dtype, device=row.device)
             dist.all_gather_into_tensor(out, row, group=self.group)
             return out
-        part = row if self._nccl or not row.is_cuda else row.cpu()
+        part = row.cpu() if row.is_cuda else row  # gloo moves host tensors
         out = [torch.empty_like(part) for _ in range(self.group_size)]
         dist.all_gather(out, part, group=self.group)
         return torch.stack(out).to(row.device)
