@@ -37,11 +37,9 @@ class Launcher:
         self._compiled = compiled
         self._keep = (sizes, pointers, cuda.CUstream(0))  # the storage the address list points into
         scalars = launch_scalars(sizes, **dict.fromkeys(CALL_SCALARS, 0))
-        exe, adapted = compiled.generate_execution_args(scalars, pointers, self._keep[2])
-        self._exe, self._adapted = exe, adapted
-        addrs = [a if isinstance(a, int) else a.value for a in exe]
-        if len(addrs) != len(CALL_SCALARS) + len(SIZE_SCALARS) + len(BUFFERS) + 1:
-            raise RuntimeError(f"unexpected argument layout of the compiled module: {len(addrs)} arguments")
+        count = len(CALL_SCALARS) + len(SIZE_SCALARS) + len(BUFFERS) + 1  # and the stream
+        exe, self._adapted, addrs = argument_storage(compiled, (scalars, pointers, self._keep[2]), count)
+        self._exe = exe
         self.scalars = {n: ctypes.c_int32.from_address(addrs[i]) for i, n in enumerate(CALL_SCALARS)}
         first = len(CALL_SCALARS) + len(SIZE_SCALARS)
         self.pointers = {b.name: ctypes.c_uint64.from_address(addrs[first + j])
@@ -80,12 +78,8 @@ class PreparedCall:
         if len(args) != len(kinds) or any(k not in self._SLOT for k in kinds):
             raise ValueError(f"kinds must name each of the {len(args)} arguments as one of "
                              f"{sorted(self._SLOT)}, got {kinds}")
-        exe, adapted = compiled.generate_execution_args(*args)
+        exe, adapted, addrs = argument_storage(compiled, args, len(args))
         self._keep = (args, adapted, exe)
-        addrs = [a if isinstance(a, int) else a.value for a in exe]
-        if len(addrs) != len(args):
-            raise RuntimeError(f"unexpected argument layout of the compiled function: {len(addrs)} storage "
-                               f"addresses for {len(args)} arguments")
         self.slots = [getattr(ctypes, self._SLOT[k]).from_address(a)
                       for k, a in zip(kinds, addrs, strict=True)]
         self._run = packed_runner(compiled, exe)
@@ -95,6 +89,18 @@ class PreparedCall:
         for slot, value in zip(self.slots, values, strict=True):
             slot.value = value
         self._run()
+
+
+def argument_storage(compiled, args: tuple, count: int) -> tuple[list, object, list[int]]:
+    """``compiled``'s own C storage for ``args`` (``generate_execution_args``): (the storage list, the
+    adapted arguments it belongs to, the address of each argument's storage). RuntimeError unless there
+    are ``count`` addresses (the compiled function's argument layout is not the one expected)."""
+    exe, adapted = compiled.generate_execution_args(*args)
+    addrs = [a if isinstance(a, int) else a.value for a in exe]
+    if len(addrs) != count:
+        raise RuntimeError(f"unexpected argument layout of the compiled function: {len(addrs)} storage "
+                           f"addresses, {count} expected")
+    return exe, adapted, addrs
 
 
 def packed_runner(compiled, exe: list) -> Callable[[], None]:

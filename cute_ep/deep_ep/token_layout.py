@@ -81,6 +81,7 @@ class TokenLayout:
                  num_experts, num_ranks, current_stream_handle(dev.index))
         return per_rank, per_expert, in_rank
 
+
 _SHARED: TokenLayout | None = None
 _SHARED_LOCK = threading.Lock()
 
