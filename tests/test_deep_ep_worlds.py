@@ -413,10 +413,22 @@ def check_bad_counts(buf: Any, rank: int, world: int) -> list[str]:
         rec.failures.append("no error")
     except ValueError as exc:
         rec.expect(f"rank(s) [{world - 1}]" in str(exc), f"message: {exc}")
-    # the buffer stays usable: token 0 of every rank goes to rank 0, token 1 to the last rank
-    res = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                       num_tokens_per_expert=per_expert)
-    rec.expect(res[0].shape[0] == (world if rank in (0, world - 1) else 0), "dispatch after the error")
+    from cute_ep.deep_ep import checks as deep_ep_checks
+
+    # the buffer stays usable: token 0 of every rank goes to rank 0, token 1 to the last rank; with good
+    # arguments the agreement rides in the count table (no collective of its own once the buffers of
+    # this shape are built)
+    agreements = []
+    real = deep_ep_checks._all_alike
+    for call in range(2):
+        deep_ep_checks._all_alike = lambda *args, call=call: agreements.append(call) or real(*args)
+        try:
+            res = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert)
+        finally:
+            deep_ep_checks._all_alike = real
+        rec.expect(res[0].shape[0] == (world if rank in (0, world - 1) else 0), "dispatch after the error")
+    rec.expect(1 not in agreements, f"a good dispatch ran agreements of its own: {agreements}")
     return rec.failures
 
 

@@ -36,7 +36,7 @@ from cute_ep.input_checks import check_tensor_args
 from cute_ep.kernels.config import SUPPORTED_DTYPES
 
 __all__ = ["CallChecks", "agree", "check_expert_ids", "check_tensors", "drain_gloo", "error_of",
-           "outside_ids"]
+           "outside_ids", "same_digest"]
 
 _ID_DTYPES = (torch.int64, torch.int32)
 
@@ -78,15 +78,19 @@ def _all_alike(group: Any, error: ValueError | None, same: dict[str, Any]) -> bo
     _, world = world_of(group)
     if world == 1 and not dist.is_initialized():
         return error is None
-    digest = -1  # a rank at fault: never alike
-    if error is None:
-        digest = int.from_bytes(hashlib.blake2b(repr(sorted(same.items())).encode(), digest_size=8).digest(),
-                                "little", signed=True)
+    digest = -1 if error is not None else same_digest(same)  # -1: a rank at fault, never alike
     device = collective_device(group)
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     return error is None and all(int(d) == digest for d in torch.cat(every).tolist())
+
+
+def same_digest(same: dict[str, Any]) -> int:
+    """A signed 64-bit digest of ``same`` (name -> a value with a deterministic repr): equal on two ranks
+    exactly when their values print alike."""
+    return int.from_bytes(hashlib.blake2b(repr(sorted(same.items())).encode(), digest_size=8).digest(),
+                          "little", signed=True)
 
 
 def check_tensors(device: torch.device, **args: tuple[Any, str, torch.dtype]) -> None:

@@ -98,19 +98,21 @@ def send_head(is_token_in_rank: Tensor, num_channels: int) -> Tensor:
     return torch.where(is_token_in_rank, head, -1).to(torch.int32)
 
 
-def recv_channel_prefix_matrix(src_rank: Tensor, src_token: Tensor, valid: Tensor, tokens_per_rank: Tensor,
-                               num_channels: int) -> Tensor:
+def recv_channel_prefix_matrix(src_rank: Tensor, src_token: Tensor, valid: Tensor | None,
+                               tokens_per_rank: Tensor, num_channels: int) -> Tensor:
     """[R, channels] int32: DeepEP's receiver-side ``recv_channel_prefix_matrix``: for source rank s and
     channel c, the rows received from s whose token lies in s's channels before c.
 
-    src_rank, src_token [N]: the source of each received row; valid [N] bool: the rows that count;
-    tokens_per_rank [R]: every rank's token count (sizes its channels)."""
+    src_rank, src_token [N]: the source of each received row; valid [N] bool: the rows that count (None:
+    all of them); tokens_per_rank [R]: every rank's token count (sizes its channels)."""
     world = tokens_per_rank.shape[0]
     dev = src_rank.device
     per = token_channels(tokens_per_rank.to(device=dev, dtype=torch.int64), num_channels)
     src = src_rank.long()
     channel = torch.div(src_token.long(), per[src.clamp(0, world - 1)], rounding_mode="floor")
-    bins = torch.where(valid, src * num_channels + channel.clamp(max=num_channels - 1), world * num_channels)
+    bins = src * num_channels + channel.clamp(max=num_channels - 1)
+    if valid is not None:
+        bins = torch.where(valid, bins, world * num_channels)
     counts = torch.zeros(world * num_channels + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, bins, torch.ones_like(bins))
     counts = counts[:-1].view(world, num_channels)
@@ -135,7 +137,7 @@ class RowFormat:
 
     @property
     def x_bytes(self) -> int:
-        return self.hidden * torch.empty((), dtype=self.x_dtype).element_size()
+        return self.hidden * self.x_dtype.itemsize
 
     @property
     def scale_end(self) -> int:
@@ -166,9 +168,11 @@ class RowFormat:
         t = x.shape[0]
         if self.passthrough:
             return x.contiguous().view(_CARRIER) if t else x.new_empty((0, self.elems), dtype=_CARRIER)
-        rows = torch.zeros((t, self.row_bytes), dtype=torch.uint8, device=x.device)
+        rows = torch.empty((t, self.row_bytes), dtype=torch.uint8, device=x.device)
         if t == 0:
             return rows.view(_CARRIER)
+        if self.row_bytes > self.idx_end + 4 * self.topk:  # the padding travels too: zero, not stale
+            rows[:, self.idx_end + 4 * self.topk :] = 0
         rows[:, : self.x_bytes] = x.contiguous().view(torch.uint8)
         if self.scale_dtype is not None:
             rows[:, self.x_bytes : self.scale_end].view(self.scale_dtype).copy_(scales)

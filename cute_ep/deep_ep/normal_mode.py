@@ -1,6 +1,7 @@
 """DeepEP's normal mode on a ``cute_ep.deep_ep.Buffer`` (``NormalMode``): ``get_dispatch_layout``,
 ``dispatch`` and ``combine`` on the rank layout, their argument checks, and the internode calls it
-refuses. How a token's row is routed and packed, and the handle's matrices: ``cute_ep.deep_ep.normal``.
+refuses. How a token's row is routed and packed, and the handle's matrices: ``cute_ep.deep_ep.normal``;
+a dispatch without a cached handle (its count table, the agreement in it): ``cute_ep.deep_ep.fresh_dispatch``.
 """
 
 from __future__ import annotations
@@ -14,14 +15,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cute_ep.deep_ep import normal
-from cute_ep.deep_ep.checks import (
-    _ID_DTYPES,
-    _check_row_dtype,
-    agree,
-    check_expert_ids,
-    check_tensors,
-    outside_ids,
-)
+from cute_ep.deep_ep.checks import _ID_DTYPES, _check_row_dtype, check_expert_ids, check_tensors
+from cute_ep.deep_ep.fresh_dispatch import FreshDispatch
 from cute_ep.deep_ep.handles import NormalHandle, _NormalRoute
 from cute_ep.deep_ep.lifecycle import _Scope
 from cute_ep.deep_ep.pool import _CARRIER
@@ -55,7 +50,7 @@ class _DispatchArgs:
                 "handle (a cached dispatch's buffers)": None if self.route is None else self.route.max_tokens}
 
 
-class NormalMode:
+class NormalMode(FreshDispatch):
     """DeepEP's normal-mode calls of ``Buffer``. They use what ``BufferLifecycle`` sets (``group``,
     ``rank``, ``group_size``, ``device``, ``backend``, ``_nccl``, ``_combined``), ``BufferPool``'s buffers,
     ``CallChecks``' checks and ``Buffer.get_dispatch_config``."""
@@ -124,34 +119,34 @@ class NormalMode:
         """
         self._check_alive()
         del num_tokens_per_rdma_rank  # one NVLink domain: DeepEP's intranode dispatch ignores it too
-        synced = handle is None and num_worst_tokens == 0
-        a: _DispatchArgs = self._agreed("dispatch", lambda: self._dispatch_args(
-            x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-            expert_alignment, num_worst_tokens, config, previous_event, async_finish,
-            allocate_on_comm_stream), _DispatchArgs.same, synced=synced)
+
+        def check() -> _DispatchArgs:
+            return self._dispatch_args(x, handle, num_tokens_per_rank, is_token_in_rank,
+                                       num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                       num_worst_tokens, config, previous_event, async_finish,
+                                       allocate_on_comm_stream)
+
+        if handle is None:
+            given = {"per_rank": num_tokens_per_rank, "in_rank": is_token_in_rank,
+                     "per_expert": num_tokens_per_expert, "topk_idx": topk_idx, "topk_weights": topk_weights,
+                     "alignment": expert_alignment, "num_worst": num_worst_tokens}
+            recv_x, recv_scales, recv_idx, recv_w, per_expert, new_handle, event = self._dispatch_fresh(
+                check, given, num_worst_tokens == 0, previous_event, async_finish)
+            out_x = (recv_x, recv_scales) if recv_scales is not None else recv_x
+            return out_x, recv_idx, recv_w, per_expert, new_handle, EventOverlap(event)
+        a = self._agreed("dispatch", check, _DispatchArgs.same, synced=False)
         world = self.group_size
         with _Scope(self, previous_event, async_finish) as scope:
             payload = a.fmt.pack(a.x, a.scales, topk_idx, topk_weights)
-            if a.route is not None:
-                # the handle's dispatch kept the per-rank ids and zero weights it was given (its own copy)
-                sent = a.route.dispatch_handle
-                _, buf = self._buffer(a.fmt.elems, _CARRIER, world, world, a.route.max_tokens)
-                res = self._dispatch_on(buf, payload, sent.topk_idx, sent.topk_weights, "rank")
-                rows = min(a.route.num_recv, world * a.route.max_tokens)
-                recv_x, recv_scales, _, _ = a.fmt.unpack(res.recv_x[:rows], a.route.num_recv)
-                event = scope.finish((recv_x, recv_scales), (a.x, a.scales, a.in_rank))
-                out_x = (recv_x, recv_scales) if a.scales is not None else recv_x
-                return out_x, None, None, None, None, EventOverlap(event)
-            ids, zero_w = normal.rank_routing(a.in_rank)
-            result = self._dispatch_fresh(a.x.shape[0], a.fmt, payload, ids, zero_w, a.in_rank,
-                                          num_tokens_per_rank, num_tokens_per_expert, topk_idx,
-                                          expert_alignment, num_worst_tokens, a.channels)
-            recv_x, recv_scales, recv_idx, recv_w, per_expert, new_handle = result
-            event = scope.finish((recv_x, recv_scales, recv_idx, recv_w, *new_handle),
-                                 (a.x, a.scales, a.in_rank, topk_idx, topk_weights, num_tokens_per_rank,
-                                  num_tokens_per_expert))
+            # the handle's dispatch kept the per-rank ids and zero weights it was given (its own copy)
+            sent = a.route.dispatch_handle
+            _, buf = self._buffer(a.fmt.elems, _CARRIER, world, world, a.route.max_tokens)
+            res = self._dispatch_on(buf, payload, sent.topk_idx, sent.topk_weights, "rank")
+            rows = min(a.route.num_recv, world * a.route.max_tokens)
+            recv_x, recv_scales, _, _ = a.fmt.unpack(res.recv_x[:rows], a.route.num_recv)
+            event = scope.finish((recv_x, recv_scales), (a.x, a.scales, a.in_rank))
         out_x = (recv_x, recv_scales) if a.scales is not None else recv_x
-        return out_x, recv_idx, recv_w, per_expert, new_handle, EventOverlap(event)
+        return out_x, None, None, None, None, EventOverlap(event)
 
     def _dispatch_args(self, x: Any, handle: Any, per_rank: Any, in_rank: Any, per_expert: Any, topk_idx: Any,
                        topk_weights: Any, alignment: Any, num_worst: Any, config: Config | None,
@@ -199,104 +194,6 @@ class NormalMode:
                       num_tokens_per_expert=(per_expert, "[E] int32", torch.int32),
                       topk_idx=(topk_idx, "[T, K] int64", torch.int64),
                       topk_weights=(topk_weights, "[T, K] float32", torch.float32))
-
-    def _dispatch_fresh(self, tokens: int, fmt: normal.RowFormat, payload: Tensor, ids: Tensor,
-                        zero_w: Tensor, in_rank: Tensor, per_rank_given: Tensor, per_expert_given: Tensor,
-                        topk_idx: Tensor | None, alignment: int, num_worst: int, channels: int) -> tuple:
-        """A dispatch without a cached handle (inside the call's stream scope)."""
-        world, rank, dev = self.group_size, self.rank, self.device
-        num_experts = per_expert_given.shape[0]
-        el = num_experts // world
-        # ids outside [-1, E): counted on the device, read with the table (no host sync of their own)
-        outside = torch.zeros(1, dtype=torch.int64, device=dev)
-        if topk_idx is not None:
-            outside = outside_ids(topk_idx, num_experts).sum(dtype=torch.int64).reshape(1)
-        mine = torch.cat([torch.full((1,), tokens, dtype=torch.int64, device=dev), outside,
-                          in_rank.sum(dim=0, dtype=torch.int64), per_rank_given.to(torch.int64),
-                          per_expert_given.to(torch.int64)])
-        table = self._all_gather_rows(mine)  # [R, 2 + 2R + E]: every rank's counts
-        c0 = 2  # the columns: tokens, ids outside, then [c0, c0 + R) destinations, R given, E experts
-        counts = table[:, c0 : c0 + world]  # [source, destination] tokens, from is_token_in_rank
-        counts_host = None
-        # The call's host sync; none with num_worst_tokens on a GPU (on a CPU the table is on the host).
-        host = table.cpu() if num_worst == 0 or table.device.type == "cpu" else None
-        if host is not None:
-            self._refuse_outside_ids(host[:, 1].tolist(), topk_idx, num_experts)
-        if num_worst == 0:
-            given = host[:, c0 + world : c0 + 2 * world]
-            bad = [r for r in range(world) if not torch.equal(given[r], host[r, c0 : c0 + world])]
-            if bad:
-                raise ValueError(
-                    f"dispatch: num_tokens_per_rank disagrees with is_token_in_rank.sum(0) on rank(s) {bad}: "
-                    f"{given[bad[0]].tolist()} vs {host[bad[0], c0 : c0 + world].tolist()}"
-                )
-            max_tokens = self._bucketed(fmt.elems, _CARRIER, world, world, int(host[:, 0].max()))
-            counts_host = host[:, c0 : c0 + world].tolist()
-            num_out = sum(row[rank] for row in counts_host)
-            first = c0 + 2 * world + rank * el
-            sums = host[:, first : first + el].sum(dim=0).tolist()
-            per_expert = [(n + alignment - 1) // alignment * alignment for n in sums]
-        else:
-            max_tokens = self._bucketed(fmt.elems, _CARRIER, world, world, -(-num_worst // world))
-            # Every rank knows every rank's count on a CPU (all raise alike); on a GPU only its own.
-            most = int(host[:, 0].max()) if host is not None else tokens
-            if most > max_tokens:
-                raise ValueError(
-                    f"dispatch: num_worst_tokens={num_worst} sizes the buffers for {max_tokens} tokens per "
-                    f"rank (ceil(num_worst_tokens / {world} ranks), rounded up), but a rank has {most}; pass "
-                    f"num_worst_tokens >= num_tokens x num_ranks on every rank"
-                )
-            num_out, per_expert = num_worst, []
-        _, buf = self._buffer(fmt.elems, _CARRIER, world, world, max_tokens)
-        res = self._dispatch_on(buf, payload, ids, zero_w, "rank")
-        rows = min(num_out, world * max_tokens)
-        recv_x, recv_scales, gidx, gw = fmt.unpack(res.recv_x[:rows], num_out)
-        count = res.recv_count.to(device=dev, dtype=torch.int64)
-        valid = torch.arange(num_out, device=dev) < count  # [num_out]
-        src = res.recv_src[:rows].to(torch.int64)
-        src_rank = torch.zeros(num_out, dtype=torch.int64, device=dev)
-        src_token = torch.zeros(num_out, dtype=torch.int64, device=dev)
-        src_rank[:rows] = torch.div(src, max_tokens, rounding_mode="floor")
-        src_token[:rows] = src % max_tokens
-        recv_idx = recv_w = None
-        if gidx is not None:
-            local = gidx.to(torch.int64) - rank * el
-            here = (local >= 0) & (local < el) & valid[:, None]
-            recv_idx = torch.where(here, local, -1).to(topk_idx.dtype)
-            recv_w = torch.where(here, gw, torch.zeros_like(gw))
-        recv_src_idx = torch.where(valid, src_token, -1).to(torch.int32)
-        # DeepEP's handle holds this rank's column only (the rest 0); ``route.counts`` holds them all.
-        prefix = torch.zeros((world, world), dtype=torch.int32, device=dev)
-        prefix[:, rank] = counts[:, rank].cumsum(dim=0).to(torch.int32)
-        entries = (
-            prefix,  # rank_prefix_matrix
-            normal.channel_prefix_matrix(in_rank, channels),
-            normal.recv_channel_prefix_matrix(src_rank, src_token, valid, table[:, 0], channels),
-            recv_src_idx,
-            in_rank,
-            normal.send_head(in_rank, channels),
-        )
-        route = _NormalRoute(res.handle, max_tokens, num_out, counts, counts_host)
-        return recv_x, recv_scales, recv_idx, recv_w, per_expert, NormalHandle(entries, route)
-
-    def _refuse_outside_ids(self, outside: list[int], topk_idx: Tensor | None, num_experts: int) -> None:
-        """ValueError on every rank when some rank's topk_idx holds ids outside [-1, E) (``outside``: each
-        rank's count, from the table): that rank names its first such id, the others name that rank and
-        its message (``checks.agree``, a collective only on this error's path)."""
-        bad = [r for r, n in enumerate(outside) if n]
-        if not bad:
-            return
-        error = None
-        if self.rank in bad:
-            try:
-                check_expert_ids(topk_idx, num_experts)
-            except ValueError as exc:
-                error = exc
-        if self.group_size == 1:
-            if error is not None:
-                raise error
-            return
-        agree(self.runtime.cpu_group, "dispatch", error, {})
 
     def combine(self, x: Tensor, handle: tuple, topk_weights: Tensor | None = None, bias: Any = None,
                 config: Config | None = None, previous_event: EventOverlap | None = None,
@@ -412,19 +309,6 @@ class NormalMode:
         for r in range(world):  # ascending rank, as DeepEP sums
             acc = acc + torch.where(in_rank[:, r : r + 1], recv[pos[:, r]], torch.zeros_like(acc))
         return acc
-
-    def _all_gather_rows(self, row: Tensor) -> Tensor:
-        """[R, n]: every rank's 1-D ``row`` (same length), in rank order (collective, no host sync)."""
-        if self.group_size == 1:
-            return row[None]
-        if self._nccl and row.is_cuda:  # one collective into one tensor (no list of R, no stack)
-            out = torch.empty((self.group_size, row.shape[0]), dtype=row.dtype, device=row.device)
-            dist.all_gather_into_tensor(out, row, group=self.group)
-            return out
-        part = row.cpu() if row.is_cuda else row  # gloo moves host tensors
-        out = [torch.empty_like(part) for _ in range(self.group_size)]
-        dist.all_gather(out, part, group=self.group)
-        return torch.stack(out).to(row.device)
 
     @staticmethod
     def _unpack_bias(bias: Any) -> tuple[Tensor | None, Tensor | None]:

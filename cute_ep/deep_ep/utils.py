@@ -207,15 +207,43 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
 def plain_torch_defaults() -> Iterator[None]:
     """torch's own defaults (fp32, CPU) inside a call: callers may set others (DeepEP's tests set bf16 and
     CUDA with ``torch.set_default_dtype`` / ``set_default_device``), and the backends' host-side tensors
-    must not follow them."""
-    dtype, device = torch.get_default_dtype(), torch.get_default_device()
-    if dtype == torch.float32 and device.type == "cpu":
+    must not follow them.
+
+    A default device is a torch-function mode; inside, torch functions skip every such mode (torch's
+    ``DisableTorchFunction``, a C-level switch) instead of the mode being popped and pushed again. Why:
+    ``torch.get_default_device`` and ``set_default_device`` cost 10-30 us of host time each, and every
+    call of this Buffer entered this twice."""
+    dtype = torch.get_default_dtype()
+    modes = _function_modes()
+    if dtype == torch.float32 and not modes:
         yield
         return
+    if modes and _DISABLE_FUNCTION_MODES is None:  # a torch without the switch: the public path
+        device = torch.get_default_device()
+        torch.set_default_dtype(torch.float32)
+        torch.set_default_device(None)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(dtype)
+            torch.set_default_device(device)
+        return
     torch.set_default_dtype(torch.float32)
-    torch.set_default_device(None)
     try:
-        yield
+        if modes:
+            with _DISABLE_FUNCTION_MODES():
+                yield
+        else:
+            yield
     finally:
         torch.set_default_dtype(dtype)
-        torch.set_default_device(device)
+
+
+_DISABLE_FUNCTION_MODES = getattr(torch._C, "DisableTorchFunction", None)
+
+
+def _function_modes() -> int:
+    """How many torch-function modes are active (a default device is one); -1 where torch cannot say
+    cheaply (then the modes are treated as present)."""
+    count = getattr(torch._C, "_len_torch_function_stack", None)
+    return count() if count is not None else -1
