@@ -79,7 +79,7 @@ class FreshDispatch:
     def _count_row(self, a: Any, given: dict[str, Any]) -> Tensor:
         """This rank's row of the count table (no host sync): its ids outside [-1, E) are counted on the
         device."""
-        head = torch.tensor([0, same_digest(a.same()), a.x.shape[0]], dtype=torch.int64, device=self.device)
+        head = self._on_device([0, same_digest(a.same()), a.x.shape[0]], torch.int64)
         topk_idx = given["topk_idx"]
         outside = (outside_ids(topk_idx, a.num_experts).sum(dtype=torch.int64).reshape(1)
                    if topk_idx is not None else head[:1])
@@ -90,7 +90,15 @@ class FreshDispatch:
         """The row of a rank whose arguments were wrong: the error flag set, the rest 0."""
         row = [0] * table_width(self.group_size)
         row[_ERROR] = 1
-        return torch.tensor(row, dtype=torch.int64, device=self.device)
+        return self._on_device(row, torch.int64)
+
+    def _on_device(self, values: list, dtype: torch.dtype) -> Tensor:
+        """A tensor of ``values`` on the Buffer's device without a host sync: on a GPU through pinned memory
+        (``torch.tensor(..., device=cuda)`` copies from pageable memory, which waits for the stream)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        staged = torch.tensor(values, dtype=dtype, pin_memory=True)
+        return torch.empty(staged.shape, dtype=dtype, device=self.device).copy_(staged, non_blocking=True)
 
     def _agree_in_table(self, host: Tensor, a: Any, error: ValueError | None) -> None:
         """Every rank raises alike where some rank's arguments were wrong, or differ where they must be the
@@ -177,7 +185,7 @@ class FreshDispatch:
             for source in range(world):
                 total += counts_host[source][rank]
                 prefix[source][rank] = total
-            return torch.tensor(prefix, dtype=torch.int32, device=self.device)
+            return self._on_device(prefix, torch.int32)
         prefix = torch.zeros((world, world), dtype=torch.int32, device=self.device)
         prefix[:, rank] = counts[:, rank].cumsum(dim=0).to(torch.int32)
         return prefix
