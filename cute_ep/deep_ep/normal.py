@@ -80,24 +80,26 @@ def channel_prefix_matrix(is_token_in_rank: Tensor, num_channels: int) -> Tensor
     dev = is_token_in_rank.device
     per = token_channels(t, num_channels)
     channel = torch.div(torch.arange(t, device=dev), per, rounding_mode="floor")
-    counts = torch.zeros((num_channels, world), dtype=torch.int64, device=dev)
-    counts.index_add_(0, channel, is_token_in_rank.to(torch.int64))
-    return counts.cumsum(dim=0).t().contiguous().to(torch.int32)
+    counts = torch.zeros((world, num_channels), dtype=torch.int64, device=dev)
+    counts.index_add_(1, channel, is_token_in_rank.t().to(torch.int64))
+    return counts.cumsum(dim=1).to(torch.int32)  # a scan along the last dimension (see send_head)
 
 
 def send_head(is_token_in_rank: Tensor, num_channels: int) -> Tensor:
     """[T, R] int32: DeepEP's ``send_head`` as its dispatch writes it: for a token bound for rank r, the
-    number of earlier tokens of its channel bound for r; -1 where it is not bound for r."""
+    number of earlier tokens of its channel bound for r; -1 where it is not bound for r.
+
+    The scans run over [R, T] along the last dimension: torch's scan along the first dimension of a
+    [T, R] tensor runs one thread per column, and took ~200 us for T = 4096, R = 4 on an H200 (2026-11-28)."""
     t, world = is_token_in_rank.shape
     dev = is_token_in_rank.device
-    hits = is_token_in_rank.to(torch.int64)
-    before = hits.cumsum(dim=0) - hits  # tokens before t bound for r
+    bound = is_token_in_rank.t()  # [R, T]
+    hits = bound.to(torch.int64)
+    before = hits.cumsum(dim=1) - hits  # tokens before t bound for r
     per = token_channels(t, num_channels)
     start = torch.div(torch.arange(t, device=dev), per, rounding_mode="floor") * per
-    head = before - before[start] if t else before
-    return torch.where(is_token_in_rank, head, -1).to(torch.int32)
-
-
+    head = before - before[:, start] if t else before
+    return torch.where(bound, head, -1).to(torch.int32).t().contiguous()
 def recv_channel_prefix_matrix(src_rank: Tensor, src_token: Tensor, valid: Tensor | None,
                                tokens_per_rank: Tensor, num_channels: int) -> Tensor:
     """[R, channels] int32: DeepEP's receiver-side ``recv_channel_prefix_matrix``: for source rank s and

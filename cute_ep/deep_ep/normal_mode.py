@@ -303,11 +303,11 @@ class NormalMode(FreshDispatch):
         acc = torch.zeros((t, weights.shape[1]), dtype=torch.float32, device=dev)
         if recv.shape[0] == 0:
             return acc
-        hits = in_rank.to(torch.int64)
-        starts = torch.tensor([sum(home[:r]) for r in range(world)], dtype=torch.int64, device=dev)
-        pos = (starts[None, :] + hits.cumsum(dim=0) - hits).clamp(max=recv.shape[0] - 1)  # [T, R]
+        hits = in_rank.t().to(torch.int64)  # [R, T]: scans along the last dimension (normal.send_head)
+        starts = torch.tensor([[sum(home[:r])] for r in range(world)], dtype=torch.int64, device=dev)
+        pos = (starts + hits.cumsum(dim=1) - hits).clamp(max=recv.shape[0] - 1)  # [R, T]
         for r in range(world):  # ascending rank, as DeepEP sums
-            acc = acc + torch.where(in_rank[:, r : r + 1], recv[pos[:, r]], torch.zeros_like(acc))
+            acc = acc + torch.where(in_rank[:, r : r + 1], recv[pos[r]], torch.zeros_like(acc))
         return acc
 
     @staticmethod
