@@ -33,6 +33,12 @@ case "${1:-}" in
     fi
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     if ! nvidia-cuda-mps-control -d; then
+      # another launch on this host may have started it between our check and ours
+      sleep 1
+      if answers; then
+        echo "mps: already running (started by another process; pipes in $CUDA_MPS_PIPE_DIRECTORY)"
+        exit 0
+      fi
       echo "mps: the control daemon did not start (log: $CUDA_MPS_LOG_DIRECTORY/control.log)" >&2
       exit 1
     fi
