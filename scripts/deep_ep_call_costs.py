@@ -91,7 +91,7 @@ def low_latency_calls(module, group, world: int) -> dict[str, Callable[[], objec
     t, h, e, k = 128, 7168, 288, 8
     x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
     idx = torch.topk(torch.randn(t, e, device="cuda").abs() + 1, k, dim=-1).indices
-    w = torch.rand(t, k, device="cuda")
+    w = torch.rand(t, k, dtype=torch.float32, device="cuda")
     size = module.Buffer.get_low_latency_rdma_size_hint(t, h, world, e)
     buf = module.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, num_qps_per_rank=e // world,
                         explicitly_destroy=True)
