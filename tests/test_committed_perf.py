@@ -15,8 +15,9 @@ PERF = Path(__file__).resolve().parents[1] / "baselines" / "perf"
 # Decode reports (scripts/decode_breakdown.py, another schema, no plot) are checked by test_decode_report.py,
 # ECHO reports (scripts/echo_bench.py, another schema) by test_committed_echo.py.
 # MoE-layer reports (scripts/moe_layer_bench.py) by test_moe_layer_bench.py, DeepEP's own tests side by side
-# (scripts/deep_ep_tests.py) by test_deep_ep_tests_report.py.
-OTHER_SCHEMAS = ("_decode", "_echo", "_moe_layer", "_deep_ep_tests")
+# (scripts/deep_ep_tests.py) by test_deep_ep_tests_report.py, the public calls' reports
+# (scripts/public_calls.py) by test_public_calls_script.py.
+OTHER_SCHEMAS = ("_decode", "_echo", "_moe_layer", "_deep_ep_tests", "_public_calls")
 REPORTS = sorted(p for p in PERF.glob("*.json") if not p.stem.endswith(OTHER_SCHEMAS)
                  and not p.stem.startswith(("echo_", "moe_layer_")))
 
