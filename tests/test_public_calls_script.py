@@ -265,3 +265,28 @@ def test_plot_refuses_a_file_that_is_no_report(pc, tmp_path, capsys, monkeypatch
     assert pc.main(["--plot", str(other)]) == 2
     assert "not a public-calls report" in capsys.readouterr().err
     assert not other.with_suffix(".png").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# the committed reports
+# --------------------------------------------------------------------------------------------------
+
+COMMITTED = sorted((REPO / "baselines" / "perf").glob("*_public_calls.json"))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=[p.stem for p in COMMITTED])
+def test_a_committed_report_is_whole_and_its_targets_are_recomputed(pc, path):
+    """Each committed report passes the script's own check, holds a row for every (tokens, layout) its meta
+    names, each row's slowest-rank times are the maxima of its per-rank ones, and its ``met`` is what the
+    stated targets give for its numbers (a hand-edited verdict fails here)."""
+    report = json.loads(path.read_text())
+    pc.check_report(report, str(path))
+    meta, rows = report["meta"], report["rows"]
+    assert meta["targets"] == pc.TARGETS
+    assert sorted((r["tokens"], r["layout"]) for r in rows) == sorted(
+        (t, lay) for t in meta["tokens"] for lay in meta["layouts"])
+    for r in rows:
+        for name, values in r["per_rank"].items():
+            assert r[name] == max(values), (path.name, r["tokens"], r["layout"], name)
+        assert r["met"] == pc.targets_met(r)
+        assert math.isclose(r["public_minus_captured_us"], r["public_calls_us"] - r["captured_step_us"])
