@@ -513,3 +513,28 @@ def test_callers_torch_defaults_do_not_leak_in(buf) -> None:
         torch.set_default_dtype(torch.float32)
     for a, b in zip(want[:3], got[:3], strict=True):
         assert same_bits(a, b)
+
+
+def test_handle_matrices_are_made_when_first_read_and_equal_deeps_formulas(buf) -> None:
+    """The four handle matrices cute_ep never reads are made on first read (a combine does not make them),
+    equal the formulas of ``normal`` on what the dispatch saw, are kept once made, and a read after
+    is_token_in_rank was changed in place raises instead of answering from the changed tensor."""
+    s = _layout(buf, t=9)
+    config = deep_ep.Config(8, 6, 256)  # 4 channels
+    recv_x, _, _, _, handle, _ = buf.dispatch(s.x, **_layout_args(s), topk_idx=s.idx, topk_weights=s.w,
+                                              config=config)
+    buf.combine(recv_x, handle)
+    assert handle.made() == (handle[3], s.in_rank)  # recv_src_idx and is_token_in_rank only, so far
+    assert torch.equal(handle[1], normal.channel_prefix_matrix(s.in_rank, 4))
+    assert torch.equal(handle[5], normal.send_head(s.in_rank, 4))
+    assert handle[0].tolist() == [[s.in_rank.sum().item()]]
+    assert torch.equal(handle[2], normal.recv_channel_prefix_matrix(
+        torch.zeros(9, dtype=torch.int64), handle[3], None, torch.tensor([9]), 4))
+    assert handle[5] is handle[5] and len(handle.made()) == 6
+    first, *_, last = handle  # unpacking reads through the same entries
+    assert first is handle[0] and last is handle[5] and handle[-1] is handle[5]
+    assert handle[4:] == (s.in_rank, handle[5])
+    _, _, _, _, fresh, _ = buf.dispatch(s.x, **_layout_args(s), topk_idx=s.idx, topk_weights=s.w)
+    s.in_rank[0] = ~s.in_rank[0]
+    with pytest.raises(RuntimeError, match="send_head is made from is_token_in_rank when first read, and"):
+        fresh[5]

@@ -22,6 +22,7 @@ __all__ = [
     "RowFormat",
     "channel_prefix_matrix",
     "dispatch_layout",
+    "rank_constants",
     "rank_routing",
     "recv_channel_prefix_matrix",
     "send_head",
@@ -55,13 +56,22 @@ def dispatch_layout(topk_idx: Tensor, num_experts: int, num_ranks: int) -> tuple
     return per_rank, per_expert[:num_experts].to(torch.int32), in_rank
 
 
-def rank_routing(is_token_in_rank: Tensor) -> tuple[Tensor, Tensor]:
+def rank_routing(is_token_in_rank: Tensor, constants: tuple[Tensor, Tensor] | None = None
+                 ) -> tuple[Tensor, Tensor]:
     """The ids and weights the rank layout dispatches with, one expert per rank: ids [T, R] int32 with
-    ``ids[t, r] = r`` where ``is_token_in_rank[t, r]``, else -1; weights [T, R] fp32 zeros (unused)."""
+    ``ids[t, r] = r`` where ``is_token_in_rank[t, r]``, else -1; weights [T, R] fp32 zeros (unused, never
+    written). ``constants``: ``rank_constants`` of this shape, kept by the caller (one tensor operation
+    then)."""
     t, world = is_token_in_rank.shape
-    ranks = torch.arange(world, dtype=torch.int32, device=is_token_in_rank.device).expand(t, world)
-    ids = torch.where(is_token_in_rank, ranks, torch.full_like(ranks, -1)).contiguous()
-    return ids, torch.zeros((t, world), dtype=torch.float32, device=is_token_in_rank.device)
+    ranks, zero_w = constants if constants is not None else rank_constants(t, world, is_token_in_rank.device)
+    return torch.where(is_token_in_rank, ranks, -1), zero_w
+
+
+def rank_constants(tokens: int, world: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """What ``rank_routing`` reads for a [T, R] shape: each column's rank [T, R] int32, zero weights [T, R]
+    fp32."""
+    ranks = torch.arange(world, dtype=torch.int32, device=device).expand(tokens, world).contiguous()
+    return ranks, torch.zeros((tokens, world), dtype=torch.float32, device=device)
 
 
 def token_channels(num_tokens: Tensor | int, num_channels: int) -> Tensor | int:
@@ -185,10 +195,11 @@ class RowFormat:
 
     def unpack(self, rows: Tensor, out_rows: int
                ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
-        """New tensors of ``out_rows`` rows from received rows [n, elems] bf16 (n <= out_rows; rows past n
-        are left uninitialised, as DeepEP leaves its padding): (x [out_rows, H] x_dtype, scales
-        [out_rows, num_scales] or None, global ids [out_rows, K] int32 or None, weights [out_rows, K] fp32
-        or None)."""
+        """From received rows [n, elems] bf16 (n <= out_rows; rows past n are left uninitialised, as DeepEP
+        leaves its padding): (x [out_rows, H] x_dtype, scales [out_rows, num_scales] or None, global ids
+        [out_rows, K] int32 or None, weights [out_rows, K] fp32 or None). x and scales are new tensors;
+        the ids and weights are views of one new tensor holding both (rows 8K bytes apart: two tensor
+        operations instead of four)."""
         n, dev = rows.shape[0], rows.device
         raw = rows.view(torch.uint8)
         x = torch.empty((out_rows, self.hidden), dtype=self.x_dtype, device=dev)
@@ -198,8 +209,8 @@ class RowFormat:
             scales = torch.empty((out_rows, self.num_scales), dtype=self.scale_dtype, device=dev)
             scales[:n].view(torch.uint8).copy_(raw[:, self.x_bytes : self.scale_end])
         if self.topk:
-            idx = torch.empty((out_rows, self.topk), dtype=torch.int32, device=dev)
-            idx[:n].view(torch.uint8).copy_(raw[:, self.scale_end : self.idx_end])
-            w = torch.empty((out_rows, self.topk), dtype=torch.float32, device=dev)
-            w[:n].view(torch.uint8).copy_(raw[:, self.idx_end : self.idx_end + 4 * self.topk])
+            k = self.topk
+            both = torch.empty((out_rows, 8 * k), dtype=torch.uint8, device=dev)
+            both[:n].copy_(raw[:, self.scale_end : self.idx_end + 4 * k])
+            idx, w = both[:, : 4 * k].view(torch.int32), both[:, 4 * k :].view(torch.float32)
         return x, scales, idx, w

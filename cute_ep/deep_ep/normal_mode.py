@@ -233,7 +233,7 @@ class NormalMode(FreshDispatch):
             weights = None
             if topk_weights is not None:
                 weights = self._combine_weights(topk_weights, route, handle[4])
-            event = scope.finish((out, weights), (x, topk_weights, bias_0, bias_1, *handle))
+            event = scope.finish((out, weights), (x, topk_weights, bias_0, bias_1, *handle.made()))
         return out, weights, EventOverlap(event)
 
     def _combine_args(self, x: Any, handle: Any, topk_weights: Any, bias: Any, previous_event: Any,
