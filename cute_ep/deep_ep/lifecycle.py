@@ -137,6 +137,7 @@ class BufferLifecycle:
         self._ll_staging: dict[tuple, list[Tensor | None]] = {}
         self._ll_kept: dict[tuple, Any] = {}  # LowLatencyMode._ll_kept_of: tensors and scratch kept per shape
         self._routing_kept: tuple = (None, None)  # FreshDispatch._rank_routing: (shape, its constants)
+        self._fence_zero: Any = None  # BufferPool._fence's all-reduce operand, made on first use
 
     def _start_kernels(self) -> None:
         """NVSHMEM (this Buffer's session, or the given runtime's), the compiled-module registry, and the

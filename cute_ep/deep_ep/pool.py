@@ -134,7 +134,9 @@ class BufferPool:
         on the communication stream)."""
         if self.backend != "cute" or key not in self._combined or self.group_size == 1:
             return
-        if self._nccl:
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+        if self._nccl:  # on a kept zero (its sum stays 0): no tensor made per call
+            if self._fence_zero is None:
+                self._fence_zero = torch.zeros(1, device=self.device)
+            dist.all_reduce(self._fence_zero, group=self.group)
         else:  # a host barrier orders device work only after a device sync
             self.runtime.barrier()
