@@ -1,0 +1,127 @@
+"""What ``EpBuffer``'s public calls hand the compiled module, on the CPU: the per-call device addresses and
+launch scalars of ``dispatch`` (both receive layouts, synced or not, zero tokens) and ``combine``, with a
+launcher that records instead of launching. The host path is rewritten for speed from time to time; this
+pins what a launch receives, so such a rewrite is checked without a GPU.
+
+The buffer is built with ``object.__new__`` and CPU tensors for its table (its symmetric buffers are plain
+tensors here); the current stream is stood in for, as there is none on a CPU.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import cute_ep.buffer as buffer_module
+from cute_ep.buffer import EpBuffer
+from cute_ep.kernels.buffers import BUFFERS, CALL, HOST, STATUS, buffers_of
+from cute_ep.kernels.config import DISPATCH_ALGORITHMS, MODES, OP_COMBINE, OP_DISPATCH, EpConfig
+from cute_ep.kernels.variants import COMBINE_ALGORITHMS, LAYOUTS
+from cute_ep.status import StatusBlock
+
+STREAM = 0x5EED
+
+
+class Recorder:
+    """Stands in for ``cute_ep.launcher.Launcher``: keeps each launch's stream, addresses and scalars."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[int, dict[str, int], dict[str, int]]] = []
+
+    def __call__(self, stream: int, pointers: dict[str, int], **scalars: int) -> None:
+        self.launches.append((stream, dict(pointers), scalars))
+
+
+@pytest.fixture()
+def buf(monkeypatch) -> EpBuffer:
+    monkeypatch.setattr(buffer_module, "current_stream_handle", lambda index: STREAM)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    cfg = EpConfig(world_size=2, local_world_size=2, num_experts=8, topk=2, hidden=64, dtype=torch.bfloat16,
+                   max_tokens=16, combine_algorithm="reduced")
+    b = object.__new__(EpBuffer)
+    b.cfg, b.rank, b.device, b._device_index, b._closed = cfg, 0, torch.device("cpu"), 0, False
+    b.status = StatusBlock(cfg, "cpu")
+    for t in BUFFERS:
+        if t.place == STATUS:
+            setattr(b, t.name, b.status.views[t.name])
+        elif t.place == HOST:
+            setattr(b, t.name, b.status.mirror)
+        elif t.place != CALL:
+            setattr(b, t.name, torch.zeros(t.alloc_shape(cfg), dtype=t.torch_dtype(cfg)))
+    b._calls, b._sent, b._latest_recv = [0, 0, 0], None, None
+    b._drops = torch.zeros(cfg.num_experts, dtype=torch.int64)
+    one = SimpleNamespace(num_tokens=1, hidden=cfg.hidden, topk=cfg.topk)
+    b._empty = {t.name: torch.empty(t.shape(one), dtype=t.torch_dtype(cfg)) for t in buffers_of(CALL)}
+    b._align = {t.name: t.align(cfg) for t in buffers_of(CALL)}
+    b._launcher, b.algorithm = Recorder(), "dedup"
+    return b
+
+
+def inputs(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)
+    idx = torch.argsort(torch.rand(tokens, 8, generator=g), dim=1)[:, :2].to(torch.int32).contiguous()
+    return x, idx, torch.rand(tokens, 2, generator=g)
+
+
+@pytest.mark.parametrize("layout", ["expert", "rank"])
+def test_a_sync_free_dispatch_hands_over_its_tensors_and_the_handles_storage(buf, layout) -> None:
+    x, idx, w = inputs(5)
+    res = buf.dispatch(x, idx, w, sync=False, layout=layout)
+    ((stream, ptrs, scalars),) = buf._launcher.launches
+    h = res.handle
+    assert stream == STREAM
+    assert ptrs == {"x": x.data_ptr(), "topk_idx": idx.data_ptr(), "topk_w": w.data_ptr(),
+                    "out": buf._empty["out"].data_ptr(), "scatter": h.scatter.data_ptr(),
+                    "own_idx": h.topk_idx.data_ptr(), "own_w": h.topk_weights.data_ptr()}
+    combine_algo = COMBINE_ALGORITHMS["reduced" if layout == "expert" else "pull"]
+    assert scalars == {"op": OP_DISPATCH, "mode": MODES["scatter"], "fp8": 0,
+                       "algo": DISPATCH_ALGORITHMS["dedup"], "combine_algo": combine_algo,
+                       "layout": LAYOUTS[layout], "num_tokens": 5, "own_routing": 1, "mirror_seq": 0}
+    # the handle owns its routing: the layout copies the ids and weights into storage of its own
+    assert {h.scatter.data_ptr(), h.topk_idx.data_ptr(), h.topk_weights.data_ptr()}.isdisjoint(
+        {idx.data_ptr(), w.data_ptr()})
+    assert h.num_tokens == 5 and h.layout == layout and buf._calls == [1, 1, 0]
+    rows = buf.cfg.rank_capacity if layout == "rank" else buf.cfg.capacity
+    assert res.recv_x.shape == (rows, 64) and res.recv_x.data_ptr() == buf.recv_x.data_ptr()
+    assert res.recv_src.data_ptr() == buf.recv_src.data_ptr() and res.recv_count is buf.num_recv
+
+
+def test_int64_ids_reach_the_kernels_as_clamped_int32(buf) -> None:
+    x, idx, w = inputs(3)
+    wide = idx.long()
+    wide[0, 0] = 2**40  # no int32 holds it: clamped to E, which the layout kernel refuses
+    res = buf.dispatch(x, wide, w, sync=False)
+    ((_, ptrs, _),) = buf._launcher.launches
+    assert ptrs["topk_idx"] != wide.data_ptr()  # a converted copy
+    assert res.handle.topk_idx.dtype == torch.int32
+
+
+def test_zero_tokens_launch_with_the_stand_ins(buf) -> None:
+    x, idx, w = inputs(0)
+    buf.dispatch(x, idx, w, sync=False, layout="rank")
+    ((_, ptrs, scalars),) = buf._launcher.launches
+    for name in ("x", "topk_idx", "topk_w", "out", "own_idx", "own_w"):
+        assert ptrs[name] == buf._empty[name].data_ptr(), name
+    assert ptrs["scatter"] == buf.scatter.data_ptr()
+    assert scalars["num_tokens"] == 0 and scalars["own_routing"] == 0
+
+
+@pytest.mark.parametrize("layout", ["expert", "rank"])
+def test_combine_hands_over_the_handles_slots_and_a_new_output(buf, layout) -> None:
+    x, idx, w = inputs(4)
+    res = buf.dispatch(x, idx, w, sync=False, layout=layout)
+    y = buf.expert_output(res.recv_x.shape[0])
+    out = buf.combine(y, res.handle)
+    stream, ptrs, scalars = buf._launcher.launches[-1]
+    h = res.handle
+    assert stream == STREAM and out.shape == (4, 64) and out.dtype == torch.bfloat16
+    assert ptrs == {"x": buf._empty["x"].data_ptr(), "topk_idx": h.topk_idx.data_ptr(),
+                    "topk_w": h.topk_weights.data_ptr(), "out": out.data_ptr(),
+                    "scatter": h.scatter.data_ptr(), "own_idx": buf._empty["own_idx"].data_ptr(),
+                    "own_w": buf._empty["own_w"].data_ptr()}
+    want_algo = COMBINE_ALGORITHMS["reduced" if layout == "expert" else "pull"]
+    assert scalars["op"] == OP_COMBINE and scalars["num_tokens"] == 4 and scalars["combine_algo"] == want_algo
+    assert scalars["layout"] == LAYOUTS[layout] and buf._calls == [1, 1, 1]
