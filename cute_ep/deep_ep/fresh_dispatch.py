@@ -84,9 +84,8 @@ class FreshDispatch:
         world, e = self.group_size, a.num_experts
         row = torch.empty(table_width(world), dtype=torch.int64, device=self.device)
         topk_idx = given["topk_idx"]
-        ids = topk_idx is not None and topk_idx.numel() > 0
         row[:_DEST].copy_(self._staged([0, same_digest(a.same()), a.x.shape[0], -1, -1]), non_blocking=True)
-        if ids:  # ids outside [-1, E) show in the extremes, read on the host with the table
+        if topk_idx is not None and topk_idx.numel():  # ids outside [-1, E) show in the extremes
             torch.aminmax(topk_idx.reshape(-1).to(torch.int64), dim=0, out=(row[_MIN_ID], row[_MAX_ID]))
         torch.sum(a.in_rank, 0, dtype=torch.int64, out=row[_DEST : _DEST + world])
         row[_DEST + world : _DEST + 2 * world].copy_(given["per_rank"])
@@ -100,16 +99,14 @@ class FreshDispatch:
         row[_ERROR] = 1
         return self._on_device(row, torch.int64)
 
-    def _staged(self, values: list) -> Tensor:
-        """int64 ``values`` in host memory a GPU copies from without a host sync (pinned on a GPU)."""
-        return torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+    def _staged(self, values: list, dtype: torch.dtype = torch.int64) -> Tensor:
+        """``values`` in host memory the Buffer's device copies from without a host sync (pinned on a GPU:
+        ``torch.tensor(..., device=cuda)`` copies from pageable memory, which waits for the stream)."""
+        return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def _on_device(self, values: list, dtype: torch.dtype) -> Tensor:
-        """A tensor of ``values`` on the Buffer's device without a host sync: on a GPU through pinned memory
-        (``torch.tensor(..., device=cuda)`` copies from pageable memory, which waits for the stream)."""
-        if self.device.type != "cuda":
-            return torch.tensor(values, dtype=dtype, device=self.device)
-        staged = torch.tensor(values, dtype=dtype, pin_memory=True)
+        """A tensor of ``values`` on the Buffer's device without a host sync (``_staged``)."""
+        staged = self._staged(values, dtype)
         return torch.empty(staged.shape, dtype=dtype, device=self.device).copy_(staged, non_blocking=True)
 
     def _agree_in_table(self, host: list[list[int]], a: Any, error: ValueError | None) -> None:

@@ -110,6 +110,8 @@ def send_head(is_token_in_rank: Tensor, num_channels: int) -> Tensor:
     start = torch.div(torch.arange(t, device=dev), per, rounding_mode="floor") * per
     head = before - before[:, start] if t else before
     return torch.where(bound, head, -1).to(torch.int32).t().contiguous()
+
+
 def recv_channel_prefix_matrix(src_rank: Tensor, src_token: Tensor, valid: Tensor | None,
                                tokens_per_rank: Tensor, num_channels: int) -> Tensor:
     """[R, channels] int32: DeepEP's receiver-side ``recv_channel_prefix_matrix``: for source rank s and
