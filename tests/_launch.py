@@ -164,6 +164,21 @@ def assert_argument_error(proc: subprocess.CompletedProcess, message: str) -> No
     assert "Traceback" not in proc.stderr + proc.stdout, text
 
 
+def assert_help_and_no_gpu_refusal(main: Callable[[list[str]], int], says: str, argv: list[str], capsys,
+                                   monkeypatch) -> None:
+    """A GPU script's ``main``: ``--help`` exits 0 with a text that ``says`` something, and ``argv`` on a
+    machine without CUDA returns 2 with "needs CUDA GPUs" on stderr (a refusal, not a traceback)."""
+    import pytest
+    import torch
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and says in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(argv) == 2
+    assert "needs CUDA GPUs" in capsys.readouterr().err
+
+
 def launch_ranks(*argv: Arg, world: int, timeout: float, **env: str) -> tuple[list[int], str]:
     """Start ``python argv...`` as ``world`` ranks with torchrun's variables, forked from one process that
     has imported torch and cute_ep (tests/_forkrun.py ``--each``).

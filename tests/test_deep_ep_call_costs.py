@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _launch import REPO, import_script
+from _launch import REPO, assert_help_and_no_gpu_refusal, import_script
 
 
 @pytest.fixture(scope="module")
@@ -15,12 +15,7 @@ def cc():
 
 
 def test_help_and_no_gpu(cc, capsys, monkeypatch):
-    with pytest.raises(SystemExit) as e:
-        cc.main(["--help"])
-    assert e.value.code == 0 and "cute_ep.deep_ep" in capsys.readouterr().out
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cc.main(["--mode", "normal"]) == 2
-    assert "needs CUDA GPUs" in capsys.readouterr().err
+    assert_help_and_no_gpu_refusal(cc.main, "cute_ep.deep_ep", ["--mode", "normal"], capsys, monkeypatch)
     with pytest.raises(SystemExit) as e:
         cc.main(["--mode", "internode"])
     assert e.value.code == 2

@@ -4,8 +4,7 @@ traceback (its timer, ``cute_ep.tools.bench_timing.deepep_bench``: tests/test_de
 from __future__ import annotations
 
 import pytest
-import torch
-from _launch import REPO, import_script
+from _launch import REPO, assert_help_and_no_gpu_refusal, import_script
 
 
 @pytest.fixture(scope="module")
@@ -14,9 +13,4 @@ def lb():
 
 
 def test_help_and_no_gpu(lb, capsys, monkeypatch):
-    with pytest.raises(SystemExit) as e:
-        lb.main(["--help"])
-    assert e.value.code == 0 and "get_dispatch_layout" in capsys.readouterr().out
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert lb.main(["--tokens", "128"]) == 2
-    assert "needs CUDA GPUs" in capsys.readouterr().err
+    assert_help_and_no_gpu_refusal(lb.main, "get_dispatch_layout", ["--tokens", "128"], capsys, monkeypatch)
