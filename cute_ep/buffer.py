@@ -86,6 +86,7 @@ class EpBuffer(StatusChecks, BackendBase):
     """
 
     _dispatches = 0  # dispatches so far (a count read for an older one would be a later one's)
+    _latest_scatter: torch.Tensor | None = None  # the latest dispatch's handle's slots (combine's staging)
 
     def __init__(self, runtime: Any, cfg: EpConfig, registry: Any = None, algorithm: str = "dedup",
                  profile_cache: Any = None) -> None:
@@ -128,7 +129,7 @@ class EpBuffer(StatusChecks, BackendBase):
         runtime.barrier()  # synchronizes the device first: every rank's signals are zero before any signal
 
         # Stand-ins for empty per-call tensors (a kernel needs a valid pointer even for zero tokens).
-        one = SimpleNamespace(num_tokens=1, hidden=cfg.hidden, topk=cfg.topk)
+        one = SimpleNamespace(num_tokens=1, capacity=1, hidden=cfg.hidden, topk=cfg.topk)
         self._empty = {b.name: torch.empty(b.shape(one), dtype=b.torch_dtype(cfg), device=self.device)
                        for b in buffers_of(CALL)}
         self._align = {b.name: b.align(cfg) for b in buffers_of(CALL)}
@@ -207,6 +208,7 @@ class EpBuffer(StatusChecks, BackendBase):
             event = on.record_event() if stream is not None else None
             handle = DispatchHandle(idx_own, w_own, scatter, t, mode, layout)
             self._sent = (handle.topk_idx, handle.topk_weights)
+            self._latest_scatter = scatter  # device's num_recv is this dispatch's (combine's staging)
             status = None
             if seq:
                 status = self.status.read_mirror(seq, current_stream_handle(self._device_index))
@@ -273,6 +275,7 @@ class EpBuffer(StatusChecks, BackendBase):
         t = x.shape[0]
         handle = DispatchHandle(topk_idx, topk_weights, self.scatter[:t], t, mode, layout)
         self._sent = (topk_idx, topk_weights)
+        self._latest_scatter = handle.scatter
         self._dispatches += 1
         self._latest_recv = None  # the count stays on the device: combine takes y of the whole capacity
         note_dispatch_rows(handle, None)
@@ -310,8 +313,10 @@ class EpBuffer(StatusChecks, BackendBase):
         check_combine_out(self.cfg, self.device, out, handle.num_tokens)
         self._enqueue_combine(handle, out, algorithm)
 
-    def _enqueue_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None) -> None:
-        """``launch_combine`` without the check of ``out`` (``combine`` makes its own)."""
+    def _enqueue_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None,
+                         y: torch.Tensor | None = None, y_rows: int = 0) -> None:
+        """``launch_combine`` without the check of ``out`` (``combine`` makes its own); ``y`` / ``y_rows``:
+        the caller's expert outputs the module stages into ``recv_y`` first (``_staging``)."""
         t = handle.num_tokens
         # The kernels read the handle's slots where they are (a handle from dispatch() owns a copy): no
         # copy into the buffer's ``scatter`` unless they are not laid out as it is.
@@ -320,6 +325,7 @@ class EpBuffer(StatusChecks, BackendBase):
             self.scatter[:t].copy_(scatter.reshape(t, self.cfg.topk))
             scatter = self.scatter
         self._launch(OP_COMBINE, t, idx=handle.topk_idx, w=handle.topk_weights, out=out, scatter=scatter,
+                     y=y, y_rows=y_rows,
                      **variant(handle.layout, algorithm or self.cfg.combine_algorithm).scalars)
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
@@ -361,10 +367,25 @@ class EpBuffer(StatusChecks, BackendBase):
         out = torch.empty((handle.num_tokens, c.hidden), dtype=c.dtype, device=self.device)
         with on_stream(self.device, stream, previous_event, y, out, handle.topk_idx, handle.topk_weights,
                        handle.scatter):
+            staged, y_rows = None, 0
             if y.data_ptr() != self.recv_y.data_ptr():
-                self.recv_y[: y.shape[0]].copy_(y)
-            self._enqueue_combine(handle, out, algorithm)
+                staged, y_rows = self._staging(y, handle)
+            self._enqueue_combine(handle, out, algorithm, staged, y_rows)
         return out
+
+    def _staging(self, y: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor | None, int]:
+        """How combine gets y into ``recv_y``: (the tensor the module's staging kernel copies from, its
+        ``y_rows``), or (None, 0) after a copy here. For the latest dispatch's handle the kernel copies as
+        many rows as that dispatch received (the device's count, at most y's rows): a sync-free
+        dispatch's y covers the worst case, which is mostly rows nobody received. Rows the kernel cannot
+        read with 16-byte accesses (a strided or misaligned y) are copied here."""
+        rows = y.shape[0]
+        if not rows:
+            return None, 0
+        if not y.is_contiguous() or y.data_ptr() % self._align["y"]:
+            self.recv_y[:rows].copy_(y)
+            return None, 0
+        return y, -rows if handle.scatter is self._latest_scatter else rows
 
     def close(self) -> None:
         """Free the symmetric buffers (collective: every rank calls it). Safe to call twice."""
@@ -399,16 +420,17 @@ class EpBuffer(StatusChecks, BackendBase):
 
     def _launch(self, op: int, num_tokens: int, *, x=None, idx=None, w=None, out=None, scatter=None,
                 own=None, mirror_seq: int = 0, mode: int = 0, fp8: bool = False, algo: int = 0,
-                combine_algo: int = 0, layout: int = 0) -> None:
+                combine_algo: int = 0, layout: int = 0, y=None, y_rows: int = 0) -> None:
         """Enqueue one op of the module on the current stream (absent or empty per-call tensors are
         replaced by their stand-ins; ``scatter``: the slots to read, default the buffer's own; ``own``:
-        (slots, ids, weights) a dispatch writes into for its handle, see ``_enqueue_dispatch``)."""
+        (slots, ids, weights) a dispatch writes into for its handle, see ``_enqueue_dispatch``; ``y`` /
+        ``y_rows``: what combine stages into ``recv_y``, see ``_staging``)."""
         own_idx = own_w = None
         if own is not None:
             scatter, own_idx, own_w = own
         addrs = {"scatter": (self.scatter if scatter is None else scatter).data_ptr()}
         for name, tensor in (("x", x), ("topk_idx", idx), ("topk_w", w), ("out", out), ("own_idx", own_idx),
-                             ("own_w", own_w)):
+                             ("own_w", own_w), ("y", y)):
             if tensor is None or not tensor.numel():
                 tensor = self._empty[name]
             addr = addrs[name] = tensor.data_ptr()
@@ -416,7 +438,10 @@ class EpBuffer(StatusChecks, BackendBase):
                 raise ValueError(f"{name} must be {self._align[name]}-byte aligned, got address {addr:#x}")
         self._launcher(current_stream_handle(self._device_index), addrs, op=op, mode=mode,
                        fp8=int(fp8), algo=algo, combine_algo=combine_algo, layout=layout,
-                       num_tokens=num_tokens, own_routing=int(own is not None), mirror_seq=mirror_seq)
+                       num_tokens=num_tokens, own_routing=int(own is not None), mirror_seq=mirror_seq,
+                       y_rows=y_rows)
+        if op != OP_COMBINE:  # a layout rewrites the count the staging of a later combine may read
+            self._latest_scatter = None
         if not torch.cuda.is_current_stream_capturing():  # a captured launch runs only when replayed
             for ran in (OP_LAYOUT, OP_DISPATCH) if op == OP_DISPATCH else (op,):  # OP_DISPATCH: both
                 self._calls[ran] += 1

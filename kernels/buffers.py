@@ -156,6 +156,9 @@ BUFFERS: tuple[Buffer, ...] = (
            "the dispatch handle's copy of topk_idx (written when own_routing is 1)"),
     Buffer("own_w", lambda s: (s.num_tokens, s.topk), "float32", CALL, ("layout",),
            "the dispatch handle's copy of topk_w (written when own_routing is 1)"),
+    Buffer("y", lambda s: (s.capacity, s.hidden), ROW, CALL, ("combine",),
+           "the caller's expert outputs, in recv_x's row order: combine's staging kernel copies their "
+           "first rows into recv_y (y_rows says how many)"),
     # -- symmetric: peers read or write them ------------------------------------------------------
     Buffer("recv_x", lambda s: (s.capacity, s.hidden), ROW, SYMMETRIC, ("dispatch",),
            "received rows, expert-major (after an FP8 dispatch: packed FP8 rows, fp8_row_bytes apart)"),
@@ -232,7 +235,7 @@ BY_NAME = {b.name: b for b in BUFFERS}
 
 # Run-time scalars every launch passes: the call's own, then sizes named as EpConfig's attributes.
 CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "layout", "rank", "num_tokens", "own_routing",
-                "mirror_seq")
+                "mirror_seq", "y_rows")
 SIZE_SCALARS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
                 "expert_capacity", "stage_rows", "num_sms", "timeout_ms", "layout_in_dispatch")
 SCALARS = CALL_SCALARS + SIZE_SCALARS

@@ -29,14 +29,15 @@ from cute_ep.kernels.rank_combine import RankCombineKernel
 from cute_ep.kernels.rank_dispatch import RankDispatchKernel
 from cute_ep.kernels.rank_layout import RankLayoutKernel
 from cute_ep.kernels.reduce_push import ReducePushKernel
+from cute_ep.kernels.stage_y import StageYKernel
 from cute_ep.kernels.variants import COMBINE_STEP, DISPATCH_STEP, LAYOUT_STEP
 
 
 class EpModule:
     """Host entry point: ``scalars.op`` selects the launch: OP_LAYOUT the layout alone, OP_DISPATCH the
-    layout and the dispatch (+ fan-out), OP_COMBINE the combine; ``scalars.layout`` and
-    ``scalars.combine_algo`` the variant (kernels/variants.py) whose kernels run. Every kernel a variant
-    names is an attribute here."""
+    layout and the dispatch (+ fan-out), OP_COMBINE the combine (after the staging of the caller's y when
+    ``y_rows`` is not 0); ``scalars.layout`` and ``scalars.combine_algo`` the variant
+    (kernels/variants.py) whose kernels run. Every kernel a variant names is an attribute here."""
 
     def __init__(self, dtype) -> None:
         self.dtype = dtype
@@ -49,6 +50,7 @@ class EpModule:
         self.rank_combine = RankCombineKernel(dtype)
         self.reduce_push = ReducePushKernel(dtype)
         self.partial_sum = PartialSumKernel(dtype)
+        self.stage_y = StageYKernel(dtype)
 
     @cute.jit
     def __call__(self, scalars: Scalars, pointers: Pointers, stream):
@@ -72,6 +74,10 @@ class EpModule:
                 if p.layout == layout:
                     self.launch(kernels, p, stream)
         if p.op == OP_COMBINE:
+            # Every combine variant reads recv_y: the caller's y (when it is not recv_y) is staged there
+            # first, on the device, so a sync-free combine copies only the rows received.
+            if p.y_rows != 0:
+                self.stage_y(p, stream)
             for (layout, combine), kernels in COMBINE_STEP:
                 if p.layout == layout:
                     if p.combine_algo == combine:

@@ -52,7 +52,7 @@ def buf(monkeypatch) -> EpBuffer:
             setattr(b, t.name, torch.zeros(t.alloc_shape(cfg), dtype=t.torch_dtype(cfg)))
     b._calls, b._sent, b._latest_recv = [0, 0, 0], None, None
     b._drops = torch.zeros(cfg.num_experts, dtype=torch.int64)
-    one = SimpleNamespace(num_tokens=1, hidden=cfg.hidden, topk=cfg.topk)
+    one = SimpleNamespace(num_tokens=1, capacity=1, hidden=cfg.hidden, topk=cfg.topk)
     b._empty = {t.name: torch.empty(t.shape(one), dtype=t.torch_dtype(cfg)) for t in buffers_of(CALL)}
     b._align = {t.name: t.align(cfg) for t in buffers_of(CALL)}
     b._launcher, b.algorithm = Recorder(), "dedup"
@@ -75,11 +75,13 @@ def test_a_sync_free_dispatch_hands_over_its_tensors_and_the_handles_storage(buf
     assert stream == STREAM
     assert ptrs == {"x": x.data_ptr(), "topk_idx": idx.data_ptr(), "topk_w": w.data_ptr(),
                     "out": buf._empty["out"].data_ptr(), "scatter": h.scatter.data_ptr(),
-                    "own_idx": h.topk_idx.data_ptr(), "own_w": h.topk_weights.data_ptr()}
+                    "own_idx": h.topk_idx.data_ptr(), "own_w": h.topk_weights.data_ptr(),
+                    "y": buf._empty["y"].data_ptr()}
     combine_algo = COMBINE_ALGORITHMS["reduced" if layout == "expert" else "pull"]
     assert scalars == {"op": OP_DISPATCH, "mode": MODES["scatter"], "fp8": 0,
                        "algo": DISPATCH_ALGORITHMS["dedup"], "combine_algo": combine_algo,
-                       "layout": LAYOUTS[layout], "num_tokens": 5, "own_routing": 1, "mirror_seq": 0}
+                       "layout": LAYOUTS[layout], "num_tokens": 5, "own_routing": 1, "mirror_seq": 0,
+                       "y_rows": 0}
     # the handle owns its routing: the layout copies the ids and weights into storage of its own
     assert {h.scatter.data_ptr(), h.topk_idx.data_ptr(), h.topk_weights.data_ptr()}.isdisjoint(
         {idx.data_ptr(), w.data_ptr()})
@@ -103,7 +105,7 @@ def test_zero_tokens_launch_with_the_stand_ins(buf) -> None:
     x, idx, w = inputs(0)
     buf.dispatch(x, idx, w, sync=False, layout="rank")
     ((_, ptrs, scalars),) = buf._launcher.launches
-    for name in ("x", "topk_idx", "topk_w", "out", "own_idx", "own_w"):
+    for name in ("x", "topk_idx", "topk_w", "out", "own_idx", "own_w", "y"):
         assert ptrs[name] == buf._empty[name].data_ptr(), name
     assert ptrs["scatter"] == buf.scatter.data_ptr()
     assert scalars["num_tokens"] == 0 and scalars["own_routing"] == 0
@@ -121,7 +123,47 @@ def test_combine_hands_over_the_handles_slots_and_a_new_output(buf, layout) -> N
     assert ptrs == {"x": buf._empty["x"].data_ptr(), "topk_idx": h.topk_idx.data_ptr(),
                     "topk_w": h.topk_weights.data_ptr(), "out": out.data_ptr(),
                     "scatter": h.scatter.data_ptr(), "own_idx": buf._empty["own_idx"].data_ptr(),
-                    "own_w": buf._empty["own_w"].data_ptr()}
+                    "own_w": buf._empty["own_w"].data_ptr(), "y": buf._empty["y"].data_ptr()}
+    assert scalars["y_rows"] == 0  # y is recv_y itself: nothing to stage
     want_algo = COMBINE_ALGORITHMS["reduced" if layout == "expert" else "pull"]
     assert scalars["op"] == OP_COMBINE and scalars["num_tokens"] == 4 and scalars["combine_algo"] == want_algo
     assert scalars["layout"] == LAYOUTS[layout] and buf._calls == [1, 1, 1]
+
+
+@pytest.mark.parametrize("layout", ["expert", "rank"])
+def test_combine_stages_the_callers_y_on_the_device_as_many_rows_as_received(buf, layout) -> None:
+    """A y of the caller's (not recv_y) goes to the module, which copies it into recv_y first: after a
+    sync-free dispatch, as many rows as the device's count of that dispatch (y_rows = -rows, the count at
+    most y's rows), so a worst-case y costs only the rows received; no host copy."""
+    x, idx, w = inputs(4)
+    res = buf.dispatch(x, idx, w, sync=False, layout=layout)
+    y = torch.randn(res.recv_x.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    before = buf.recv_y.clone()
+    buf.combine(y, res.handle)
+    _, ptrs, scalars = buf._launcher.launches[-1]
+    assert ptrs["y"] == y.data_ptr() and scalars["y_rows"] == -y.shape[0]
+    assert torch.equal(buf.recv_y, before)  # the kernel stages it, not the host
+
+
+def test_combine_of_an_older_dispatchs_handle_stages_all_of_y(buf) -> None:
+    """The device's count is the latest dispatch's: a combine for an earlier handle copies every row of
+    y (y_rows = +rows)."""
+    x, idx, w = inputs(4)
+    first = buf.dispatch(x, idx, w, sync=False)
+    buf.dispatch(*inputs(3, seed=1), sync=False)
+    y = torch.zeros(first.recv_x.shape, dtype=torch.bfloat16)
+    buf.combine(y, first.handle, algorithm="pull")  # the buffer's reduced combine needs the latest
+    _, ptrs, scalars = buf._launcher.launches[-1]
+    assert ptrs["y"] == y.data_ptr() and scalars["y_rows"] == y.shape[0]
+
+
+def test_a_strided_y_is_copied_on_the_host_and_not_staged(buf) -> None:
+    x, idx, w = inputs(4)
+    res = buf.dispatch(x, idx, w, sync=False)
+    rows, h = res.recv_x.shape
+    wide = torch.randn(rows, 2 * h, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    y = wide[:, :h]  # rows 2H apart: not what the kernel's 16-byte row copies read
+    buf.combine(y, res.handle)
+    _, ptrs, scalars = buf._launcher.launches[-1]
+    assert scalars["y_rows"] == 0 and ptrs["y"] == buf._empty["y"].data_ptr()
+    assert torch.equal(buf.recv_y[:rows], y)

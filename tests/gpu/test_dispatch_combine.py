@@ -194,3 +194,49 @@ def test_combine_refuses_y_of_the_wrong_row_count(runtime):
             buf.launch_combine(res.handle, torch.empty(T - 1, H, dtype=torch.bfloat16, device=dev))
         torch.cuda.synchronize(dev)
         buf.check_ran()
+
+
+@pytest.mark.parametrize("layout", ["expert", "rank"])
+def test_combine_stages_a_worst_case_y_of_the_callers_row_by_row(runtime, layout):
+    """A y of the caller's (not the buffer's recv_y) reaches recv_y on the device: after a sync-free
+    dispatch only the rows that dispatch received (the count on the device), so a worst-case y costs the
+    rows received; for an earlier dispatch's handle every row of y. Either way the result is
+    bit-identical to the combine of the same rows written into recv_y directly."""
+    env = runtime.env
+    R, rank = env.world_size, env.rank
+    E, T, H = 4 * R, 32, 256
+    cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=2, hidden=H,
+                   dtype=torch.bfloat16, max_tokens=T, num_sms=min(16, runtime.sm_share), capacity=4 * R * T)
+    dev = runtime.device
+    with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
+        # 3/4 of max_tokens: the rank layout's worst case (R * max_tokens rows) is then never all received
+        x, idx, w = (t.to(dev) for t in make_inputs(rank, 3 * T // 4, H, E, 2, torch.bfloat16,
+                                                    runtime.seed + 977))
+        x2, idx2, w2 = (t.to(dev) for t in make_inputs(rank, T // 2, H, E, 2, torch.bfloat16,
+                                                       runtime.seed + 978))
+        rows = cfg.rank_capacity if layout == "rank" else cfg.capacity
+        res = buf.dispatch(x, idx, w, sync=False, layout=layout)
+        n = int(res.recv_count[0])
+        assert 0 < n < rows
+        g = torch.Generator(device=dev).manual_seed(runtime.seed + rank)
+        y = torch.full((rows, H), 7.0, dtype=torch.bfloat16, device=dev)  # rows past n: not received
+        y[:n] = torch.randn(n, H, generator=g, device=dev).to(torch.bfloat16)
+        direct = buf.expert_output(rows)
+        direct[:n].copy_(y[:n])
+        want = buf.combine(direct, res.handle)
+        runtime.barrier()  # (synchronizes first) no peer's combine still reads this rank's recv_y
+        buf.recv_y.fill_(float("nan"))
+        got = buf.combine(y, res.handle)
+        assert torch.equal(got, want)
+        staged = buf.recv_y[:rows]
+        assert torch.equal(staged[:n], y[:n])
+        assert bool(staged[n:].isnan().all()), "rows past the received count were staged"
+
+        # An earlier dispatch's handle: the device's count is the later one's, so all of y is staged.
+        buf.dispatch(x2, idx2, w2, sync=False, layout=layout)
+        runtime.barrier()
+        buf.recv_y.fill_(float("nan"))
+        again = buf.combine(y, res.handle, algorithm="pull" if layout == "expert" else None)
+        assert torch.equal(again, want)
+        assert torch.equal(buf.recv_y[:rows], y)
+        buf.check_ran()
