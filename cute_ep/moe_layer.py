@@ -24,6 +24,11 @@ One forward, on every rank (every call is collective):
    w[t, k] * y[slot(t, k)] in fp32, rounded once; plus the **shared expert** (a SwiGLU MLP of every
    token, replicated) when ``shared_intermediate`` > 0.
 
+Under ``torch.no_grad()`` / ``torch.inference_mode()`` steps 2 and 4 are the buffer's own ``dispatch``
+and ``combine`` (the pull combine), the experts reading the received rows in the buffer: the same
+results, without the copy of the received rows autograd keeps (after a sync-free dispatch, the whole
+worst-case buffer).
+
 The backward (``loss.backward()``, collective) runs through ``cute_ep.autograd``: gradients reach x, the
 router weight and the local expert weights (and the shared expert). Replicated parameters (router,
 shared expert, ``expert_bias``) get this rank's part of their gradient: average or sum them over the
@@ -53,7 +58,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -469,12 +474,34 @@ class MoELayer(nn.Module):
             routed.record()
             dispatch_kw["previous_event"] = routed
             shared = self.shared_expert(x)
-        res = ep.dispatch(self.buffer, x, idx, topk_w.detach(), sync=self.sync, **dispatch_kw)
-        offs = torch.cumsum(res.tokens_per_expert, 0, dtype=torch.int32)  # before the next dispatch
-        y = self.experts(res.recv_x, offs)
-        out = ep.combine(self.buffer, y, topk_w, res.handle, sync=self.sync, **comm)
+        if torch.is_grad_enabled():
+            res = ep.dispatch(self.buffer, x, idx, topk_w.detach(), sync=self.sync, **dispatch_kw)
+            offs = torch.cumsum(res.tokens_per_expert, 0, dtype=torch.int32)  # before the next dispatch
+            y = self.experts(res.recv_x, offs)
+            out = ep.combine(self.buffer, y, topk_w, res.handle, sync=self.sync, **comm)
+        else:
+            out = self._infer(x, idx, topk_w, dispatch_kw, comm)
         if self.shared_gate_up is not None:
             out = out + (self.shared_expert(x) if shared is None else shared)
+        return out
+
+    def _infer(self, x: Tensor, idx: Tensor, topk_w: Tensor, dispatch_kw: dict, comm: dict) -> Tensor:
+        """The routed experts without autograd (``torch.no_grad`` / ``inference_mode``): the buffer's own
+        calls on its receive rows. Why not ``cute_ep.autograd``: its dispatch copies the received rows out
+        of the buffer for the graph to keep, and after a sync-free dispatch those are the worst case
+        (``cfg.capacity`` rows: 1.9 GB for DeepSeek-V3 shapes at 4 ranks and max_tokens 4096); the experts
+        here read the rows before the next dispatch can overwrite them. The same results: the pull
+        combine with the router weights, as ``cute_ep.autograd.combine`` runs it."""
+        buf = self.buffer
+        res = buf.dispatch(x, idx, topk_w, sync=self.sync, **dispatch_kw)
+        if getattr(res, "event", None) is not None:  # the rows are written on the comm stream
+            torch.cuda.current_stream(x.device).wait_event(res.event)
+        offs = torch.cumsum(res.tokens_per_expert, 0, dtype=torch.int32)
+        y = self.experts(res.recv_x, offs)
+        handle = replace(res.handle, topk_weights=topk_w.float().contiguous())
+        out = buf.combine(y, handle, algorithm="pull", **comm)
+        if comm:  # the caller's stream waits for the combine on the comm stream
+            torch.cuda.current_stream(x.device).wait_stream(comm["stream"])
         return out
 
     def extra_repr(self) -> str:

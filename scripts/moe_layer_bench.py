@@ -32,7 +32,8 @@ What is timed, per tokens T and variant (one row each):
       sum back to one row per (token, rank) in torch, DeepEP's combine, the shared expert. DeepEP ships
       no backward here, so its forward+backward is null with the reason.
     * ``reference`` (CPU): the layer on ``ReferenceEpBuffer``, torch SwiGLU and plain.
-    * forward = ``layer(x)``; forward+backward = ``layer(x).backward(g)`` after ``zero_grad``. CUDA events
+    * forward = ``layer(x)`` under ``torch.no_grad()`` (inference, as DeepEP's rows); forward+backward =
+      ``layer(x).backward(g)`` after ``zero_grad``. CUDA events
       around every step after --warmup untimed steps (a step includes its host work and launch gaps: it
       is what a training loop pays); per rank the median, the row reports the slowest rank's median.
     * SwiGLU alone (``swiglu`` rows): on the worst-case buffer of T (``cfg.capacity`` rows, live rows
@@ -361,6 +362,8 @@ def variants(args: argparse.Namespace, backend: str, on_gpu: bool) -> list[dict[
 def measure_layer(args: argparse.Namespace, runtime: Any, layer: Any, backend: str, tokens: int,
                   variant: dict[str, Any], comm: Any, green: Any) -> dict[str, Any]:
     """One row: forward and forward+backward of ``layer`` as ``variant`` says (collective)."""
+    import torch
+
     from cute_ep.collectives import all_gather_objects
 
     env, dev = runtime.env, runtime.device
@@ -376,7 +379,8 @@ def measure_layer(args: argparse.Namespace, runtime: Any, layer: Any, backend: s
     xg = x.clone().requires_grad_()
 
     def forward() -> None:
-        layer(x)
+        with torch.no_grad():  # inference, as DeepEP's rows (which have no backward)
+            layer(x)
 
     def both() -> None:
         layer.zero_grad(set_to_none=True)

@@ -220,6 +220,32 @@ def test_layer_matches_the_dense_reference(backend, case):
     assert r["padding_rows"] == (0 if case.sync else 20 * case.topk - 12 * case.topk)
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("case", CASES[:3], ids=[c.name for c in CASES[:3]])
+def test_inference_runs_the_buffers_own_calls_with_the_same_output(backend, case, monkeypatch):
+    """Under no_grad / inference_mode the layer calls the buffer's dispatch and combine itself (no
+    autograd copy of the received rows): the output equals the autograd forward's bit for bit."""
+    import cute_ep.moe_layer as moe
+
+    rt = world_of_one()
+    x, _ = case_inputs(case, 0)
+    with BACKENDS[backend](rt, case.config(1, 1)) as buf:
+        layer = make_layer(buf, case, global_weights(case, 1), CPU)
+        trained = layer(x)
+        assert trained.requires_grad
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("the autograd dispatch ran under no_grad")
+
+        monkeypatch.setattr(moe.ep, "dispatch", refuse)
+        with torch.no_grad():
+            plain = layer(x)
+        with torch.inference_mode():
+            inferred = layer(x)
+    assert not plain.requires_grad
+    assert torch.equal(plain, trained.detach()) and torch.equal(inferred, plain)
+
+
 def test_the_comparison_catches_a_wrong_expert():
     """One expert's weight nudged on the layer's side: the output and gradients no longer match."""
     rt = world_of_one()

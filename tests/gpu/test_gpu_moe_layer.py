@@ -9,7 +9,8 @@
 * The offset-aware SwiGLU kernel against the torch version on live rows, in both directions, with the
   padding rows NaN on input and a sentinel on output that must survive.
 * No host sync: after one eager step, a forward and backward under ``torch.cuda.set_sync_debug_mode
-  ("error")``.
+  ("error")``; the same for the inference forward (``no_grad``), whose output equals the autograd
+  forward's bit for bit.
 * CUDA graph: forward + backward captured once and replayed with new inputs; every replay equals an
   eager step on the same inputs bit for bit (output, input and parameter gradients).
 * The green context (when torch has one): the same reference check with the GEMMs confined to the SMs
@@ -143,6 +144,28 @@ def test_forward_and_backward_make_no_host_sync(runtime, overlap):
             torch.cuda.set_sync_debug_mode(0)
         buf.check_ran()  # host sync, outside: every kernel of both steps ran
         assert torch.isfinite(out).all() and torch.isfinite(xg.grad).all()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["one-stream", "overlap"])
+def test_inference_equals_the_autograd_forward_without_a_host_sync(runtime, overlap):
+    """Under no_grad the layer runs the buffer's own calls (no copy of the worst-case receive buffer):
+    the output equals the autograd forward's bit for bit, and no call syncs the host."""
+    env, dev = runtime.env, runtime.device
+    case = _fresh(runtime, DEEPSEEK)
+    x, _ = (t.to(dev) for t in case_inputs(case, env.rank))
+    with _ep(runtime)(case.config(env.world_size, env.local_world_size)) as buf:
+        layer = _layer(runtime, buf, case, overlap=overlap)
+        trained = layer(x).detach()
+        with torch.no_grad():
+            layer(x)  # the inference path's first step
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                inferred = layer(x)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        buf.check_ran()
+        assert torch.equal(inferred, trained)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["one-stream", "overlap"])
