@@ -23,7 +23,7 @@ from cute_ep.kernels.rows import ROW_COPY_UNROLL
 
 
 def _entries(ptx: str) -> list[tuple[str, str]]:
-    """(kind, PTX text) of each entry point in order; kind is Layout / Dispatch / Fanout / Combine /
+    """(kind, PTX text) of each entry point in order; kind is Layout / Dispatch / Fanout / StageY / Combine /
     ReducePush / PartialSum / RankLayout / RankDispatch / RankCombine (the rank layout's variants), read
     from the symbol each is compiled under: ``cute_ep::<step>()::kernel``, C++-mangled
     (``kernels/naming.py``), e.g. ``_ZZN7cute_ep13rank_dispatchEvE6kernel_4``."""
@@ -56,12 +56,12 @@ def compiled_ptx(request, sm90_module):
     return module.dtype, module.ptx
 
 
-def test_targets_sm90_with_nine_kernels(compiled_ptx):
+def test_targets_sm90_with_ten_kernels(compiled_ptx):
     _, ptx = compiled_ptx
     assert re.search(r"(?m)^\.target sm_90$", ptx)
     kinds = Counter(kind for kind, _ in _entries(ptx))
     assert sorted(kinds) == ["Combine", "Dispatch", "Fanout", "Layout", "PartialSum", "RankCombine",
-                             "RankDispatch", "RankLayout", "ReducePush"]
+                             "RankDispatch", "RankLayout", "ReducePush", "StageY"]
     # The DSL emits an entry point per launch site: the module launches each kernel from one site.
     assert kinds == {kind: 1 for kind in kinds}
 

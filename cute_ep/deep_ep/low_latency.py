@@ -1,10 +1,10 @@
 """The low-latency mode's torch parts: DeepEP's per-token FP8 cast, the per-expert padded receive layout
 built from the expert-major dispatch of ``cute_ep``, and its inverse for combine.
 
-``padded_layout`` is the one place the padded layout is made (a kernel variant writing it directly can
-replace it); ``expert_major_rows`` is the one place combine reads it back. Both are sync-free torch ops
-whose work is proportional to the receive capacity (every row a rank could receive), not to the rows
-received: the host does not know that count without a sync.
+``padded_layout`` is the one place the padded layout is made in torch (on a GPU the same results come from
+one launch, ``cute_ep.deep_ep.padded_kernel``); ``expert_major_rows`` is the one place combine reads it
+back. Both are sync-free torch ops whose work is proportional to the receive capacity (every row a rank
+could receive), not to the rows received: the host does not know that count without a sync.
 """
 
 from __future__ import annotations
@@ -153,12 +153,14 @@ class PaddedOut:
     """Kept tensors ``padded_layout`` writes into (DeepEP's low-latency receive buffers: made once per shape
     and buffer parity, rewritten by every dispatch of that parity): rows [El * S + C, W] (C spare rows past
     the El * S slots take the stale rows), src_info [El * S + C] int32, count [El] int32, layout_range
-    [El, R] int64."""
+    [El, R] int64, slot [C] int64 (written by the GPU kernel, ``cute_ep.deep_ep.padded_kernel``; the torch
+    form returns a new one)."""
 
     rows: Tensor
     src_info: Tensor
     count: Tensor
     layout_range: Tensor
+    slot: Tensor
 
     @classmethod
     def make(cls, scratch: PaddedScratch, num_ranks: int, width: int, dtype: torch.dtype,
@@ -167,7 +169,8 @@ class PaddedOut:
         return cls(torch.empty((n, width), dtype=dtype, device=device),
                    torch.empty(n, dtype=torch.int32, device=device),
                    torch.empty(scratch.experts, dtype=torch.int32, device=device),
-                   torch.empty((scratch.experts, num_ranks), dtype=torch.int64, device=device))
+                   torch.empty((scratch.experts, num_ranks), dtype=torch.int64, device=device),
+                   torch.empty(scratch.capacity, dtype=torch.int64, device=device))
 
 
 def padded_layout(recv_rows: Tensor, recv_src: Tensor, tokens_per_expert: Tensor, num_ranks: int,

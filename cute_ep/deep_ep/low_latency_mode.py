@@ -17,6 +17,7 @@ from cute_ep.deep_ep import low_latency as ll
 from cute_ep.deep_ep.checks import _ID_DTYPES, _check_row_dtype, check_expert_ids, check_tensors
 from cute_ep.deep_ep.handles import LowLatencyHandle, _LowLatencyRoute
 from cute_ep.deep_ep.lifecycle import _Scope
+from cute_ep.deep_ep.padded_kernel import PaddedLayoutLaunch, shared_padded_layout
 from cute_ep.deep_ep.pool import _CARRIER
 from cute_ep.deep_ep.utils import EventOverlap
 from cute_ep.kernels.buffers import packed_fp8_row_bytes
@@ -63,8 +64,9 @@ class LowLatencyMode:
         does nothing. As DeepEP's, the results live in two alternating sets of receive tensors: valid until
         the next low-latency dispatch that lands on the same set (the second low-latency call after this
         one, a combine counting as a call; copy what must live longer). A token naming an expert twice
-        is refused. Work and memory traffic scale with the receive capacity (every row a rank could get), as
-        the host does not know the received count. x may be bf16, fp16 or fp32 and H any size the kernels
+        is refused. On GPUs the padded layout is one launch that moves the rows received; the combine's
+        gather back scales with the receive capacity (every row a rank could get), as the host does not
+        know the received count. x may be bf16, fp16 or fp32 and H any size the kernels
         take (a multiple of 128 with FP8).
 
         Raises:
@@ -101,8 +103,13 @@ class LowLatencyMode:
             weights = self._ll_cached("weights", (m, k), torch.float32)[: x.shape[0]]
             res = self._dispatch_on(buf, payload, topk_idx.contiguous(), weights, "expert")
             scratch, into = self._ll_receive(key, parity, res.recv_x, el, m)
-            padded = ll.padded_layout(res.recv_x, res.recv_src, res.tokens_per_expert, world, m, k, scratch,
-                                      into)
+            on_gpu = self.backend == "cute" and PaddedLayoutLaunch.fits(res.recv_x, el, scratch.capacity)
+            if on_gpu:  # one launch; the counts come from this rank's column of the buffer's count table
+                padded = shared_padded_layout()(res.recv_x, res.recv_src, res.tokens_per_expert, buf.counts,
+                                                buf.rank, world, m, k, scratch, into, stats)
+            else:
+                padded = ll.padded_layout(res.recv_x, res.recv_src, res.tokens_per_expert, world, m, k,
+                                          scratch, into)
             if use_fp8:
                 recv_q, s_rows = ll.split_fp8_payload(padded.rows, hidden)  # q: rows P bytes apart, no copy
                 slots, nsc = world * m, s_rows.shape[-1]
@@ -118,7 +125,7 @@ class LowLatencyMode:
                 recv: Any = (recv_q, scales)
             else:
                 recv = padded.rows
-            if stats is not None:
+            if stats is not None and not on_gpu:  # the launch adds them
                 stats.add_(padded.count)
             route = _LowLatencyRoute(res.handle, padded.slot, m, hidden, num_experts, x.shape[0], topk_idx,
                                      topk_idx._version)

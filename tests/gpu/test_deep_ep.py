@@ -277,6 +277,77 @@ def test_layout_kernel_matches_torch(runtime, buffers, id_dtype: torch.dtype) ->
     torch.cuda.synchronize()
 
 
+def _expert_major_receive(g: torch.Generator, experts: int, ranks: int, max_tokens: int, topk: int,
+                          capacity: int, width: int, dtype: torch.dtype) -> tuple:
+    """What an expert-major dispatch leaves for the padded layout, made up: (rows [C, width], tags [C]
+    int32, tokens_per_expert [El] int32), each expert's rows by source rank ascending, random tokens and
+    k, some experts and (expert, source) blocks empty, stale rows (random tags and values) past the
+    count."""
+    blocks = torch.randint(0, max_tokens + 1, (experts, ranks), generator=g)
+    blocks[torch.rand(experts, ranks, generator=g) < 0.25] = 0
+    blocks[0] = 0  # an expert without rows
+    tags = []
+    for e in range(experts):
+        for s in range(ranks):
+            n = int(blocks[e, s])
+            t = torch.randperm(max_tokens, generator=g)[:n].sort().values
+            k = torch.randint(0, topk, (n,), generator=g)
+            tags.append((s * max_tokens + t) * topk + k)
+    live = torch.cat(tags)
+    if live.numel() > capacity:  # keep the first experts' rows whole (a smaller draw)
+        keep = int((blocks.sum(1).cumsum(0) <= capacity).sum())
+        blocks[keep:] = 0
+        live = live[: int(blocks.sum())]
+    stale = torch.randint(0, ranks * max_tokens * topk, (capacity - live.numel(),), generator=g)
+    rows = torch.randn(capacity, width, generator=g).to(dtype)
+    return rows, torch.cat([live, stale]).to(torch.int32), blocks.sum(1).to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype, width",
+                         [(torch.bfloat16, 7168), (torch.float32, 36), (torch.bfloat16, 3672)])
+def test_padded_layout_kernel_matches_torch(runtime, dtype: torch.dtype, width: int) -> None:
+    """The low-latency dispatch's padded layout in one launch (kernels/padded_layout.py) against the torch
+    form on the same inputs: rows and src_info on every filled slot, counts, layout ranges, the slots
+    combine gathers from (stale rows: the last slot), the statistics added; slots past a count untouched
+    (poisoned before, poisoned after). Rows of bf16, fp32 and packed FP8 widths (3672 bf16: 7168 e4m3
+    bytes and 56 fp32 scales, padded to 16 bytes). Local to each rank; no host sync once compiled."""
+    from cute_ep.deep_ep import low_latency as ll
+    from cute_ep.deep_ep.padded_kernel import PaddedLayoutLaunch
+
+    dev = runtime.device
+    g = torch.Generator().manual_seed(runtime.seed * 1000 + 11 * runtime.env.rank + width)
+    experts, ranks, max_tokens, topk = 9, 3, 40, 8
+    capacity = experts * ranks * max_tokens // 2
+    rows, tags, per_expert = _expert_major_receive(g, experts, ranks, max_tokens, topk, capacity, width,
+                                                   dtype)
+    rows, tags, per_expert = rows.to(dev), tags.to(dev), per_expert.to(dev)
+    scratch = ll.PaddedScratch.make(capacity, experts, ranks, max_tokens, dev)
+    want = ll.padded_layout(rows, tags, per_expert, ranks, max_tokens, topk, scratch,
+                            ll.PaddedOut.make(scratch, ranks, width, dtype, dev))
+    into = ll.PaddedOut.make(scratch, ranks, width, dtype, dev)
+    into.rows.fill_(7.0)
+    into.src_info.fill_(-5)
+    stats = torch.randint(0, 100, (experts,), dtype=torch.int32, device=dev)
+    before = stats.clone()
+    launch = PaddedLayoutLaunch()
+    assert launch.fits(rows, experts, capacity)
+    got = launch(rows, tags, per_expert, ranks, max_tokens, topk, scratch, into, stats)
+    assert torch.equal(got.count, want.count) and torch.equal(got.layout_range, want.layout_range)
+    assert torch.equal(got.slot, want.slot)
+    assert torch.equal(stats, before + want.count)
+    for e, n in enumerate(want.count.tolist()):
+        assert torch.equal(got.rows[e, :n], want.rows[e, :n]), e
+        assert torch.equal(got.src_info[e, :n], want.src_info[e, :n]), e
+        assert bool((got.rows[e, n:] == 7.0).all()) and bool((got.src_info[e, n:] == -5).all()), e
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launch(rows, tags, per_expert, ranks, max_tokens, topk, scratch, into)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
 def test_low_latency_in_a_cuda_graph(runtime, buffers) -> None:
     """low_latency_dispatch -> experts -> low_latency_combine captured once, replayed with new inputs: the
     same outputs as eager calls."""
