@@ -104,9 +104,9 @@ class LowLatencyMode:
             res = self._dispatch_on(buf, payload, topk_idx.contiguous(), weights, "expert")
             scratch, into = self._ll_receive(key, parity, res.recv_x, el, m)
             on_gpu = self.backend == "cute" and PaddedLayoutLaunch.fits(res.recv_x, el, scratch.capacity)
-            if on_gpu:  # one launch; the counts come from this rank's column of the buffer's count table
-                padded = shared_padded_layout()(res.recv_x, res.recv_src, res.tokens_per_expert, buf.counts,
-                                                buf.rank, world, m, k, scratch, into, stats)
+            if on_gpu:  # one launch, which also adds the statistics
+                padded = shared_padded_layout()(res.recv_x, res.recv_src, res.tokens_per_expert, world, m, k,
+                                                scratch, into, stats)
             else:
                 padded = ll.padded_layout(res.recv_x, res.recv_src, res.tokens_per_expert, world, m, k,
                                           scratch, into)

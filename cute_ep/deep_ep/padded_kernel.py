@@ -44,7 +44,7 @@ class PaddedLayoutLaunch:
 
     def prepared(self) -> Any:
         """The compiled launch behind a ``cute_ep.launcher.PreparedCall`` (made once): why: the DSL's own
-        call converts its 21 arguments anew each time."""
+        call converts its 18 arguments anew each time."""
         with self._lock:
             if self._call is None:
                 from cute_ep.kernels import padded_layout as k
@@ -54,13 +54,12 @@ class PaddedLayoutLaunch:
                 self._call = PreparedCall(fn, k.example_args(), k.ARG_KINDS)
             return self._call
 
-    def __call__(self, recv_rows: Tensor, recv_src: Tensor, tokens_per_expert: Tensor, counts: Tensor,
-                 rank: int, num_ranks: int, max_tokens: int, topk: int, scratch: PaddedScratch,
-                 into: PaddedOut, stats: Tensor | None = None) -> PaddedRecv:
+    def __call__(self, recv_rows: Tensor, recv_src: Tensor, tokens_per_expert: Tensor, num_ranks: int,
+                 max_tokens: int, topk: int, scratch: PaddedScratch, into: PaddedOut,
+                 stats: Tensor | None = None) -> PaddedRecv:
         """``padded_layout``'s results for an expert-major dispatch (``fits``), written into ``into`` and
-        enqueued on the current stream, no host sync. counts: the buffer's count table [R, E + 1 + R]
-        int32 (this rank's column of each source's row gives the blocks); stats: [El] int32 to add the
-        counts to (``cumulative_local_expert_recv_stats``)."""
+        enqueued on the current stream, no host sync. stats: [El] int32 to add the counts to
+        (``cumulative_local_expert_recv_stats``)."""
         from cute_ep.launcher import current_stream_handle
 
         cap, el, slots = recv_rows.shape[0], scratch.experts, scratch.slots
@@ -68,11 +67,11 @@ class PaddedLayoutLaunch:
         call = self.prepared()
         stats_ptr = into.count.data_ptr() if stats is None else stats.data_ptr()
         with self._lock:  # the call's argument storage is shared
-            call(recv_rows.data_ptr(), recv_src.data_ptr(), tokens_per_expert.data_ptr(), counts.data_ptr(),
-                 into.rows.data_ptr(), into.src_info.data_ptr(), into.count.data_ptr(),
-                 into.layout_range.data_ptr(), into.slot.data_ptr(), stats_ptr, cap, el, num_ranks,
-                 max_tokens, topk, recv_rows.shape[1] * recv_rows.element_size(), counts.shape[1],
-                 rank * el, int(stats is not None), self._ctas(dev), current_stream_handle(dev.index))
+            call(recv_rows.data_ptr(), recv_src.data_ptr(), tokens_per_expert.data_ptr(), into.rows.data_ptr(),
+                 into.src_info.data_ptr(), into.count.data_ptr(), into.layout_range.data_ptr(),
+                 into.slot.data_ptr(), stats_ptr, cap, el, num_ranks, max_tokens, topk,
+                 recv_rows.shape[1] * recv_rows.element_size(), int(stats is not None), self._ctas(dev),
+                 current_stream_handle(dev.index))
         width = into.rows.shape[1]
         return PaddedRecv(rows=into.rows[: el * slots].view(el, slots, width), count=into.count,
                           src_info=into.src_info[: el * slots].view(el, slots),
