@@ -67,11 +67,11 @@ class PaddedLayoutLaunch:
         call = self.prepared()
         stats_ptr = into.count.data_ptr() if stats is None else stats.data_ptr()
         with self._lock:  # the call's argument storage is shared
-            call(recv_rows.data_ptr(), recv_src.data_ptr(), tokens_per_expert.data_ptr(), into.rows.data_ptr(),
-                 into.src_info.data_ptr(), into.count.data_ptr(), into.layout_range.data_ptr(),
-                 into.slot.data_ptr(), stats_ptr, cap, el, num_ranks, max_tokens, topk,
-                 recv_rows.shape[1] * recv_rows.element_size(), int(stats is not None), self._ctas(dev),
-                 current_stream_handle(dev.index))
+            call(recv_rows.data_ptr(), recv_src.data_ptr(), tokens_per_expert.data_ptr(),
+                 into.rows.data_ptr(), into.src_info.data_ptr(), into.count.data_ptr(),
+                 into.layout_range.data_ptr(), into.slot.data_ptr(), stats_ptr, cap, el, num_ranks,
+                 max_tokens, topk, recv_rows.shape[1] * recv_rows.element_size(), int(stats is not None),
+                 self._ctas(dev), current_stream_handle(dev.index))
         width = into.rows.shape[1]
         return PaddedRecv(rows=into.rows[: el * slots].view(el, slots, width), count=into.count,
                           src_info=into.src_info[: el * slots].view(el, slots),
