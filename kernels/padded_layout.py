@@ -29,7 +29,7 @@ from cutlass import Int32, Int64
 
 from cute_ep.kernels.config import WARP
 from cute_ep.kernels.naming import profiler_name
-from cute_ep.kernels.rows import copy_row_warp
+from cute_ep.kernels.rows import copy_row_warp, row_space
 from cute_ep.kernels.scan import exclusive_scan_cta
 
 MAX_LOCAL_EXPERTS = 8192  # shared-memory bound on El (the starts: 32 KB)
@@ -47,20 +47,20 @@ class PaddedLayoutKernel:
                  rows: cute.Pointer, src_info: cute.Pointer, count: cute.Pointer, layout_range: cute.Pointer,
                  slot: cute.Pointer, stats: cute.Pointer, capacity: Int32, experts: Int32, num_ranks: Int32,
                  max_tokens: Int32, topk: Int32, row_bytes: Int32, add_stats: Int32, ctas: Int32, stream):
-        el, slots = experts, num_ranks * max_tokens
+        el, slots, words = experts, num_ranks * max_tokens, row_bytes // 4
         vec = cute.make_layout
         self.kernel(
-            recv_rows, cute.make_tensor(recv_src, vec(capacity)),
-            cute.make_tensor(tokens_per_expert, vec(el)), rows, cute.make_tensor(src_info, vec(el * slots)),
-            cute.make_tensor(count, vec(el)),
+            cute.make_tensor(recv_rows, vec(capacity * words)), cute.make_tensor(recv_src, vec(capacity)),
+            cute.make_tensor(tokens_per_expert, vec(el)), cute.make_tensor(rows, vec(el * slots * words)),
+            cute.make_tensor(src_info, vec(el * slots)), cute.make_tensor(count, vec(el)),
             cute.make_tensor(layout_range, cute.make_layout((el, num_ranks), stride=(num_ranks, 1))),
             cute.make_tensor(slot, vec(capacity)), cute.make_tensor(stats, vec(el)), capacity, el, num_ranks,
             max_tokens, topk, row_bytes, add_stats,
         ).launch(grid=(ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, recv_rows: cute.Pointer, recv_src: cute.Tensor, tokens_per_expert: cute.Tensor,
-               rows: cute.Pointer, src_info: cute.Tensor, count: cute.Tensor, layout_range: cute.Tensor,
+    def kernel(self, recv_rows: cute.Tensor, recv_src: cute.Tensor, tokens_per_expert: cute.Tensor,
+               rows: cute.Tensor, src_info: cute.Tensor, count: cute.Tensor, layout_range: cute.Tensor,
                slot: cute.Tensor, stats: cute.Tensor, capacity: Int32, el: Int32, num_ranks: Int32,
                max_tokens: Int32, topk: Int32, row_bytes: Int32, add_stats: Int32):
         NT = self.threads
@@ -80,14 +80,14 @@ class PaddedLayoutKernel:
             self.metadata(recv_src, tokens_per_expert, starts, count, layout_range, stats, el, num_ranks,
                           topk * max_tokens, add_stats)
         pieces = row_bytes // 16
+        given, placed = row_space(recv_rows, row_bytes), row_space(rows, row_bytes)
         lane = tid % WARP
         NW = NT // WARP
         for j in range(bid * NW + tid // WARP, capacity, NCTA * NW):
             if j < total:
                 e = self.expert_of(starts, j, el)
                 s = e * slots + j - starts[e]
-                copy_row_warp(Int32, recv_rows.toint() + Int64(j) * Int64(row_bytes),
-                              rows.toint() + Int64(s) * Int64(row_bytes), pieces, lane)
+                copy_row_warp(Int32, given.row(j), placed.row(s), pieces, lane)
                 if lane == 0:
                     src_info[s] = recv_src[j] // topk % max_tokens
                     slot[j] = Int64(s)
