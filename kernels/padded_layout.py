@@ -47,11 +47,13 @@ class PaddedLayoutKernel:
                  rows: cute.Pointer, src_info: cute.Pointer, count: cute.Pointer, layout_range: cute.Pointer,
                  slot: cute.Pointer, stats: cute.Pointer, capacity: Int32, experts: Int32, num_ranks: Int32,
                  max_tokens: Int32, topk: Int32, row_bytes: Int32, add_stats: Int32, ctas: Int32, stream):
-        el, slots, words = experts, num_ranks * max_tokens, row_bytes // 4
+        el, slots = experts, num_ranks * max_tokens
         vec = cute.make_layout
+        # the two row buffers travel as tensors for rows.py's RowSpace (their base address; one entry per row
+        # here, the rows' own size being row_bytes)
         self.kernel(
-            cute.make_tensor(recv_rows, vec(capacity * words)), cute.make_tensor(recv_src, vec(capacity)),
-            cute.make_tensor(tokens_per_expert, vec(el)), cute.make_tensor(rows, vec(el * slots * words)),
+            cute.make_tensor(recv_rows, vec(capacity)), cute.make_tensor(recv_src, vec(capacity)),
+            cute.make_tensor(tokens_per_expert, vec(el)), cute.make_tensor(rows, vec(el * slots)),
             cute.make_tensor(src_info, vec(el * slots)), cute.make_tensor(count, vec(el)),
             cute.make_tensor(layout_range, cute.make_layout((el, num_ranks), stride=(num_ranks, 1))),
             cute.make_tensor(slot, vec(capacity)), cute.make_tensor(stats, vec(el)), capacity, el, num_ranks,
