@@ -51,6 +51,7 @@ from torch import Tensor
 
 from cute_ep.api import DispatchHandle, DispatchResult
 from cute_ep.input_checks import InputTypeError, check_tensor_args
+from cute_ep.streams import join
 
 __all__ = ["combine", "dispatch"]
 
@@ -102,11 +103,6 @@ def _on(stream: Any, previous_event: Any = None) -> dict:
     return kw
 
 
-def _join(stream: Any) -> None:
-    """The current stream waits for ``stream`` (what the buffer enqueued there)."""
-    if stream is not None:
-        torch.cuda.current_stream(stream.device).wait_stream(stream)
-
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
@@ -114,8 +110,7 @@ class _Dispatch(torch.autograd.Function):
                 box: dict, sync: bool, stream: Any, previous_event: Any) -> Tensor:
         res = buf.dispatch(x.detach(), topk_idx, topk_weights, mode=mode, sync=sync,
                            **_on(stream, previous_event))
-        if res.event is not None:  # the rows are written on ``stream``
-            torch.cuda.current_stream(x.device).wait_event(res.event)
+        join(event=res.event, device=x.device)  # the rows are written on ``stream``
         box["result"] = res
         ctx.buf, ctx.handle, ctx.x_dtype, ctx.stream = buf, res.handle, x.dtype, stream
         # The buffer's rows are overwritten by the next dispatch: the graph keeps its own copy.
@@ -127,7 +122,7 @@ class _Dispatch(torch.autograd.Function):
         ones = torch.ones_like(h.topk_weights)
         grad_rows = _rows(grad_recv, buf.cfg.dtype)
         grad_x = buf.combine(grad_rows, replace(h, topk_weights=ones), algorithm="pull", **_on(ctx.stream))
-        _join(ctx.stream)
+        join(ctx.stream)
         return grad_x.to(ctx.x_dtype), None, None, None, None, None, None, None, None
 
 
@@ -138,7 +133,7 @@ class _Combine(torch.autograd.Function):
         w = topk_weights.detach().to(torch.float32).contiguous()
         out = buf.combine(_rows(y, buf.cfg.dtype), replace(handle, topk_weights=w), algorithm="pull",
                           **_on(stream, previous_event))
-        _join(stream)
+        join(stream)
         ctx.save_for_backward(y.detach(), w)
         ctx.buf, ctx.handle, ctx.y_dtype, ctx.w_dtype = buf, handle, y.dtype, topk_weights.dtype
         ctx.sync, ctx.stream = sync, stream
@@ -162,11 +157,11 @@ class _Combine(torch.autograd.Function):
             only_k = torch.full_like(h.topk_idx, -1)
             only_k[:, k] = h.topk_idx[:, k]
             y_k = buf.combine(y_rows, replace(h, topk_idx=only_k, topk_weights=ones), algorithm="pull", **on)
-            _join(ctx.stream)
+            join(ctx.stream)
             grad_w[:, k] = (grad_out.float() * y_k.float()).sum(dim=1)
         # grad_y[slot(t, k)] = w[t, k] * grad_out[t]: the rows land where y's rows were.
         res = buf.dispatch(grad_out, h.topk_idx, w, mode="scatter", sync=ctx.sync, **on)
-        _join(ctx.stream)
+        join(ctx.stream)
         # Synced, the counts must agree; without a sync the views cover the capacity and y may too.
         mismatch = res.num_recv != y.shape[0] if ctx.sync else y.shape[0] > res.num_recv
         if mismatch:

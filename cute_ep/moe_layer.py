@@ -67,6 +67,7 @@ from torch import Tensor, nn
 
 from cute_ep import autograd as ep
 from cute_ep.input_checks import check_tensor_args
+from cute_ep.streams import join
 from cute_ep.swiglu import IMPLS, offset_swiglu, resolve_impl, swiglu_plain
 
 __all__ = ["SCORES", "GreenContextError", "MoELayer", "RouterConfig", "grouped_mm", "route_tokens"]
@@ -494,14 +495,12 @@ class MoELayer(nn.Module):
         combine with the router weights, as ``cute_ep.autograd.combine`` runs it."""
         buf = self.buffer
         res = buf.dispatch(x, idx, topk_w, sync=self.sync, **dispatch_kw)
-        if getattr(res, "event", None) is not None:  # the rows are written on the comm stream
-            torch.cuda.current_stream(x.device).wait_event(res.event)
+        join(event=getattr(res, "event", None), device=x.device)  # the rows are written on the comm stream
         offs = torch.cumsum(res.tokens_per_expert, 0, dtype=torch.int32)
         y = self.experts(res.recv_x, offs)
         handle = replace(res.handle, topk_weights=topk_w.float().contiguous())
         out = buf.combine(y, handle, algorithm="pull", **comm)
-        if comm:  # the caller's stream waits for the combine on the comm stream
-            torch.cuda.current_stream(x.device).wait_stream(comm["stream"])
+        join(comm.get("stream"))  # the caller's stream waits for the combine on the comm stream
         return out
 
     def extra_repr(self) -> str:

@@ -9,7 +9,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
-__all__ = ["on_stream"]
+__all__ = ["join", "on_stream"]
 
 _CURRENT_STREAM = nullcontext()  # the body of a call without ``stream`` runs on the current stream
 
@@ -39,3 +39,14 @@ def _on_side_stream(device: torch.device, stream: torch.cuda.Stream, previous_ev
         tensor.record_stream(stream)
     with torch.cuda.stream(stream):
         yield stream
+
+
+def join(stream: torch.cuda.Stream | None = None, event: torch.cuda.Event | None = None,
+         device: torch.device | None = None) -> None:
+    """The caller's current stream waits for work enqueued elsewhere: for all of ``stream``'s, or for
+    ``event`` (on ``device``, default ``stream``'s); nothing when neither is given (the work ran on the
+    current stream)."""
+    if event is not None:
+        torch.cuda.current_stream(device if device is not None else stream.device).wait_event(event)
+    elif stream is not None:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)

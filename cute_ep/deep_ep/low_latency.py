@@ -153,8 +153,7 @@ class PaddedOut:
     """Kept tensors ``padded_layout`` writes into (DeepEP's low-latency receive buffers: made once per shape
     and buffer parity, rewritten by every dispatch of that parity): rows [El * S + C, W] (C spare rows past
     the El * S slots take the stale rows), src_info [El * S + C] int32, count [El] int32, layout_range
-    [El, R] int64, slot [C] int64 (written by the GPU kernel, ``cute_ep.deep_ep.padded_kernel``; the torch
-    form returns a new one)."""
+    [El, R] int64, slot [C] int64."""
 
     rows: Tensor
     src_info: Tensor
@@ -212,7 +211,7 @@ def padded_layout(recv_rows: Tensor, recv_src: Tensor, tokens_per_expert: Tensor
         count=out.count,
         src_info=out.src_info[: el * slots].view(el, slots),
         layout_range=out.layout_range,
-        slot=slot.clamp_(max=el * slots - 1),
+        slot=torch.clamp(slot, max=el * slots - 1, out=out.slot),
     )
 
 

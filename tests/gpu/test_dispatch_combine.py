@@ -129,6 +129,16 @@ def test_dispatch_primitives(runtime, algorithm):
               algorithm=algorithm)
 
 
+def _roomy(runtime) -> tuple[EpConfig, int, torch.device]:
+    """(config, rank, device) of the combine-row tests: 4 experts per rank, top-2, 32 tokens of 256 bf16,
+    and twice the rows that always suffice (num_recv stays below the capacity even on one rank)."""
+    env = runtime.env
+    R, T = env.world_size, 32
+    cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=4 * R, topk=2, hidden=256,
+                   dtype=torch.bfloat16, max_tokens=T, num_sms=min(16, runtime.sm_share), capacity=4 * R * T)
+    return cfg, env.rank, runtime.device
+
+
 def test_combine_refuses_y_of_the_wrong_row_count(runtime):
     """combine takes y with the num_recv rows of the handle's dispatch, or the whole capacity (what
     dispatch(sync=False) covers; after it another count is checked against the count on the device);
@@ -136,13 +146,8 @@ def test_combine_refuses_y_of_the_wrong_row_count(runtime):
     kernel runs, and the buffer stays usable. The handle of an earlier dispatch keeps its own count after a
     later dispatch of another count (autograd's backward combines such handles). launch_combine refuses an
     ``out`` the kernels would write past."""
-    env = runtime.env
-    R, rank = env.world_size, env.rank
-    E, T, H = 4 * R, 32, 256
-    # Twice the rows that always suffice: num_recv stays below the capacity even on one rank.
-    cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=2, hidden=H,
-                   dtype=torch.bfloat16, max_tokens=T, num_sms=min(16, runtime.sm_share), capacity=4 * R * T)
-    dev = runtime.device
+    cfg, rank, dev = _roomy(runtime)
+    E, T, H = cfg.num_experts, cfg.max_tokens, cfg.hidden
     with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
         x, idx, w = (t.to(dev) for t in make_inputs(rank, T, H, E, 2, torch.bfloat16,
                                                                  runtime.seed + 4321))
@@ -157,7 +162,7 @@ def test_combine_refuses_y_of_the_wrong_row_count(runtime):
                                              rf"num_recv={n}"):
             buf.combine(y[: n - 1].clone(), res.handle)
         want = buf.combine(y, res.handle)
-        rc = check_combine(want, idx, w, y, local_world_size=env.local_world_size, num_experts=E,
+        rc = check_combine(want, idx, w, y, local_world_size=cfg.local_world_size, num_experts=E,
                            scatter=res.handle.scatter, require_coverage=False, group=runtime.cpu_group)
         assert rc.passed, rc.message
         # After a call: the rows past a short (or long) y would be that call's.
@@ -202,12 +207,8 @@ def test_combine_stages_a_worst_case_y_of_the_callers_row_by_row(runtime, layout
     dispatch only the rows that dispatch received (the count on the device), so a worst-case y costs the
     rows received; for an earlier dispatch's handle every row of y. Either way the result is
     bit-identical to the combine of the same rows written into recv_y directly."""
-    env = runtime.env
-    R, rank = env.world_size, env.rank
-    E, T, H = 4 * R, 32, 256
-    cfg = EpConfig(world_size=R, local_world_size=env.local_world_size, num_experts=E, topk=2, hidden=H,
-                   dtype=torch.bfloat16, max_tokens=T, num_sms=min(16, runtime.sm_share), capacity=4 * R * T)
-    dev = runtime.device
+    cfg, rank, dev = _roomy(runtime)
+    E, T, H = cfg.num_experts, cfg.max_tokens, cfg.hidden
     with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
         # 3/4 of max_tokens: the rank layout's worst case (R * max_tokens rows) is then never all received
         x, idx, w = (t.to(dev) for t in make_inputs(rank, 3 * T // 4, H, E, 2, torch.bfloat16,
