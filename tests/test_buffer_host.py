@@ -191,6 +191,55 @@ def test_launcher_packs_the_address_list_once_and_checks_the_result():
         launch(5, {}, op=1, num_tokens=1)
 
 
+class _BoundFunction:
+    """The DSL's executor of a function bound to a device: packed-call members, a record of each run."""
+
+    def __init__(self, store: list) -> None:
+        self.store, self.cuda_result, self._num_extra_args = store, ctypes.c_int32(0), 0
+        self.packs, self.runs = 0, []
+
+    def _get_invoke_packed_args(self, exe):
+        self.packs += 1
+        return (ctypes.c_void_p * len(exe))(*exe)
+
+    def capi_func(self, packed) -> None:
+        self.runs.append([ctypes.c_uint64.from_address(a).value for a in packed])
+
+
+class _UnboundFunction:
+    """A function compiled apart and never registered with NVSHMEM: no packed-call members until ``to``
+    binds it to a device; its own call would pack the arguments anew."""
+
+    def __init__(self) -> None:
+        self.binds: list = []
+
+    def generate_execution_args(self, *args):
+        self.store = [ctypes.c_uint64(int(a)) for a in args]
+        return [ctypes.addressof(v) for v in self.store], []
+
+    def to(self, device) -> _BoundFunction:
+        self.binds.append(device)
+        self.bound = _BoundFunction(self.store)
+        return self.bound
+
+    def run_compiled_program(self, exe) -> None:
+        raise AssertionError("a prepared call must run through the bound executor's packed list")
+
+
+def test_prepared_call_binds_a_function_compiled_apart_once_and_runs_it_packed():
+    from cute_ep.launcher import PreparedCall, bound_to_device
+
+    fn = _UnboundFunction()
+    call = PreparedCall(fn, (1, 2, 3), ("ptr", "i32", "stream"))
+    assert fn.binds == []  # bound at the first call, on the device current then (no GPU needed here)
+    call(0x7000, 9, 0x1234)
+    call(0x8000, 10, 0x1235)
+    assert fn.binds == [None] and fn.bound.packs == 1  # bound once, the address list packed once
+    assert [(r[0], ctypes.c_int32(r[1]).value, r[2]) for r in fn.bound.runs] == [(0x7000, 9, 0x1234),
+                                                                                  (0x8000, 10, 0x1235)]
+    assert bound_to_device(fn.bound) is fn.bound  # already bound: unchanged
+
+
 def test_auto_algorithm_takes_the_least_slowest_rank_median():
     medians = [  # rank 0 finds per_pair fastest, but rank 1's per_pair is the slowest of all
         {"dedup": 50.0, "per_pair": 40.0, "put_warp": 70.0},
