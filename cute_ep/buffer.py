@@ -124,6 +124,7 @@ class EpBuffer(StatusChecks, BackendBase):
         self._calls = [0, 0, 0]  # launches per operation: the epochs a completed call reaches
         self._sent: tuple[torch.Tensor, torch.Tensor] | None = None  # routing of the latest dispatch
         self._latest_recv: int | None = None  # its num_recv (None: not read back, sync=False or launch_*)
+        self._fp8_rows: torch.Tensor | None = None  # fp8_packed_rows() of the whole capacity, made once
         self._drops = torch.zeros(cfg.num_experts, dtype=torch.int64)  # read from the device, not reported
         self.poison()
         runtime.barrier()  # synchronizes the device first: every rank's signals are zero before any signal
@@ -245,12 +246,17 @@ class EpBuffer(StatusChecks, BackendBase):
     def fp8_packed_rows(self, num_recv: int | None = None) -> torch.Tensor:
         """The received packed FP8 rows [n, cfg.fp8_row_bytes] uint8 (a view of ``recv_x``'s memory, where
         an FP8 dispatch puts them); n = num_recv, or the capacity."""
+        if num_recv is None and self._fp8_rows is not None:
+            return self._fp8_rows
         c = self.cfg
         c.check_fp8()
         n = c.capacity if num_recv is None else num_recv
         self._check_num_recv(n)
         p = c.fp8_row_bytes
-        return self.recv_x.view(torch.uint8).view(-1)[: c.capacity * p].view(c.capacity, p)[:n]
+        rows = self.recv_x.view(torch.uint8).view(-1)[: c.capacity * p].view(c.capacity, p)
+        if num_recv is None:
+            self._fp8_rows = rows
+        return rows[:n]
 
     def fp8_views(self, num_recv: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The received FP8 rows and scales after an FP8 dispatch: (q [n, H] float8_e4m3fn, scales
@@ -260,8 +266,9 @@ class EpBuffer(StatusChecks, BackendBase):
         return unpack_fp8_rows(self.fp8_packed_rows(num_recv), self.cfg.hidden)
 
     def launch_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                        mode: str = "scatter", fp8: bool = False, algorithm: str | None = None,
-                        layout: str = "expert") -> DispatchHandle:
+                        mode: str = "scatter", fp8: bool | int = False, algorithm: str | None = None,
+                        layout: str = "expert", *,
+                        own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> DispatchHandle:
         """Enqueue the layout, dispatch and fan-out kernels on the current stream (one launch of the
         module): no checks, no host sync, so the call can be captured in a CUDA graph.
 
@@ -270,11 +277,19 @@ class EpBuffer(StatusChecks, BackendBase):
         / ``recv_w`` / ``recv_src`` (first ``num_recv[0]`` rows), ``tokens_per_expert``, ``scatter``,
         ``dropped`` (see ``check_capacity``). Returns a handle that refers to (does not copy) the given
         routing tensors and the buffer's ``scatter``: valid for ``launch_combine`` until the next dispatch.
+        fp8: True, or a scale rule of ``kernels.config`` (``FP8_SCALE_*``; True is ``FP8_SCALE_DIVIDE``).
+        own: (slots [T, K] int32, ids [T, K] int32, weights [T, K] fp32), contiguous, the caller's to keep:
+        the layout writes the slots into the first and copies topk_idx / topk_weights into the others, and
+        the handle refers to these three instead (valid for as long as the caller keeps them unwritten).
         """
-        self._enqueue_dispatch(x, topk_idx, topk_weights, mode, fp8, algorithm, layout)
         t = x.shape[0]
-        handle = DispatchHandle(topk_idx, topk_weights, self.scatter[:t], t, mode, layout)
-        self._sent = (topk_idx, topk_weights)
+        self._enqueue_dispatch(x, topk_idx, topk_weights, mode, fp8, algorithm, layout,
+                               own=own if t else None)
+        if own is not None:
+            handle = DispatchHandle(own[1], own[2], own[0], t, mode, layout)
+        else:
+            handle = DispatchHandle(topk_idx, topk_weights, self.scatter[:t], t, mode, layout)
+        self._sent = (handle.topk_idx, handle.topk_weights)
         self._latest_scatter = handle.scatter
         self._dispatches += 1
         self._latest_recv = None  # the count stays on the device: combine takes y of the whole capacity
@@ -282,7 +297,7 @@ class EpBuffer(StatusChecks, BackendBase):
         return handle
 
     def _enqueue_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                          mode: str, fp8: bool, algorithm: str | None, layout: str,
+                          mode: str, fp8: bool | int, algorithm: str | None, layout: str,
                           own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                           mirror_seq: int = 0) -> None:
         """One launch of the module: the layout (its own kernel, or folded into the dispatch's CTAs up to
@@ -419,7 +434,7 @@ class EpBuffer(StatusChecks, BackendBase):
             raise RuntimeError("this EpBuffer is closed")
 
     def _launch(self, op: int, num_tokens: int, *, x=None, idx=None, w=None, out=None, scatter=None,
-                own=None, mirror_seq: int = 0, mode: int = 0, fp8: bool = False, algo: int = 0,
+                own=None, mirror_seq: int = 0, mode: int = 0, fp8: bool | int = False, algo: int = 0,
                 combine_algo: int = 0, layout: int = 0, y=None, y_rows: int = 0) -> None:
         """Enqueue one op of the module on the current stream (absent or empty per-call tensors are
         replaced by their stand-ins; ``scatter``: the slots to read, default the buffer's own; ``own``:

@@ -236,10 +236,11 @@ def note_dispatch_rows(handle: Any, num_recv: int | Callable[[], int | None] | N
     scatter = handle.scatter
     key = id(scatter)
 
-    def forget(ref: weakref.ref, key: int = key) -> None:
-        entry = _DISPATCH_ROWS.get(key)
+    def forget(ref: weakref.ref, key: int = key, rows: dict = _DISPATCH_ROWS) -> None:
+        # the table itself, not the module's name for it: at interpreter exit that name is None first
+        entry = rows.get(key)
         if entry is not None and entry[0] is ref:
-            del _DISPATCH_ROWS[key]
+            del rows[key]
 
     _DISPATCH_ROWS[key] = (weakref.ref(scatter, forget), num_recv)
 

@@ -65,6 +65,12 @@ OVERFLOW_POLICIES = ("raise", "drop")  # what the host does after rows were drop
 # format, FP8_BLOCK and packed_fp8_row_bytes, is declared with the buffers that hold it: kernels/buffers.py).
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_AMAX_FLOOR = 2.0**-14  # a block's amax is at least this (an all-zero block gets a finite scale)
+# The scale rule of an FP8 dispatch (the launch scalar ``fp8``; 0: no FP8). Each stores a block's scale s
+# (x ~ q * s) and multiplies by m before the e4m3 rounding:
+FP8_SCALE_DIVIDE = 1  # amax >= FP8_AMAX_FLOOR, s = amax / 448, m = 448 / amax (cute_ep.fp8.quantize_fp8)
+FP8_SCALE_LOW_LATENCY = 2  # DeepEP's low-latency cast: amax >= 1e-4, s = amax * fp32(1 / 448), m = 448 / amax
+FP8_SCALE_POWER_OF_TWO = 3  # ... with round_scale: s = 2^ceil(log2(amax * fp32(1 / 448))), m = 1 / s
+FP8_LOW_LATENCY_AMAX_FLOOR = 1e-4  # DeepEP's low-latency cast's least amax (rounded to fp32)
 
 
 # Default EpConfig.layout_in_dispatch: every batch folds the layout into the dispatch launch (measured on one

@@ -167,7 +167,7 @@ class DispatchKernel(EpKernel):
             if p.fp8 != 0:
                 # Quantize once per token; every destination gets the same packed bytes.
                 dst = packed_rows.row(t)
-                quantize_row_warp(dtype, src_addr, dst, H, row_bytes, lane)
+                quantize_row_warp(dtype, src_addr, dst, H, row_bytes, lane, p.fp8)
                 cute.arch.sync_warp()  # lanes copy bytes other lanes wrote
                 src_addr = dst
             k_stop = k_end

@@ -1,7 +1,7 @@
-"""PTX instruction wrappers: exact fp32 arithmetic, fp8 conversion, volatile and system-scope loads,
-fences and the global timer. Only single instructions live here (inline PTX where the DSL has no
-operation); row views and copies are in ``kernels.rows``, signals, fault records and arrival counters in
-``kernels.signals``.
+"""PTX instruction wrappers: exact fp32 arithmetic, fp8 conversion, fp32 bitcasts, volatile and
+system-scope loads, fences and the global timer. Only single instructions live here (inline PTX where
+the DSL has no operation); row views and copies are in ``kernels.rows``, signals, fault records and
+arrival counters in ``kernels.signals``.
 
 Why these exist:
 - ``mul_rn``/``add_rn``: a plain ``a * b + c`` may be contracted into an FMA by the compiler (one
@@ -64,6 +64,18 @@ def cvt_e4m3x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
         _asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
              "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }", "=r,f,f")
     )
+
+
+@dsl_user_op
+def f32_bits(a: Float32, *, loc=None, ip=None) -> Int32:
+    """The 32 bits of ``a`` as an Int32 (a bitcast, no conversion)."""
+    return Int32(llvm.bitcast(T.i32(), Float32(a).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f32_from_bits(bits: Int32, *, loc=None, ip=None) -> Float32:
+    """The Float32 whose 32 bits are ``bits`` (a bitcast, no conversion)."""
+    return Float32(llvm.bitcast(T.f32(), Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
 @dsl_user_op

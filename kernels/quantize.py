@@ -4,12 +4,16 @@ The row's H elements (H a multiple of FP8_BLOCK = 128) become a packed row of ``
 [H bytes of float8_e4m3fn | H / 128 fp32 scales | zero padding to a multiple of 16 bytes], which the
 dispatch kernel then moves like any other row (same-node peer stores, ``put_warp``, the fan-out).
 
-Per block of 128 columns, exactly as ``cute_ep.fp8.quantize_fp8`` computes it in torch:
+Per block of 128 columns, exactly as ``cute_ep.fp8.quantize_fp8`` computes it in torch (the scale rule
+FP8_SCALE_DIVIDE, kernels/config.py):
     amax  = max(max |x|, FP8_AMAX_FLOOR)
     scale = amax / 448          (IEEE division, rounded to nearest)
     inv   = 448 / amax          (a second division, not 1 / scale: two roundings would differ)
     q     = e4m3(x * inv)       (product rounded to fp32, then to e4m3, nearest even, saturated)
-so the received bytes are bit-identical to the reference.
+so the received bytes are bit-identical to the reference. DeepEP's low-latency cast
+(``cute_ep.deep_ep.low_latency.cast_fp8_blocks``), FP8_SCALE_LOW_LATENCY: amax at least 1e-4 and
+scale = amax * fp32(1 / 448); with its ``round_scale``, FP8_SCALE_POWER_OF_TWO: scale = 2^e, e =
+ceil(log2(amax * fp32(1 / 448))) read from the product's bits, and inv = 2^-e.
 
 Lanes: a lane holds one 128-bit piece (8 elements of a 16-bit type, 4 of fp32), so a block spans 16
 or 32 lanes and a warp step covers 2 or 1 blocks; the block's amax is a butterfly max over its lanes.
@@ -22,11 +26,22 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.buffers import FP8_BLOCK
-from cute_ep.kernels.config import FP8_AMAX_FLOOR, FP8_MAX, VECTOR_BYTES, WARP
+from cute_ep.kernels.config import (
+    FP8_AMAX_FLOOR,
+    FP8_LOW_LATENCY_AMAX_FLOOR,
+    FP8_MAX,
+    FP8_SCALE_DIVIDE,
+    FP8_SCALE_LOW_LATENCY,
+    FP8_SCALE_POWER_OF_TWO,
+    VECTOR_BYTES,
+    WARP,
+)
 from cute_ep.kernels.ptx import (
     abs_max,
     cvt_e4m3x2,
     div_rn,
+    f32_bits,
+    f32_from_bits,
     max_f32,
     mul_rn,
 )
@@ -35,9 +50,10 @@ from cute_ep.kernels.rows import gmem_tensor
 
 @cute.jit
 def quantize_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, hidden: Int32,
-                      row_bytes: Int32, lane: Int32):
+                      row_bytes: Int32, lane: Int32, rule: Int32):
     """A warp quantizes the row at ``src_addr`` (``hidden`` elements of ``dtype``, 16-byte aligned) into
-    the packed FP8 row at ``dst_addr`` (``row_bytes`` bytes, 16-byte aligned). See the module docstring.
+    the packed FP8 row at ``dst_addr`` (``row_bytes`` bytes, 16-byte aligned) by the scale ``rule`` (an
+    FP8_SCALE_* of kernels/config.py). See the module docstring.
 
     The caller must ``sync_warp`` before lanes read bytes other lanes wrote."""
     V = VECTOR_BYTES // (dtype.width // 8)  # elements per lane
@@ -68,9 +84,7 @@ def quantize_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64
             a = abs_max(a, vals[i])
         for i in cutlass.range_constexpr(len(OFFSETS)):
             a = max_f32(a, cute.arch.shuffle_sync_bfly(a, OFFSETS[i]))
-        amax = max_f32(a, Float32(FP8_AMAX_FLOOR))
-        scale = div_rn(amax, Float32(FP8_MAX))
-        inv = div_rn(Float32(FP8_MAX), amax)
+        scale, inv = block_scale(a, rule)
         words = cute.make_rmem_tensor(cute.make_layout(V // 4), Int32)
         for w in cutlass.range_constexpr(V // 4):
             b01 = cvt_e4m3x2(mul_rn(vals[4 * w], inv), mul_rn(vals[4 * w + 1], inv))
@@ -84,3 +98,25 @@ def quantize_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64
     pad_words = (row_bytes - hidden - 4 * nblocks) // 4
     if lane < pad_words:
         tail[lane] = Int32(0)
+
+
+@cute.jit
+def block_scale(amax: Float32, rule: Int32):
+    """(the stored scale, the multiplier) of a block whose max |x| is ``amax``, by ``rule`` (the module
+    docstring). The rule is uniform across the warp, so the branches do not diverge."""
+    floor = Float32(FP8_AMAX_FLOOR)
+    if rule != FP8_SCALE_DIVIDE:
+        floor = Float32(FP8_LOW_LATENCY_AMAX_FLOOR)
+    amax = max_f32(amax, floor)
+    scale = div_rn(amax, Float32(FP8_MAX))
+    inv = div_rn(Float32(FP8_MAX), amax)
+    if rule == FP8_SCALE_LOW_LATENCY:
+        scale = mul_rn(amax, Float32(1.0 / FP8_MAX))
+    if rule == FP8_SCALE_POWER_OF_TWO:
+        bits = f32_bits(mul_rn(amax, Float32(1.0 / FP8_MAX)))
+        exp = ((bits >> 23) & 0xFF) - 127
+        if (bits & 0x7FFFFF) != 0:  # not a power of two: round the exponent up
+            exp = exp + 1
+        scale = f32_from_bits((exp + 127) << 23)
+        inv = f32_from_bits((127 - exp) << 23)
+    return scale, inv

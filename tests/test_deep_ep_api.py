@@ -150,7 +150,7 @@ def test_symmetric_bytes_hint_grows_with_tokens() -> None:
     decode = dict(num_topk=8, num_experts=256, low_latency=True)
     ll_bf16 = deep_ep.Buffer.get_symmetric_bytes_hint(128, 7168, 8, fp8=False, **decode)
     ll_fp8 = deep_ep.Buffer.get_symmetric_bytes_hint(128, 7168, 8, fp8=True, **decode)
-    assert 0 < ll_bf16 < ll_fp8
+    assert 0 < ll_bf16 == ll_fp8  # one buffer: the FP8 dispatch quantizes into its packed rows
     # DeepEP's own low-latency hint holds these buffers at DeepSeek-V3's decode shape
     assert ll_fp8 <= deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
 

@@ -9,7 +9,7 @@ could receive), not to the rows received: the host does not know that count with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -160,6 +160,19 @@ class PaddedOut:
     count: Tensor
     layout_range: Tensor
     slot: Tensor
+    _received: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def received(self, experts: int, slots: int) -> PaddedRecv:
+        """These tensors as a dispatch returns them (``PaddedRecv``: the rows and sources viewed as [El,
+        S, ...]), the views made once (each costs host time)."""
+        got = self._received.get((experts, slots))
+        if got is None:
+            n = experts * slots
+            got = self._received[experts, slots] = PaddedRecv(
+                rows=self.rows[:n].view(experts, slots, self.rows.shape[1]), count=self.count,
+                src_info=self.src_info[:n].view(experts, slots), layout_range=self.layout_range,
+                slot=self.slot)
+        return got
 
     @classmethod
     def make(cls, scratch: PaddedScratch, num_ranks: int, width: int, dtype: torch.dtype,
@@ -206,13 +219,8 @@ def padded_layout(recv_rows: Tensor, recv_src: Tensor, tokens_per_expert: Tensor
     begin = first[:-1].view(el, num_ranks) - first[: el * num_ranks : num_ranks].view(el, 1)
     torch.add(rows_of, begin, alpha=1 << 32, out=out.layout_range)
     out.count.copy_(tokens_per_expert)
-    return PaddedRecv(
-        rows=out.rows[: el * slots].view(el, slots, width),
-        count=out.count,
-        src_info=out.src_info[: el * slots].view(el, slots),
-        layout_range=out.layout_range,
-        slot=torch.clamp(slot, max=el * slots - 1, out=out.slot),
-    )
+    torch.clamp(slot, max=el * slots - 1, out=out.slot)
+    return out.received(el, slots)
 
 
 def expert_major_rows(padded: Tensor, slot: Tensor, out: Tensor) -> Tensor:

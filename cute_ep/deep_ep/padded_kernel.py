@@ -72,10 +72,7 @@ class PaddedLayoutLaunch:
                  into.layout_range.data_ptr(), into.slot.data_ptr(), stats_ptr, cap, el, num_ranks,
                  max_tokens, topk, recv_rows.shape[1] * recv_rows.element_size(), int(stats is not None),
                  self._ctas(dev), current_stream_handle(dev.index))
-        width = into.rows.shape[1]
-        return PaddedRecv(rows=into.rows[: el * slots].view(el, slots, width), count=into.count,
-                          src_info=into.src_info[: el * slots].view(el, slots),
-                          layout_range=into.layout_range, slot=into.slot)
+        return into.received(el, slots)
 
     def _ctas(self, device: torch.device) -> int:
         """One CTA per SM: a warp per row, the rows of a low-latency call (at most R * M * K) spread over

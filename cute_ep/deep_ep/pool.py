@@ -42,20 +42,15 @@ class BufferPool:
 
         Normal mode: a dispatch of ``dtype`` rows (``fp8``: e4m3 with fp32 scales per 128 columns), with
         ``num_topk`` ids and weights riding along (0: none), and the combine of its rows. Low-latency
-        mode (``low_latency``): a dispatch to ``num_experts`` experts with top-``num_topk`` (``fp8``:
-        use_fp8) and its combine. ``num_max_tokens_per_rank`` is rounded to the normal mode's bucket."""
+        mode (``low_latency``): a dispatch to ``num_experts`` experts with top-``num_topk`` and its combine,
+        of ``dtype`` rows (the same bytes with ``fp8``: use_fp8 quantizes into that buffer's packed rows).
+        ``num_max_tokens_per_rank`` is rounded to the normal mode's bucket in the normal mode."""
         def cfg(width: int, dt: torch.dtype, experts: int, topk: int, tokens: int) -> EpConfig:
             return EpConfig(world_size=num_ranks, local_world_size=num_ranks, num_experts=experts, topk=topk,
                             hidden=width, dtype=dt, max_tokens=tokens)
 
-        if low_latency:
-            m = num_max_tokens_per_rank
-            combine = cfg(hidden, _CARRIER, num_experts, num_topk, m)
-            if not fp8:
-                return combine.symmetric_bytes()
-            width = -(-(hidden + 4 * (hidden // 128)) // 16) * 8
-            dispatch = cfg(width, _CARRIER, num_experts, num_topk, m)
-            return combine.symmetric_bytes() + dispatch.symmetric_bytes()
+        if low_latency:  # one buffer: an FP8 dispatch quantizes into its packed rows (H % 128 == 0)
+            return cfg(hidden, dtype, num_experts, num_topk, num_max_tokens_per_rank).symmetric_bytes()
         m = _bucket(num_max_tokens_per_rank)
         fmt = normal.RowFormat(torch.float8_e4m3fn if fp8 else dtype, hidden,
                                torch.float32 if fp8 else None, hidden // 128 if fp8 else 0, num_topk)
