@@ -14,8 +14,11 @@ low-latency kernels need DeepEP built with NVSHMEM; where its import lacks them 
 why). Wall: DeepEP's own ``bench`` (``cute_ep.tools.bench_timing.deepep_bench``: ``--warmup`` calls, the
 L2 flushed, ``--iters`` calls between CUDA events, the average with the first dropped);
 host: the median over ``--iters`` calls of ``time.perf_counter`` around one call after a device sync and
-a barrier. With ``--profile-dir`` each rank writes, for ours, a cProfile of ten calls of each kind and a
-``torch.profiler`` table (CPU and CUDA). Rank 0 prints one line per (module, call) with every rank's value.
+a barrier; back to back: the host time per call of ``--iters`` calls issued one after another (no sync
+between them: what a host-bound loop of calls costs). With ``--profile-dir`` each rank writes, for ours, a
+cProfile of 200 back-to-back calls of each kind (by own time and by cumulative time) and a
+``torch.profiler`` table (CPU and CUDA) of ten. Rank 0 prints one line per (module, call) with every rank's
+values.
 Needs CUDA GPUs (one per rank) and NCCL; exit status 0, 2 for bad arguments or no GPU.
 """
 
@@ -54,6 +57,18 @@ def host_us(fn: Callable[[], object], iters: int, settle: Callable[[], object]) 
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
+
+
+def back_to_back_us(fn: Callable[[], object], iters: int, settle: Callable[[], object]) -> float:
+    """Microseconds of host time per call of ``iters`` calls of ``fn`` issued back to back, after
+    ``settle()``; ``settle()`` again after them."""
+    settle()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    per_call = (time.perf_counter() - t0) / iters * 1e6
+    settle()
+    return per_call
 
 
 def normal_calls(module, group, rank: int) -> dict[str, Callable[[], object]]:
@@ -106,7 +121,8 @@ def low_latency_calls(module, group, world: int) -> dict[str, Callable[[], objec
 
 
 def profile(calls: dict[str, Callable[[], object]], folder: Path, rank: int, mode: str) -> None:
-    """A cProfile (cumulative) of ten calls of each kind and a torch.profiler table of the same."""
+    """A cProfile of 200 back-to-back calls of each kind (by own time, then cumulative) and a
+    torch.profiler table of ten."""
     import torch
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -115,12 +131,13 @@ def profile(calls: dict[str, Callable[[], object]], folder: Path, rank: int, mod
             torch.cuda.synchronize()
             prof = cProfile.Profile()
             prof.enable()
-            for _ in range(10):
+            for _ in range(200):
                 fn()
             prof.disable()
             torch.cuda.synchronize()
             text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+            for order in ("tottime", "cumulative"):
+                pstats.Stats(prof, stream=text).sort_stats(order).print_stats(40)
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=activities) as tp:
                 for _ in range(10):
@@ -176,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             buf = calls.pop("_buffer")
             for call, fn in calls.items():
                 wall = deepep_bench(fn, args.warmup, args.iters)[0]
-                results[name, call] = (wall, host_us(fn, args.iters, settle))
+                results[name, call] = (wall, host_us(fn, args.iters, settle),
+                                       back_to_back_us(fn, args.iters, settle))
             if name == "cute_ep" and args.profile_dir:
                 profile(calls, Path(args.profile_dir), rank, mode)
             settle()
@@ -190,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         for key in results:
             walls = "  ".join(f"r{r} {rows[r][key][0]:8.1f}" for r in range(world))
             hosts = "  ".join(f"r{r} {rows[r][key][1]:8.1f}" for r in range(world))
-            print(f"{key[0]:8s} {key[1]:40s} wall {walls} us | host {hosts} us")
+            loops = "  ".join(f"r{r} {rows[r][key][2]:8.1f}" for r in range(world))
+            print(f"{key[0]:8s} {key[1]:40s} wall {walls} us | host {hosts} us | back to back {loops} us")
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -33,3 +33,11 @@ def test_host_time_is_the_median_of_calls_after_settling(cc, monkeypatch):
     events = []
     median = cc.host_us(lambda: events.append("call"), 3, lambda: events.append("settle"))
     assert median == pytest.approx(7.0) and events == ["settle", "call"] * 3
+
+
+def test_back_to_back_time_is_per_call_of_calls_issued_without_settling(cc, monkeypatch):
+    clock = iter([10.0, 10.0 + 40e-6])
+    monkeypatch.setattr(cc.time, "perf_counter", lambda: next(clock))
+    events = []
+    per_call = cc.back_to_back_us(lambda: events.append("call"), 4, lambda: events.append("settle"))
+    assert per_call == pytest.approx(10.0) and events == ["settle"] + ["call"] * 4 + ["settle"]
