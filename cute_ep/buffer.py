@@ -316,7 +316,8 @@ class EpBuffer(StatusChecks, BackendBase):
                      # groups
                      **variant(layout, self.cfg.combine_algorithm).scalars)
 
-    def launch_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None = None) -> None:
+    def launch_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None = None, *,
+                       y: torch.Tensor | None = None, y_slot: torch.Tensor | None = None) -> None:
         """Enqueue the combine kernel(s) on the current stream: no host sync (capturable), and of the
         arguments only ``out`` is checked (host-side: its shape, dtype, device and contiguity).
 
@@ -324,14 +325,21 @@ class EpBuffer(StatusChecks, BackendBase):
         contiguous, on the buffer's device (``ValueError`` otherwise: the kernels write every row).
         algorithm: "pull" or "reduced" (default: ``cfg.combine_algorithm``); see ``combine``. A rank-layout
         handle's combine has one algorithm (``algorithm`` is ignored).
+        y: the caller's expert outputs, staged into ``recv_y`` by the same launch first, as ``combine``
+        stages them (for this buffer's latest dispatch only the rows it received). y_slot [C'] int64,
+        contiguous, with y: row j of ``recv_y`` is staged from ``y[y_slot[j]]`` (a gather; y any [N, H]
+        rows of cfg.dtype, every value in [0, N): not checked on the device).
         """
         check_combine_out(self.cfg, self.device, out, handle.num_tokens)
-        self._enqueue_combine(handle, out, algorithm)
+        staged, y_rows, slots = (None, 0, None) if y is None else self._staging(y, handle, y_slot)
+        self._enqueue_combine(handle, out, algorithm, staged, y_rows, slots)
 
     def _enqueue_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None,
-                         y: torch.Tensor | None = None, y_rows: int = 0) -> None:
-        """``launch_combine`` without the check of ``out`` (``combine`` makes its own); ``y`` / ``y_rows``:
-        the caller's expert outputs the module stages into ``recv_y`` first (``_staging``)."""
+                         y: torch.Tensor | None = None, y_rows: int = 0,
+                         y_slot: torch.Tensor | None = None) -> None:
+        """``launch_combine`` without the check of ``out`` (``combine`` makes its own); ``y`` / ``y_rows``
+        / ``y_slot``: the caller's expert outputs the module stages into ``recv_y`` first
+        (``_staging``)."""
         t = handle.num_tokens
         # The kernels read the handle's slots where they are (a handle from dispatch() owns a copy): no
         # copy into the buffer's ``scatter`` unless they are not laid out as it is.
@@ -340,7 +348,7 @@ class EpBuffer(StatusChecks, BackendBase):
             self.scatter[:t].copy_(scatter.reshape(t, self.cfg.topk))
             scatter = self.scatter
         self._launch(OP_COMBINE, t, idx=handle.topk_idx, w=handle.topk_weights, out=out, scatter=scatter,
-                     y=y, y_rows=y_rows,
+                     y=y, y_rows=y_rows, y_slot=y_slot,
                      **variant(handle.layout, algorithm or self.cfg.combine_algorithm).scalars)
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
@@ -384,23 +392,29 @@ class EpBuffer(StatusChecks, BackendBase):
                        handle.scatter):
             staged, y_rows = None, 0
             if y.data_ptr() != self.recv_y.data_ptr():
-                staged, y_rows = self._staging(y, handle)
+                staged, y_rows, _ = self._staging(y, handle)
             self._enqueue_combine(handle, out, algorithm, staged, y_rows)
         return out
 
-    def _staging(self, y: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor | None, int]:
+    def _staging(self, y: torch.Tensor, handle: DispatchHandle, y_slot: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
         """How combine gets y into ``recv_y``: (the tensor the module's staging kernel copies from, its
-        ``y_rows``), or (None, 0) after a copy here. For the latest dispatch's handle the kernel copies as
-        many rows as that dispatch received (the device's count, at most y's rows): a sync-free
-        dispatch's y covers the worst case, which is mostly rows nobody received. Rows the kernel cannot
-        read with 16-byte accesses (a strided or misaligned y) are copied here."""
-        rows = y.shape[0]
+        ``y_rows``, the ``y_slot`` it gathers by or None), or (None, 0, None) after a copy here. For the
+        latest dispatch's handle the kernel copies as many rows as that dispatch received (the device's
+        count, at most y's rows, or y_slot's): a sync-free dispatch's y covers the worst case, which is
+        mostly rows nobody received. Rows the kernel cannot read with 16-byte accesses (a strided or
+        misaligned y, or y_slot not contiguous int64) are copied here."""
+        rows = y.shape[0] if y_slot is None else y_slot.shape[0]
         if not rows:
-            return None, 0
-        if not y.is_contiguous() or y.data_ptr() % self._align["y"]:
-            self.recv_y[:rows].copy_(y)
-            return None, 0
-        return y, -rows if handle.scatter is self._latest_scatter else rows
+            return None, 0, None
+        gather_ok = y_slot is None or (y_slot.dtype == torch.int64 and y_slot.is_contiguous())
+        if not gather_ok or not y.is_contiguous() or y.data_ptr() % self._align["y"]:
+            if y_slot is None:
+                self.recv_y[:rows].copy_(y)
+            else:
+                torch.index_select(y, 0, y_slot.long(), out=self.recv_y[:rows])
+            return None, 0, None
+        return y, -rows if handle.scatter is self._latest_scatter else rows, y_slot
 
     def close(self) -> None:
         """Free the symmetric buffers (collective: every rank calls it). Safe to call twice."""
@@ -435,17 +449,17 @@ class EpBuffer(StatusChecks, BackendBase):
 
     def _launch(self, op: int, num_tokens: int, *, x=None, idx=None, w=None, out=None, scatter=None,
                 own=None, mirror_seq: int = 0, mode: int = 0, fp8: bool | int = False, algo: int = 0,
-                combine_algo: int = 0, layout: int = 0, y=None, y_rows: int = 0) -> None:
+                combine_algo: int = 0, layout: int = 0, y=None, y_rows: int = 0, y_slot=None) -> None:
         """Enqueue one op of the module on the current stream (absent or empty per-call tensors are
         replaced by their stand-ins; ``scatter``: the slots to read, default the buffer's own; ``own``:
         (slots, ids, weights) a dispatch writes into for its handle, see ``_enqueue_dispatch``; ``y`` /
-        ``y_rows``: what combine stages into ``recv_y``, see ``_staging``)."""
+        ``y_rows`` / ``y_slot``: what combine stages into ``recv_y``, see ``_staging``)."""
         own_idx = own_w = None
         if own is not None:
             scatter, own_idx, own_w = own
         addrs = {"scatter": (self.scatter if scatter is None else scatter).data_ptr()}
         for name, tensor in (("x", x), ("topk_idx", idx), ("topk_w", w), ("out", out), ("own_idx", own_idx),
-                             ("own_w", own_w), ("y", y)):
+                             ("own_w", own_w), ("y", y), ("y_slot", y_slot)):
             if tensor is None or not tensor.numel():
                 tensor = self._empty[name]
             addr = addrs[name] = tensor.data_ptr()
@@ -454,7 +468,7 @@ class EpBuffer(StatusChecks, BackendBase):
         self._launcher(current_stream_handle(self._device_index), addrs, op=op, mode=mode,
                        fp8=int(fp8), algo=algo, combine_algo=combine_algo, layout=layout,
                        num_tokens=num_tokens, own_routing=int(own is not None), mirror_seq=mirror_seq,
-                       y_rows=y_rows)
+                       y_rows=y_rows, y_gather=int(y_slot is not None))
         if op != OP_COMBINE:  # a layout rewrites the count the staging of a later combine may read
             self._latest_scatter = None
         if not torch.cuda.is_current_stream_capturing():  # a captured launch runs only when replayed

@@ -158,7 +158,10 @@ BUFFERS: tuple[Buffer, ...] = (
            "the dispatch handle's copy of topk_w (written when own_routing is 1)"),
     Buffer("y", lambda s: (s.capacity, s.hidden), ROW, CALL, ("combine",),
            "the caller's expert outputs, in recv_x's row order: combine's staging kernel copies their "
-           "first rows into recv_y (y_rows says how many)"),
+           "first rows into recv_y (y_rows says how many); with y_gather, any rows y_slot names"),
+    Buffer("y_slot", lambda s: (s.capacity,), "int64", CALL, ("combine",),
+           "with y_gather: the row of y that row r of recv_y is staged from (a gather, e.g. from the "
+           "low-latency padded layout)"),
     # -- symmetric: peers read or write them ------------------------------------------------------
     Buffer("recv_x", lambda s: (s.capacity, s.hidden), ROW, SYMMETRIC, ("dispatch",),
            "received rows, expert-major (after an FP8 dispatch: packed FP8 rows, fp8_row_bytes apart)"),
@@ -235,7 +238,7 @@ BY_NAME = {b.name: b for b in BUFFERS}
 
 # Run-time scalars every launch passes: the call's own, then sizes named as EpConfig's attributes.
 CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "layout", "rank", "num_tokens", "own_routing",
-                "mirror_seq", "y_rows")
+                "mirror_seq", "y_rows", "y_gather")
 SIZE_SCALARS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
                 "expert_capacity", "stage_rows", "num_sms", "timeout_ms", "layout_in_dispatch")
 SCALARS = CALL_SCALARS + SIZE_SCALARS

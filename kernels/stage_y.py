@@ -3,16 +3,17 @@
 Launched first in a combine whose ``y_rows`` is not 0 (the caller's y is not ``recv_y`` itself), on the
 same stream, so every row is in place before the combine kernel raises its start signal to the peers.
 Rows [0, n) are copied, a warp per row (grid-stride): n = ``y_rows`` when positive; when negative the
-latest dispatch's ``num_recv``, at most ``-y_rows``. Why on the device: after a sync-free dispatch the host
-does not know the count, and y covers the worst case (every row the buffer could receive), mostly rows
-nobody received; a host-side copy moved them all. n is clamped to the capacity, and nothing is copied
-after a fault.
+latest dispatch's ``num_recv``, at most ``-y_rows``. Row r comes from row r of y, or with ``y_gather``
+from row ``y_slot[r]`` (so the low-latency combine reads DeepEP's padded layout, only the rows
+received). Why on the device: after a sync-free dispatch the host does not know the count, and y covers
+the worst case (every row the buffer could receive), mostly rows nobody received; a host-side copy moved
+them all. n is clamped to the capacity, and nothing is copied after a fault.
 """
 
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, Int64
 
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import EpParams
@@ -54,7 +55,10 @@ class StageYKernel(EpKernel):
             if n > p.capacity:
                 n = p.capacity
         for r in range(bid * WPC + tid // WARP, n, NCTA * WPC):
-            copy_row_warp(dtype, given.row(r), staged.row(r), NV, tid % WARP)
+            src = Int64(r)
+            if p.y_gather != 0:
+                src = p.y_slot[r]
+            copy_row_warp(dtype, given.row(src), staged.row(r), NV, tid % WARP)
 
 
 profiler_name(StageYKernel.kernel, "stage_y")

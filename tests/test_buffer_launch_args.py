@@ -76,12 +76,12 @@ def test_a_sync_free_dispatch_hands_over_its_tensors_and_the_handles_storage(buf
     assert ptrs == {"x": x.data_ptr(), "topk_idx": idx.data_ptr(), "topk_w": w.data_ptr(),
                     "out": buf._empty["out"].data_ptr(), "scatter": h.scatter.data_ptr(),
                     "own_idx": h.topk_idx.data_ptr(), "own_w": h.topk_weights.data_ptr(),
-                    "y": buf._empty["y"].data_ptr()}
+                    "y": buf._empty["y"].data_ptr(), "y_slot": buf._empty["y_slot"].data_ptr()}
     combine_algo = COMBINE_ALGORITHMS["reduced" if layout == "expert" else "pull"]
     assert scalars == {"op": OP_DISPATCH, "mode": MODES["scatter"], "fp8": 0,
                        "algo": DISPATCH_ALGORITHMS["dedup"], "combine_algo": combine_algo,
                        "layout": LAYOUTS[layout], "num_tokens": 5, "own_routing": 1, "mirror_seq": 0,
-                       "y_rows": 0}
+                       "y_rows": 0, "y_gather": 0}
     # the handle owns its routing: the layout copies the ids and weights into storage of its own
     assert {h.scatter.data_ptr(), h.topk_idx.data_ptr(), h.topk_weights.data_ptr()}.isdisjoint(
         {idx.data_ptr(), w.data_ptr()})
@@ -123,8 +123,9 @@ def test_combine_hands_over_the_handles_slots_and_a_new_output(buf, layout) -> N
     assert ptrs == {"x": buf._empty["x"].data_ptr(), "topk_idx": h.topk_idx.data_ptr(),
                     "topk_w": h.topk_weights.data_ptr(), "out": out.data_ptr(),
                     "scatter": h.scatter.data_ptr(), "own_idx": buf._empty["own_idx"].data_ptr(),
-                    "own_w": buf._empty["own_w"].data_ptr(), "y": buf._empty["y"].data_ptr()}
-    assert scalars["y_rows"] == 0  # y is recv_y itself: nothing to stage
+                    "own_w": buf._empty["own_w"].data_ptr(), "y": buf._empty["y"].data_ptr(),
+                    "y_slot": buf._empty["y_slot"].data_ptr()}
+    assert scalars["y_rows"] == 0 and scalars["y_gather"] == 0  # y is recv_y itself: nothing to stage
     want_algo = COMBINE_ALGORITHMS["reduced" if layout == "expert" else "pull"]
     assert scalars["op"] == OP_COMBINE and scalars["num_tokens"] == 4 and scalars["combine_algo"] == want_algo
     assert scalars["layout"] == LAYOUTS[layout] and buf._calls == [1, 1, 1]
@@ -167,3 +168,27 @@ def test_a_strided_y_is_copied_on_the_host_and_not_staged(buf) -> None:
     _, ptrs, scalars = buf._launcher.launches[-1]
     assert scalars["y_rows"] == 0 and ptrs["y"] == buf._empty["y"].data_ptr()
     assert torch.equal(buf.recv_y[:rows], y)
+
+
+def test_launch_combine_gathers_y_by_its_slots_on_the_device(buf) -> None:
+    """launch_combine(y=, y_slot=) (the low-latency combine reading DeepEP's padded layout): the module gets
+    y, the slots and y_gather = 1, and stages as many rows as the latest dispatch received (y_rows = minus
+    the slots' count); slots it cannot read as contiguous int64 are gathered on the host instead."""
+    x, idx, w = inputs(4)
+    handle = buf.launch_dispatch(x, idx, w)
+    padded = torch.randn(40, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    slots = torch.randperm(40, generator=torch.Generator().manual_seed(4))[:24]
+    out = torch.empty(4, 64, dtype=torch.bfloat16)
+    before = buf.recv_y.clone()
+    buf.launch_combine(handle, out, y=padded, y_slot=slots)
+    _, ptrs, scalars = buf._launcher.launches[-1]
+    assert ptrs["y"] == padded.data_ptr() and ptrs["y_slot"] == slots.data_ptr()
+    assert scalars["y_gather"] == 1 and scalars["y_rows"] == -24
+    assert torch.equal(buf.recv_y, before)  # the kernel stages them, not the host
+    strided = torch.stack([slots, slots], 1)[:, 0]  # not contiguous: the host gathers, nothing to stage
+    assert not strided.is_contiguous()
+    buf.launch_combine(handle, out, y=padded, y_slot=strided)
+    _, ptrs, scalars = buf._launcher.launches[-1]
+    assert scalars["y_gather"] == 0 and scalars["y_rows"] == 0
+    assert ptrs["y_slot"] == buf._empty["y_slot"].data_ptr()
+    assert torch.equal(buf.recv_y[:24], padded[strided])

@@ -3,8 +3,9 @@ built from the expert-major dispatch of ``cute_ep``, and its inverse for combine
 
 ``padded_layout`` is the one place the padded layout is made in torch (on a GPU the same results come from
 one launch, ``cute_ep.deep_ep.padded_kernel``); ``expert_major_rows`` is the one place combine reads it
-back. Both are sync-free torch ops whose work is proportional to the receive capacity (every row a rank
-could receive), not to the rows received: the host does not know that count without a sync.
+back in torch (on a GPU the combine's launch gathers the rows received itself: ``EpBuffer.launch_combine``
+with ``y_slot``). Both are sync-free torch ops whose work is proportional to the receive capacity (every
+row a rank could receive), not to the rows received: the host does not know that count without a sync.
 """
 
 from __future__ import annotations

@@ -67,10 +67,9 @@ class LowLatencyMode:
         does nothing. As DeepEP's, the results live in two alternating sets of receive tensors: valid until
         the next low-latency dispatch that lands on the same set (the second low-latency call after this
         one, a combine counting as a call; copy what must live longer). A token naming an expert twice
-        is refused. On GPUs the padded layout is one launch that moves the rows received; the combine's
-        gather back scales with the receive capacity (every row a rank could get), as the host does not
-        know the received count. x may be bf16, fp16 or fp32 and H any size the kernels
-        take (a multiple of 128 with FP8).
+        is refused. On GPUs the padded layout is one launch that moves the rows received, and the
+        combine's launch gathers them back by the same slots. x may be bf16, fp16 or fp32 and H any size
+        the kernels take (a multiple of 128 with FP8).
 
         Raises:
             NotImplementedError: ``dispatch_wait_recv_cost_stats`` (no per-peer wait timing).
@@ -171,9 +170,13 @@ class LowLatencyMode:
             key, buf = self._buffer(hidden, src.dtype, route.num_experts, k, route.max_tokens)
             self._fence(key)
             self._ll_index ^= 1
-            launch = self.backend == "cute"  # the kernels' launch straight from the buffer's expert outputs
-            rows = buf.recv_y if launch else buf.expert_output(buf.cfg.capacity)
-            ll.expert_major_rows(src, route.slot, rows)
+            # The kernels' launch stages the rows received from the padded layout itself (a gather by
+            # the dispatch's slots); elsewhere, and for a strided x, the torch gather of every row.
+            launch = self.backend == "cute"
+            gather = launch and src.is_contiguous()
+            if not gather:
+                rows = buf.recv_y if launch else buf.expert_output(buf.cfg.capacity)
+                ll.expert_major_rows(src, route.slot, rows)
             sent = route.dispatch_handle
             ids = sent.topk_idx
             if topk_idx is not route.given_ids or topk_idx._version != route.given_version:
@@ -184,7 +187,10 @@ class LowLatencyMode:
             if launch:
                 combined = out if out is not None and out.is_contiguous() else torch.empty(
                     (route.num_tokens, hidden), dtype=src.dtype, device=self.device)
-                buf.launch_combine(now, combined)
+                if gather:
+                    buf.launch_combine(now, combined, y=src.view(-1, hidden), y_slot=route.slot)
+                else:
+                    buf.launch_combine(now, combined)
             else:
                 combined = buf.combine(rows, now)
             self._combined.add(key)
