@@ -308,6 +308,7 @@ def test_a_dispatch_is_one_launch_of_the_module_counting_layout_and_dispatch(mon
     buf.scatter = torch.full((cfg.max_tokens, cfg.topk), -1, dtype=torch.int32)
     buf._empty = {b.name: torch.empty(16, dtype=b.torch_dtype(cfg)) for b in buffers_of(CALL)}
     buf._align = {b.name: 1 for b in buffers_of(CALL)}
+    buf._empty_addr = {n: t.data_ptr() for n, t in buf._empty.items()}
     launches = []
     buf._launcher = lambda stream, addrs, **scalars: launches.append(scalars)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
@@ -337,6 +338,7 @@ def test_combine_reads_the_handles_slots_in_place(monkeypatch):
     buf.scatter = torch.full((cfg.max_tokens, cfg.topk), -1, dtype=torch.int32)
     buf._empty = {b.name: torch.empty(16, dtype=b.torch_dtype(cfg)) for b in buffers_of(CALL)}
     buf._align = {b.name: 1 for b in buffers_of(CALL)}
+    buf._empty_addr = {n: t.data_ptr() for n, t in buf._empty.items()}
     seen = []
     buf._launcher = lambda stream, addrs, **scalars: seen.append(addrs["scatter"])
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))

@@ -55,6 +55,7 @@ def buf(monkeypatch) -> EpBuffer:
     one = SimpleNamespace(num_tokens=1, capacity=1, hidden=cfg.hidden, topk=cfg.topk)
     b._empty = {t.name: torch.empty(t.shape(one), dtype=t.torch_dtype(cfg)) for t in buffers_of(CALL)}
     b._align = {t.name: t.align(cfg) for t in buffers_of(CALL)}
+    b._empty_addr = {n: t.data_ptr() for n, t in b._empty.items()}
     b._launcher, b.algorithm = Recorder(), "dedup"
     return b
 

@@ -190,6 +190,7 @@ def gpu_buffer(monkeypatch):
     buf.recv_y = torch.full((CFG.capacity, CFG.hidden), float("nan"), dtype=CFG.dtype)
     buf._empty = {b.name: torch.empty(16, dtype=b.torch_dtype(CFG)) for b in buffers_of(CALL)}
     buf._align = {b.name: 1 for b in buffers_of(CALL)}
+    buf._empty_addr = {n: t.data_ptr() for n, t in buf._empty.items()}
     buf.launches = []
     buf._launcher = lambda stream, addrs, **scalars: buf.launches.append(scalars)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
