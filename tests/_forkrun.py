@@ -6,7 +6,12 @@ own (about 3 s of CPU each on a 2-core machine, most of a small CPU test's launc
 
 Every rank gets torchrun's launch variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT: MASTER_PORT from the environment if set, else a free port) and runs the program as
-``__main__`` with the interpreter's normal exit (tests/_zygote.py ``run_program``).
+``__main__`` with the interpreter's normal exit (tests/_zygote.py ``run_program``). As torchrun's agent,
+this process hosts the job's one TCPStore at MASTER_ADDR:MASTER_PORT and the ranks connect to it
+(TORCHELASTIC_USE_AGENT_STORE): without it rank 0 hosted a new store at every process-group start, and a
+program that starts several in a row (scripts/runtime_cycles.py) saw a peer reach the port while rank 0's
+previous store was closing ("Failed to recv, got 0 bytes"): 3 of 14 runs of two test files at once
+(`pytest -n 4`) on a 2-core machine, and 0 of 6 with the one store.
 
 - Without ``--each``: the ranks write to this process's stdout and stderr; once one exits with a non-zero
   status the others get SIGTERM (as torchrun stops them), and this process exits 1 if any rank failed
@@ -27,6 +32,7 @@ from pathlib import Path
 
 from _launch import free_port
 from _zygote import fork_rank, import_once
+from torch.distributed import TCPStore
 
 
 def main() -> None:
@@ -43,7 +49,9 @@ def main() -> None:
     ranks: dict[int, int] = {}  # pid -> rank
     for rank in range(int(world)):
         outputs = {} if each is None else {each / f"rank{rank}.out": (1, 2)}
-        ranks[fork_rank(rank, int(world), master, outputs, script, args)] = rank
+        ranks[fork_rank(rank, int(world), master, outputs, script, args, agent_store=True)] = rank
+    # Started after the forks (no rank inherits the server's thread); the ranks' clients wait for it.
+    store = TCPStore(master[0], master[1], is_master=True, wait_for_workers=False)  # noqa: F841 (kept open)
     failed = False
     while ranks:
         pid, status = os.wait()

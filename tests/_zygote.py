@@ -36,11 +36,12 @@ def import_once() -> None:
 
 
 def fork_rank(rank: int, world: int, master: tuple[str, int] | None, outputs: dict[Path, tuple[int, ...]],
-              script: str, args: list[str]) -> int:
+              script: str, args: list[str], agent_store: bool = False) -> int:
     """Fork a process that runs ``script args`` as rank ``rank`` of ``world`` and return its pid. In it:
-    torchrun's launch variables (none if ``master`` is None: a world of one), each file of ``outputs`` on
-    its file descriptors (one open file per path, so output written through several of them stays in
-    order), then ``run_program`` (never returns)."""
+    torchrun's launch variables (none if ``master`` is None: a world of one; with ``agent_store`` also
+    TORCHELASTIC_USE_AGENT_STORE, as torchrun sets it: every rank is a client of the store the launcher
+    hosts at the master address), each file of ``outputs`` on its file descriptors (one open file per path,
+    so output written through several of them stays in order), then ``run_program`` (never returns)."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -49,6 +50,8 @@ def fork_rank(rank: int, world: int, master: tuple[str, int] | None, outputs: di
     if master is not None:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+        if agent_store:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     for path, fds in outputs.items():
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         for fd in fds:
