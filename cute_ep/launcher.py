@@ -1,11 +1,14 @@
-"""Calling a compiled ``EpModule`` from the host at the cost of its launches: ``Launcher``.
+"""Calling a compiled ``EpModule`` from the host at the cost of its launches: ``Launcher``; and the kernels
+compiled apart from it: ``PreparedCall``, ``CompiledApart``.
 
 Host code only (nothing here is compiled into the module, so editing it invalidates no cached object).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -96,6 +99,52 @@ class PreparedCall:
         packed runner for every later call."""
         self._run = packed_runner(bound_to_device(self._compiled), self._keep[2])
         self._run()
+
+
+class CompiledApart:
+    """Base of the launches of kernels compiled apart from the module (no NVSHMEM, registered with
+    nothing): the registry they compile or load through, and their ``PreparedCall``s, one per variant,
+    made on first use under one lock, which also guards each call's shared argument storage.
+
+    registry: a ``cute_ep.bootstrap.compile.ModuleRegistry`` that registers nothing; default: a new one
+    keeping ``max_alive`` functions, which honours ``CUTE_EP_COMPILE_CACHE``."""
+
+    max_alive = 2
+
+    def __init__(self, registry: Any = None) -> None:
+        if registry is None:
+            from cute_ep.bootstrap.compile import ModuleRegistry
+
+            registry = ModuleRegistry(register=False, max_alive=self.max_alive)
+        self.registry = registry
+        self._lock = threading.Lock()
+        self._calls: dict[Any, PreparedCall] = {}
+
+    def _prepared(self, variant: Any, key: tuple, build: Callable[[], tuple], args: tuple,
+                  kinds: tuple[str, ...]) -> PreparedCall:
+        """The ``PreparedCall`` of ``variant`` (made once): ``registry.get(key, build)`` with the argument
+        stand-ins ``args`` of ``kinds``. Why prepared: the DSL's own call converts every argument anew
+        each time."""
+        with self._lock:
+            call = self._calls.get(variant)
+            if call is None:
+                call = self._calls[variant] = PreparedCall(self.registry.get(key, build), args, kinds)
+            return call
+
+
+def one_per_process(make: Callable[[], Any]) -> Callable[[], Any]:
+    """A function returning the process's one ``make()``, made at its first call (under a lock, so
+    threads share it too)."""
+    lock = threading.Lock()
+    made: list = []
+
+    def shared() -> Any:
+        with lock:
+            if not made:
+                made.append(make())
+            return made[0]
+
+    return shared
 
 
 def bound_to_device(compiled):

@@ -357,3 +357,19 @@ def test_combine_reads_the_handles_slots_in_place(monkeypatch):
     buf.launch_combine(DispatchHandle(idx, w, owned, t, "scatter"), out, "pull")
     buf.launch_dispatch(x, idx, w)
     assert seen[-1] == buf.scatter.data_ptr()
+
+
+def test_one_per_process_makes_one_instance_for_every_caller_and_thread():
+    import threading
+
+    from cute_ep.launcher import one_per_process
+
+    made = []
+    shared = one_per_process(lambda: made.append(object()) or made[-1])
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(shared())) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and all(g is made[0] for g in got) and shared() is made[0]

@@ -3,6 +3,8 @@ per signature, and the dispatch's routing tensors are kept per parity (no tensor
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -56,6 +58,8 @@ def test_checks_run_once_per_signature_on_the_kernels_and_every_time_elsewhere()
 
 
 class _Buffer:
+    cfg = SimpleNamespace(max_tokens=16)  # the routing tensors' rows
+
     def __init__(self) -> None:
         self.launches = []
 

@@ -256,7 +256,7 @@ class LowLatencyMode:
         routing = views.get(t)
         if routing is None:
             base = self._ll_kept_of(("routing", key, parity, topk_idx.dtype), lambda: _LowLatencyRouting.make(
-                key[4], k, topk_idx.dtype, self.device))
+                buf.cfg.max_tokens, k, topk_idx.dtype, self.device))
             if len(views) >= _MAX_SIGNATURES:
                 views.clear()
             routing = views[t] = base.first(t)

@@ -6,30 +6,23 @@ kernel's bounds do not hold).
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from cute_ep.deep_ep.low_latency import PaddedOut, PaddedRecv, PaddedScratch
+from cute_ep.launcher import CompiledApart, current_stream_handle, one_per_process
 
 __all__ = ["PaddedLayoutLaunch", "shared_padded_layout"]
 
 
-class PaddedLayoutLaunch:
-    """The padded-layout launch, its compiled function made on first use (``registry``: a
-    ``cute_ep.bootstrap.compile.ModuleRegistry`` that registers nothing with NVSHMEM; default: a new one,
-    which honours ``CUTE_EP_COMPILE_CACHE``)."""
+class PaddedLayoutLaunch(CompiledApart):
+    """The padded-layout launch, its compiled function made on first use (``registry``: see
+    ``cute_ep.launcher.CompiledApart``)."""
 
     def __init__(self, registry: Any = None) -> None:
-        if registry is None:
-            from cute_ep.bootstrap.compile import ModuleRegistry
-
-            registry = ModuleRegistry(register=False, max_alive=2)
-        self.registry = registry
-        self._lock = threading.Lock()
-        self._call: Any = None
+        super().__init__(registry)
         self._sms: dict[int, int] = {}
 
     @staticmethod
@@ -43,16 +36,10 @@ class PaddedLayoutLaunch:
                 and recv_rows.data_ptr() % 16 == 0 and experts <= MAX_LOCAL_EXPERTS and capacity < 2**31)
 
     def prepared(self) -> Any:
-        """The compiled launch behind a ``cute_ep.launcher.PreparedCall`` (made once): why: the DSL's own
-        call converts its 18 arguments anew each time."""
-        with self._lock:
-            if self._call is None:
-                from cute_ep.kernels import padded_layout as k
-                from cute_ep.launcher import PreparedCall
+        """The compiled launch behind a ``cute_ep.launcher.PreparedCall`` (made once)."""
+        from cute_ep.kernels import padded_layout as k
 
-                fn = self.registry.get(k.COMPILE_KEY, k.build)
-                self._call = PreparedCall(fn, k.example_args(), k.ARG_KINDS)
-            return self._call
+        return self._prepared(None, k.COMPILE_KEY, k.build, k.example_args(), k.ARG_KINDS)
 
     def __call__(self, recv_rows: Tensor, recv_src: Tensor, tokens_per_expert: Tensor, num_ranks: int,
                  max_tokens: int, topk: int, scratch: PaddedScratch, into: PaddedOut,
@@ -60,8 +47,6 @@ class PaddedLayoutLaunch:
         """``padded_layout``'s results for an expert-major dispatch (``fits``), written into ``into`` and
         enqueued on the current stream, no host sync. stats: [El] int32 to add the counts to
         (``cumulative_local_expert_recv_stats``)."""
-        from cute_ep.launcher import current_stream_handle
-
         cap, el, slots = recv_rows.shape[0], scratch.experts, scratch.slots
         dev = recv_rows.device
         call = self.prepared()
@@ -83,14 +68,5 @@ class PaddedLayoutLaunch:
         return self._sms[index]
 
 
-_SHARED: PaddedLayoutLaunch | None = None
-_SHARED_LOCK = threading.Lock()
-
-
-def shared_padded_layout() -> PaddedLayoutLaunch:
-    """The process's ``PaddedLayoutLaunch`` (its compiled function serves every Buffer)."""
-    global _SHARED
-    with _SHARED_LOCK:
-        if _SHARED is None:
-            _SHARED = PaddedLayoutLaunch()
-        return _SHARED
+shared_padded_layout = one_per_process(PaddedLayoutLaunch)
+"""The process's ``PaddedLayoutLaunch`` (its compiled function serves every Buffer)."""

@@ -5,11 +5,12 @@ the torch form the CPU backends use (and the GPU where the kernel's bounds do no
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from cute_ep.launcher import CompiledApart, current_stream_handle, one_per_process
 
 __all__ = ["TokenLayout"]
 
@@ -19,19 +20,11 @@ _ID_TYPES = {torch.int64: "int64", torch.int32: "int32"}
 _KINDS = ("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "stream")
 
 
-class TokenLayout:
-    """The layout launch and its compiled functions, one per id type, made on first use (``registry``: a
-    ``cute_ep.bootstrap.compile.ModuleRegistry`` that registers nothing with NVSHMEM; default: a new one,
-    which honours ``CUTE_EP_COMPILE_CACHE``)."""
+class TokenLayout(CompiledApart):
+    """The layout launch and its compiled functions, one per id type, made on first use (``registry``: see
+    ``cute_ep.launcher.CompiledApart``)."""
 
-    def __init__(self, registry: Any = None) -> None:
-        if registry is None:
-            from cute_ep.bootstrap.compile import ModuleRegistry
-
-            registry = ModuleRegistry(register=False, max_alive=4)
-        self.registry = registry
-        self._lock = threading.Lock()
-        self._calls: dict[torch.dtype, Any] = {}
+    max_alive = 4
 
     @staticmethod
     def fits(topk_idx: Tensor, num_experts: int, num_ranks: int, *, on_gpu: bool | None = None) -> bool:
@@ -53,22 +46,16 @@ class TokenLayout:
             return self.registry.get(k.compile_key(name), lambda: k.build(name))
 
     def prepared(self, id_dtype: torch.dtype) -> Any:
-        """The compiled layout for ``id_dtype`` behind a ``cute_ep.launcher.PreparedCall`` (made once):
-        why: the DSL's own call converts its nine arguments anew each time."""
-        if id_dtype not in self._calls:
-            from cute_ep.kernels.token_layout import example_args
-            from cute_ep.launcher import PreparedCall
+        """The compiled layout for ``id_dtype`` behind a ``cute_ep.launcher.PreparedCall`` (made once)."""
+        from cute_ep.kernels import token_layout as k
 
-            fn = self.compiled(id_dtype)
-            with self._lock:
-                self._calls.setdefault(id_dtype, PreparedCall(fn, example_args(_ID_TYPES[id_dtype]), _KINDS))
-        return self._calls[id_dtype]
+        name = _ID_TYPES[id_dtype]
+        return self._prepared(id_dtype, k.compile_key(name), lambda: k.build(name), k.example_args(name),
+                              _KINDS)
 
     def __call__(self, topk_idx: Tensor, num_experts: int, num_ranks: int) -> tuple[Tensor, Tensor, Tensor]:
         """(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)
         of topk_idx [T, K] (``fits``), enqueued on the current stream; new tensors, no host sync."""
-        from cute_ep.launcher import current_stream_handle
-
         ids = topk_idx.contiguous()
         t, k = ids.shape
         dev = ids.device
@@ -82,14 +69,5 @@ class TokenLayout:
         return per_rank, per_expert, in_rank
 
 
-_SHARED: TokenLayout | None = None
-_SHARED_LOCK = threading.Lock()
-
-
-def shared_token_layout() -> TokenLayout:
-    """The process's ``TokenLayout`` (its compiled functions serve every Buffer)."""
-    global _SHARED
-    with _SHARED_LOCK:
-        if _SHARED is None:
-            _SHARED = TokenLayout()
-        return _SHARED
+shared_token_layout = one_per_process(TokenLayout)
+"""The process's ``TokenLayout`` (its compiled functions serve every Buffer)."""
