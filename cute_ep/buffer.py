@@ -290,12 +290,24 @@ class EpBuffer(StatusChecks, BackendBase):
             handle = DispatchHandle(own[1], own[2], own[0], t, mode, layout)
         else:
             handle = DispatchHandle(topk_idx, topk_weights, self.scatter[:t], t, mode, layout)
+        self._note_launched_dispatch(handle)
+        return handle
+
+    def replayed_dispatch(self, handle: DispatchHandle) -> None:
+        """Note a ``launch_dispatch`` replayed from a CUDA graph the caller captured it into, as its launch
+        would have: ``handle`` (the one the captured call returned) is the latest dispatch's, and the
+        layout and dispatch ran once more (what ``check_ran`` expects)."""
+        self._latest_scatter = None
+        self._note_launched_dispatch(handle)
+        self._calls[OP_LAYOUT] += 1
+        self._calls[OP_DISPATCH] += 1
+
+    def _note_launched_dispatch(self, handle: DispatchHandle) -> None:
         self._sent = (handle.topk_idx, handle.topk_weights)
         self._latest_scatter = handle.scatter
         self._dispatches += 1
         self._latest_recv = None  # the count stays on the device: combine takes y of the whole capacity
         note_dispatch_rows(handle, None)
-        return handle
 
     def _enqueue_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                           mode: str, fp8: bool | int, algorithm: str | None, layout: str,

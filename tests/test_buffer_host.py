@@ -240,6 +240,34 @@ def test_prepared_call_binds_a_function_compiled_apart_once_and_runs_it_packed()
     assert bound_to_device(fn.bound) is fn.bound  # already bound: unchanged
 
 
+def test_a_launch_compiled_apart_makes_its_prepared_call_once():
+    """CompiledApart._prepared builds the argument stand-ins (the DSL's pointer objects: host time) only
+    to make a variant's PreparedCall; later calls get the same call without asking for them again."""
+    from cute_ep.launcher import CompiledApart
+
+    class _Registry:
+        def __init__(self) -> None:
+            self.gets = []
+
+        def get(self, key, build):
+            self.gets.append(key)
+            return _UnboundFunction()
+
+    specs = []
+
+    def spec(name):
+        specs.append(name)
+        return ("key", name), None, (1, 2), ("ptr", "stream")
+
+    launch = CompiledApart(_Registry())
+    first = launch._prepared("a", lambda: spec("a"))
+    assert launch._prepared("a", lambda: spec("a")) is first
+    other = launch._prepared("b", lambda: spec("b"))
+    assert other is not first and specs == ["a", "b"] and launch.registry.gets == [("key", "a"), ("key", "b")]
+    first(0x10, 0x20)
+    assert first._compiled.bound.runs == [[0x10, 0x20]]
+
+
 def test_auto_algorithm_takes_the_least_slowest_rank_median():
     medians = [  # rank 0 finds per_pair fastest, but rank 1's per_pair is the slowest of all
         {"dedup": 50.0, "per_pair": 40.0, "put_warp": 70.0},

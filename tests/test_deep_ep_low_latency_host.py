@@ -39,9 +39,11 @@ def test_checks_run_once_per_signature_on_the_kernels_and_every_time_elsewhere()
     mode = _mode()
     x = torch.zeros(4, 8)
     for _ in range(3):
-        assert mode._ll_agreed("low_latency_dispatch", (x, 5), lambda: "checked", dict) in ("checked", None)
-    mode._ll_agreed("low_latency_dispatch", (torch.zeros(2, 8), 5), lambda: None, dict)
-    mode._ll_agreed("low_latency_combine", (x, 5), lambda: None, dict)  # another call: its own checks
+        got = mode._ll_agreed("low_latency_dispatch", mode._ll_signature((x, 5)), lambda: "checked", dict)
+        assert got in ("checked", None)
+    mode._ll_agreed("low_latency_dispatch", mode._ll_signature((torch.zeros(2, 8), 5)), lambda: None, dict)
+    # another call: its own checks
+    mode._ll_agreed("low_latency_combine", mode._ll_signature((x, 5)), lambda: None, dict)
     assert mode.checked == ["low_latency_dispatch", "low_latency_dispatch", "low_latency_combine"]
 
     def refuse():
@@ -49,10 +51,10 @@ def test_checks_run_once_per_signature_on_the_kernels_and_every_time_elsewhere()
 
     for _ in range(2):  # a refused signature is not remembered
         with pytest.raises(ValueError, match=r"x must be \[T, H\]"):
-            mode._ll_agreed("low_latency_dispatch", (torch.zeros(3), 5), refuse, dict)
+            mode._ll_agreed("low_latency_dispatch", mode._ll_signature((torch.zeros(3), 5)), refuse, dict)
     reference = _mode("reference")  # the host backends agree over the group on every call
     for _ in range(2):
-        reference._ll_agreed("low_latency_dispatch", (x, 5), lambda: None, dict)
+        reference._ll_agreed("low_latency_dispatch", reference._ll_signature((x, 5)), lambda: None, dict)
     mode._ll_agreed("low_latency_combine", None, lambda: None, dict)  # no signature (a foreign handle)
     assert reference.checked == ["low_latency_dispatch"] * 2 and mode.checked[-1] == "low_latency_combine"
 
@@ -102,3 +104,70 @@ def test_routing_views_share_the_kept_rows():
     assert first.own[2].dtype == torch.float32 and first.own[2].shape == (3, 4)
     wide = _LowLatencyRouting.make(16, 4, torch.int64, torch.device("cpu")).first(5)
     assert wide.clamped.dtype == torch.int64 and wide.ids.dtype == torch.int32
+
+
+class _Graphs:
+    """DispatchGraphs with stand-ins for CUDA: a capture records what it enqueued, a replay counts."""
+
+    def __init__(self, monkeypatch, enabled: str = "1") -> None:
+        from cute_ep.deep_ep import ll_graphs
+
+        monkeypatch.setenv(ll_graphs.GRAPHS_ENV_VAR, enabled)
+        self.stream, self.waits, self.replayed, self.capturing = 1, [], [], False
+
+        def capture(enqueue):
+            got = enqueue()
+            return (lambda: self.replayed.append(got)), got
+
+        self.graphs = ll_graphs.DispatchGraphs(capture, lambda: self.stream, self.waits.append,
+                                               lambda: self.capturing)
+
+    def call(self, key, buf, x, ids):
+        enqueued = []
+
+        def enqueue(xs, kept_ids):
+            enqueued.append((xs.clone(), kept_ids.clone()))
+            return ("result", xs.data_ptr(), kept_ids.data_ptr())
+
+        ran, result = self.graphs.dispatch(key, buf, x, ids, enqueue)
+        return ran, result, enqueued
+
+
+def test_a_repeated_low_latency_dispatch_is_captured_once_then_replayed_on_kept_inputs(monkeypatch):
+    g, buf = _Graphs(monkeypatch), object()
+    x, ids = torch.arange(6.0).view(3, 2), torch.tensor([[1, 2], [3, -1], [0, 5]])
+    assert g.call(("sig", 0), buf, x, ids) == (False, None, [])  # the first call of a signature: eager
+    ran, result, enqueued = g.call(("sig", 0), buf, x, ids)  # the second: captured, then replayed
+    assert ran and len(enqueued) == 1 and len(g.replayed) == 1
+    assert torch.equal(enqueued[0][0], x) and torch.equal(enqueued[0][1], ids)  # captured on copies
+    assert result[1] != x.data_ptr() and result[2] != ids.data_ptr()
+    x2, ids2 = x + 1, ids.flip(0)
+    ran, again, enqueued = g.call(("sig", 0), buf, x2, ids2)  # later calls: replayed, nothing enqueued
+    assert ran and again == result and enqueued == [] and len(g.replayed) == 2
+    kept = g.graphs._inputs[("sig",)]
+    assert torch.equal(kept[0], x2) and torch.equal(kept[1], ids2)  # the replay reads the new inputs
+    assert (kept[0].data_ptr(), kept[1].data_ptr()) == result[1:]
+    assert g.call(("sig", 1), buf, x, ids)[0] is False  # the other parity: its own graph, eager first
+    assert g.call(("sig", 0), object(), x, ids)[0] is False  # a rebuilt buffer: a new graph
+    assert g.waits == []
+    g.call(("sig", 0), g.graphs._plans[("sig", 0)].buf, x, ids)
+    g.stream = 2  # another current stream: it waits for the one the kept inputs were written on
+    assert g.call(("sig", 0), g.graphs._plans[("sig", 0)].buf, x, ids)[0] and g.waits == [1]
+    g.capturing = True  # inside the caller's own capture: eager
+    assert g.call(("sig", 0), g.graphs._plans[("sig", 0)].buf, x, ids)[0] is False
+
+
+def test_low_latency_graphs_stop_capturing_when_signatures_rarely_repeat(monkeypatch):
+    from cute_ep.deep_ep.ll_graphs import CAPTURE_BUDGET, MAX_GRAPHS
+
+    g, buf = _Graphs(monkeypatch), object()
+    x, ids = torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.int64)
+    always, per = CAPTURE_BUDGET
+    for i in range(always + 3):  # each signature twice: every second call would capture
+        g.call((f"sig{i}", 0), buf, x, ids)
+        g.call((f"sig{i}", 0), buf, x, ids)
+    assert g.graphs.captures == always  # then no replays earned another capture
+    assert len(g.graphs._plans) <= MAX_GRAPHS
+    off = _Graphs(monkeypatch, enabled="0")
+    for _ in range(3):
+        assert off.call(("sig", 0), buf, x, ids)[0] is False

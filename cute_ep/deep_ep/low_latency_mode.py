@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -85,7 +85,8 @@ class LowLatencyMode:
         m, world = num_max_dispatch_tokens_per_rank, self.group_size
         stats = cumulative_local_expert_recv_stats
         flags = (use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        self._ll_agreed("low_latency_dispatch", (x, topk_idx, stats, m, num_experts, *flags),
+        sig = self._ll_signature((x, topk_idx, stats, m, num_experts, *flags))
+        self._ll_agreed("low_latency_dispatch", sig,
                         lambda: self._ll_dispatch_args(x, topk_idx, m, num_experts, stats, *flags),
                         lambda _: {"x's dtype and hidden size": (str(x.dtype), x.shape[1]),
                                    "num_max_dispatch_tokens_per_rank": m, "num_experts": num_experts,
@@ -94,12 +95,11 @@ class LowLatencyMode:
         with _Scope(self, None, async_finish) as scope:
             parity = self._ll_index  # DeepEP's buffer parity: this call's receive tensors
             self._ll_index ^= 1
-            if self.backend == "cute":  # one launch of the kernels, which also quantize FP8 rows
-                key, buf = self._buffer(hidden, x.dtype, num_experts, k, m)
+            if self.backend == "cute":  # the kernels, which also quantize FP8 rows
                 rule = 0 if not use_fp8 else FP8_SCALE_POWER_OF_TWO if round_scale else FP8_SCALE_LOW_LATENCY
-                sent = self._ll_launch_dispatch(buf, key, parity, x.contiguous(), topk_idx, num_experts, rule)
-                got = _Received(buf.fp8_packed_rows() if use_fp8 else buf.recv_x, buf.recv_src,
-                                buf.tokens_per_expert, sent)
+                recv, padded, sent = self._ll_kernels_dispatch(
+                    sig if scope.comm is None else None, parity, x, topk_idx, m, num_experts, rule, use_ue8m0,
+                    stats)
             else:
                 if use_fp8:  # cast into the rows the buffer moves: [H bytes of e4m3 | H / 128 fp32 | zeros]
                     packed = self._ll_cached("fp8 rows", (m, packed_fp8_row_bytes(hidden)), torch.uint8)
@@ -111,18 +111,14 @@ class LowLatencyMode:
                 # the expert layout carries a weight per row; DeepEP's low-latency dispatch has none
                 weights = self._ll_cached("weights", (m, k), torch.float32)[: x.shape[0]]
                 res = self._dispatch_on(buf, payload, topk_idx.contiguous(), weights, "expert")
-                got = _Received(res.recv_x, res.recv_src, res.tokens_per_expert, res.handle)
-            scratch, into = self._ll_receive(key, parity, got.rows, el, m)
-            on_gpu = self.backend == "cute" and PaddedLayoutLaunch.fits(got.rows, el, scratch.capacity)
-            if on_gpu:  # one launch, which also adds the statistics
-                padded = shared_padded_layout()(got.rows, got.src, got.per_expert, world, m, k, scratch,
-                                                into, stats)
-            else:
-                padded = ll.padded_layout(got.rows, got.src, got.per_expert, world, m, k, scratch, into)
-            recv: Any = self._ll_fp8_out(parity, padded.rows, hidden, use_ue8m0) if use_fp8 else padded.rows
-            if stats is not None and not on_gpu:  # the launch adds them
-                stats.add_(padded.count)
-            route = _LowLatencyRoute(got.handle, padded.slot, m, hidden, num_experts, x.shape[0], topk_idx,
+                scratch, into = self._ll_receive(key, parity, res.recv_x, el, m)
+                padded = ll.padded_layout(res.recv_x, res.recv_src, res.tokens_per_expert, world, m, k,
+                                          scratch, into)
+                recv = self._ll_fp8_out(parity, padded.rows, hidden, use_ue8m0) if use_fp8 else padded.rows
+                if stats is not None:
+                    stats.add_(padded.count)
+                sent = res.handle
+            route = _LowLatencyRoute(sent, padded.slot, m, hidden, num_experts, x.shape[0], topk_idx,
                                      topk_idx._version)
             handle = LowLatencyHandle((padded.src_info, padded.layout_range, m, hidden, num_experts), route)
             outputs = (*(recv if isinstance(recv, tuple) else (recv,)), padded.count, padded.src_info,
@@ -156,9 +152,9 @@ class LowLatencyMode:
                                       "kernels do not time their waits per peer); pass None")
         both = async_finish and return_recv_hook
         route = handle.cute_ep if isinstance(handle, LowLatencyHandle) else None
-        sig = None if route is None else (x, topk_idx, topk_weights, out, zero_copy, both, route.max_tokens,
-                                          route.hidden, route.num_experts, route.num_tokens,
-                                          route.dispatch_handle.topk_idx.shape[1])
+        sig = None if route is None else self._ll_signature((
+            x, topk_idx, topk_weights, out, zero_copy, both, route.max_tokens, route.hidden,
+            route.num_experts, route.num_tokens, route.dispatch_handle.topk_idx.shape[1]))
         self._ll_agreed("low_latency_combine", sig, lambda: self._ll_combine_args(
             x, topk_idx, topk_weights, handle, zero_copy, out, both), lambda r: {
                 "x's dtype": str(r[1].dtype),
@@ -201,15 +197,19 @@ class LowLatencyMode:
         extra = (x, topk_idx, topk_weights, *handle[:2], combined) if async_finish else None
         return combined, EventOverlap(event, extra), _no_wait if return_recv_hook else None
 
-    def _ll_agreed(self, what: str, args: tuple | None, check: Callable[[], Any],
+    def _ll_signature(self, args: tuple) -> tuple | None:
+        """``_signature(args)`` on the kernels' backend (its checks and graphs are kept by it), else None."""
+        return _signature(args) if self.backend == "cute" else None
+
+    def _ll_agreed(self, what: str, sig: tuple | None, check: Callable[[], Any],
                    same: Callable[[Any], dict[str, Any]]) -> Any:
-        """``_agreed(what, check, same, synced=False)``; on the kernels' backend only once per signature of
-        ``args`` (``_signature``; None where it has none): there a low-latency call agrees with no peer
-        (it is sync-free) and its checks read only what the signature holds (the tensors' types, shapes,
-        dtypes, strides and devices, and the plain values), so a signature that passed passes again.
-        Why: the checks took about 35 us of host time per call on a 2x H200 host (cProfile, 2026-11-28),
-        a tenth of a low-latency pair. Returns ``check()``'s result, or None when skipped."""
-        sig = _signature(args) if self.backend == "cute" and args is not None else None
+        """``_agreed(what, check, same, synced=False)``; on the kernels' backend only once per signature
+        ``sig`` of the call's arguments (``_ll_signature``; None where it has none): there a low-latency
+        call agrees with no peer (it is sync-free) and its checks read only what the signature holds (the
+        tensors' types, shapes, dtypes, strides and devices, and the plain values), so a signature that
+        passed passes again. Why: the checks took about 35 us of host time per call on a 2x H200 host
+        (cProfile, 2026-11-28), a tenth of a low-latency pair. Returns ``check()``'s result, or None when
+        skipped."""
         seen = self._ll_kept_of(("agreed",), dict)
         if sig is not None and (what, sig) in seen:
             return None
@@ -240,6 +240,46 @@ class LowLatencyMode:
         else:
             scales.copy_(s_rows)
         return q, scales
+
+    def _ll_kernels_dispatch(self, sig: tuple | None, parity: int, x: Tensor, topk_idx: Tensor, m: int,
+                             num_experts: int, fp8_rule: int, ue8m0: bool, stats: Tensor | None
+                             ) -> tuple[Any, ll.PaddedRecv, DispatchHandle]:
+        """A low-latency dispatch on the kernels: (what it returns as recv_x, the padded layout, the
+        expert-layout dispatch's handle). The expert-layout dispatch (``_ll_launch_dispatch``), the padded
+        layout (one launch, ``PaddedLayoutLaunch``; in torch where the kernel's bounds do not hold) and FP8's
+        (q, scales) views; replayed from a CUDA graph where ``sig`` (the arguments' signature, None: never)
+        repeats at this parity (``ll_graphs``)."""
+        hidden, k, world = x.shape[1], topk_idx.shape[1], self.group_size
+        el = num_experts // world
+        key, buf = self._buffer(hidden, x.dtype, num_experts, k, m)
+        rows = buf.fp8_packed_rows() if fp8_rule else buf.recv_x
+        scratch, into = self._ll_receive(key, parity, rows, el, m)
+        on_gpu = PaddedLayoutLaunch.fits(rows, el, scratch.capacity)
+
+        def enqueue(xs: Tensor, ids: Tensor, add_to: Tensor | None) -> tuple:
+            sent = self._ll_launch_dispatch(buf, key, parity, xs, ids, num_experts, fp8_rule)
+            if on_gpu:  # one launch, which also adds the statistics
+                padded = shared_padded_layout()(rows, buf.recv_src, buf.tokens_per_expert, world, m, k,
+                                                scratch, into, add_to)
+            else:
+                padded = ll.padded_layout(rows, buf.recv_src, buf.tokens_per_expert, world, m, k, scratch,
+                                          into)
+                if add_to is not None:
+                    add_to.add_(padded.count)
+            recv = self._ll_fp8_out(parity, padded.rows, hidden, ue8m0) if fp8_rule else padded.rows
+            return recv, padded, sent
+
+        if sig is not None and on_gpu and x.shape[0]:
+            ran, result = self._ll_graphs.dispatch((sig, parity), buf, x, topk_idx,
+                                                   lambda xs, ids: enqueue(xs, ids, None))
+            if ran:
+                recv, padded, sent = result
+                buf.replayed_dispatch(sent)
+                self._combined.clear()  # as _ll_launch_dispatch
+                if stats is not None:
+                    stats.add_(padded.count)
+                return result
+        return enqueue(x.contiguous(), topk_idx, stats)
 
     def _ll_launch_dispatch(self, buf: Any, key: tuple, parity: int, x: Tensor, topk_idx: Tensor,
                             num_experts: int, fp8_rule: int = 0) -> DispatchHandle:
@@ -406,16 +446,6 @@ def _signature(args: tuple) -> tuple | None:
     except TypeError:
         return None
     return sig
-
-
-class _Received(NamedTuple):
-    """What the expert-layout dispatch of a low-latency call received: its rows, their source tags, the
-    rows per local expert (the kernels' buffers, of the whole capacity), and its handle."""
-
-    rows: Tensor
-    src: Tensor
-    per_expert: Tensor
-    handle: DispatchHandle
 
 
 @dataclasses.dataclass(frozen=True)

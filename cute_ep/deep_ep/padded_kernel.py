@@ -37,9 +37,7 @@ class PaddedLayoutLaunch(CompiledApart):
 
     def prepared(self) -> Any:
         """The compiled launch behind a ``cute_ep.launcher.PreparedCall`` (made once)."""
-        from cute_ep.kernels import padded_layout as k
-
-        return self._prepared(None, k.COMPILE_KEY, k.build, k.example_args(), k.ARG_KINDS)
+        return self._prepared(None, _spec)
 
     def __call__(self, recv_rows: Tensor, recv_src: Tensor, tokens_per_expert: Tensor, num_ranks: int,
                  max_tokens: int, topk: int, scratch: PaddedScratch, into: PaddedOut,
@@ -66,6 +64,13 @@ class PaddedLayoutLaunch(CompiledApart):
         if index not in self._sms:
             self._sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
         return self._sms[index]
+
+
+def _spec() -> tuple:
+    """The padded layout's (compile key, build, argument stand-ins, their kinds)."""
+    from cute_ep.kernels import padded_layout as k
+
+    return k.COMPILE_KEY, k.build, k.example_args(), k.ARG_KINDS
 
 
 shared_padded_layout = one_per_process(PaddedLayoutLaunch)

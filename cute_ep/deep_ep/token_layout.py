@@ -47,11 +47,7 @@ class TokenLayout(CompiledApart):
 
     def prepared(self, id_dtype: torch.dtype) -> Any:
         """The compiled layout for ``id_dtype`` behind a ``cute_ep.launcher.PreparedCall`` (made once)."""
-        from cute_ep.kernels import token_layout as k
-
-        name = _ID_TYPES[id_dtype]
-        return self._prepared(id_dtype, k.compile_key(name), lambda: k.build(name), k.example_args(name),
-                              _KINDS)
+        return self._prepared(id_dtype, lambda: _spec(_ID_TYPES[id_dtype]))
 
     def __call__(self, topk_idx: Tensor, num_experts: int, num_ranks: int) -> tuple[Tensor, Tensor, Tensor]:
         """(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)
@@ -67,6 +63,13 @@ class TokenLayout(CompiledApart):
             call(ids.data_ptr(), in_rank.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), t, k,
                  num_experts, num_ranks, current_stream_handle(dev.index))
         return per_rank, per_expert, in_rank
+
+
+def _spec(name: str) -> tuple:
+    """The layout's (compile key, build, argument stand-ins, their kinds) for ids of type ``name``."""
+    from cute_ep.kernels import token_layout as k
+
+    return k.compile_key(name), lambda: k.build(name), k.example_args(name), _KINDS
 
 
 shared_token_layout = one_per_process(TokenLayout)

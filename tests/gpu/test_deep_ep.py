@@ -206,6 +206,21 @@ def test_low_latency_matches_the_reference(runtime, buffers, mode: str) -> None:
             low_latency_round(ref, inp, torch.device("cpu"), **flags))
 
 
+@pytest.mark.parametrize("mode", ["bf16", "fp8"])
+def test_low_latency_dispatches_replayed_from_graphs_match_the_reference(runtime, buffers, mode: str) -> None:
+    """Rounds of the same shapes with fresh inputs: each (signature, parity) runs eagerly first, then from
+    its CUDA graph (captured at the second call, replayed after), every round equal to the reference."""
+    kern, ref = buffers
+    rank, world = runtime.env.rank, runtime.env.world_size
+    before = (kern._ll_graphs.captures, kern._ll_graphs.replays)
+    for seed in range(20, 25):  # 3 low-latency calls a round: a parity recurs every second round
+        inp = make_inputs(rank, world, 24, seed)
+        compare(low_latency_round(kern, inp, runtime.device, fp8=mode == "fp8"),
+                low_latency_round(ref, inp, torch.device("cpu"), fp8=mode == "fp8"))
+    if kern._ll_graphs.enabled:
+        assert kern._ll_graphs.replays - before[1] >= 3 and kern._ll_graphs.captures - before[0] <= 2
+
+
 @pytest.mark.parametrize("calls", ["low-latency", "num_worst_tokens"])
 def test_sync_free_calls_make_no_host_sync(runtime, buffers, calls: str) -> None:
     """The low-latency calls, and a num_worst_tokens dispatch + combine (no weights), make no host sync once
