@@ -122,14 +122,14 @@ class _Graphs:
         self.graphs = ll_graphs.DispatchGraphs(capture, lambda: self.stream, self.waits.append,
                                                lambda: self.capturing)
 
-    def call(self, key, buf, x, ids):
+    def call(self, key, buf, x, ids):  # key: (signature, parity)
         enqueued = []
 
         def enqueue(xs, kept_ids):
             enqueued.append((xs.clone(), kept_ids.clone()))
             return ("result", xs.data_ptr(), kept_ids.data_ptr())
 
-        ran, result = self.graphs.dispatch(key, buf, x, ids, enqueue)
+        ran, result = self.graphs.dispatch(*key, buf, x, ids, enqueue)
         return ran, result, enqueued
 
 
@@ -144,7 +144,7 @@ def test_a_repeated_low_latency_dispatch_is_captured_once_then_replayed_on_kept_
     x2, ids2 = x + 1, ids.flip(0)
     ran, again, enqueued = g.call(("sig", 0), buf, x2, ids2)  # later calls: replayed, nothing enqueued
     assert ran and again == result and enqueued == [] and len(g.replayed) == 2
-    kept = g.graphs._inputs[("sig",)]
+    kept = g.graphs._inputs["sig"]
     assert torch.equal(kept[0], x2) and torch.equal(kept[1], ids2)  # the replay reads the new inputs
     assert (kept[0].data_ptr(), kept[1].data_ptr()) == result[1:]
     assert g.call(("sig", 1), buf, x, ids)[0] is False  # the other parity: its own graph, eager first

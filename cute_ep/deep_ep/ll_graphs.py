@@ -73,14 +73,15 @@ class DispatchGraphs:
         self._inputs.clear()
         self._stream = None
 
-    def dispatch(self, key: tuple, buf: Any, x: torch.Tensor, topk_idx: torch.Tensor,
+    def dispatch(self, sig: tuple, parity: int, buf: Any, x: torch.Tensor, topk_idx: torch.Tensor,
                  enqueue: Callable[[torch.Tensor, torch.Tensor], Any]) -> tuple[bool, Any]:
-        """``(True, result)`` where the graph of ``key`` (the call's signature and parity) ran the call on
-        copies of x and topk_idx (``enqueue(x, topk_idx)``'s result at the capture: the same tensors every
-        time), else ``(False, None)``: the caller runs the call eagerly. ``buf``: the EpBuffer the call
-        launches on."""
+        """``(True, result)`` where the graph of the call's signature ``sig`` at buffer ``parity`` ran the
+        call on copies of x and topk_idx (``enqueue(x, topk_idx)``'s result at the capture: the same
+        tensors every time), else ``(False, None)``: the caller runs the call eagerly. ``buf``: the
+        EpBuffer the call launches on."""
         if not self.enabled or self._capturing():
             return False, None
+        key = (sig, parity)
         plan = self._plans.get(key)
         if plan is None or plan.buf is not buf:  # first sighting (or a rebuilt buffer): eager, noted
             self._remember(key, _Plan(buf))
@@ -88,7 +89,7 @@ class DispatchGraphs:
         self._plans.move_to_end(key)
         if plan.replay is None and not self._may_capture():
             return False, None
-        xs, ids = self._kept_inputs(key[:-1], x, topk_idx)
+        xs, ids = self._kept_inputs(sig, x, topk_idx)
         self._order_after_last_stream()
         xs.copy_(x)
         ids.copy_(topk_idx)
@@ -109,13 +110,13 @@ class DispatchGraphs:
         while len(self._plans) > MAX_GRAPHS:
             self._plans.popitem(last=False)
 
-    def _kept_inputs(self, shape_key: tuple, x: torch.Tensor, topk_idx: torch.Tensor
+    def _kept_inputs(self, sig: tuple, x: torch.Tensor, topk_idx: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous copies' storage for x and topk_idx, one pair per (signature, without parity): both
-        parities' graphs read them, in stream order."""
-        kept = self._inputs.get(shape_key)
+        """Contiguous copies' storage for x and topk_idx, one pair per signature: both parities' graphs
+        read them, in stream order."""
+        kept = self._inputs.get(sig)
         if kept is None:
-            kept = self._inputs[shape_key] = (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            kept = self._inputs[sig] = (torch.empty(x.shape, dtype=x.dtype, device=x.device),
                                               torch.empty(topk_idx.shape, dtype=topk_idx.dtype,
                                                           device=topk_idx.device))
         return kept

@@ -112,11 +112,9 @@ class LowLatencyMode:
                 weights = self._ll_cached("weights", (m, k), torch.float32)[: x.shape[0]]
                 res = self._dispatch_on(buf, payload, topk_idx.contiguous(), weights, "expert")
                 scratch, into = self._ll_receive(key, parity, res.recv_x, el, m)
-                padded = ll.padded_layout(res.recv_x, res.recv_src, res.tokens_per_expert, world, m, k,
-                                          scratch, into)
-                recv = self._ll_fp8_out(parity, padded.rows, hidden, use_ue8m0) if use_fp8 else padded.rows
-                if stats is not None:
-                    stats.add_(padded.count)
+                got = (res.recv_x, res.recv_src, res.tokens_per_expert)
+                recv, padded = self._ll_place(parity, got, m, k, scratch, into, False, stats,
+                                              hidden if use_fp8 else 0, use_ue8m0)
                 sent = res.handle
             route = _LowLatencyRoute(sent, padded.slot, m, hidden, num_experts, x.shape[0], topk_idx,
                                      topk_idx._version)
@@ -258,19 +256,12 @@ class LowLatencyMode:
 
         def enqueue(xs: Tensor, ids: Tensor, add_to: Tensor | None) -> tuple:
             sent = self._ll_launch_dispatch(buf, key, parity, xs, ids, num_experts, fp8_rule)
-            if on_gpu:  # one launch, which also adds the statistics
-                padded = shared_padded_layout()(rows, buf.recv_src, buf.tokens_per_expert, world, m, k,
-                                                scratch, into, add_to)
-            else:
-                padded = ll.padded_layout(rows, buf.recv_src, buf.tokens_per_expert, world, m, k, scratch,
-                                          into)
-                if add_to is not None:
-                    add_to.add_(padded.count)
-            recv = self._ll_fp8_out(parity, padded.rows, hidden, ue8m0) if fp8_rule else padded.rows
+            recv, padded = self._ll_place(parity, (rows, buf.recv_src, buf.tokens_per_expert), m, k, scratch,
+                                          into, on_gpu, add_to, hidden if fp8_rule else 0, ue8m0)
             return recv, padded, sent
 
         if sig is not None and on_gpu and x.shape[0]:
-            ran, result = self._ll_graphs.dispatch((sig, parity), buf, x, topk_idx,
+            ran, result = self._ll_graphs.dispatch(sig, parity, buf, x, topk_idx,
                                                    lambda xs, ids: enqueue(xs, ids, None))
             if ran:
                 recv, padded, sent = result
@@ -280,6 +271,25 @@ class LowLatencyMode:
                     stats.add_(padded.count)
                 return result
         return enqueue(x.contiguous(), topk_idx, stats)
+
+    def _ll_place(self, parity: int, received: tuple[Tensor, Tensor, Tensor], m: int, k: int,
+                  scratch: ll.PaddedScratch, into: ll.PaddedOut, on_gpu: bool, stats: Tensor | None,
+                  fp8_hidden: int, ue8m0: bool) -> tuple[Any, ll.PaddedRecv]:
+        """(what a low-latency dispatch returns as recv_x, its padded layout) from what its expert-layout
+        dispatch received, ``received`` = (rows, source tags, rows per local expert): the padded layout in
+        one launch (``on_gpu``, which also adds the statistics) or in torch (then ``stats`` added here), and
+        with ``fp8_hidden`` (H of FP8 rows; 0: not FP8) the (q, scales) views."""
+        rows, src, per_expert = received
+        world = self.group_size
+        if on_gpu:
+            padded = shared_padded_layout()(rows, src, per_expert, world, m, k, scratch, into, stats)
+        else:
+            padded = ll.padded_layout(rows, src, per_expert, world, m, k, scratch, into)
+            if stats is not None:
+                stats.add_(padded.count)
+        if not fp8_hidden:
+            return padded.rows, padded
+        return self._ll_fp8_out(parity, padded.rows, fp8_hidden, ue8m0), padded
 
     def _ll_launch_dispatch(self, buf: Any, key: tuple, parity: int, x: Tensor, topk_idx: Tensor,
                             num_experts: int, fp8_rule: int = 0) -> DispatchHandle:

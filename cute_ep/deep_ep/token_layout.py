@@ -39,11 +39,8 @@ class TokenLayout(CompiledApart):
 
     def compiled(self, id_dtype: torch.dtype) -> Any:
         """The compiled layout for topk_idx of ``id_dtype`` (torch.int64 or torch.int32)."""
-        from cute_ep.kernels import token_layout as k
-
-        name = _ID_TYPES[id_dtype]
         with self._lock:
-            return self.registry.get(k.compile_key(name), lambda: k.build(name))
+            return self.registry.get(*_source(_ID_TYPES[id_dtype]))
 
     def prepared(self, id_dtype: torch.dtype) -> Any:
         """The compiled layout for ``id_dtype`` behind a ``cute_ep.launcher.PreparedCall`` (made once)."""
@@ -65,11 +62,18 @@ class TokenLayout(CompiledApart):
         return per_rank, per_expert, in_rank
 
 
+def _source(name: str) -> tuple:
+    """The layout's (compile key, build) for ids of type ``name``."""
+    from cute_ep.kernels import token_layout as k
+
+    return k.compile_key(name), lambda: k.build(name)
+
+
 def _spec(name: str) -> tuple:
     """The layout's (compile key, build, argument stand-ins, their kinds) for ids of type ``name``."""
     from cute_ep.kernels import token_layout as k
 
-    return k.compile_key(name), lambda: k.build(name), k.example_args(name), _KINDS
+    return *_source(name), k.example_args(name), _KINDS
 
 
 shared_token_layout = one_per_process(TokenLayout)
