@@ -297,10 +297,17 @@ class EpBuffer(StatusChecks, BackendBase):
         """Note a ``launch_dispatch`` replayed from a CUDA graph the caller captured it into, as its launch
         would have: ``handle`` (the one the captured call returned) is the latest dispatch's, and the
         layout and dispatch ran once more (what ``check_ran`` expects)."""
-        self._latest_scatter = None
         self._note_launched_dispatch(handle)
         self._calls[OP_LAYOUT] += 1
         self._calls[OP_DISPATCH] += 1
+
+    def is_latest_dispatch(self, handle: DispatchHandle) -> bool:
+        """Whether ``handle`` is the latest dispatch's (its combine stages only the rows received)."""
+        return handle.scatter is self._latest_scatter
+
+    def replayed_combine(self) -> None:
+        """Note a ``launch_combine`` replayed from a CUDA graph: the combine ran once more (``check_ran``)."""
+        self._calls[OP_COMBINE] += 1
 
     def _note_launched_dispatch(self, handle: DispatchHandle) -> None:
         self._sent = (handle.topk_idx, handle.topk_weights)

@@ -495,6 +495,21 @@ def test_row_format_widths() -> None:
     assert fp32.passthrough and fp32.elems == 128
 
 
+def test_row_bytes_are_copied_as_wide_integers_where_they_line_up(monkeypatch) -> None:
+    """copy_bytes moves 8-byte words where both sides' widths, row strides and offsets allow, narrower ones
+    otherwise, single bytes last; the bytes arrive the same either way."""
+    raw = torch.randint(0, 256, (5, 7168 + 224 + 16), dtype=torch.uint8)
+    used = []
+    view = torch.Tensor.view
+    monkeypatch.setattr(torch.Tensor, "view", lambda t, *a: used.append(a[0]) or view(t, *a))
+    for (a, b), widest in {(0, 7168): torch.int64, (7168, 7392): torch.int64, (7392, 7404): torch.int32,
+                           (2, 8): torch.int16, (3, 9): None}.items():
+        used.clear()
+        dst = torch.full((5, b - a), 7, dtype=torch.uint8)
+        normal.copy_bytes(dst, raw[:, a:b])
+        assert torch.equal(dst, raw[:, a:b]) and (used[:1] == [widest] if widest else used == [])
+
+
 def test_callers_torch_defaults_do_not_leak_in(buf) -> None:
     """DeepEP's tests set torch's default dtype (bf16) and device (CUDA); the calls keep torch's own inside
     (here the default device is "meta": a backend tensor made without a device would be an empty shell) and

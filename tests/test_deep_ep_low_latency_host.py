@@ -107,7 +107,7 @@ def test_routing_views_share_the_kept_rows():
 
 
 class _Graphs:
-    """DispatchGraphs with stand-ins for CUDA: a capture records what it enqueued, a replay counts."""
+    """LowLatencyGraphs with stand-ins for CUDA: a capture records what it enqueued, a replay counts."""
 
     def __init__(self, monkeypatch, enabled: str = "1") -> None:
         from cute_ep.deep_ep import ll_graphs
@@ -119,46 +119,79 @@ class _Graphs:
             got = enqueue()
             return (lambda: self.replayed.append(got)), got
 
-        self.graphs = ll_graphs.DispatchGraphs(capture, lambda: self.stream, self.waits.append,
-                                               lambda: self.capturing)
+        self.graphs = ll_graphs.LowLatencyGraphs(capture, lambda: self.stream, self.waits.append,
+                                                 lambda: self.capturing)
 
-    def call(self, key, buf, x, ids):  # key: (signature, parity)
+    def call(self, key, buf, x, ids, stats=None):  # key: (signature, parity)
         enqueued = []
 
-        def enqueue(xs, kept_ids):
-            enqueued.append((xs.clone(), kept_ids.clone()))
+        def enqueue(xs, kept_ids, add_to):
+            enqueued.append((xs.clone(), kept_ids.clone(), add_to))
             return ("result", xs.data_ptr(), kept_ids.data_ptr())
 
-        ran, result = self.graphs.dispatch(*key, buf, x, ids, enqueue)
-        return ran, result, enqueued
+        self.how, result = self.graphs.dispatch(*key, buf, x, ids, stats, enqueue)
+        return self.how is not None, result, enqueued
 
 
-def test_a_repeated_low_latency_dispatch_is_captured_once_then_replayed_on_kept_inputs(monkeypatch):
+def test_a_low_latency_dispatch_at_the_same_addresses_is_captured_once_then_replayed_on_them(monkeypatch):
     g, buf = _Graphs(monkeypatch), object()
     x, ids = torch.arange(6.0).view(3, 2), torch.tensor([[1, 2], [3, -1], [0, 5]])
-    assert g.call(("sig", 0), buf, x, ids) == (False, None, [])  # the first call of a signature: eager
+    assert g.call(("sig", 0), buf, x, ids) == (False, None, [])  # the first call of a key: eager
     ran, result, enqueued = g.call(("sig", 0), buf, x, ids)  # the second: captured, then replayed
-    assert ran and len(enqueued) == 1 and len(g.replayed) == 1
-    assert torch.equal(enqueued[0][0], x) and torch.equal(enqueued[0][1], ids)  # captured on copies
-    assert result[1] != x.data_ptr() and result[2] != ids.data_ptr()
-    x2, ids2 = x + 1, ids.flip(0)
-    ran, again, enqueued = g.call(("sig", 0), buf, x2, ids2)  # later calls: replayed, nothing enqueued
-    assert ran and again == result and enqueued == [] and len(g.replayed) == 2
-    kept = g.graphs._inputs["sig"]
-    assert torch.equal(kept[0], x2) and torch.equal(kept[1], ids2)  # the replay reads the new inputs
-    assert (kept[0].data_ptr(), kept[1].data_ptr()) == result[1:]
+    assert ran and g.how == "direct" and len(enqueued) == 1 and len(g.replayed) == 1
+    assert result[1:] == (x.data_ptr(), ids.data_ptr())  # on the caller's tensors: nothing copied
+    stats = torch.zeros(4, dtype=torch.int32)  # statistics: their address is part of the key
+    assert g.call(("sig+stats", 0), buf, x, ids, stats)[0] is False  # (a signature holds the stats too)
+    assert g.call(("sig+stats", 0), buf, x, ids, stats)[2][0][2] is stats  # the direct graph adds them
+    x.add_(1)  # new values, same places
+    ran, again, enqueued = g.call(("sig", 0), buf, x, ids)  # later calls: replayed, nothing enqueued
+    assert ran and again == result and enqueued == [] and len(g.replayed) == 3
+    assert dict(g.graphs.captures) == {"direct": 2} and g.graphs._inputs == {}  # no copies made
     assert g.call(("sig", 1), buf, x, ids)[0] is False  # the other parity: its own graph, eager first
     assert g.call(("sig", 0), object(), x, ids)[0] is False  # a rebuilt buffer: a new graph
     assert g.waits == []
-    g.call(("sig", 0), g.graphs._plans[("sig", 0)].buf, x, ids)
-    g.stream = 2  # another current stream: it waits for the one the kept inputs were written on
-    assert g.call(("sig", 0), g.graphs._plans[("sig", 0)].buf, x, ids)[0] and g.waits == [1]
     g.capturing = True  # inside the caller's own capture: eager
-    assert g.call(("sig", 0), g.graphs._plans[("sig", 0)].buf, x, ids)[0] is False
+    assert g.call(("sig", 0), buf, x, ids)[0] is False
+
+
+def test_a_low_latency_dispatch_whose_tensors_move_is_replayed_on_kept_copies(monkeypatch):
+    g, buf = _Graphs(monkeypatch), object()
+    made = [(torch.rand(3, 2), torch.randint(0, 6, (3, 2))) for _ in range(5)]  # kept: distinct addresses
+    assert g.call(("sig", 0), buf, *made[0])[0] is False
+    ran, result, enqueued = g.call(("sig", 0), buf, *made[1])  # a new direct key, the signature's second
+    assert ran and g.how == "copied" and len(enqueued) == 1 and dict(g.graphs.captures) == {"copied": 1}
+    assert enqueued[0][2] is None  # the caller adds the statistics
+    assert torch.equal(enqueued[0][0], made[1][0]) and torch.equal(enqueued[0][1], made[1][1])
+    assert result[1] != made[1][0].data_ptr() and result[2] != made[1][1].data_ptr()
+    ran, again, enqueued = g.call(("sig", 0), buf, *made[2])
+    assert ran and again == result and enqueued == []
+    kept = g.graphs._inputs["sig"]
+    assert torch.equal(kept[0], made[2][0]) and torch.equal(kept[1], made[2][1])  # the replay reads them
+    assert (kept[0].data_ptr(), kept[1].data_ptr()) == result[1:]
+    assert g.waits == []
+    g.stream = 2  # another current stream: it waits for the one the kept inputs were written on
+    assert g.call(("sig", 0), buf, *made[3])[0] and g.waits == [1]
+    strided = (torch.rand(2, 3).t(), made[4][1])  # not contiguous: never a direct key
+    assert g.call(("sig2", 0), buf, *strided)[0] is False and g.call(("sig2", 0), buf, *strided)[0]
+    assert g.graphs.captures["direct"] == 0 and g.graphs.captures["copied"] == 2
+
+
+def test_a_low_latency_combine_is_replayed_only_at_the_addresses_it_was_captured_with(monkeypatch):
+    g, buf = _Graphs(monkeypatch), object()
+    launched = []
+
+    def enqueue(tag):
+        return lambda: launched.append(tag) or tag
+
+    assert g.graphs.combine(("sig", 100, 200), buf, enqueue("a")) == (False, None)
+    assert g.graphs.combine(("sig", 100, 200), buf, enqueue("b")) == (True, "b")  # captured, replayed
+    assert g.graphs.combine(("sig", 100, 200), buf, enqueue("c")) == (True, "b") and launched == ["b"]
+    assert g.graphs.combine(("sig", 100, 300), buf, enqueue("d")) == (False, None)  # an output elsewhere
+    assert g.replayed == ["b", "b"] and dict(g.graphs.replays) == {"combine": 2}
 
 
 def test_low_latency_graphs_stop_capturing_when_signatures_rarely_repeat(monkeypatch):
-    from cute_ep.deep_ep.ll_graphs import CAPTURE_BUDGET, MAX_GRAPHS
+    from cute_ep.deep_ep.ll_graphs import CAPTURE_BUDGET, MAX_GRAPHS, MAX_SIGHTINGS
 
     g, buf = _Graphs(monkeypatch), object()
     x, ids = torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.int64)
@@ -166,8 +199,36 @@ def test_low_latency_graphs_stop_capturing_when_signatures_rarely_repeat(monkeyp
     for i in range(always + 3):  # each signature twice: every second call would capture
         g.call((f"sig{i}", 0), buf, x, ids)
         g.call((f"sig{i}", 0), buf, x, ids)
-    assert g.graphs.captures == always  # then no replays earned another capture
-    assert len(g.graphs._plans) <= MAX_GRAPHS
+    assert sum(g.graphs.captures.values()) == always  # then no replays earned another capture
+    assert len(g.graphs._plans) <= MAX_GRAPHS and len(g.graphs._seen) <= MAX_SIGHTINGS
+    for i in range(MAX_GRAPHS + 4):
+        g.graphs.combine((i,), buf, lambda: None)
+    assert len(g.graphs._seen) <= MAX_SIGHTINGS
     off = _Graphs(monkeypatch, enabled="0")
     for _ in range(3):
         assert off.call(("sig", 0), buf, x, ids)[0] is False
+
+
+def test_low_latency_buffers_take_their_sms_from_their_variable_and_stay_apart(monkeypatch):
+    from collections import OrderedDict
+
+    from cute_ep.deep_ep.pool import LOW_LATENCY_SMS_ENV_VAR, MIN_BUCKET, BufferPool
+
+    class Pool(BufferPool):
+        def _buffer_sms(self) -> int:
+            return 20
+
+    pool = Pool.__new__(Pool)
+    monkeypatch.delenv(LOW_LATENCY_SMS_ENV_VAR, raising=False)
+    assert pool._low_latency_sms() == 20  # Buffer.num_sms
+    monkeypatch.setenv(LOW_LATENCY_SMS_ENV_VAR, "96")
+    assert pool._low_latency_sms() == 96
+    for bad in ("0", "-4", "many"):
+        monkeypatch.setenv(LOW_LATENCY_SMS_ENV_VAR, bad)
+        with pytest.raises(ValueError, match=f"{LOW_LATENCY_SMS_ENV_VAR} must be an integer >= 1.*{bad}"):
+            pool._low_latency_sms()
+    # a low-latency buffer of the same shape is never the normal mode's
+    pool._buffers = OrderedDict({(256, torch.bfloat16, 4, 4, 128, "low-latency"): object()})
+    assert pool._bucketed(256, torch.bfloat16, 4, 4, 10) == MIN_BUCKET
+    pool._buffers[(256, torch.bfloat16, 4, 4, 128)] = object()
+    assert pool._bucketed(256, torch.bfloat16, 4, 4, 10) == 128

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cute_ep.collectives import world_of
-from cute_ep.deep_ep.ll_graphs import DispatchGraphs
+from cute_ep.deep_ep.ll_graphs import LowLatencyGraphs
 from cute_ep.deep_ep.runtime import GroupRuntime, NvshmemSession, choose_backend, resolve_group
 from cute_ep.deep_ep.utils import EventHandle, plain_torch_defaults
 
@@ -137,7 +137,7 @@ class BufferLifecycle:
         self._ll_index = 0  # DeepEP's low-latency buffer parity: flips on every low-latency call
         self._ll_staging: dict[tuple, list[Tensor | None]] = {}
         self._ll_kept: dict[tuple, Any] = {}  # LowLatencyMode._ll_kept_of: tensors and scratch kept per shape
-        self._ll_graphs = DispatchGraphs()  # low-latency dispatches replayed from CUDA graphs (GPUs)
+        self._ll_graphs = LowLatencyGraphs()  # low-latency calls replayed from CUDA graphs (GPUs)
         self._routing_kept: tuple = (None, None)  # FreshDispatch._rank_routing: (shape, its constants)
         self._fence_zero: Any = None  # BufferPool._fence's all-reduce operand, made on first use
 

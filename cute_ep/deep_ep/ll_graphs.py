@@ -1,25 +1,35 @@
-"""Low-latency dispatches replayed from CUDA graphs (``DispatchGraphs``), on the kernels' backend.
+"""Low-latency calls replayed from CUDA graphs (``LowLatencyGraphs``), on the kernels' backend.
 
 A low-latency dispatch enqueues five launches (the ids' clamp and int32 copy, the module, the padded
-layout, the FP8 scales' copy), and their host work is most of the call: on an H200 host (2026-11-28) a
-low-latency pair took 170-180 us of host time, 25 us of it in the launches' own C calls. A CUDA graph
-replays all five in about 2.6 us of host time. So a dispatch whose argument signature (shapes, dtypes,
-strides, devices, flags) and buffer parity repeat runs as: x and topk_idx copied into inputs kept for the
-graphs (two copies: the graph reads fixed addresses), the graph replayed, the statistics added. Its outputs
-are the same tensors an eager call of that parity returns (the Buffer keeps them per parity), so callers
-see no difference.
+layout, the FP8 scales' copy) and a combine one launch of the module, and their host work is most of the
+call: on an H200 host (2026-11-28) a low-latency pair took 170-180 us of host time, of which the combine's
+launch took 34.5 us. A CUDA graph replays a call's launches in about 2.6 us of host time. A graph reads
+the addresses it was captured with, so a call is replayed only where its tensors are where the graph's
+were:
 
-When: the first call of a (signature, parity) runs eagerly (it makes every tensor the calls keep), the
-second captures its graph (nothing runs while capturing) and replays it, later ones replay. Not inside a
-caller's own capture, not on the communication stream (``async_finish`` or ``previous_event``), never where
-the padded layout runs in torch. The kept inputs are written on one stream: when the caller's current
-stream changes, the new one first waits for the old. Captures are budgeted (``CAPTURE_BUDGET``): a program
-whose signatures rarely repeat stops capturing instead of paying a capture per call.
-``CUTE_EP_LOW_LATENCY_GRAPHS=0`` turns the graphs off (every call eager).
+* **direct** (dispatch and combine): keyed by the call's argument signature (shapes, dtypes, strides,
+  devices, flags), its buffer parity and the addresses of every tensor the launches read or write (the
+  caller's x, ids, weights, combine output; the Buffer's per-parity tensors). A caller that passes the
+  same tensors again, or new ones the allocator put at the same places (a decode loop), gets the graph
+  with nothing copied. Correct by construction: the graph reads and writes exactly the addresses the
+  eager call would.
+* **copied** (dispatch): keyed by the signature and parity alone; x and topk_idx are first copied into
+  inputs kept for the graphs (two copies), for callers whose tensors move between calls.
+
+The outputs are the tensors an eager call of that parity returns (the Buffer keeps them per parity), so
+callers see no difference. When: a key's first sighting runs eagerly (it makes every tensor the calls
+keep), its second captures its graph (nothing runs while capturing) and replays it, later ones replay.
+A dispatch tries its direct key first and falls back to the copied one while its direct key is new.
+Not inside a caller's own capture, not on the communication stream (``async_finish`` or
+``previous_event``), never where the padded layout runs in torch. The kept inputs are written on one
+stream: when the caller's current stream changes, the new one first waits for the old. Captures are
+budgeted (``CAPTURE_BUDGET``): a program whose keys rarely repeat stops capturing instead of paying a
+capture per call. ``CUTE_EP_LOW_LATENCY_GRAPHS=0`` turns the graphs off (every call eager).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,31 +37,33 @@ from typing import Any
 
 import torch
 
-__all__ = ["CAPTURE_BUDGET", "DispatchGraphs", "GRAPHS_ENV_VAR", "MAX_GRAPHS"]
+__all__ = ["CAPTURE_BUDGET", "GRAPHS_ENV_VAR", "LowLatencyGraphs", "MAX_GRAPHS", "MAX_SIGHTINGS"]
 
 GRAPHS_ENV_VAR = "CUTE_EP_LOW_LATENCY_GRAPHS"
 MAX_GRAPHS = 16  # graphs kept per Buffer (least recently used dropped first)
-CAPTURE_BUDGET = (8, 16)  # captures always allowed, then one more per this many replays
+MAX_SIGHTINGS = 64  # keys seen once and remembered, waiting for a second sighting
+CAPTURE_BUDGET = (MAX_GRAPHS, 16)  # captures always allowed, then one more per this many replays
 
 
 class _Plan:
-    """One (signature, parity)'s graph: ``buf`` the EpBuffer it launches on (a rebuilt buffer needs a new
-    graph), ``replay`` (None until captured), ``result`` what the captured call returned."""
+    """One key's captured graph: ``buf`` the EpBuffer it launches on (a rebuilt buffer needs a new graph),
+    ``replay`` its replay, ``result`` what the captured call returned."""
 
     __slots__ = ("buf", "replay", "result")
 
-    def __init__(self, buf: Any) -> None:
-        self.buf, self.replay, self.result = buf, None, None
+    def __init__(self, buf: Any, replay: Callable[[], None], result: Any) -> None:
+        self.buf, self.replay, self.result = buf, replay, result
 
 
-class DispatchGraphs:
-    """The CUDA graphs of one Buffer's low-latency dispatches (module docstring).
+class LowLatencyGraphs:
+    """The CUDA graphs of one Buffer's low-latency calls (module docstring).
 
     capture: ``capture(enqueue) -> (replay, result)`` records ``enqueue()``'s launches and returns a
     function replaying them and what ``enqueue`` returned (default ``capture_on_side_stream``; tests pass
     their own). stream_handle / wait_for / capturing: the current stream's raw handle, a function making
     the current stream wait for the stream of a given handle, whether the current stream is capturing
-    (defaults: torch's)."""
+    (defaults: torch's). ``captures`` / ``replays``: how many so far, per kind ("direct", "copied",
+    "combine")."""
 
     def __init__(self, capture: Callable | None = None, stream_handle: Callable[[], int] | None = None,
                  wait_for: Callable[[int], None] | None = None,
@@ -62,63 +74,107 @@ class DispatchGraphs:
         self._stream_handle = stream_handle or _current_stream_handle
         self._wait_for = wait_for or _wait_for_stream
         self._plans: OrderedDict[tuple, _Plan] = OrderedDict()
+        self._seen: OrderedDict[tuple, Any] = OrderedDict()  # key -> the buffer of its first sighting
         self._inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stream: int | None = None  # the stream the kept inputs were last written on
-        self.captures = 0
-        self.replays = 0
+        self.captures: collections.Counter[str] = collections.Counter()
+        self.replays: collections.Counter[str] = collections.Counter()
 
     def clear(self) -> None:
-        """Drop every graph and kept input (the buffers they launch on are being freed)."""
+        """Drop every graph, sighting and kept input (the buffers they launch on are being freed)."""
         self._plans.clear()
+        self._seen.clear()
         self._inputs.clear()
         self._stream = None
 
     def dispatch(self, sig: tuple, parity: int, buf: Any, x: torch.Tensor, topk_idx: torch.Tensor,
-                 enqueue: Callable[[torch.Tensor, torch.Tensor], Any]) -> tuple[bool, Any]:
-        """``(True, result)`` where the graph of the call's signature ``sig`` at buffer ``parity`` ran the
-        call on copies of x and topk_idx (``enqueue(x, topk_idx)``'s result at the capture: the same
-        tensors every time), else ``(False, None)``: the caller runs the call eagerly. ``buf``: the
-        EpBuffer the call launches on."""
-        if not self.enabled or self._capturing():
+                 stats: torch.Tensor | None, enqueue: Callable[..., Any]) -> tuple[str | None, Any]:
+        """``(how, result)`` where a graph ran the call of signature ``sig`` at buffer ``parity``
+        (``enqueue(x, topk_idx, add_to)``'s result at the capture: the same tensors every time): how =
+        "direct", its graph on x, topk_idx and the statistics ``stats`` (None: none) where they are (x
+        contiguous; the graph adds the statistics), or "copied", its graph on copies of x and topk_idx
+        (the caller adds the statistics); else ``(None, None)``: the caller runs the call eagerly.
+        ``buf``: the EpBuffer it launches on."""
+        if not self._usable():
+            return None, None
+        if x.is_contiguous():
+            direct = ("direct", sig, parity, x.data_ptr(), topk_idx.data_ptr(),
+                      0 if stats is None else stats.data_ptr())
+            if direct in self._plans or direct in self._seen:
+                ran, result = self._run(direct, buf, lambda: enqueue(x, topk_idx, stats))
+                if ran:
+                    return "direct", result
+            else:
+                self._note(direct, buf)
+        kept: list[torch.Tensor] = []  # made at the first capture (before() runs before enqueue())
+
+        def copy_inputs() -> None:
+            kept[:] = self._kept_inputs(sig, x, topk_idx)
+            self._order_after_last_stream()
+            kept[0].copy_(x)
+            kept[1].copy_(topk_idx)
+
+        ran, result = self._run(("copied", sig, parity), buf, lambda: enqueue(*kept, None), copy_inputs)
+        return ("copied" if ran else None), result
+
+    def combine(self, key: tuple, buf: Any, enqueue: Callable[[], Any]) -> tuple[bool, Any]:
+        """``(True, result)`` where the graph of ``key`` (the call's signature and the addresses of every
+        tensor its launch reads or writes) ran ``enqueue()``'s launches, else ``(False, None)``."""
+        if not self._usable():
             return False, None
-        key = (sig, parity)
+        return self._run(("combine", *key), buf, enqueue)
+
+    def _usable(self) -> bool:
+        return self.enabled and not self._capturing()
+
+    def _run(self, key: tuple, buf: Any, enqueue: Callable[[], Any],
+             before: Callable[[], None] | None = None) -> tuple[bool, Any]:
+        """Replay ``key``'s graph, or capture it at its second sighting on ``buf`` (budget allowing) and
+        replay it, ``before()`` first in both cases; else note the sighting: ``(False, None)``."""
         plan = self._plans.get(key)
-        if plan is None or plan.buf is not buf:  # first sighting (or a rebuilt buffer): eager, noted
-            self._remember(key, _Plan(buf))
+        if plan is not None and plan.buf is buf:
+            self._plans.move_to_end(key)
+        elif self._seen.get(key) is buf and self._may_capture():
+            del self._seen[key]
+            if before is not None:
+                before()
+            plan = _Plan(buf, *self._capture(enqueue))
+            self.captures[key[0]] += 1
+            self._plans[key] = plan
+            while len(self._plans) > MAX_GRAPHS:
+                self._plans.popitem(last=False)
+            before = None
+        else:
+            self._note(key, buf)
             return False, None
-        self._plans.move_to_end(key)
-        if plan.replay is None and not self._may_capture():
-            return False, None
-        xs, ids = self._kept_inputs(sig, x, topk_idx)
-        self._order_after_last_stream()
-        xs.copy_(x)
-        ids.copy_(topk_idx)
-        if plan.replay is None:
-            plan.replay, plan.result = self._capture(lambda: enqueue(xs, ids))
-            self.captures += 1
+        if before is not None:
+            before()
         plan.replay()
-        self.replays += 1
+        self.replays[key[0]] += 1
         return True, plan.result
+
+    def _note(self, key: tuple, buf: Any) -> None:
+        """A first sighting (or one on a rebuilt buffer): remembered until a second comes."""
+        self._plans.pop(key, None)
+        self._seen[key] = buf
+        self._seen.move_to_end(key)
+        while len(self._seen) > MAX_SIGHTINGS:
+            self._seen.popitem(last=False)
 
     def _may_capture(self) -> bool:
         always, per = CAPTURE_BUDGET
-        return self.captures < always or self.replays >= per * self.captures
-
-    def _remember(self, key: tuple, plan: _Plan) -> None:
-        self._plans[key] = plan
-        self._plans.move_to_end(key)
-        while len(self._plans) > MAX_GRAPHS:
-            self._plans.popitem(last=False)
+        done = sum(self.captures.values())
+        return done < always or sum(self.replays.values()) >= per * done
 
     def _kept_inputs(self, sig: tuple, x: torch.Tensor, topk_idx: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous copies' storage for x and topk_idx, one pair per signature: both parities' graphs
-        read them, in stream order."""
+        """Contiguous copies' storage for x and topk_idx, one pair per signature: both parities' copied
+        graphs read them, in stream order."""
         kept = self._inputs.get(sig)
         if kept is None:
             kept = self._inputs[sig] = (torch.empty(x.shape, dtype=x.dtype, device=x.device),
-                                              torch.empty(topk_idx.shape, dtype=topk_idx.dtype,
-                                                          device=topk_idx.device))
+                                        torch.empty(topk_idx.shape, dtype=topk_idx.dtype,
+                                                    device=topk_idx.device))
         return kept
 
     def _order_after_last_stream(self) -> None:

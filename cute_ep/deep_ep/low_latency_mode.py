@@ -107,7 +107,7 @@ class LowLatencyMode:
                     payload = packed[: x.shape[0]].view(torch.bfloat16)
                 else:
                     payload = x.contiguous()
-                key, buf = self._buffer(payload.shape[1], payload.dtype, num_experts, k, m)
+                key, buf = self._buffer(payload.shape[1], payload.dtype, num_experts, k, m, low_latency=True)
                 # the expert layout carries a weight per row; DeepEP's low-latency dispatch has none
                 weights = self._ll_cached("weights", (m, k), torch.float32)[: x.shape[0]]
                 res = self._dispatch_on(buf, payload, topk_idx.contiguous(), weights, "expert")
@@ -161,7 +161,8 @@ class LowLatencyMode:
         src = self._staging(route)[self._ll_index] if zero_copy else x
         hidden, k = route.hidden, route.dispatch_handle.topk_idx.shape[1]
         with _Scope(self, None, async_finish) as scope:
-            key, buf = self._buffer(hidden, src.dtype, route.num_experts, k, route.max_tokens)
+            key, buf = self._buffer(hidden, src.dtype, route.num_experts, k, route.max_tokens,
+                                    low_latency=True)
             self._fence(key)
             self._ll_index ^= 1
             # The kernels' launch stages the rows received from the padded layout itself (a gather by
@@ -182,7 +183,8 @@ class LowLatencyMode:
                 combined = out if out is not None and out.is_contiguous() else torch.empty(
                     (route.num_tokens, hidden), dtype=src.dtype, device=self.device)
                 if gather:
-                    buf.launch_combine(now, combined, y=src.view(-1, hidden), y_slot=route.slot)
+                    self._ll_gather_combine(sig if scope.comm is None else None, buf, now, combined, src,
+                                            route.slot)
                 else:
                     buf.launch_combine(now, combined)
             else:
@@ -249,7 +251,7 @@ class LowLatencyMode:
         repeats at this parity (``ll_graphs``)."""
         hidden, k, world = x.shape[1], topk_idx.shape[1], self.group_size
         el = num_experts // world
-        key, buf = self._buffer(hidden, x.dtype, num_experts, k, m)
+        key, buf = self._buffer(hidden, x.dtype, num_experts, k, m, low_latency=True)
         rows = buf.fp8_packed_rows() if fp8_rule else buf.recv_x
         scratch, into = self._ll_receive(key, parity, rows, el, m)
         on_gpu = PaddedLayoutLaunch.fits(rows, el, scratch.capacity)
@@ -261,16 +263,30 @@ class LowLatencyMode:
             return recv, padded, sent
 
         if sig is not None and on_gpu and x.shape[0]:
-            ran, result = self._ll_graphs.dispatch(sig, parity, buf, x, topk_idx,
-                                                   lambda xs, ids: enqueue(xs, ids, None))
-            if ran:
+            how, result = self._ll_graphs.dispatch(sig, parity, buf, x, topk_idx, stats, enqueue)
+            if how is not None:
                 recv, padded, sent = result
                 buf.replayed_dispatch(sent)
                 self._combined.clear()  # as _ll_launch_dispatch
-                if stats is not None:
+                if stats is not None and how == "copied":  # a direct graph adds them itself
                     stats.add_(padded.count)
                 return result
         return enqueue(x.contiguous(), topk_idx, stats)
+
+    def _ll_gather_combine(self, sig: tuple | None, buf: Any, now: DispatchHandle, combined: Tensor,
+                           src: Tensor, slot: Tensor) -> None:
+        """A low-latency combine's launch on the kernels, reading the padded layout ``src`` by the
+        dispatch's ``slot``s into ``combined``: replayed from a CUDA graph where ``sig`` (None: never)
+        and the addresses of every tensor it reads or writes repeat (``ll_graphs``), else launched."""
+        if sig is not None:
+            key = (sig, src.data_ptr(), slot.data_ptr(), now.topk_idx.data_ptr(), now.topk_weights.data_ptr(),
+                   now.scatter.data_ptr(), combined.data_ptr(), buf.is_latest_dispatch(now))
+            ran, _ = self._ll_graphs.combine(key, buf, lambda: buf.launch_combine(
+                now, combined, y=src.view(-1, src.shape[-1]), y_slot=slot))
+            if ran:
+                buf.replayed_combine()
+                return
+        buf.launch_combine(now, combined, y=src.view(-1, src.shape[-1]), y_slot=slot)
 
     def _ll_place(self, parity: int, received: tuple[Tensor, Tensor, Tensor], m: int, k: int,
                   scratch: ll.PaddedScratch, into: ll.PaddedOut, on_gpu: bool, stats: Tensor | None,

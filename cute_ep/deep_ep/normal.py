@@ -20,6 +20,7 @@ from cute_ep.kernels.config import VECTOR_BYTES
 
 __all__ = [
     "RowFormat",
+    "copy_bytes",
     "channel_prefix_matrix",
     "dispatch_layout",
     "rank_constants",
@@ -133,6 +134,20 @@ def recv_channel_prefix_matrix(src_rank: Tensor, src_token: Tensor, valid: Tenso
     return (counts.cumsum(dim=1) - counts).to(torch.int32)
 
 
+def copy_bytes(dst: Tensor, src: Tensor) -> None:
+    """``dst.copy_(src)`` for byte tensors [N, W] (last dimension contiguous, rows any stride apart), moved
+    as the widest integers (8, 4 or 2 bytes) that both tensors' widths, row strides and offsets allow. Why:
+    a strided copy moves one element per thread step, and as single bytes an FP8 dispatch's three row
+    copies took 293 us per call at 4096 tokens on a 4x H200 host (torch.profiler, 2026-11-28)."""
+    for wide in (torch.int64, torch.int32, torch.int16):
+        n = wide.itemsize
+        if all(t.shape[-1] % n == 0 and t.storage_offset() % n == 0 and t.data_ptr() % n == 0
+               and all(st % n == 0 for st in t.stride()[:-1]) for t in (dst, src)):
+            dst.view(wide).copy_(src.view(wide))
+            return
+    dst.copy_(src)
+
+
 @dataclass(frozen=True)
 class RowFormat:
     """The bytes one token carries in a normal-mode dispatch, moved as ``elems`` bf16 elements.
@@ -187,9 +202,12 @@ class RowFormat:
             return rows.view(_CARRIER)
         if self.row_bytes > self.idx_end + 4 * self.topk:  # the padding travels too: zero, not stale
             rows[:, self.idx_end + 4 * self.topk :] = 0
-        rows[:, : self.x_bytes] = x.contiguous().view(torch.uint8)
+        copy_bytes(rows[:, : self.x_bytes], x.contiguous().view(torch.uint8))
         if self.scale_dtype is not None:
-            rows[:, self.x_bytes : self.scale_end].view(self.scale_dtype).copy_(scales)
+            if scales.dtype == self.scale_dtype and scales.is_contiguous():
+                copy_bytes(rows[:, self.x_bytes : self.scale_end], scales.view(torch.uint8))
+            else:
+                rows[:, self.x_bytes : self.scale_end].view(self.scale_dtype).copy_(scales)
         if self.topk:
             rows[:, self.scale_end : self.idx_end].view(torch.int32).copy_(topk_idx)
             rows[:, self.idx_end : self.idx_end + 4 * self.topk].view(torch.float32).copy_(topk_weights)
@@ -205,14 +223,14 @@ class RowFormat:
         n, dev = rows.shape[0], rows.device
         raw = rows.view(torch.uint8)
         x = torch.empty((out_rows, self.hidden), dtype=self.x_dtype, device=dev)
-        x.view(torch.uint8)[:n].copy_(raw[:, : self.x_bytes])
+        copy_bytes(x.view(torch.uint8)[:n], raw[:, : self.x_bytes])
         scales = idx = w = None
         if self.scale_dtype is not None:
             scales = torch.empty((out_rows, self.num_scales), dtype=self.scale_dtype, device=dev)
-            scales[:n].view(torch.uint8).copy_(raw[:, self.x_bytes : self.scale_end])
+            copy_bytes(scales[:n].view(torch.uint8), raw[:, self.x_bytes : self.scale_end])
         if self.topk:
             k = self.topk
             both = torch.empty((out_rows, 8 * k), dtype=torch.uint8, device=dev)
-            both[:n].copy_(raw[:, self.scale_end : self.idx_end + 4 * k])
+            copy_bytes(both[:n], raw[:, self.scale_end : self.idx_end + 4 * k])
             idx, w = both[:, : 4 * k].view(torch.int32), both[:, 4 * k :].view(torch.float32)
         return x, scales, idx, w

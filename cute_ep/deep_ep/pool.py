@@ -1,11 +1,12 @@
 """The backends' buffers of a ``cute_ep.deep_ep.Buffer`` (``BufferPool``): one per shape (row width, dtype,
-experts, top-k, max_tokens), built on first use and kept, the least recently used freed when a new one
-would exceed the byte budget; the fence before a buffer's expert outputs are written again; and the
-bytes a call shape needs (``get_symmetric_bytes_hint``).
+experts, top-k, max_tokens; the low-latency mode's apart), built on first use and kept, the least recently
+used freed when a new one would exceed the byte budget; the fence before a buffer's expert outputs are
+written again; and the bytes a call shape needs (``get_symmetric_bytes_hint``).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -17,7 +18,10 @@ from cute_ep.deep_ep.checks import agree
 from cute_ep.deep_ep.lifecycle import BUDGET_ENV_VAR
 from cute_ep.kernels.config import EpConfig
 
-__all__ = ["MIN_BUCKET", "BufferPool"]
+__all__ = ["LOW_LATENCY_SMS_ENV_VAR", "MIN_BUCKET", "BufferPool"]
+
+LOW_LATENCY_SMS_ENV_VAR = "CUTE_EP_LOW_LATENCY_SMS"
+"""Where set, the SMs of the low-latency mode's kernels (else ``Buffer.num_sms``) as its buffers are built."""
 
 MIN_BUCKET = 64
 """The least max_tokens of a normal-mode buffer (larger ones are powers of two)."""
@@ -71,11 +75,12 @@ class BufferPool:
     def _used_bytes(self) -> int:
         return sum(b.cfg.symmetric_bytes() for b in self._buffers.values())
 
-    def _buffer(self, hidden: int, dtype: torch.dtype, num_experts: int, topk: int, max_tokens: int
-                ) -> tuple[tuple, Any]:
+    def _buffer(self, hidden: int, dtype: torch.dtype, num_experts: int, topk: int, max_tokens: int,
+                low_latency: bool = False) -> tuple[tuple, Any]:
         """(key, the backend's buffer) for rows of ``hidden`` ``dtype`` elements, ``num_experts`` experts,
-        top-``topk``, ``max_tokens`` tokens per rank: the one built before, or a new one (collective)."""
-        key = (hidden, dtype, num_experts, topk, max_tokens)
+        top-``topk``, ``max_tokens`` tokens per rank: the one built before, or a new one (collective).
+        ``low_latency``: the low-latency mode's own (its SMs: ``_low_latency_sms``)."""
+        key = (hidden, dtype, num_experts, topk, max_tokens) + (("low-latency",) if low_latency else ())
         buf = self._buffers.get(key)
         if buf is not None:
             self._buffers.move_to_end(key)
@@ -88,7 +93,8 @@ class BufferPool:
         env = self.runtime.env
         cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
                        num_experts=num_experts, topk=topk, hidden=hidden, dtype=dtype, max_tokens=max_tokens,
-                       num_sms=min(self._buffer_sms(), self._sm_cap) if self.backend == "cute" else 0)
+                       num_sms=min(self._low_latency_sms() if low_latency else self._buffer_sms(),
+                                   self._sm_cap) if self.backend == "cute" else 0)
         if self.backend == "cute":
             from cute_ep.buffer import EpBuffer
 
@@ -113,11 +119,23 @@ class BufferPool:
         self._buffers[key] = buf
         return key, buf
 
+    def _low_latency_sms(self) -> int:
+        """The SMs of low-latency buffers built now: ``CUTE_EP_LOW_LATENCY_SMS`` where set, else
+        ``Buffer.num_sms`` (either capped by each rank's share)."""
+        env = os.environ.get(LOW_LATENCY_SMS_ENV_VAR, "").strip()
+        if not env:
+            return self._buffer_sms()
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"{LOW_LATENCY_SMS_ENV_VAR} must be an integer >= 1 (the SMs of the low-latency "
+                             f"kernels), got {env!r}; unset it to use Buffer.num_sms")
+        return int(env)
+
     def _bucketed(self, hidden: int, dtype: torch.dtype, num_experts: int, topk: int, tokens: int) -> int:
         """max_tokens for a normal-mode dispatch of up to ``tokens`` tokens per rank: the least built buffer
         of this shape that holds them, else the bucket (every rank decides alike)."""
         want = _bucket(tokens)
-        built = [k[4] for k in self._buffers if k[:4] == (hidden, dtype, num_experts, topk) and k[4] >= want]
+        built = [k[4] for k in self._buffers
+                 if len(k) == 5 and k[:4] == (hidden, dtype, num_experts, topk) and k[4] >= want]
         return min(built, default=want)
 
     def _dispatch_on(self, buf: Any, x: Tensor, ids: Tensor, weights: Tensor, layout: str) -> Any:

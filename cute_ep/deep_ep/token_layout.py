@@ -5,6 +5,7 @@ the torch form the CPU backends use (and the GPU where the kernel's bounds do no
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -30,12 +31,11 @@ class TokenLayout(CompiledApart):
     def fits(topk_idx: Tensor, num_experts: int, num_ranks: int, *, on_gpu: bool | None = None) -> bool:
         """Whether the kernel takes this layout: CUDA ids (``on_gpu`` overrides the device check) of int64
         or int32, E and R within its shared-memory bounds, sizes that index in int32."""
-        from cute_ep.kernels.token_layout import MAX_EXPERTS, MAX_RANKS
-
         on_gpu = topk_idx.is_cuda if on_gpu is None else on_gpu
         t, k = topk_idx.shape
-        return (on_gpu and topk_idx.dtype in _ID_TYPES and num_experts <= MAX_EXPERTS
-                and num_ranks <= MAX_RANKS and t * max(k, num_ranks) < 2**31)
+        max_experts, max_ranks = _bounds()
+        return (on_gpu and topk_idx.dtype in _ID_TYPES and num_experts <= max_experts
+                and num_ranks <= max_ranks and t * max(k, num_ranks) < 2**31)
 
     def compiled(self, id_dtype: torch.dtype) -> Any:
         """The compiled layout for topk_idx of ``id_dtype`` (torch.int64 or torch.int32)."""
@@ -52,14 +52,24 @@ class TokenLayout(CompiledApart):
         ids = topk_idx.contiguous()
         t, k = ids.shape
         dev = ids.device
-        in_rank = torch.empty((t, num_ranks), dtype=torch.bool, device=dev)
-        per_rank = torch.empty(num_ranks, dtype=torch.int32, device=dev)
-        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        # one allocation for the three (each costs host time): the counts first, then the [T, R] flags
+        counts = num_ranks + num_experts
+        block = torch.empty(4 * counts + t * num_ranks, dtype=torch.uint8, device=dev)
+        per_rank, per_expert = block[: 4 * counts].view(torch.int32).split((num_ranks, num_experts))
+        in_rank = block[4 * counts :].view(torch.bool).view(t, num_ranks)
         call = self.prepared(ids.dtype)
         with self._lock:  # the call's argument storage is shared
             call(ids.data_ptr(), in_rank.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), t, k,
                  num_experts, num_ranks, current_stream_handle(dev.index))
         return per_rank, per_expert, in_rank
+
+
+@functools.cache
+def _bounds() -> tuple[int, int]:
+    """The kernel's (MAX_EXPERTS, MAX_RANKS), imported once (an import statement per call costs host time)."""
+    from cute_ep.kernels.token_layout import MAX_EXPERTS, MAX_RANKS
+
+    return MAX_EXPERTS, MAX_RANKS
 
 
 def _source(name: str) -> tuple:
