@@ -209,7 +209,7 @@ def test_low_latency_graphs_stop_capturing_when_signatures_rarely_repeat(monkeyp
         assert off.call(("sig", 0), buf, x, ids)[0] is False
 
 
-def test_low_latency_buffers_take_their_sms_from_their_variable_and_stay_apart(monkeypatch):
+def test_buffers_take_their_sms_from_the_building_call_or_the_modes_default_and_stay_apart(monkeypatch):
     from collections import OrderedDict
 
     from cute_ep.deep_ep.pool import LOW_LATENCY_SMS_ENV_VAR, MIN_BUCKET, BufferPool
@@ -227,6 +227,13 @@ def test_low_latency_buffers_take_their_sms_from_their_variable_and_stay_apart(m
         monkeypatch.setenv(LOW_LATENCY_SMS_ENV_VAR, bad)
         with pytest.raises(ValueError, match=f"{LOW_LATENCY_SMS_ENV_VAR} must be an integer >= 1.*{bad}"):
             pool._low_latency_sms()
+    pool._sm_cap = 66  # each rank's share
+    monkeypatch.delenv(LOW_LATENCY_SMS_ENV_VAR)
+    assert pool._new_buffer_sms(False, 0) == 20 and pool._new_buffer_sms(True, 0) == 20  # Buffer.num_sms
+    assert pool._new_buffer_sms(False, 24) == 24  # the building call's config
+    assert pool._new_buffer_sms(False, 132) == 66  # at most the share
+    monkeypatch.setenv(LOW_LATENCY_SMS_ENV_VAR, "48")
+    assert pool._new_buffer_sms(True, 0) == 48 and pool._new_buffer_sms(False, 0) == 20
     # a low-latency buffer of the same shape is never the normal mode's
     pool._buffers = OrderedDict({(256, torch.bfloat16, 4, 4, 128, "low-latency"): object()})
     assert pool._bucketed(256, torch.bfloat16, 4, 4, 10) == MIN_BUCKET

@@ -152,7 +152,7 @@ class FreshDispatch:
             num_out = num_worst
         payload = a.fmt.pack(a.x, a.scales, given["topk_idx"], given["topk_weights"])
         ids, zero_w = self._rank_routing(a.in_rank)
-        _, buf = self._buffer(a.fmt.elems, _CARRIER, world, world, max_tokens)
+        _, buf = self._buffer(a.fmt.elems, _CARRIER, world, world, max_tokens, num_sms=2 * a.channels)
         res = self._dispatch_on(buf, payload, ids, zero_w, "rank")
         rows = min(num_out, world * max_tokens)
         recv_x, recv_scales, gidx, gw = a.fmt.unpack(res.recv_x[:rows], num_out)

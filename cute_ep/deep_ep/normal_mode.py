@@ -110,9 +110,11 @@ class NormalMode(FreshDispatch):
         as DeepEP leaves them undefined.
 
         Differences from DeepEP: x may be any dtype whose rows are a multiple of 16 bytes; any number of
-        ranks and top-k the kernels take; ``config`` only sizes the handle's channel matrices (its num_sms
-        must be even); topk_idx values outside [-1, E) raise ValueError (checked where the call syncs the
-        host: on the reference backend always, on GPUs without num_worst_tokens). Without
+        ranks and top-k the kernels take; ``config`` sizes the handle's channel matrices (its num_sms
+        must be even), and its num_sms are the SMs of the kernels where this call builds the buffers of its
+        shape (later calls of the shape keep them); topk_idx values outside [-1, E) raise ValueError
+        (checked where the call syncs the host: on the reference backend always, on GPUs without
+        num_worst_tokens). Without
         ``num_worst_tokens`` the call makes one host sync, and raises ``ValueError`` on every rank if some
         rank's ``num_tokens_per_rank`` disagrees with its ``is_token_in_rank`` (DeepEP would move wrong
         rows). Top-k ids and weights (and FP8 scales) ride in each token's row.
@@ -140,7 +142,8 @@ class NormalMode(FreshDispatch):
             payload = a.fmt.pack(a.x, a.scales, topk_idx, topk_weights)
             # the handle's dispatch kept the per-rank ids and zero weights it was given (its own copy)
             sent = a.route.dispatch_handle
-            _, buf = self._buffer(a.fmt.elems, _CARRIER, world, world, a.route.max_tokens)
+            _, buf = self._buffer(a.fmt.elems, _CARRIER, world, world, a.route.max_tokens,
+                                  num_sms=2 * a.channels)
             res = self._dispatch_on(buf, payload, sent.topk_idx, sent.topk_weights, "rank")
             rows = min(a.route.num_recv, world * a.route.max_tokens)
             recv_x, recv_scales, _, _ = a.fmt.unpack(res.recv_x[:rows], a.route.num_recv)
@@ -207,11 +210,13 @@ class NormalMode(FreshDispatch):
         DeepEP's without ``bias``. combined_topk_weights: ``topk_weights`` [N, K] fp32 summed the same way
         (bit-identical). ``bias``: a [T, H] tensor or a tuple of two, added in fp32 after the rows' sum is
         rounded (DeepEP adds them before rounding: results can differ by one rounding of x's dtype).
-        ``config`` is unused. The top-k weights travel with ``all_to_all_single`` on the group; after a
-        ``num_worst_tokens`` dispatch that costs one host sync (the row counts).
+        ``config``: its num_sms are the SMs of the kernels where this call builds the buffers of its shape
+        (a combine after a BF16 dispatch of the same rows uses the dispatch's). The top-k weights travel
+        with ``all_to_all_single`` on the group; after a ``num_worst_tokens`` dispatch that costs one host
+        sync (the row counts).
         """
         self._check_alive()
-        del config
+        sms = config.num_sms if isinstance(config, Config) and config.num_sms > 0 else 0
         route, bias_0, bias_1 = self._agreed("combine", lambda: self._combine_args(
             x, handle, topk_weights, bias, previous_event, async_finish, allocate_on_comm_stream),
             lambda _: {"x's dtype and hidden size": (str(x.dtype), x.shape[1]),
@@ -219,7 +224,7 @@ class NormalMode(FreshDispatch):
         world = self.group_size
         with _Scope(self, previous_event, async_finish) as scope:
             rows = min(x.shape[0], world * route.max_tokens)
-            key, buf = self._buffer(x.shape[1], x.dtype, world, world, route.max_tokens)
+            key, buf = self._buffer(x.shape[1], x.dtype, world, world, route.max_tokens, num_sms=sms)
             self._fence(key)
             # y covers the buffer's rank capacity (the rows a sync-free dispatch's views cover); combine
             # reads only the first ``rows``.

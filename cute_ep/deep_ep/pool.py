@@ -76,10 +76,11 @@ class BufferPool:
         return sum(b.cfg.symmetric_bytes() for b in self._buffers.values())
 
     def _buffer(self, hidden: int, dtype: torch.dtype, num_experts: int, topk: int, max_tokens: int,
-                low_latency: bool = False) -> tuple[tuple, Any]:
+                low_latency: bool = False, num_sms: int = 0) -> tuple[tuple, Any]:
         """(key, the backend's buffer) for rows of ``hidden`` ``dtype`` elements, ``num_experts`` experts,
         top-``topk``, ``max_tokens`` tokens per rank: the one built before, or a new one (collective).
-        ``low_latency``: the low-latency mode's own (its SMs: ``_low_latency_sms``)."""
+        ``low_latency``: the low-latency mode's own (its SMs: ``_low_latency_sms``). ``num_sms``: the SMs
+        of a new buffer's kernels (the building call's config; 0: ``Buffer.num_sms``), at most the share."""
         key = (hidden, dtype, num_experts, topk, max_tokens) + (("low-latency",) if low_latency else ())
         buf = self._buffers.get(key)
         if buf is not None:
@@ -93,8 +94,7 @@ class BufferPool:
         env = self.runtime.env
         cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
                        num_experts=num_experts, topk=topk, hidden=hidden, dtype=dtype, max_tokens=max_tokens,
-                       num_sms=min(self._low_latency_sms() if low_latency else self._buffer_sms(),
-                                   self._sm_cap) if self.backend == "cute" else 0)
+                       num_sms=self._new_buffer_sms(low_latency, num_sms) if self.backend == "cute" else 0)
         if self.backend == "cute":
             from cute_ep.buffer import EpBuffer
 
@@ -118,6 +118,11 @@ class BufferPool:
             buf = ReferenceEpBuffer(self.runtime, cfg)
         self._buffers[key] = buf
         return key, buf
+
+    def _new_buffer_sms(self, low_latency: bool, num_sms: int) -> int:
+        """The SMs of a kernels' buffer built now: ``num_sms`` (the building call's config), else the
+        mode's default (``Buffer.num_sms``, or ``_low_latency_sms``), at most each rank's share."""
+        return min(num_sms or (self._low_latency_sms() if low_latency else self._buffer_sms()), self._sm_cap)
 
     def _low_latency_sms(self) -> int:
         """The SMs of low-latency buffers built now: ``CUTE_EP_LOW_LATENCY_SMS`` where set, else

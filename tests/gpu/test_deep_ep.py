@@ -196,6 +196,28 @@ def test_normal_mode_matches_the_reference(runtime, buffers, kind: str) -> None:
                 normal_round(ref, inp, torch.device("cpu"), kind=kind))
 
 
+def test_a_shapes_kernels_take_the_sms_of_the_config_that_builds_its_buffers(runtime, buffers) -> None:
+    """A dispatch of rows no other test sends (a new shape) builds its buffers with its config's num_sms (at
+    most the share), a later call's config changes nothing, and the results are the reference's."""
+    kern, ref = buffers
+    rank, world = runtime.env.rank, runtime.env.world_size
+    inp = make_inputs(rank, world, 24, 41)
+    inp["x"] = inp["x"][:, :96].contiguous()  # 96 bf16 columns: 192 bytes a row, a shape of its own
+    outs = []
+    for buf, dev in ((kern, runtime.device), (ref, torch.device("cpu"))):
+        d = {k: on(dev, v) for k, v in inp.items()}
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(d["idx"], d["experts"])
+        got = []
+        for sms in (6, 8):
+            got.append(buf.dispatch(d["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                    num_tokens_per_expert=per_expert, config=deep_ep.Config(sms, 6, 256))[0])
+        outs.append(got)
+    built = [b.cfg.num_sms for k, b in kern._buffers.items() if k[0] == 96]
+    assert built == [min(6, kern._sm_cap)], built
+    for a, b in zip(*outs, strict=True):
+        assert_same("recv_x", a, b)
+
+
 def test_num_worst_tokens_matches_the_reference(runtime, buffers) -> None:
     kern, ref = buffers
     rank, world = runtime.env.rank, runtime.env.world_size
