@@ -52,11 +52,9 @@ class TokenLayout(CompiledApart):
         ids = topk_idx.contiguous()
         t, k = ids.shape
         dev = ids.device
-        # one allocation for the three (each costs host time): the counts first, then the [T, R] flags
-        counts = num_ranks + num_experts
-        block = torch.empty(4 * counts + t * num_ranks, dtype=torch.uint8, device=dev)
-        per_rank, per_expert = block[: 4 * counts].view(torch.int32).split((num_ranks, num_experts))
-        in_rank = block[4 * counts :].view(torch.bool).view(t, num_ranks)
+        in_rank = torch.empty((t, num_ranks), dtype=torch.bool, device=dev)
+        per_rank = torch.empty(num_ranks, dtype=torch.int32, device=dev)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
         call = self.prepared(ids.dtype)
         with self._lock:  # the call's argument storage is shared
             call(ids.data_ptr(), in_rank.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), t, k,
