@@ -97,15 +97,12 @@ class LowLatencyGraphs:
         ``buf``: the EpBuffer it launches on."""
         if not self._usable():
             return None, None
-        if x.is_contiguous():
+        if x.is_contiguous():  # a new direct key is only noted: the copied graph may run meanwhile
             direct = ("direct", sig, parity, x.data_ptr(), topk_idx.data_ptr(),
                       0 if stats is None else stats.data_ptr())
-            if direct in self._plans or direct in self._seen:
-                ran, result = self._run(direct, buf, lambda: enqueue(x, topk_idx, stats))
-                if ran:
-                    return "direct", result
-            else:
-                self._note(direct, buf)
+            ran, result = self._run(direct, buf, lambda: enqueue(x, topk_idx, stats))
+            if ran:
+                return "direct", result
         kept: list[torch.Tensor] = []  # made at the first capture (before() runs before enqueue())
 
         def copy_inputs() -> None:
@@ -132,23 +129,20 @@ class LowLatencyGraphs:
         """Replay ``key``'s graph, or capture it at its second sighting on ``buf`` (budget allowing) and
         replay it, ``before()`` first in both cases; else note the sighting: ``(False, None)``."""
         plan = self._plans.get(key)
-        if plan is not None and plan.buf is buf:
-            self._plans.move_to_end(key)
-        elif self._seen.get(key) is buf and self._may_capture():
-            del self._seen[key]
-            if before is not None:
-                before()
-            plan = _Plan(buf, *self._capture(enqueue))
-            self.captures[key[0]] += 1
-            self._plans[key] = plan
-            while len(self._plans) > MAX_GRAPHS:
-                self._plans.popitem(last=False)
-            before = None
-        else:
+        captured = plan is not None and plan.buf is buf
+        if not captured and not (self._seen.get(key) is buf and self._may_capture()):
             self._note(key, buf)
             return False, None
         if before is not None:
             before()
+        if captured:
+            self._plans.move_to_end(key)
+        else:
+            del self._seen[key]
+            plan = self._plans[key] = _Plan(buf, *self._capture(enqueue))
+            self.captures[key[0]] += 1
+            while len(self._plans) > MAX_GRAPHS:
+                self._plans.popitem(last=False)
         plan.replay()
         self.replays[key[0]] += 1
         return True, plan.result

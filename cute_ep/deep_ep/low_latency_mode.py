@@ -278,15 +278,16 @@ class LowLatencyMode:
         """A low-latency combine's launch on the kernels, reading the padded layout ``src`` by the
         dispatch's ``slot``s into ``combined``: replayed from a CUDA graph where ``sig`` (None: never)
         and the addresses of every tensor it reads or writes repeat (``ll_graphs``), else launched."""
+        def launch() -> None:
+            buf.launch_combine(now, combined, y=src.view(-1, src.shape[-1]), y_slot=slot)
+
         if sig is not None:
             key = (sig, src.data_ptr(), slot.data_ptr(), now.topk_idx.data_ptr(), now.topk_weights.data_ptr(),
                    now.scatter.data_ptr(), combined.data_ptr(), buf.is_latest_dispatch(now))
-            ran, _ = self._ll_graphs.combine(key, buf, lambda: buf.launch_combine(
-                now, combined, y=src.view(-1, src.shape[-1]), y_slot=slot))
-            if ran:
+            if self._ll_graphs.combine(key, buf, launch)[0]:
                 buf.replayed_combine()
                 return
-        buf.launch_combine(now, combined, y=src.view(-1, src.shape[-1]), y_slot=slot)
+        launch()
 
     def _ll_place(self, parity: int, received: tuple[Tensor, Tensor, Tensor], m: int, k: int,
                   scratch: ll.PaddedScratch, into: ll.PaddedOut, on_gpu: bool, stats: Tensor | None,
