@@ -7,21 +7,21 @@
     out = buf.combine(y, res.handle)                # [T, H], top-k weighted sum
     buf.close()
 
-The public calls are those of ``cute_ep.api.EpBackend`` (argument shapes and dtypes there); the GPU
-buffer adds ``launch_dispatch`` / ``launch_combine`` (no checks, no host sync: capturable in CUDA
-graphs), ``fp8_views`` and ``check_faults``.
+The public calls are those of ``cute_ep.api.EpBackend`` (argument shapes and dtypes there); the GPU buffer
+adds ``launch_dispatch`` / ``launch_combine`` (no checks, no host sync: capturable in CUDA graphs),
+``fp8_views`` and ``check_faults``.
 
-Ordering: every call is collective and every rank makes the same sequence of calls. Each dispatch
-starts with the layout kernel's count exchange, and no rank moves rows before every peer's layout
-kernel has started, i.e. before everything a peer enqueued earlier on its stream (its experts
-reading ``recv_x``, its combine reading peers' ``recv_y``) has finished. So calls on one stream per
-rank never overwrite rows still in use. Work on another stream must be ordered before the next
-dispatch by the caller, and the views a dispatch returns are valid until the next dispatch.
+Ordering: every call is collective and every rank makes the same sequence of calls. Each dispatch starts with
+the layout kernel's count exchange, and no rank moves rows before every peer's layout kernel has started, i.e.
+before everything a peer enqueued earlier on its stream (its experts reading ``recv_x``, its combine reading
+peers' ``recv_y``) has finished (a low-latency dispatch ends with its exchange:
+kernels/low_latency_dispatch.py). So calls on one stream per rank never overwrite rows still in use. Work on
+another stream must be ordered before the next dispatch by the caller, and the views a dispatch returns are
+valid until the next dispatch.
 
-Faults: every wait for a peer is bounded by ``cfg.timeout_s``. A rank whose peer never arrives (it
-skipped a call, died, or runs a different sequence of calls) gets ``PeerTimeout`` naming the peer and
-the operation instead of a hang; from then on the buffer's kernels move no data, and it must be
-closed and rebuilt.
+Faults: every wait for a peer is bounded by ``cfg.timeout_s``. A rank whose peer never arrives (it skipped a
+call, died, or runs a different sequence of calls) gets ``PeerTimeout`` naming the peer and the operation
+instead of a hang; from then on the buffer's kernels move no data, and it must be closed and rebuilt.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ class EpBuffer(StatusChecks, BackendBase):
         runtime.barrier()  # synchronizes the device first: every rank's signals are zero before any signal
 
         # Stand-ins for empty per-call tensors (a kernel needs a valid pointer even for zero tokens).
-        one = SimpleNamespace(num_tokens=1, capacity=1, hidden=cfg.hidden, topk=cfg.topk)
+        one = SimpleNamespace(num_tokens=1, capacity=1, hidden=cfg.hidden, topk=cfg.topk, experts_per_rank=1,
+                              rank_capacity=1, world_size=1)
         self._empty = {b.name: torch.empty(b.shape(one), dtype=b.torch_dtype(cfg), device=self.device)
                        for b in buffers_of(CALL)}
         self._align = {b.name: b.align(cfg) for b in buffers_of(CALL)}
@@ -268,8 +269,8 @@ class EpBuffer(StatusChecks, BackendBase):
 
     def launch_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                         mode: str = "scatter", fp8: bool | int = False, algorithm: str | None = None,
-                        layout: str = "expert", *,
-                        own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> DispatchHandle:
+                        layout: str = "expert", *, own: tuple | None = None,
+                        padded: dict[str, torch.Tensor] | None = None) -> DispatchHandle:
         """Enqueue the layout, dispatch and fan-out kernels on the current stream (one launch of the
         module): no checks, no host sync, so the call can be captured in a CUDA graph.
 
@@ -282,14 +283,13 @@ class EpBuffer(StatusChecks, BackendBase):
         own: (slots [T, K] int32, ids [T, K] int32, weights [T, K] fp32), contiguous, the caller's to keep:
         the layout writes the slots into the first and copies topk_idx / topk_weights into the others, and
         the handle refers to these three instead (valid for as long as the caller keeps them unwritten).
-        """
+        padded: layout "low-latency" (a ``low_latency`` buffer): {ll_x, ll_src_info, ll_count, ll_range,
+        ll_stats, y_slot: the tensor it writes} (kernels/low_latency_dispatch.py)."""
         t = x.shape[0]
         self._enqueue_dispatch(x, topk_idx, topk_weights, mode, fp8, algorithm, layout,
-                               own=own if t else None)
-        if own is not None:
-            handle = DispatchHandle(own[1], own[2], own[0], t, mode, layout)
-        else:
-            handle = DispatchHandle(topk_idx, topk_weights, self.scatter[:t], t, mode, layout)
+                               own=own if t else None, padded=padded)
+        slots, ids, weights = own if own is not None else (self.scatter[:t], topk_idx, topk_weights)
+        handle = DispatchHandle(ids, weights, slots, t, mode, layout)
         self._note_launched_dispatch(handle)
         return handle
 
@@ -319,7 +319,7 @@ class EpBuffer(StatusChecks, BackendBase):
     def _enqueue_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                           mode: str, fp8: bool | int, algorithm: str | None, layout: str,
                           own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                          mirror_seq: int = 0) -> None:
+                          mirror_seq: int = 0, padded: dict[str, torch.Tensor] | None = None) -> None:
         """One launch of the module: the layout (its own kernel, or folded into the dispatch's CTAs up to
         cfg.layout_in_dispatch tokens), the dispatch and the fan-out. The slots go to the buffer's
         ``scatter``, or with ``own`` = (slots, ids, weights), contiguous [T, K] int32 / int32 / fp32
@@ -329,7 +329,7 @@ class EpBuffer(StatusChecks, BackendBase):
         by_rank = layout == "rank"
         # The rank layout's rows have one order: its slots always come from the layout kernel.
         kernel_mode = MODES["scatter" if by_rank else mode]
-        self._launch(OP_DISPATCH, x.shape[0], x=x, idx=topk_idx, w=topk_weights, own=own,
+        self._launch(OP_DISPATCH, x.shape[0], x=x, idx=topk_idx, w=topk_weights, own=own, named=padded,
                      mirror_seq=mirror_seq, mode=kernel_mode, fp8=fp8,
                      algo=DISPATCH_ALGORITHMS[algorithm or self.algorithm],
                      # a reduced-combine buffer makes every expert-layout dispatch record the (token, rank)
@@ -467,13 +467,13 @@ class EpBuffer(StatusChecks, BackendBase):
         if self._closed:
             raise RuntimeError("this EpBuffer is closed")
 
-    def _launch(self, op: int, num_tokens: int, *, x=None, idx=None, w=None, out=None, scatter=None,
+    def _launch(self, op: int, num_tokens: int, *, x=None, idx=None, w=None, out=None, scatter=None, y=None,
                 own=None, mirror_seq: int = 0, mode: int = 0, fp8: bool | int = False, algo: int = 0,
-                combine_algo: int = 0, layout: int = 0, y=None, y_rows: int = 0, y_slot=None) -> None:
-        """Enqueue one op of the module on the current stream (absent or empty per-call tensors are
-        replaced by their stand-ins; ``scatter``: the slots to read, default the buffer's own; ``own``:
-        (slots, ids, weights) a dispatch writes into for its handle, see ``_enqueue_dispatch``; ``y`` /
-        ``y_rows`` / ``y_slot``: what combine stages into ``recv_y``, see ``_staging``)."""
+                combine_algo: int = 0, layout: int = 0, y_rows: int = 0, y_slot=None, named=None) -> None:
+        """Enqueue one op of the module on the current stream (absent or empty per-call tensors are stand-ins;
+        ``scatter``: the slots to read, default the buffer's own; ``own``: (slots, ids, weights) a dispatch
+        writes into for its handle, see ``_enqueue_dispatch``; ``y`` / ``y_rows`` / ``y_slot``: what combine
+        stages into ``recv_y``, see ``_staging``; ``named``: more call tensors by buffer name)."""
         own_idx = own_w = None
         if own is not None:
             scatter, own_idx, own_w = own
@@ -483,7 +483,7 @@ class EpBuffer(StatusChecks, BackendBase):
         addrs = dict(self._empty_addr)
         addrs["scatter"] = (self.scatter if scatter is None else scatter).data_ptr()
         for name, tensor in (("x", x), ("topk_idx", idx), ("topk_w", w), ("out", out), ("own_idx", own_idx),
-                             ("own_w", own_w), ("y", y), ("y_slot", y_slot)):
+                             ("own_w", own_w), ("y", y), ("y_slot", y_slot), *(named or {}).items()):
             if tensor is not None and tensor.numel():
                 addr = addrs[name] = tensor.data_ptr()
                 if addr % self._align[name]:

@@ -65,7 +65,8 @@ DONE_DISPATCH = 0
 DONE_COMBINE = 1  # the pull combine, and phase 2 of the reduced combine
 DONE_PUSH = 2  # phase 1 of the reduced combine
 DONE_LAYOUT = 3  # the layout's CTAs (the last one to arrive exchanges the counts)
-DONE_SLOTS = 4
+DONE_LOW_LATENCY = 4  # the low-latency dispatch's receiving CTAs (the last one advances the epochs)
+DONE_SLOTS = 5
 
 # Element types: torch dtype name, CuTe type name, bytes per element. "row" is the buffer's dtype.
 ROW = "row"
@@ -93,6 +94,14 @@ def packed_fp8_row_bytes(hidden):
 
 def _fp8_capable(c: Any) -> bool:
     return c.hidden % FP8_BLOCK == 0
+
+
+def _low_latency(c: Any) -> bool:
+    return bool(c.low_latency)
+
+
+def _not_low_latency(c: Any) -> bool:
+    return not c.low_latency
 
 
 @dataclass(frozen=True)
@@ -159,12 +168,24 @@ BUFFERS: tuple[Buffer, ...] = (
     Buffer("y", lambda s: (s.capacity, s.hidden), ROW, CALL, ("combine",),
            "the caller's expert outputs, in recv_x's row order: combine's staging kernel copies their "
            "first rows into recv_y (y_rows says how many); with y_gather, any rows y_slot names"),
-    Buffer("y_slot", lambda s: (s.capacity,), "int64", CALL, ("combine",),
-           "with y_gather: the row of y that row r of recv_y is staged from (a gather, e.g. from the "
-           "low-latency padded layout)"),
+    Buffer("y_slot", lambda s: (s.capacity,), "int64", CALL, ("dispatch", "combine"),
+           "with y_gather: the row of y that row r of recv_y is staged from (a gather; -1: none); the "
+           "low-latency dispatch writes it for its padded layout"),
+    Buffer("ll_x", lambda s: (s.experts_per_rank * s.rank_capacity, s.hidden), ROW, CALL, ("dispatch",),
+           "low-latency dispatch: the padded layout's rows, expert l's from row l * R * M (after an FP8 "
+           "dispatch: packed FP8 rows, fp8_row_bytes apart)"),
+    Buffer("ll_src_info", lambda s: (s.experts_per_rank * s.rank_capacity,), "int32", CALL, ("dispatch",),
+           "low-latency dispatch: each filled padded slot's token index on its source rank"),
+    Buffer("ll_count", lambda s: (s.experts_per_rank,), "int32", CALL, ("dispatch",),
+           "low-latency dispatch: rows each local expert received"),
+    Buffer("ll_range", lambda s: (s.experts_per_rank, s.world_size), "int64", CALL, ("dispatch",),
+           "low-latency dispatch: (begin << 32) | rows of each source rank's block of each local expert"),
+    Buffer("ll_stats", lambda s: (s.experts_per_rank,), "int32", CALL, ("dispatch",),
+           "low-latency dispatch: statistics the counts are added to (ll_count itself: none)"),
     # -- symmetric: peers read or write them ------------------------------------------------------
     Buffer("recv_x", lambda s: (s.capacity, s.hidden), ROW, SYMMETRIC, ("dispatch",),
-           "received rows, expert-major (after an FP8 dispatch: packed FP8 rows, fp8_row_bytes apart)"),
+           "received rows, expert-major (after an FP8 dispatch: packed FP8 rows, fp8_row_bytes apart)",
+           needed=_not_low_latency),
     Buffer("recv_y", lambda s: (s.capacity, s.hidden), ROW, SYMMETRIC, ("combine",),
            "the experts' outputs, in recv_x's row order; combine reads them"),
     Buffer("recv_w", lambda s: (s.capacity,), "float32", SYMMETRIC, ("dispatch", "combine"),
@@ -196,6 +217,15 @@ BUFFERS: tuple[Buffer, ...] = (
     Buffer("packed", lambda s: (s.max_tokens, s.fp8_row_bytes), "uint8", SYMMETRIC, ("dispatch",),
            "this rank's tokens as packed FP8 rows (the source of an FP8 dispatch's puts)",
            needed=_fp8_capable),
+    Buffer("ll_rows", lambda s: (2 * s.rank_capacity, s.hidden), ROW, SYMMETRIC, ("dispatch",),
+           "low-latency dispatch, two sets (call parity): row q * R * M + s * M + t is source s's token t "
+           "(FP8: packed rows, fp8_row_bytes apart)", needed=_low_latency),
+    Buffer("ll_index", lambda s: (2, s.experts_per_rank, s.world_size, s.max_tokens), "int32", SYMMETRIC,
+           ("dispatch",), "low-latency dispatch: [q, l, s, j] is the token of source s's j-th pair for local "
+           "expert l", needed=_low_latency),
+    Buffer("ll_signals", lambda s: (2, s.experts_per_rank, s.world_size), "uint64", SYMMETRIC, ("dispatch",),
+           "low-latency dispatch: [q, l, s] = (epoch << 32) | pairs source s sent to local expert l",
+           needed=_low_latency),
     # -- this rank's own --------------------------------------------------------------------------
     Buffer("scatter", lambda s: (s.max_tokens, s.topk), "int32", LOCAL, ("layout", "dispatch", "combine"),
            "slot of each (token, k) in its expert's rank's receive buffer; -1: none or dropped", fill=-1),

@@ -73,6 +73,12 @@ FP8_SCALE_POWER_OF_TWO = 3  # ... with round_scale: s = 2^ceil(log2(amax * fp32(
 FP8_LOW_LATENCY_AMAX_FLOOR = 1e-4  # DeepEP's low-latency cast's least amax (rounded to fp32)
 
 
+# What EpConfig.capacity must hold, by EpConfig.low_latency.
+_CAPACITY_RULE = {
+    False: "min(world_size * max_tokens * min(topk, experts per rank), experts per rank * expert_capacity)",
+    True: "num_experts * max_tokens (low_latency)",
+}
+
 # Default EpConfig.layout_in_dispatch: every batch folds the layout into the dispatch launch (measured on one
 # H200 at 4096 tokens: dispatch 644.2 / 135.0 us folded against 650.6 / 143.0 us apart in the expert / rank
 # layout at 24 SMs, 277.5 / 68.3 against 285.7 / 78.5 at 132; at 128 tokens 39.7 against 43.2 us).
@@ -151,6 +157,10 @@ class EpConfig:
                        inside the dispatch launch (every CTA for the tokens it then sends) instead of in
                        a kernel of its own: one kernel less on the critical path. Default: every batch;
                        0: always a kernel of its own. Results are identical either way.
+    low_latency:       buffers for DeepEP's low-latency layout (``cute_ep.deep_ep``'s low-latency mode,
+                       kernels/low_latency_dispatch.py): capacity E * M (every (expert, source, token)
+                       row of the combine), two sets of per-source token rows, no ``recv_x``; needs
+                       ``capacity_factor == 0`` and top-k <= 32.
     """
 
     world_size: int
@@ -167,6 +177,7 @@ class EpConfig:
     on_overflow: str = "raise"
     combine_algorithm: str = "pull"
     layout_in_dispatch: int = LAYOUT_IN_DISPATCH_TOKENS
+    low_latency: bool = False
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -226,12 +237,16 @@ class EpConfig:
             self.combine_algorithm in COMBINE_ALGORITHMS,
             f"combine_algorithm must be one of {sorted(COMBINE_ALGORITHMS)}, got {self.combine_algorithm!r}",
         )
+        if self.low_latency:
+            need(self.capacity_factor == 0 and self.topk <= WARP,
+                 f"low_latency buffers need capacity_factor == 0 and topk <= {WARP} (a lane per pair), got "
+                 f"capacity_factor={self.capacity_factor}, topk={self.topk}")
         if self.capacity == 0:
             object.__setattr__(self, "capacity", self.required_capacity)
         need(
             self.capacity >= self.required_capacity,
-            f"capacity must be >= min(world_size * max_tokens * min(topk, experts per rank), experts per "
-            f"rank * expert_capacity) = {self.required_capacity}, got {self.capacity}",
+            f"capacity must be >= {_CAPACITY_RULE[self.low_latency]} = {self.required_capacity}, got "
+            f"{self.capacity}",
         )
         need(self.capacity < 2**31, f"capacity must be < 2**31 (int32 slots), got {self.capacity}")
         need(self.num_sms >= 0,
@@ -282,7 +297,10 @@ class EpConfig:
 
     @property
     def required_capacity(self) -> int:
-        """Receive rows that always suffice: every routing, and at most expert_capacity per expert."""
+        """Receive rows that always suffice: every routing, and at most expert_capacity per expert (the
+        low-latency layout: a row for every (expert, source, token), E * M)."""
+        if self.low_latency:
+            return self.num_experts * self.max_tokens
         return min(self.worst_case_capacity, self.experts_per_rank * self.expert_capacity)
 
     @property
@@ -338,7 +356,7 @@ class EpConfig:
     def key(self) -> tuple:
         """Everything that defines the configuration (compared across ranks at construction)."""
         return (str(self.dtype), *(getattr(self, n) for n in buffers.SIZE_SCALARS), self.capacity_factor,
-                self.on_overflow, self.combine_algorithm)
+                self.on_overflow, self.combine_algorithm, self.low_latency)
 
     def compile_key(self) -> tuple:
         """The explicit compile-cache key: the kernels are specialized on the element type only."""

@@ -12,7 +12,7 @@ from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.buffers import EpParams
 from cute_ep.kernels.config import ALGO_DEDUP, ALGO_PUT_WARP, MODE_ATOMIC, MODE_SCATTER, VECTOR_BYTES, WARP
-from cute_ep.kernels.rows import copy_row_to_lanes, element, row_space, row_view
+from cute_ep.kernels.rows import RowSpace, copy_row_to_lanes, element, row_space, row_view
 
 
 @cute.jit
@@ -43,9 +43,18 @@ def send_row_to_lanes(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d:
                       sends: Int32, row_bytes: Int32, lane: Int32):
     """The warp moves one row (``row_bytes`` from ``src_addr``) into row ``slot`` of rank ``d``'s
     ``recv_x`` for each lane set in ``sends`` (each such lane holds its own d and slot; every lane calls
-    this): 128-bit stores through the peer pointers of this node, every destination from one load of each
-    piece (ALGO_PUT_WARP: only to this rank itself), then ``put_warp`` to each destination on other nodes."""
-    recv_x = row_space(p.recv_x, row_bytes)
+    this): ``send_row_into`` that buffer."""
+    send_row_into(dtype, p, row_space(p.recv_x, row_bytes), src_addr, d, slot, sends, row_bytes, lane)
+
+
+@cute.jit
+def send_row_into(dtype: cutlass.Constexpr, p: EpParams, dest: RowSpace, src_addr: Int64, d: Int32,
+                  slot: Int32, sends: Int32, row_bytes: Int32, lane: Int32):
+    """The warp moves one row (``row_bytes`` from ``src_addr``) into row ``slot`` of rank ``d``'s copy of
+    the symmetric rows ``dest`` for each lane set in ``sends`` (each such lane holds its own d and slot;
+    every lane calls this): 128-bit stores through the peer pointers of this node, every destination from
+    one load of each piece (ALGO_PUT_WARP: only to this rank itself), then ``put_warp`` to each destination
+    on other nodes."""
     store = Int32(0)
     if ((sends >> lane) & 1) != 0:
         if d // p.local_world_size == p.rank // p.local_world_size:
@@ -56,7 +65,7 @@ def send_row_to_lanes(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d:
     stores = Int32(cute.arch.vote_ballot_sync(store != 0))
     dst = Int64(0)
     if store != 0:
-        dst = recv_x.on_peer(d).row(slot)
+        dst = dest.on_peer(d).row(slot)
     copy_row_to_lanes(dtype, src_addr, dst, stores, row_bytes // VECTOR_BYTES, lane, DISPATCH_ROW_UNROLL)
     n = row_bytes // (dtype.width // 8)
     puts = sends & ~stores
@@ -65,7 +74,7 @@ def send_row_to_lanes(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d:
         puts = puts & (puts - 1)
         dj = cute.arch.shuffle_sync(d, j)
         row = cute.arch.shuffle_sync(slot, j)
-        nvshmem_cute.put_warp(row_view(dtype, recv_x.row(row), n),
+        nvshmem_cute.put_warp(row_view(dtype, dest.row(row), n),
                               row_view(dtype, src_addr, n), dj)
 
 

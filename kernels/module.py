@@ -24,6 +24,7 @@ from cute_ep.kernels.config import OP_COMBINE, OP_DISPATCH, OP_LAYOUT
 from cute_ep.kernels.dispatch import DispatchKernel
 from cute_ep.kernels.fanout import FanoutKernel
 from cute_ep.kernels.layout import LayoutKernel
+from cute_ep.kernels.low_latency_dispatch import LowLatencyDispatchKernel
 from cute_ep.kernels.partial_sum import PartialSumKernel
 from cute_ep.kernels.rank_combine import RankCombineKernel
 from cute_ep.kernels.rank_dispatch import RankDispatchKernel
@@ -51,6 +52,7 @@ class EpModule:
         self.reduce_push = ReducePushKernel(dtype)
         self.partial_sum = PartialSumKernel(dtype)
         self.stage_y = StageYKernel(dtype)
+        self.low_latency_dispatch = LowLatencyDispatchKernel(dtype)
 
     @cute.jit
     def __call__(self, scalars: Scalars, pointers: Pointers, stream):

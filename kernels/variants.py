@@ -26,6 +26,9 @@ from typing import Any
 LAYOUT_EXPERT = 0
 LAYOUT_RANK = 1
 LAYOUTS = {"expert": LAYOUT_EXPERT, "rank": LAYOUT_RANK}
+# DeepEP's low-latency layout (``cute_ep.deep_ep``'s low-latency mode, buffers built with ``low_latency``):
+# one padded block of R * M rows per local expert; its combine is the expert layout's pull combine.
+LAYOUT_LOW_LATENCY = 2
 
 # Combine algorithms (run-time argument of the combine op): "pull" reads every (token, k) row from its
 # expert's rank and sums them on the token's rank in ascending k (bit-identical to
@@ -76,6 +79,10 @@ VARIANTS: tuple[Variant, ...] = (
     # One row per (source rank, token) with its local ids and weights beside it (no expert capacity).
     Variant("rank", LAYOUT_RANK, COMBINE_PULL, ("rank_layout",), ("rank_dispatch",), ("rank_combine",),
             runs=lambda c: c.capacity_factor == 0),
+    # DeepEP's padded layout in one launch (kernels/low_latency_dispatch.py); combine launches as
+    # "expert+pull" over the recv_y rows that dispatch numbered (so it has no combine step of its own).
+    Variant("low-latency", LAYOUT_LOW_LATENCY, COMBINE_PULL, (), ("low_latency_dispatch",), (),
+            runs=lambda c: c.low_latency),
 )
 BY_NAME = {v.name: v for v in VARIANTS}
 
@@ -83,6 +90,8 @@ BY_NAME = {v.name: v for v in VARIANTS}
 def variant(layout: str, combine: str | None = None) -> Variant:
     """The variant of receive layout ``layout`` ("expert" or "rank") with combine algorithm ``combine``
     ("pull" or "reduced"; ignored by a layout with one combine, required otherwise)."""
+    if layout == "low-latency":
+        return BY_NAME[layout]
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
     if layout in BY_NAME:

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         target_arch,
         use_cpu_target,
     )
-    from cute_ep.kernels import padded_layout, swiglu, token_layout
+    from cute_ep.kernels import swiglu, token_layout
     from cute_ep.kernels.config import EpConfig
     from cute_ep.kernels.host import build
 
@@ -211,9 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     for id_type in token_layout.ID_TYPES:
         compile_apart(registry, f"token layout ({id_type} ids)", token_layout.compile_key(id_type),
                       lambda i=id_type: token_layout.build(i), args.progress_every)
-    # its low-latency dispatch's padded-layout kernel (rows moved as bytes: one for every dtype)
-    compile_apart(registry, "low-latency padded layout", padded_layout.COMPILE_KEY, padded_layout.build,
-                  args.progress_every)
     return 0
 
 

@@ -52,12 +52,18 @@ def buf(monkeypatch) -> EpBuffer:
             setattr(b, t.name, torch.zeros(t.alloc_shape(cfg), dtype=t.torch_dtype(cfg)))
     b._calls, b._sent, b._latest_recv = [0, 0, 0], None, None
     b._drops = torch.zeros(cfg.num_experts, dtype=torch.int64)
-    one = SimpleNamespace(num_tokens=1, capacity=1, hidden=cfg.hidden, topk=cfg.topk)
+    one = SimpleNamespace(num_tokens=1, capacity=1, hidden=cfg.hidden, topk=cfg.topk, experts_per_rank=1,
+                              rank_capacity=1, world_size=1)
     b._empty = {t.name: torch.empty(t.shape(one), dtype=t.torch_dtype(cfg)) for t in buffers_of(CALL)}
     b._align = {t.name: t.align(cfg) for t in buffers_of(CALL)}
     b._empty_addr = {n: t.data_ptr() for n, t in b._empty.items()}
     b._launcher, b.algorithm = Recorder(), "dedup"
     return b
+
+
+def ll_stand_ins(buf) -> dict[str, int]:
+    """The low-latency dispatch's tensors: stand-ins in every other call."""
+    return {n: buf._empty[n].data_ptr() for n in ("ll_x", "ll_src_info", "ll_count", "ll_range", "ll_stats")}
 
 
 def inputs(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,7 +83,8 @@ def test_a_sync_free_dispatch_hands_over_its_tensors_and_the_handles_storage(buf
     assert ptrs == {"x": x.data_ptr(), "topk_idx": idx.data_ptr(), "topk_w": w.data_ptr(),
                     "out": buf._empty["out"].data_ptr(), "scatter": h.scatter.data_ptr(),
                     "own_idx": h.topk_idx.data_ptr(), "own_w": h.topk_weights.data_ptr(),
-                    "y": buf._empty["y"].data_ptr(), "y_slot": buf._empty["y_slot"].data_ptr()}
+                    "y": buf._empty["y"].data_ptr(), "y_slot": buf._empty["y_slot"].data_ptr(),
+                    **ll_stand_ins(buf)}
     combine_algo = COMBINE_ALGORITHMS["reduced" if layout == "expert" else "pull"]
     assert scalars == {"op": OP_DISPATCH, "mode": MODES["scatter"], "fp8": 0,
                        "algo": DISPATCH_ALGORITHMS["dedup"], "combine_algo": combine_algo,
@@ -125,7 +132,7 @@ def test_combine_hands_over_the_handles_slots_and_a_new_output(buf, layout) -> N
                     "topk_w": h.topk_weights.data_ptr(), "out": out.data_ptr(),
                     "scatter": h.scatter.data_ptr(), "own_idx": buf._empty["own_idx"].data_ptr(),
                     "own_w": buf._empty["own_w"].data_ptr(), "y": buf._empty["y"].data_ptr(),
-                    "y_slot": buf._empty["y_slot"].data_ptr()}
+                    "y_slot": buf._empty["y_slot"].data_ptr(), **ll_stand_ins(buf)}
     assert scalars["y_rows"] == 0 and scalars["y_gather"] == 0  # y is recv_y itself: nothing to stage
     want_algo = COMBINE_ALGORITHMS["reduced" if layout == "expert" else "pull"]
     assert scalars["op"] == OP_COMBINE and scalars["num_tokens"] == 4 and scalars["combine_algo"] == want_algo

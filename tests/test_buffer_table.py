@@ -71,9 +71,17 @@ def test_shapes_serve_the_host_config_and_the_device_scalars():
     scalars = Scalars(*([0] * (len(SCALARS) - len(SIZE_SCALARS))), *(getattr(cfg, n) for n in SIZE_SCALARS))
     assert scalars.experts_per_rank == cfg.experts_per_rank and scalars.fp8_row_bytes == cfg.fp8_row_bytes
     for b in BUFFERS:
-        if b.place != CALL:  # the device view of an owned buffer is its full allocation
+        if b.place != CALL and b.is_needed(cfg):  # the device view of an owned buffer is its full allocation
             assert tuple(b.shape(scalars)) == b.alloc_shape(cfg), b.name
     by = {b.name: b for b in BUFFERS}
+    # the low-latency buffers only in a low-latency configuration, which has no recv_x (capacity E * M)
+    ll = EpConfig(**{**BASE, "low_latency": True})
+    assert ll.capacity == ll.num_experts * ll.max_tokens and by["recv_x"].alloc_shape(ll) == (8,)
+    assert by["recv_x"].alloc_shape(cfg) == (cfg.capacity, cfg.hidden)
+    assert by["ll_rows"].alloc_shape(ll) == (2 * 4 * ll.max_tokens, ll.hidden)
+    assert by["ll_index"].alloc_shape(ll) == (2, 8, 4, ll.max_tokens)
+    assert by["ll_rows"].alloc_shape(cfg) == (8,)
+    assert by["ll_signals"].alloc_shape(ll) == (2, 8, 4)
     assert by["counts"].alloc_shape(cfg) == (4, 37) and by["signals"].alloc_shape(cfg) == (3, 4)
     assert by["recv_group"].alloc_shape(cfg) == (cfg.capacity, 2)
     assert EpParams._fields == SCALARS + tuple(f"{n}_ptr" for n in BUFFER_NAMES)
@@ -115,6 +123,9 @@ class _Sym:
     def __mul__(self, other: _Sym) -> _Sym:
         return _Sym(f"{self.text} * {other.text}")
 
+    def __rmul__(self, other: int) -> _Sym:
+        return _Sym(f"{other} * {self.text}")
+
     def __str__(self) -> str:
         return self.text
 
@@ -125,7 +136,9 @@ SYMBOLS = dict(num_tokens="T", hidden="H", topk="K", capacity="C", world_size="R
 CONDITIONS = {"recv_group": 'only with `combine_algorithm="reduced"`',
               "partials": 'only with `combine_algorithm="reduced"`', "packed": "only when H % 128 == 0",
               "recv_topk_idx": "only with `capacity_factor == 0`",
-              "recv_topk_w": "only with `capacity_factor == 0`"}
+              "recv_topk_w": "only with `capacity_factor == 0`", "recv_x": "not with `low_latency`",
+              "ll_rows": "only with `low_latency`", "ll_index": "only with `low_latency`",
+              "ll_signals": "only with `low_latency`"}
 
 
 def design_doc_table() -> str:

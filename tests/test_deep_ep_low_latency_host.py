@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from cute_ep.deep_ep.low_latency import PaddedOut
 from cute_ep.deep_ep.low_latency_mode import LowLatencyMode, _LowLatencyRouting, _signature
 from cute_ep.kernels.config import FP8_SCALE_POWER_OF_TWO
 
@@ -65,8 +66,9 @@ class _Buffer:
     def __init__(self) -> None:
         self.launches = []
 
-    def launch_dispatch(self, x, topk_idx, topk_weights, fp8=False, layout="expert", *, own=None):
-        self.launches.append((x, topk_idx.clone(), topk_weights, layout, own, fp8))
+    def launch_dispatch(self, x, topk_idx, topk_weights, fp8=False, layout="expert", *, own=None,
+                        padded=None):
+        self.launches.append((x, topk_idx.clone(), topk_weights, layout, own, fp8, padded))
         return "handle"
 
 
@@ -78,17 +80,24 @@ def test_the_dispatch_launches_on_routing_kept_per_parity_with_ids_clamped_to_in
     ids = torch.tensor([[5, -1, 287, 0], [2**31 - 1, -7, 1, 2], [3, 4, 288, -2]], dtype=id_dtype)
     if id_dtype == torch.int64:
         ids[1, 0] = 2**33 + 5  # would wrap to 5 as int32: clamped to E (refused by the kernels) instead
-    assert mode._ll_launch_dispatch(buf, key, 0, x, ids, 288) == "handle"
+    into = PaddedOut.make_exact(4, 2, 16, 8, torch.bfloat16, torch.device("cpu"))
+    assert mode._ll_launch_dispatch(buf, key, 0, x, ids, 288, 0, into, None) == "handle"
     assert mode._combined == set()  # a dispatch orders the earlier combines
-    _, sent, weights, layout, own, fp8 = buf.launches[0]
-    assert sent.dtype == torch.int32 and layout == "expert" and fp8 == 0
+    _, sent, weights, layout, own, fp8, padded = buf.launches[0]
+    assert sent.dtype == torch.int32 and layout == "low-latency" and fp8 == 0
+    # the kernel writes the padded layout into the parity's tensors; without statistics into the count only
+    assert padded == {"ll_x": into.rows, "ll_src_info": into.src_info, "ll_count": into.count,
+                      "ll_range": into.layout_range, "ll_stats": into.count, "y_slot": into.slot}
+    assert into.rows.shape == (4 * 2 * 16, 8) and into.slot.shape == (4 * 2 * 16,)
+    stats = torch.zeros(4, dtype=torch.int32)
+    mode._ll_launch_dispatch(buf, key, 0, x, ids, 288, 0, into, stats)
+    assert buf.launches[-1][6]["ll_stats"] is stats
     assert sent.tolist() == [[5, -1, 287, 0], [288, -2, 1, 2], [3, 4, 288, -2]]
     assert weights.shape == (3, 4) and not weights.any()
     assert [o.shape for o in own] == [(3, 4)] * 3 and [o.dtype for o in own] == [torch.int32] * 2 + [
         torch.float32]
-    mode._ll_launch_dispatch(buf, key, 0, x, ids, 288)
-    mode._ll_launch_dispatch(buf, key, 0, x[:2], ids[:2], 288)
-    mode._ll_launch_dispatch(buf, key, 1, x, ids, 288, FP8_SCALE_POWER_OF_TWO)
+    mode._ll_launch_dispatch(buf, key, 0, x[:2], ids[:2], 288, 0, into, None)
+    mode._ll_launch_dispatch(buf, key, 1, x, ids, 288, FP8_SCALE_POWER_OF_TWO, into, None)
     assert buf.launches[-1][5] == FP8_SCALE_POWER_OF_TWO  # the kernels quantize by DeepEP's rule
     ptr = [[t.data_ptr() for t in (launch[2], *launch[4])] for launch in buf.launches]
     assert ptr[1] == ptr[0] and ptr[2] == ptr[0]  # the same tensors: nothing made per call

@@ -56,12 +56,12 @@ def compiled_ptx(request, sm90_module):
     return module.dtype, module.ptx
 
 
-def test_targets_sm90_with_ten_kernels(compiled_ptx):
+def test_targets_sm90_with_eleven_kernels(compiled_ptx):
     _, ptx = compiled_ptx
     assert re.search(r"(?m)^\.target sm_90$", ptx)
     kinds = Counter(kind for kind, _ in _entries(ptx))
-    assert sorted(kinds) == ["Combine", "Dispatch", "Fanout", "Layout", "PartialSum", "RankCombine",
-                             "RankDispatch", "RankLayout", "ReducePush", "StageY"]
+    assert sorted(kinds) == ["Combine", "Dispatch", "Fanout", "Layout", "LowLatencyDispatch", "PartialSum",
+                             "RankCombine", "RankDispatch", "RankLayout", "ReducePush", "StageY"]
     # The DSL emits an entry point per launch site: the module launches each kernel from one site.
     assert kinds == {kind: 1 for kind in kinds}
 
@@ -125,7 +125,7 @@ def test_kernels_declare_their_ctas_per_sm(compiled_ptx):
     kernels = _kernels(ptx)
     for name in ("ReducePush", "PartialSum"):
         assert re.search(r"\.minnctapersm 2\b", kernels[name]), name
-    for name in ("Dispatch", "RankDispatch"):
+    for name in ("Dispatch", "RankDispatch", "LowLatencyDispatch"):
         assert re.search(r"\.minnctapersm 1\b", kernels[name]), name
     for name in ("Layout", "Fanout", "Combine", "RankCombine"):
         assert ".minnctapersm" not in kernels[name], name
@@ -136,7 +136,7 @@ def test_row_copies_are_128_bit(compiled_ptx):
     kernels = _kernels(ptx)
     # unrolled pieces in flight per lane: ROW_COPY_UNROLL in the fan-out, DISPATCH_ROW_UNROLL in dispatch
     for name, unroll in (("Dispatch", DISPATCH_ROW_UNROLL), ("Fanout", ROW_COPY_UNROLL),
-                         ("RankDispatch", DISPATCH_ROW_UNROLL)):
+                         ("RankDispatch", DISPATCH_ROW_UNROLL), ("LowLatencyDispatch", ROW_COPY_UNROLL)):
         ops = _ops(kernels[name])
         assert ops["st.global.v4.b32"] >= unroll, (name, ops)
         assert ops["ld.global.v4.b32"] >= unroll, (name, ops)
@@ -175,11 +175,12 @@ def test_every_wait_for_a_peer_is_bounded(compiled_ptx):
     assert "signal_wait_until" not in ptx  # NVSHMEM's wait has no timeout: one missing peer hangs all
     kernels = _kernels(ptx)
     for name in ("Layout", "RankLayout", "Dispatch", "Combine", "ReducePush", "PartialSum", "RankDispatch",
-                 "RankCombine"):
+                 "RankCombine", "LowLatencyDispatch"):
         text = kernels[name]
         assert "ld.acquire.sys.global.u64" in text, name  # polls the signal with acquire semantics
         assert text.count("%globaltimer") >= 2, name  # start time + a fresh read inside the loop
-    for name in ("Layout", "Dispatch", "Fanout", "Combine", "ReducePush", "PartialSum"):  # fault record first
+    for name in ("Layout", "Dispatch", "Fanout", "Combine", "ReducePush", "PartialSum",
+                 "LowLatencyDispatch"):  # fault record first
         assert "ld.volatile.global.b32" in kernels[name], name
 
 
@@ -202,6 +203,21 @@ def test_dispatch_quantizes_fp8_like_the_reference(compiled_ptx):
     assert ops["st.global.b32"] > 0, ops  # the scales and padding (and fp32 rows' FP8 words)
     if dtype != torch.float32:  # a lane's 8 FP8 values of a 2-byte row: one 64-bit store
         assert ops["st.global.v2.b32"] > 0, ops
+
+
+def test_low_latency_dispatch_numbers_pairs_and_signals_counts(compiled_ptx):
+    """The low-latency dispatch (kernels/low_latency_dispatch.py) numbers each step of 32 pairs with one
+    match.any, writes each pair's token index with a single-element put, announces its counts with signal
+    ops, quantizes FP8 rows by the same conversion as the dispatch, and moves rows to other nodes with
+    put_warp."""
+    dtype, ptx = compiled_ptx
+    text = _kernels(ptx)["LowLatencyDispatch"]
+    ops = _ops(text)
+    assert ops["match.any.sync.b32"] >= 2, ops  # the numbering and the destination ranks of a token
+    assert "nvshmem_int32_p" in text and "nvshmemx_signal_op" in text
+    assert re.search(rf"\bnvshmemx_{DTYPES[dtype]}_put_warp\b", text)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in text and ops["div.rn.f32"] >= 2, ops
+    assert "fence.sc.sys" in text
 
 
 class _FakeLib:

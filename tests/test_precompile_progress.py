@@ -119,14 +119,13 @@ def test_main_prints_progress_per_dtype_and_no_layout_warning(precompile, monkey
     assert "float32 (2/2): compiling ..." in lines
     assert any(line.startswith("float32: compiled in ") for line in lines), out
     # per dtype the EP module, then the MoE layer's SwiGLU kernels (--no-swiglu: the EP modules only);
-    # then the DeepEP front's layout kernel per id type and its low-latency padded layout
-    layouts = [("token_layout", "int64"), ("token_layout", "int32"), ("padded_layout",)]
-    assert [k[0] for k in compiled[:-3]] == ["ep_module", "swiglu", "swiglu"] * 2, compiled
-    assert compiled[-3:] == layouts, compiled
+    # then the DeepEP front's layout kernel per id type
+    layouts = [("token_layout", "int64"), ("token_layout", "int32")]
+    assert [k[0] for k in compiled[:-2]] == ["ep_module", "swiglu", "swiglu"] * 2, compiled
+    assert compiled[-2:] == layouts, compiled
     assert "bfloat16 SwiGLU backward: compiled in " in out, out
     assert "token layout (int32 ids): compiled in " in out, out
-    assert "low-latency padded layout: compiled in " in out, out
     compiled.clear()
     assert precompile.main([*argv, "--no-swiglu"]) == 0
-    assert [k[0] for k in compiled[:-3]] == ["ep_module"] * 2 and compiled[-3:] == layouts, compiled
+    assert [k[0] for k in compiled[:-2]] == ["ep_module"] * 2 and compiled[-2:] == layouts, compiled
     assert "Linking two modules" not in err and "ptxas info" in err, err

@@ -8,9 +8,10 @@ in each method's docstring and in docs/deep_ep.md. The receive sides are built o
   rank, tokens ascending: DeepEP's order), routed by ``is_token_in_rank`` with one expert per rank
   (``normal.rank_routing``); FP8 scales and top-k ids / weights travel in the token's row
   (``normal.RowFormat``);
-* low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``): the expert layout
-  (``layout="expert"``), rearranged into DeepEP's per-expert padded tensors with torch ops
-  (``low_latency.padded_layout``), no host sync.
+* low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``): on GPUs the module's low-latency
+  dispatch writes DeepEP's per-expert padded tensors in one launch (kernels/low_latency_dispatch.py) and
+  the expert layout's pull combine sums them back; on the host backends the expert layout, rearranged
+  with torch ops (``low_latency.padded_layout``). No host sync.
 
 Buffers: DeepEP's ``Buffer`` is sized by bytes and learns the shapes per call; cute-ep's buffers are sized
 by shape (``EpConfig``: hidden, experts, top-k, dtype, most tokens per rank). So a ``Buffer`` builds them

@@ -1,11 +1,11 @@
 """Low-latency calls replayed from CUDA graphs (``LowLatencyGraphs``), on the kernels' backend.
 
-A low-latency dispatch enqueues five launches (the ids' clamp and int32 copy, the module, the padded
-layout, the FP8 scales' copy) and a combine one launch of the module, and their host work is most of the
-call: on an H200 host (2026-11-28) a low-latency pair took 170-180 us of host time, of which the combine's
-launch took 34.5 us. A CUDA graph replays a call's launches in about 2.6 us of host time. A graph reads
-the addresses it was captured with, so a call is replayed only where its tensors are where the graph's
-were:
+A low-latency dispatch enqueues up to four launches (the ids' clamp and int32 copy, the module, the FP8
+scales' copy) and a combine one launch of the module, and their host work is most of the call: on an H200
+host (2026-11-28) a low-latency pair (then with one launch more, a padded-layout kernel) took 170-180 us
+of host time, of which the combine's launch took 34.5 us. A CUDA graph replays a call's launches in about
+2.6 us of host time. A graph reads the addresses it was captured with, so a call is replayed only where its
+tensors are where the graph's were:
 
 * **direct** (dispatch and combine): keyed by the call's argument signature (shapes, dtypes, strides,
   devices, flags), its buffer parity and the addresses of every tensor the launches read or write (the

@@ -1,11 +1,12 @@
 """The low-latency mode's torch parts: DeepEP's per-token FP8 cast, the per-expert padded receive layout
 built from the expert-major dispatch of ``cute_ep``, and its inverse for combine.
 
-``padded_layout`` is the one place the padded layout is made in torch (on a GPU the same results come from
-one launch, ``cute_ep.deep_ep.padded_kernel``); ``expert_major_rows`` is the one place combine reads it
-back in torch (on a GPU the combine's launch gathers the rows received itself: ``EpBuffer.launch_combine``
-with ``y_slot``). Both are sync-free torch ops whose work is proportional to the receive capacity (every
-row a rank could receive), not to the rows received: the host does not know that count without a sync.
+``padded_layout`` is the one place the padded layout is made in torch, for the host backends (on a GPU the
+module's low-latency dispatch writes it itself: kernels/low_latency_dispatch.py); ``expert_major_rows`` is the
+one place combine reads it back in torch (on a GPU the combine's launch gathers the rows received itself:
+``EpBuffer.launch_combine`` with ``y_slot``). Both are sync-free torch ops whose work is proportional to the
+receive capacity (every row a rank could receive), not to the rows received: the host does not know that count
+without a sync.
 """
 
 from __future__ import annotations
@@ -174,6 +175,18 @@ class PaddedOut:
                 src_info=self.src_info[:n].view(experts, slots), layout_range=self.layout_range,
                 slot=self.slot)
         return got
+
+    @classmethod
+    def make_exact(cls, experts: int, num_ranks: int, max_tokens: int, width: int, dtype: torch.dtype,
+                   device: torch.device) -> PaddedOut:
+        """The tensors the kernels' low-latency dispatch writes (kernels/low_latency_dispatch.py): no spare
+        rows, and slot [El * R * M] (each (expert, source, token) row of the combine's ``recv_y``)."""
+        n = experts * num_ranks * max_tokens
+        return cls(torch.empty((n, width), dtype=dtype, device=device),
+                   torch.empty(n, dtype=torch.int32, device=device),
+                   torch.empty(experts, dtype=torch.int32, device=device),
+                   torch.empty((experts, num_ranks), dtype=torch.int64, device=device),
+                   torch.empty(n, dtype=torch.int64, device=device))
 
     @classmethod
     def make(cls, scratch: PaddedScratch, num_ranks: int, width: int, dtype: torch.dtype,

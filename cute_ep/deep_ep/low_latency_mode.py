@@ -18,7 +18,6 @@ from cute_ep.deep_ep import low_latency as ll
 from cute_ep.deep_ep.checks import _ID_DTYPES, _check_row_dtype, check_expert_ids, check_tensors
 from cute_ep.deep_ep.handles import LowLatencyHandle, _LowLatencyRoute
 from cute_ep.deep_ep.lifecycle import _Scope
-from cute_ep.deep_ep.padded_kernel import PaddedLayoutLaunch, shared_padded_layout
 from cute_ep.deep_ep.pool import _CARRIER
 from cute_ep.deep_ep.utils import EventOverlap, function_modes_off
 from cute_ep.kernels.buffers import packed_fp8_row_bytes
@@ -67,8 +66,11 @@ class LowLatencyMode:
         does nothing. As DeepEP's, the results live in two alternating sets of receive tensors: valid until
         the next low-latency dispatch that lands on the same set (the second low-latency call after this
         one, a combine counting as a call; copy what must live longer). A token naming an expert twice
-        is refused. On GPUs the padded layout is one launch that moves the rows received, and the
-        combine's launch gathers them back by the same slots. x may be bf16, fp16 or fp32 and H any size
+        is refused on the host backends; on GPUs, where checking would cost a host sync, the kernel skips
+        ids outside [-1, E), sends a repeated expert's pairs as two, and records the call in its buffer's
+        status block (``input_fault``). On GPUs
+        the dispatch is one launch that writes the padded layout, and the combine's launch gathers the
+        rows received back by the slots the dispatch wrote. x may be bf16, fp16 or fp32 and H any size
         the kernels take (a multiple of 128 with FP8).
 
         Raises:
@@ -113,7 +115,7 @@ class LowLatencyMode:
                 res = self._dispatch_on(buf, payload, topk_idx.contiguous(), weights, "expert")
                 scratch, into = self._ll_receive(key, parity, res.recv_x, el, m)
                 got = (res.recv_x, res.recv_src, res.tokens_per_expert)
-                recv, padded = self._ll_place(parity, got, m, k, scratch, into, False, stats,
+                recv, padded = self._ll_place(parity, got, m, k, scratch, into, stats,
                                               hidden if use_fp8 else 0, use_ue8m0)
                 sent = res.handle
             route = _LowLatencyRoute(sent, padded.slot, m, hidden, num_experts, x.shape[0], topk_idx,
@@ -177,8 +179,9 @@ class LowLatencyMode:
             if topk_idx is not route.given_ids or topk_idx._version != route.given_version:
                 # pairs the caller set to -1 are skipped; the rest are the dispatch's (checked above on CPUs)
                 ids = torch.where(topk_idx < 0, torch.full_like(ids, -1), ids)
+            # either backend's low-latency layout combines as the expert layout's pull combine (variants.py)
             now = DispatchHandle(ids, topk_weights.contiguous(), sent.scatter, sent.num_tokens, sent.mode,
-                                 sent.layout)
+                                 "expert")
             if launch:
                 combined = out if out is not None and out.is_contiguous() else torch.empty(
                     (route.num_tokens, hidden), dtype=src.dtype, device=self.device)
@@ -245,24 +248,24 @@ class LowLatencyMode:
                              num_experts: int, fp8_rule: int, ue8m0: bool, stats: Tensor | None
                              ) -> tuple[Any, ll.PaddedRecv, DispatchHandle]:
         """A low-latency dispatch on the kernels: (what it returns as recv_x, the padded layout, the
-        expert-layout dispatch's handle). The expert-layout dispatch (``_ll_launch_dispatch``), the padded
-        layout (one launch, ``PaddedLayoutLaunch``; in torch where the kernel's bounds do not hold) and FP8's
-        (q, scales) views; replayed from a CUDA graph where ``sig`` (the arguments' signature, None: never)
-        repeats at this parity (``ll_graphs``)."""
+        dispatch's handle). One launch of the module writes the padded layout into this parity's receive
+        tensors (kernels/low_latency_dispatch.py), then FP8's (q, scales) views; replayed from a CUDA
+        graph where ``sig`` (the arguments' signature, None: never) repeats at this parity
+        (``ll_graphs``)."""
         hidden, k, world = x.shape[1], topk_idx.shape[1], self.group_size
         el = num_experts // world
         key, buf = self._buffer(hidden, x.dtype, num_experts, k, m, low_latency=True)
-        rows = buf.fp8_packed_rows() if fp8_rule else buf.recv_x
-        scratch, into = self._ll_receive(key, parity, rows, el, m)
-        on_gpu = PaddedLayoutLaunch.fits(rows, el, scratch.capacity)
+        width, dtype = (packed_fp8_row_bytes(hidden), torch.uint8) if fp8_rule else (hidden, x.dtype)
+        into = self._ll_kept_of(("padded", key, parity, dtype, width), lambda: ll.PaddedOut.make_exact(
+            el, world, m, width, dtype, self.device))
 
         def enqueue(xs: Tensor, ids: Tensor, add_to: Tensor | None) -> tuple:
-            sent = self._ll_launch_dispatch(buf, key, parity, xs, ids, num_experts, fp8_rule)
-            recv, padded = self._ll_place(parity, (rows, buf.recv_src, buf.tokens_per_expert), m, k, scratch,
-                                          into, on_gpu, add_to, hidden if fp8_rule else 0, ue8m0)
+            sent = self._ll_launch_dispatch(buf, key, parity, xs, ids, num_experts, fp8_rule, into, add_to)
+            padded = into.received(el, world * m)
+            recv = self._ll_fp8_out(parity, padded.rows, hidden, ue8m0) if fp8_rule else padded.rows
             return recv, padded, sent
 
-        if sig is not None and on_gpu and x.shape[0]:
+        if sig is not None and x.shape[0]:
             how, result = self._ll_graphs.dispatch(sig, parity, buf, x, topk_idx, stats, enqueue)
             if how is not None:
                 recv, padded, sent = result
@@ -290,32 +293,30 @@ class LowLatencyMode:
         launch()
 
     def _ll_place(self, parity: int, received: tuple[Tensor, Tensor, Tensor], m: int, k: int,
-                  scratch: ll.PaddedScratch, into: ll.PaddedOut, on_gpu: bool, stats: Tensor | None,
-                  fp8_hidden: int, ue8m0: bool) -> tuple[Any, ll.PaddedRecv]:
-        """(what a low-latency dispatch returns as recv_x, its padded layout) from what its expert-layout
-        dispatch received, ``received`` = (rows, source tags, rows per local expert): the padded layout in
-        one launch (``on_gpu``, which also adds the statistics) or in torch (then ``stats`` added here), and
-        with ``fp8_hidden`` (H of FP8 rows; 0: not FP8) the (q, scales) views."""
+                  scratch: ll.PaddedScratch, into: ll.PaddedOut, stats: Tensor | None, fp8_hidden: int,
+                  ue8m0: bool) -> tuple[Any, ll.PaddedRecv]:
+        """(what a low-latency dispatch returns as recv_x, its padded layout) on the host backends, from
+        what their expert-layout dispatch received, ``received`` = (rows, source tags, rows per local
+        expert): the padded layout in torch, ``stats`` added, and with ``fp8_hidden`` (H of FP8 rows; 0:
+        not FP8) the (q, scales) views."""
         rows, src, per_expert = received
-        world = self.group_size
-        if on_gpu:
-            padded = shared_padded_layout()(rows, src, per_expert, world, m, k, scratch, into, stats)
-        else:
-            padded = ll.padded_layout(rows, src, per_expert, world, m, k, scratch, into)
-            if stats is not None:
-                stats.add_(padded.count)
+        padded = ll.padded_layout(rows, src, per_expert, self.group_size, m, k, scratch, into)
+        if stats is not None:
+            stats.add_(padded.count)
         if not fp8_hidden:
             return padded.rows, padded
         return self._ll_fp8_out(parity, padded.rows, fp8_hidden, ue8m0), padded
 
     def _ll_launch_dispatch(self, buf: Any, key: tuple, parity: int, x: Tensor, topk_idx: Tensor,
-                            num_experts: int, fp8_rule: int = 0) -> DispatchHandle:
-        """A low-latency call's expert-layout dispatch on the kernels: one launch of the module
-        (``EpBuffer.launch_dispatch``) on routing tensors kept per parity (the handle owns them until the
+                            num_experts: int, fp8_rule: int, into: ll.PaddedOut, stats: Tensor | None
+                            ) -> DispatchHandle:
+        """A low-latency call's dispatch on the kernels: one launch of the module
+        (``EpBuffer.launch_dispatch``, layout "low-latency") writing the padded layout into ``into`` (and
+        its counts into ``stats``), on routing tensors kept per parity (the handle owns them until the
         second low-latency call after this one, DeepEP's lifetime), so no tensor is made per call. The ids
-        become int32 as ``check_dispatch_inputs`` makes them: clamped to [-2, E] first (the kernels refuse
-        an id outside [-1, E); no int64 id wraps into that range). ``fp8_rule``: 0 (rows as they are), or
-        the kernels quantize each row by that scale rule (``FP8_SCALE_LOW_LATENCY`` or
+        become int32 as ``check_dispatch_inputs`` makes them: clamped to [-2, E] first (the kernel skips
+        and records an id outside [-1, E); no int64 id wraps into that range). ``fp8_rule``: 0 (rows as
+        they are), or the kernel quantizes each row by that scale rule (``FP8_SCALE_LOW_LATENCY`` or
         ``FP8_SCALE_POWER_OF_TWO``: DeepEP's low-latency cast, bit for bit)."""
         self._combined.clear()  # a dispatch orders every rank's earlier combines before later writes
         t, k = topk_idx.shape
@@ -330,8 +331,11 @@ class LowLatencyMode:
         torch.clamp(topk_idx, -2, num_experts, out=routing.clamped)
         if routing.ids is not routing.clamped:
             routing.ids.copy_(routing.clamped)
-        return buf.launch_dispatch(x, routing.ids, routing.weights, fp8=fp8_rule, layout="expert",
-                                   own=routing.own)
+        padded = {"ll_x": into.rows, "ll_src_info": into.src_info, "ll_count": into.count,
+                  "ll_range": into.layout_range, "ll_stats": into.count if stats is None else stats,
+                  "y_slot": into.slot}
+        return buf.launch_dispatch(x, routing.ids, routing.weights, fp8=fp8_rule, layout="low-latency",
+                                   own=routing.own, padded=padded)
 
     def _ll_combine_args(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, zero_copy: bool,
                          out: Any, both_flags: bool) -> tuple[_LowLatencyRoute, Tensor]:

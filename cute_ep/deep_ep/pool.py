@@ -49,12 +49,13 @@ class BufferPool:
         mode (``low_latency``): a dispatch to ``num_experts`` experts with top-``num_topk`` and its combine,
         of ``dtype`` rows (the same bytes with ``fp8``: use_fp8 quantizes into that buffer's packed rows).
         ``num_max_tokens_per_rank`` is rounded to the normal mode's bucket in the normal mode."""
-        def cfg(width: int, dt: torch.dtype, experts: int, topk: int, tokens: int) -> EpConfig:
+        def cfg(width: int, dt: torch.dtype, experts: int, topk: int, tokens: int,
+                ll: bool = False) -> EpConfig:
             return EpConfig(world_size=num_ranks, local_world_size=num_ranks, num_experts=experts, topk=topk,
-                            hidden=width, dtype=dt, max_tokens=tokens)
+                            hidden=width, dtype=dt, max_tokens=tokens, low_latency=ll)
 
         if low_latency:  # one buffer: an FP8 dispatch quantizes into its packed rows (H % 128 == 0)
-            return cfg(hidden, dtype, num_experts, num_topk, num_max_tokens_per_rank).symmetric_bytes()
+            return cfg(hidden, dtype, num_experts, num_topk, num_max_tokens_per_rank, True).symmetric_bytes()
         m = _bucket(num_max_tokens_per_rank)
         fmt = normal.RowFormat(torch.float8_e4m3fn if fp8 else dtype, hidden,
                                torch.float32 if fp8 else None, hidden // 128 if fp8 else 0, num_topk)
@@ -94,7 +95,8 @@ class BufferPool:
         env = self.runtime.env
         cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
                        num_experts=num_experts, topk=topk, hidden=hidden, dtype=dtype, max_tokens=max_tokens,
-                       num_sms=self._new_buffer_sms(low_latency, num_sms) if self.backend == "cute" else 0)
+                       num_sms=self._new_buffer_sms(low_latency, num_sms) if self.backend == "cute" else 0,
+                       low_latency=low_latency and self.backend == "cute")
         if self.backend == "cute":
             from cute_ep.buffer import EpBuffer
 

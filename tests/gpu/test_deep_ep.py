@@ -343,75 +343,56 @@ def test_layout_kernel_matches_torch(runtime, buffers, id_dtype: torch.dtype) ->
     torch.cuda.synchronize()
 
 
-def _expert_major_receive(g: torch.Generator, experts: int, ranks: int, max_tokens: int, topk: int,
-                          capacity: int, width: int, dtype: torch.dtype) -> tuple:
-    """What an expert-major dispatch leaves for the padded layout, made up: (rows [C, width], tags [C]
-    int32, tokens_per_expert [El] int32), each expert's rows by source rank ascending, random tokens and
-    k, some experts and (expert, source) blocks empty, stale rows (random tags and values) past the
-    count."""
-    blocks = torch.randint(0, max_tokens + 1, (experts, ranks), generator=g)
-    blocks[torch.rand(experts, ranks, generator=g) < 0.25] = 0
-    blocks[0] = 0  # an expert without rows
-    tags = []
-    for e in range(experts):
-        for s in range(ranks):
-            n = int(blocks[e, s])
-            t = torch.randperm(max_tokens, generator=g)[:n].sort().values
-            k = torch.randint(0, topk, (n,), generator=g)
-            tags.append((s * max_tokens + t) * topk + k)
-    live = torch.cat(tags)
-    if live.numel() > capacity:  # keep the first experts' rows whole (a smaller draw)
-        keep = int((blocks.sum(1).cumsum(0) <= capacity).sum())
-        blocks[keep:] = 0
-        live = live[: int(blocks.sum())]
-    stale = torch.randint(0, ranks * max_tokens * topk, (capacity - live.numel(),), generator=g)
-    rows = torch.randn(capacity, width, generator=g).to(dtype)
-    return rows, torch.cat([live, stale]).to(torch.int32), blocks.sum(1).to(torch.int32)
-
-
-@pytest.mark.parametrize("dtype, width",
-                         [(torch.bfloat16, 7168), (torch.float32, 36), (torch.bfloat16, 3672)])
-def test_padded_layout_kernel_matches_torch(runtime, dtype: torch.dtype, width: int) -> None:
-    """The low-latency dispatch's padded layout in one launch (kernels/padded_layout.py) against the torch
-    form on the same inputs: rows and src_info on every filled slot, counts, layout ranges, the slots
-    combine gathers from (stale rows: the last slot), the statistics added; slots past a count untouched
-    (poisoned before, poisoned after). Rows of bf16, fp32 and packed FP8 widths (3672 bf16: 7168 e4m3
-    bytes and 56 fp32 scales, padded to 16 bytes). Local to each rank; no host sync once compiled."""
-    from cute_ep.deep_ep import low_latency as ll
-    from cute_ep.deep_ep.padded_kernel import PaddedLayoutLaunch
-
-    dev = runtime.device
-    g = torch.Generator().manual_seed(runtime.seed * 1000 + 11 * runtime.env.rank + width)
-    experts, ranks, max_tokens, topk = 9, 3, 40, 8
-    capacity = experts * ranks * max_tokens // 2
-    rows, tags, per_expert = _expert_major_receive(g, experts, ranks, max_tokens, topk, capacity, width,
-                                                   dtype)
-    rows, tags, per_expert = rows.to(dev), tags.to(dev), per_expert.to(dev)
-    scratch = ll.PaddedScratch.make(capacity, experts, ranks, max_tokens, dev)
-    want = ll.padded_layout(rows, tags, per_expert, ranks, max_tokens, topk, scratch,
-                            ll.PaddedOut.make(scratch, ranks, width, dtype, dev))
-    into = ll.PaddedOut.make(scratch, ranks, width, dtype, dev)
-    into.rows.fill_(7.0)
-    into.src_info.fill_(-5)
-    stats = torch.randint(0, 100, (experts,), dtype=torch.int32, device=dev)
-    before = stats.clone()
-    launch = PaddedLayoutLaunch()
-    assert launch.fits(rows, experts, capacity)
-    got = launch(rows, tags, per_expert, ranks, max_tokens, topk, scratch, into, stats)
-    assert torch.equal(got.count, want.count) and torch.equal(got.layout_range, want.layout_range)
-    assert torch.equal(got.slot, want.slot)
-    assert torch.equal(stats, before + want.count)
-    for e, n in enumerate(want.count.tolist()):
-        assert torch.equal(got.rows[e, :n], want.rows[e, :n]), e
-        assert torch.equal(got.src_info[e, :n], want.src_info[e, :n]), e
-        assert bool((got.rows[e, n:] == 7.0).all()) and bool((got.src_info[e, n:] == -5).all()), e
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        launch(rows, tags, per_expert, ranks, max_tokens, topk, scratch, into)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+@pytest.mark.parametrize("fp8", [False, True])
+def test_low_latency_dispatch_fills_only_the_slots_it_counts(runtime, buffers, fp8: bool) -> None:
+    """The low-latency dispatch kernel (kernels/low_latency_dispatch.py) over three calls, the third landing
+    on the first one's receive tensors (DeepEP's two alternating sets), poisoned after the first: every
+    counted slot as the reference has it, every slot past a count still poisoned, the statistics added
+    once per call. Token counts differ per rank and call (a rank may send none); the second and third
+    calls make no host sync."""
+    kern, ref = buffers
+    rank, world = runtime.env.rank, runtime.env.world_size
+    m, experts = 24, EXPERTS_PER_RANK * world
+    poison_rows, poison_src = 7.0, -5
+    first = None
+    stats = torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32, device=runtime.device)
+    want_stats = torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32)
+    for call in range(3):
+        tokens = (runtime.seed + 5 * rank + 7 * call) % (m + 1)  # 0 .. m
+        inp = make_inputs(rank, world, tokens, runtime.seed * 10 + call)
+        want = ref.low_latency_dispatch(inp["x"], inp["idx"], m, experts, use_fp8=fp8)
+        want_stats += want[1]
+        x, idx = inp["x"].to(runtime.device), inp["idx"].to(runtime.device)
+        if call:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            recv, count, handle, _, _ = kern.low_latency_dispatch(
+                x, idx, m, experts, cumulative_local_expert_recv_stats=stats, use_fp8=fp8)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        rows = recv[0] if fp8 else recv
+        if call == 0:
+            first = (rows, handle[0])
+            if fp8:
+                rows.view(torch.uint8).fill_(0x41)
+            else:
+                rows.fill_(poison_rows)
+            handle[0].fill_(poison_src)
+            continue
+        assert_same("count", count, want[1])
+        assert_same("layout_range", handle[1], want[2][1])
+        for e, n in enumerate(count.tolist()):
+            assert_same(f"rows[{e}]", rows[e, :n], (want[0][0] if fp8 else want[0])[e, :n])
+            assert_same(f"src_info[{e}]", handle[0][e, :n], want[2][0][e, :n])
+            if fp8:
+                assert_same(f"scales[{e}]", recv[1][e, :n], want[0][1][e, :n])
+            if call == 2:  # the first call's tensors again: past the count as the poison left them
+                assert rows.data_ptr() == first[0].data_ptr()
+                tail = rows[e, n:].view(torch.uint8) if fp8 else rows[e, n:]
+                assert bool((tail == (0x41 if fp8 else poison_rows)).all()), e
+                assert bool((handle[0][e, n:] == poison_src).all()), e
+    assert_same("stats", stats, want_stats)
 
 
 def test_low_latency_in_a_cuda_graph(runtime, buffers) -> None:

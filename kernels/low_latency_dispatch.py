@@ -1,0 +1,342 @@
+"""Low-latency dispatch kernel: DeepEP's per-expert padded receive layout in one launch, with no count
+exchange before the rows move.
+
+What rank d gets (the caller's tensors, passed per call): expert l's rows in ``ll_x`` [El * R * M, W] at
+slots l * R * M + [0, ll_count[l]), the blocks of source ranks in rank order, each source's tokens
+ascending; ``ll_src_info`` at each filled slot the token's index on its source; ``ll_count`` [El];
+``ll_range`` [El, R] int64 ((begin << 32) | rows of each source's block); ``ll_stats`` [El] += ll_count
+(unless it is ``ll_count`` itself: the caller keeps no statistics); ``y_slot`` [E * M] int64: for each
+row (l, s, j) of ``recv_y`` (l-major, then source s, then j < M) the padded slot whose expert output the
+combine's staging gathers into it (-1: none). The sender's ``scatter[t, k]`` = (l * R + r) * M + j, the
+row of ``recv_y`` on the expert's rank that the pull combine (kernels/combine.py) reads. W: a row of the
+buffer's dtype, or with ``fp8`` a packed FP8 row (kernels/quantize.py).
+
+Call ``epoch`` (epochs[OP_DISPATCH] + 1) uses set q = epoch % 2 of the symmetric ``ll_rows``,
+``ll_index`` and ``ll_signals`` (DeepEP's two alternating buffers). Why two are enough: a rank's call
+epoch ends only after every peer's counts of that call arrived, so no peer starts call epoch + 2 (the
+next one on set q) before this rank has finished reading set q.
+1. Numbering (warp 0 of every CTA, over all pairs): pair i = t * K + k routed to expert e gets j, the
+   number of earlier pairs (row-major) routed to e; 32 pairs a step, a histogram of E counts in shared
+   memory, lanes of one expert in a step ranked by ``match_sync``. The CTA's own tokens' slots go to
+   ``scatter``. Meanwhile the other warps send the CTA's rows, which need no number.
+2. Send (warps 1.., a token each): the row (FP8: quantized once into ``packed``) goes once to each rank
+   its experts live on, into that rank's ``ll_rows[q * R * M + r * M + t]``. Then (every thread, a pair
+   each) t goes into ``ll_index[q, l, r, j]`` on the expert's rank.
+3. Counts (the last CTA to finish step 2, its histogram): for every expert e, ``ll_signals[q, l, r]`` on
+   e's rank becomes (epoch << 32) | count after a system fence (rows and indices land first).
+4. Receive (each CTA a contiguous range of local experts, 16 at a time): a warp per expert waits for its R
+   counts, scans them into its blocks' starts and writes the metadata; then the CTA's warps copy the rows
+   of those experts from ``ll_rows`` into their padded slots, a warp per row (a decode batch's few rows
+   per expert spread over every warp, not one warp's).
+5. The last CTA to finish advances epochs[OP_LAYOUT] and epochs[OP_DISPATCH] (unless a wait timed out),
+   and sets ``num_recv`` to E * M (the rows the combine's staging walks).
+Ids outside [-1, E) and a token naming an expert twice are recorded in ``input_fault`` (this rank); an
+invalid id's pair is skipped, a repeated expert's pairs travel as two. After a fault nothing moves.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import nvshmem.core.device.cute as nvshmem_cute
+from cutlass import Int32, Int64
+
+from cute_ep.kernels.base import EpKernel
+from cute_ep.kernels.buffers import (
+    DONE_DISPATCH,
+    DONE_LOW_LATENCY,
+    INPUT_FAULT_FIRST,
+    INPUT_FAULT_RANKS,
+    EpParams,
+)
+from cute_ep.kernels.config import MAX_EXPERTS, MAX_WORLD_SIZE, OP_DISPATCH, OP_LAYOUT, VECTOR_BYTES, WARP
+from cute_ep.kernels.dispatch_senders import send_row_into
+from cute_ep.kernels.layout import cta_tokens
+from cute_ep.kernels.naming import profiler_name
+from cute_ep.kernels.ptx import fence_sys, ld_acquire_u64
+from cute_ep.kernels.quantize import quantize_row_warp
+from cute_ep.kernels.rows import copy_row_warp, element, element_addr, row_space
+from cute_ep.kernels.signals import SIGNAL_SET, fault_free, last_cta_arrives, record_fault, wait_signal_ge
+
+NUMBER_UNROLL = 8  # 32-pair steps whose ids warp 0 loads at once (one latency per 8 steps)
+SOURCE_SEARCH_STEPS = 9  # binary-search steps over the R + 1 block starts (R <= MAX_WORLD_SIZE = 256)
+EXPERT_SEARCH_STEPS = 5  # ... over the first rows of a CTA's 16 experts
+STARTS = MAX_WORLD_SIZE + 1  # shared-memory ints per warp: its expert's block starts and total
+
+
+class LowLatencyDispatchKernel(EpKernel):
+    """The low-latency dispatch (see the module docstring); every size is a run-time argument."""
+
+    threads = 512
+    ctas_per_sm = 1
+
+    @cute.kernel
+    def kernel(self, p: EpParams):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        NCTA, _, _ = cute.arch.grid_dim()
+        smem = cutlass.memory.SmemAllocator()
+        hist = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS), 16)
+        starts = smem.allocate_tensor(Int32, cute.make_layout(self.threads // WARP * STARTS), 16)
+        firsts = smem.allocate_tensor(Int32, cute.make_layout(self.threads // WARP + 1), 4)
+        last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+        epoch = p.epochs[OP_DISPATCH] + Int64(1)
+        q = Int32(epoch % 2)
+        live = Int32(0)
+        if fault_free(p.fault):
+            live = Int32(1)
+        t_first, t_end = cta_tokens(p.num_tokens, bid, NCTA)
+        if live == 0:
+            t_end = t_first
+        for e in range(tid, p.num_experts, self.threads):
+            hist[e] = Int32(0)
+        cute.arch.sync_threads()
+        if tid < WARP:
+            if live != 0:
+                self.number_pairs(p, hist, t_first, t_end, tid)
+        else:
+            self.send_rows(p, q, t_first, t_end, tid)
+        cute.arch.sync_threads()  # the CTA's slots are in scatter
+        self.send_indices(p, q, t_first, t_end, tid)
+        nvshmem_cute.quiet()
+        fence_sys()  # this thread's rows and indices, before the CTA's arrival
+        cute.arch.sync_threads()
+        if tid == 0:
+            last[0] = last_cta_arrives(p.done, DONE_DISPATCH)
+        cute.arch.sync_threads()
+        if last[0] != 0:
+            if live != 0:
+                self.announce_counts(p, hist, q, epoch, tid)
+        self.receive(p, starts, firsts, q, epoch, live, tid)
+        if tid == 0:
+            if last_cta_arrives(p.done, DONE_LOW_LATENCY) != 0:
+                if fault_free(p.fault):
+                    p.num_recv[0] = p.capacity
+                    p.epochs[OP_LAYOUT] = p.epochs[OP_LAYOUT] + Int64(1)
+                    p.epochs[OP_DISPATCH] = epoch
+
+    @cute.jit
+    def number_pairs(self, p: EpParams, hist: cute.Tensor, t_first: Int32, t_end: Int32, lane: Int32):
+        """Step 1, by warp 0: every pair's number within its expert (``hist`` ends as the counts); the
+        slots of tokens [t_first, t_end) go to ``scatter`` (-1 for an id of -1 or out of range)."""
+        K, E, El, R, M = p.topk, p.num_experts, p.experts_per_rank, p.world_size, p.max_tokens
+        ids = cute.make_tensor(p.topk_idx.iterator, cute.make_layout(p.num_tokens * K))
+        scatter = cute.make_tensor(p.scatter.iterator, cute.make_layout(p.max_tokens * K))
+        pairs = p.num_tokens * K
+        lt = Int32(cute.arch.lanemask_lt())
+        le = lt | (Int32(1) << lane)
+        got = cute.make_rmem_tensor(cute.make_layout(NUMBER_UNROLL), Int32)
+        for base in range(0, pairs, NUMBER_UNROLL * WARP):
+            for u in cutlass.range_constexpr(NUMBER_UNROLL):  # every load in flight before the first use
+                got[u] = Int32(-1)
+                if base + u * WARP + lane < pairs:
+                    got[u] = ids[base + u * WARP + lane]
+            for u in cutlass.range_constexpr(NUMBER_UNROLL):
+                i = base + u * WARP + lane
+                e = got[u]
+                key = Int32(-1) - lane  # invalid lanes match nobody
+                if e >= 0:
+                    if e < E:
+                        key = e
+                same = Int32(cute.arch.match_sync(cute.arch.FULL_MASK, key))
+                before = Int32(0)
+                if key >= 0:
+                    before = hist[key]
+                cute.arch.sync_warp()  # every lane has read the count before its group's last lane adds
+                if key >= 0:
+                    if (same & ~le) == 0:  # the group's last lane
+                        hist[key] = before + cute.arch.popc(same)
+                cute.arch.sync_warp()
+                t = i // K
+                if t >= t_first:
+                    if t < t_end:
+                        slot = Int32(-1)
+                        if key >= 0:
+                            slot = ((key % El) * R + p.rank) * M + before + cute.arch.popc(same & lt)
+                        scatter[i] = slot
+
+    @cute.jit
+    def send_rows(self, p: EpParams, q: Int32, t_first: Int32, t_end: Int32, tid: Int32):
+        """Step 2's rows, by warps 1..: each token of [t_first, t_end) once to every rank it names."""
+        dtype = p.x.element_type
+        H, K, El, M = p.hidden, p.topk, p.experts_per_rank, p.max_tokens
+        row_bytes = H * (dtype.width // 8)
+        if p.fp8 != 0:
+            row_bytes = p.fp8_row_bytes
+        x_rows, packed_rows = row_space(p.x, Int64(H) * (dtype.width // 8)), row_space(p.packed, row_bytes)
+        dest = row_space(p.ll_rows, row_bytes)
+        lane = tid % WARP
+        senders = self.threads // WARP - 1
+        for t in range(t_first + tid // WARP - 1, t_end, senders):
+            d = Int32(-1)
+            if lane < K:  # K <= 32 (EpConfig): a lane per pair
+                e = p.topk_idx[t, lane]
+                if e >= 0:
+                    if e < p.num_experts:
+                        d = e // El
+            same = Int32(cute.arch.match_sync(cute.arch.FULL_MASK, d))  # lanes bound for one rank
+            lead = Int32(0)
+            if d >= 0:
+                if (same & Int32(cute.arch.lanemask_lt())) == 0:
+                    lead = Int32(1)
+            sends = Int32(cute.arch.vote_ballot_sync(lead != 0))
+            src_addr = x_rows.row(t)
+            if sends != 0:
+                if p.fp8 != 0:
+                    quantize_row_warp(dtype, src_addr, packed_rows.row(t), H, row_bytes, lane, p.fp8)
+                    cute.arch.sync_warp()  # lanes copy bytes other lanes wrote
+                    src_addr = packed_rows.row(t)
+                send_row_into(dtype, p, dest, src_addr, d, q * p.rank_capacity + p.rank * M + t, sends,
+                              row_bytes, lane)
+
+    @cute.jit
+    def send_indices(self, p: EpParams, q: Int32, t_first: Int32, t_end: Int32, tid: Int32):
+        """Step 2's indices, a thread per pair of the CTA's tokens: t into ``ll_index[q, l, r, j]`` on the
+        expert's rank; the handle's copies of the routing (``own_routing``); invalid ids recorded."""
+        K, E, El, M = p.topk, p.num_experts, p.experts_per_rank, p.max_tokens
+        for i in range(t_first * K + tid, t_end * K, self.threads):
+            t = i // K
+            k = i % K
+            e = p.topk_idx[t, k]
+            slot = p.scatter[t, k]
+            bad = Int32(0)
+            if e < -1:
+                bad = Int32(1)
+            if e >= E:
+                bad = Int32(1)
+            for k2 in range(k):
+                if p.topk_idx[t, k2] == e:
+                    if e >= 0:
+                        bad = Int32(1)
+            if bad != 0:
+                p.input_fault[INPUT_FAULT_RANKS] = Int32(1)
+                p.input_fault[INPUT_FAULT_FIRST] = p.rank
+            if slot >= 0:
+                nvshmem_cute.p(element(p.ll_index, (q, e % El, p.rank, slot % M)), t, e // El)
+            if p.own_routing != 0:
+                p.own_idx[t, k] = e
+                p.own_w[t, k] = p.topk_w[t, k]
+
+    @cute.jit
+    def announce_counts(self, p: EpParams, hist: cute.Tensor, q: Int32, epoch: Int64, tid: Int32):
+        """Step 3, by the last CTA: each expert's count, tagged with the epoch, into its rank's signal."""
+        El = p.experts_per_rank
+        fence_sys()  # every CTA's rows and indices (their arrivals seen) before this thread's signals
+        for e in range(tid, p.num_experts, self.threads):
+            value = (epoch << 32) | Int64(hist[e])
+            nvshmem_cute.signal_op(element(p.ll_signals, (q, e % El, p.rank)), value, SIGNAL_SET, e // El)
+
+    @cute.jit
+    def receive(self, p: EpParams, starts: cute.Tensor, firsts: cute.Tensor, q: Int32, epoch: Int64,
+                live: Int32, tid: Int32):
+        """Step 4, by every thread: the CTA's contiguous range of local experts, NW at a time (NW = warps
+        per CTA): a warp per expert waits for its counts and places its blocks (``place_blocks``), then
+        the CTA's warps copy the rows of those NW experts, spread over them all."""
+        NW = self.threads // WARP
+        warp, lane = tid // WARP, tid % WARP
+        bid, _, _ = cute.arch.block_idx()
+        NCTA, _, _ = cute.arch.grid_dim()
+        mine = cute.make_tensor(starts.iterator + warp * STARTS, cute.make_layout(STARTS))
+        e_first, e_end = cta_tokens(p.experts_per_rank, bid, NCTA)  # the same even split, over experts
+        for chunk in range(e_first, e_end, NW):
+            total = Int32(0)
+            if chunk + warp < e_end:
+                total = self.place_blocks(p, mine, q, epoch, chunk + warp, live, lane)
+            if lane == 0:
+                firsts[warp] = total
+            cute.arch.sync_threads()
+            if tid == 0:  # each expert's first row among the chunk's rows
+                run = Int32(0)
+                for w in range(NW):
+                    n = firsts[w]
+                    firsts[w] = run
+                    run = run + n
+                firsts[NW] = run
+            cute.arch.sync_threads()
+            self.copy_rows(p, starts, firsts, q, chunk, warp, lane)
+            cute.arch.sync_threads()  # starts and firsts are rewritten by the next chunk
+
+    @cute.jit
+    def place_blocks(self, p: EpParams, starts: cute.Tensor, q: Int32, epoch: Int64, el: Int32, live: Int32,
+                     lane: Int32) -> Int32:
+        """Local expert ``el``, by one warp: wait for each source's count (a lane per source), the blocks'
+        starts into ``starts`` (R + 1 entries, the last the total), and the metadata: count, statistics,
+        layout range, src_info and y_slot. Returns the expert's rows."""
+        R, M, S = p.world_size, p.max_tokens, p.rank_capacity
+        carry = Int32(0)
+        for s0 in range(0, R, WARP):
+            s = s0 + lane
+            n = Int32(0)
+            if s < R:
+                if live != 0:
+                    addr = element_addr(p.ll_signals, (q, el, s))
+                    if wait_signal_ge(addr, epoch << 32, Int64(p.timeout_ms) * 1000000) != 0:
+                        n = Int32(ld_acquire_u64(addr) & Int64(0xFFFFFFFF))
+                    else:
+                        record_fault(p.fault, Int32(OP_DISPATCH), s, epoch)
+            incl = n  # inclusive scan of the counts across the warp
+            for k in cutlass.range_constexpr(5):
+                got = cute.arch.shuffle_sync_up(incl, 1 << k)
+                if lane >= (1 << k):
+                    incl = incl + got
+            if s < R:
+                starts[s] = carry + incl - n
+            carry = carry + cute.arch.shuffle_sync(incl, WARP - 1)
+        if lane == 0:
+            starts[R] = carry
+            p.ll_count[el] = carry
+            if p.ll_stats.iterator.toint() != p.ll_count.iterator.toint():
+                p.ll_stats[el] = p.ll_stats[el] + carry
+        cute.arch.sync_warp()
+        base = el * S
+        for s in range(lane, R, WARP):
+            p.ll_range[el, s] = (Int64(starts[s]) << 32) | Int64(starts[s + 1] - starts[s])
+        for u in range(lane, S, WARP):  # (source, number) -> padded slot, for the combine's staging
+            s = u // M
+            j = u % M
+            slot = Int64(-1)
+            if j < starts[s + 1] - starts[s]:
+                slot = Int64(base + starts[s] + j)
+                p.ll_src_info[base + starts[s] + j] = p.ll_index[q, el, s, j]
+            p.y_slot[base + u] = slot
+        return carry
+
+    @cute.jit
+    def copy_rows(self, p: EpParams, starts: cute.Tensor, firsts: cute.Tensor, q: Int32, chunk: Int32,
+                  warp: Int32, lane: Int32):
+        """Step 4's rows, a warp per row over the chunk's rows: row r is expert w's (the warp that placed
+        it: ``firsts``) row r - firsts[w], source s's j-th (``starts`` of w), token ll_index[q, el, s, j]."""
+        dtype = p.x.element_type
+        NW = self.threads // WARP
+        row_bytes = p.hidden * (dtype.width // 8)
+        if p.fp8 != 0:
+            row_bytes = p.fp8_row_bytes
+        staged, padded = row_space(p.ll_rows, row_bytes), row_space(p.ll_x, row_bytes)
+        for r in range(warp, firsts[NW], NW):
+            w = self.last_at_or_before(firsts, r, NW - 1, EXPERT_SEARCH_STEPS)
+            theirs = cute.make_tensor(starts.iterator + w * STARTS, cute.make_layout(STARTS))
+            row = r - firsts[w]
+            s = self.last_at_or_before(theirs, row, p.world_size - 1, SOURCE_SEARCH_STEPS)
+            el = chunk + w
+            t = p.ll_index[q, el, s, row - theirs[s]]
+            copy_row_warp(dtype, staged.row(q * p.rank_capacity + s * p.max_tokens + t),
+                          padded.row(el * p.rank_capacity + row), row_bytes // VECTOR_BYTES, lane)
+
+    @cute.jit
+    def last_at_or_before(self, starts: cute.Tensor, r: Int32, hi: Int32, steps: cutlass.Constexpr) -> Int32:
+        """The last index in [0, hi] whose start is at or before r (empty blocks share the next one's
+        start, so it is the block holding r): a binary search of ``steps`` steps."""
+        lo = Int32(0)
+        top = hi
+        for _ in cutlass.range_constexpr(steps):
+            if lo < top:
+                mid = (lo + top + 1) // 2
+                if starts[mid] <= r:
+                    lo = mid
+                else:
+                    top = mid - 1
+        return lo
+
+
+profiler_name(LowLatencyDispatchKernel.kernel, "low_latency_dispatch")
