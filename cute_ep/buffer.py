@@ -102,10 +102,7 @@ class EpBuffer(StatusChecks, BackendBase):
         if cfg.num_sms < 1:
             raise ConfigError(f"num_sms 0 (this rank's share of its GPU) needs a runtime on a GPU, got "
                               f"device {getattr(runtime, 'device', None)}")
-        self.runtime = runtime
-        self.cfg = cfg
-        self.rank = runtime.env.rank
-        self.device = runtime.device
+        self.runtime, self.cfg, self.rank, self.device = runtime, cfg, runtime.env.rank, runtime.device
         index = self.device.index
         self._device_index = torch.cuda.current_device() if index is None else index
         self._closed = False
@@ -337,7 +334,8 @@ class EpBuffer(StatusChecks, BackendBase):
                      **variant(layout, self.cfg.combine_algorithm).scalars)
 
     def launch_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None = None, *,
-                       y: torch.Tensor | None = None, y_slot: torch.Tensor | None = None) -> None:
+                       y: torch.Tensor | None = None, y_slot: torch.Tensor | None = None,
+                       padded: dict | None = None) -> None:
         """Enqueue the combine kernel(s) on the current stream: no host sync (capturable), and of the
         arguments only ``out`` is checked (host-side: its shape, dtype, device and contiguity).
 
@@ -348,27 +346,25 @@ class EpBuffer(StatusChecks, BackendBase):
         y: the caller's expert outputs, staged into ``recv_y`` by the same launch first, as ``combine``
         stages them (for this buffer's latest dispatch only the rows it received). y_slot [C'] int64,
         contiguous, with y: row j of ``recv_y`` is staged from ``y[y_slot[j]]`` (a gather; y any [N, H]
-        rows of cfg.dtype, every value in [0, N): not checked on the device).
-        """
+        rows of cfg.dtype, every value in [0, N): not checked on the device). A low-latency handle's
+        combine reads y, its padded rows, itself (kernels/low_latency_combine.py): y_slot the dispatch's,
+        ``padded`` {"ll_count": its count}."""
         check_combine_out(self.cfg, self.device, out, handle.num_tokens)
         staged, y_rows, slots = (None, 0, None) if y is None else self._staging(y, handle, y_slot)
-        self._enqueue_combine(handle, out, algorithm, staged, y_rows, slots)
+        self._enqueue_combine(handle, out, algorithm, staged, y_rows, slots, padded)
 
     def _enqueue_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None,
-                         y: torch.Tensor | None = None, y_rows: int = 0,
-                         y_slot: torch.Tensor | None = None) -> None:
-        """``launch_combine`` without the check of ``out`` (``combine`` makes its own); ``y`` / ``y_rows``
-        / ``y_slot``: the caller's expert outputs the module stages into ``recv_y`` first
-        (``_staging``)."""
+                         y: torch.Tensor | None = None, y_rows: int = 0, y_slot=None, named=None) -> None:
+        """``launch_combine`` without the check of ``out`` (``combine`` makes its own); ``y`` / ``y_rows`` /
+        ``y_slot``: the caller's expert outputs the module stages into ``recv_y`` first (``_staging``)."""
         t = handle.num_tokens
-        # The kernels read the handle's slots where they are (a handle from dispatch() owns a copy): no
-        # copy into the buffer's ``scatter`` unless they are not laid out as it is.
+        # The handle's slots where they are (dispatch() owns a copy), unless not laid out as ``scatter``.
         scatter = handle.scatter
         if scatter.dtype != torch.int32 or not scatter.is_contiguous() or scatter.device != self.device:
             self.scatter[:t].copy_(scatter.reshape(t, self.cfg.topk))
             scatter = self.scatter
         self._launch(OP_COMBINE, t, idx=handle.topk_idx, w=handle.topk_weights, out=out, scatter=scatter,
-                     y=y, y_rows=y_rows, y_slot=y_slot,
+                     y=y, y_rows=y_rows, y_slot=y_slot, named=named,
                      **variant(handle.layout, algorithm or self.cfg.combine_algorithm).scalars)
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
@@ -424,6 +420,8 @@ class EpBuffer(StatusChecks, BackendBase):
         count, at most y's rows, or y_slot's): a sync-free dispatch's y covers the worst case, which is
         mostly rows nobody received. Rows the kernel cannot read with 16-byte accesses (a strided or
         misaligned y, or y_slot not contiguous int64) are copied here."""
+        if handle.layout == "low-latency":  # its combine reads y (the padded rows) itself
+            return y, 0, y_slot
         rows = y.shape[0] if y_slot is None else y_slot.shape[0]
         if not rows:
             return None, 0, None

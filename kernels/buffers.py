@@ -169,15 +169,15 @@ BUFFERS: tuple[Buffer, ...] = (
            "the caller's expert outputs, in recv_x's row order: combine's staging kernel copies their "
            "first rows into recv_y (y_rows says how many); with y_gather, any rows y_slot names"),
     Buffer("y_slot", lambda s: (s.capacity,), "int64", CALL, ("dispatch", "combine"),
-           "with y_gather: the row of y that row r of recv_y is staged from (a gather; -1: none); the "
-           "low-latency dispatch writes it for its padded layout"),
+           "with y_gather: the row of y that row r of recv_y is staged from (a gather); low-latency layout: "
+           "at each filled padded slot the pair it holds, (source rank * M + token) * K + k"),
     Buffer("ll_x", lambda s: (s.experts_per_rank * s.rank_capacity, s.hidden), ROW, CALL, ("dispatch",),
            "low-latency dispatch: the padded layout's rows, expert l's from row l * R * M (after an FP8 "
            "dispatch: packed FP8 rows, fp8_row_bytes apart)"),
     Buffer("ll_src_info", lambda s: (s.experts_per_rank * s.rank_capacity,), "int32", CALL, ("dispatch",),
            "low-latency dispatch: each filled padded slot's token index on its source rank"),
-    Buffer("ll_count", lambda s: (s.experts_per_rank,), "int32", CALL, ("dispatch",),
-           "low-latency dispatch: rows each local expert received"),
+    Buffer("ll_count", lambda s: (s.experts_per_rank,), "int32", CALL, ("dispatch", "combine"),
+           "low-latency dispatch: rows each local expert received (its combine: the rows it pushes back)"),
     Buffer("ll_range", lambda s: (s.experts_per_rank, s.world_size), "int64", CALL, ("dispatch",),
            "low-latency dispatch: (begin << 32) | rows of each source rank's block of each local expert"),
     Buffer("ll_stats", lambda s: (s.experts_per_rank,), "int32", CALL, ("dispatch",),
@@ -187,7 +187,7 @@ BUFFERS: tuple[Buffer, ...] = (
            "received rows, expert-major (after an FP8 dispatch: packed FP8 rows, fp8_row_bytes apart)",
            needed=_not_low_latency),
     Buffer("recv_y", lambda s: (s.capacity, s.hidden), ROW, SYMMETRIC, ("combine",),
-           "the experts' outputs, in recv_x's row order; combine reads them"),
+           "the experts' outputs, in recv_x's row order; combine reads them", needed=_not_low_latency),
     Buffer("recv_w", lambda s: (s.capacity,), "float32", SYMMETRIC, ("dispatch", "combine"),
            "weight of each received row"),
     Buffer("recv_src", lambda s: (s.capacity,), "int32", SYMMETRIC, ("dispatch", "combine"),
@@ -221,11 +221,14 @@ BUFFERS: tuple[Buffer, ...] = (
            "low-latency dispatch, two sets (call parity): row q * R * M + s * M + t is source s's token t "
            "(FP8: packed rows, fp8_row_bytes apart)", needed=_low_latency),
     Buffer("ll_index", lambda s: (2, s.experts_per_rank, s.world_size, s.max_tokens), "int32", SYMMETRIC,
-           ("dispatch",), "low-latency dispatch: [q, l, s, j] is the token of source s's j-th pair for local "
-           "expert l", needed=_low_latency),
+           ("dispatch",), "low-latency dispatch: [q, l, s, j] = t * K + k of source s's j-th pair (t, k) for "
+           "local expert l", needed=_low_latency),
     Buffer("ll_signals", lambda s: (2, s.experts_per_rank, s.world_size), "uint64", SYMMETRIC, ("dispatch",),
            "low-latency dispatch: [q, l, s] = (epoch << 32) | pairs source s sent to local expert l",
            needed=_low_latency),
+    Buffer("ll_comb", lambda s: (s.max_tokens * s.topk, s.hidden), ROW, SYMMETRIC, ("combine",),
+           "low-latency combine: row t * K + k is the expert output of this rank's pair (t, k), pushed by "
+           "the expert's rank", needed=_low_latency),
     # -- this rank's own --------------------------------------------------------------------------
     Buffer("scatter", lambda s: (s.max_tokens, s.topk), "int32", LOCAL, ("layout", "dispatch", "combine"),
            "slot of each (token, k) in its expert's rank's receive buffer; -1: none or dropped", fill=-1),

@@ -5,11 +5,11 @@ What rank d gets (the caller's tensors, passed per call): expert l's rows in ``l
 slots l * R * M + [0, ll_count[l]), the blocks of source ranks in rank order, each source's tokens
 ascending; ``ll_src_info`` at each filled slot the token's index on its source; ``ll_count`` [El];
 ``ll_range`` [El, R] int64 ((begin << 32) | rows of each source's block); ``ll_stats`` [El] += ll_count
-(unless it is ``ll_count`` itself: the caller keeps no statistics); ``y_slot`` [E * M] int64: for each
-row (l, s, j) of ``recv_y`` (l-major, then source s, then j < M) the padded slot whose expert output the
-combine's staging gathers into it (-1: none). The sender's ``scatter[t, k]`` = (l * R + r) * M + j, the
-row of ``recv_y`` on the expert's rank that the pull combine (kernels/combine.py) reads. W: a row of the
-buffer's dtype, or with ``fp8`` a packed FP8 row (kernels/quantize.py).
+(unless it is ``ll_count`` itself: the caller keeps no statistics); ``y_slot`` [El * R * M] int64 at each
+filled slot the pair it holds, (s * M + t) * K + k, where the combine (kernels/low_latency_combine.py)
+pushes its output. The sender's ``scatter[t, k]`` = (l * R + r) * M + j, the pair's place on the expert's
+rank (the combine skips pairs without one). W: a row of the buffer's dtype, or with ``fp8`` a packed FP8 row
+(kernels/quantize.py).
 
 Call ``epoch`` (epochs[OP_DISPATCH] + 1) uses set q = epoch % 2 of the symmetric ``ll_rows``,
 ``ll_index`` and ``ll_signals`` (DeepEP's two alternating buffers). Why two are enough: a rank's call
@@ -21,15 +21,14 @@ next one on set q) before this rank has finished reading set q.
    ``scatter``. Meanwhile the other warps send the CTA's rows, which need no number.
 2. Send (warps 1.., a token each): the row (FP8: quantized once into ``packed``) goes once to each rank
    its experts live on, into that rank's ``ll_rows[q * R * M + r * M + t]``. Then (every thread, a pair
-   each) t goes into ``ll_index[q, l, r, j]`` on the expert's rank.
+   each) t * K + k goes into ``ll_index[q, l, r, j]`` on the expert's rank.
 3. Counts (the last CTA to finish step 2, its histogram): for every expert e, ``ll_signals[q, l, r]`` on
    e's rank becomes (epoch << 32) | count after a system fence (rows and indices land first).
 4. Receive (each CTA a contiguous range of local experts, 16 at a time): a warp per expert waits for its R
    counts, scans them into its blocks' starts and writes the metadata; then the CTA's warps copy the rows
    of those experts from ``ll_rows`` into their padded slots, a warp per row (a decode batch's few rows
    per expert spread over every warp, not one warp's).
-5. The last CTA to finish advances epochs[OP_LAYOUT] and epochs[OP_DISPATCH] (unless a wait timed out),
-   and sets ``num_recv`` to E * M (the rows the combine's staging walks).
+5. The last CTA to finish advances epochs[OP_LAYOUT] and epochs[OP_DISPATCH] (unless a wait timed out).
 Ids outside [-1, E) and a token naming an expert twice are recorded in ``input_fault`` (this rank); an
 invalid id's pair is skipped, a repeated expert's pairs travel as two. After a fault nothing moves.
 """
@@ -112,7 +111,6 @@ class LowLatencyDispatchKernel(EpKernel):
         if tid == 0:
             if last_cta_arrives(p.done, DONE_LOW_LATENCY) != 0:
                 if fault_free(p.fault):
-                    p.num_recv[0] = p.capacity
                     p.epochs[OP_LAYOUT] = p.epochs[OP_LAYOUT] + Int64(1)
                     p.epochs[OP_DISPATCH] = epoch
 
@@ -192,8 +190,9 @@ class LowLatencyDispatchKernel(EpKernel):
 
     @cute.jit
     def send_indices(self, p: EpParams, q: Int32, t_first: Int32, t_end: Int32, tid: Int32):
-        """Step 2's indices, a thread per pair of the CTA's tokens: t into ``ll_index[q, l, r, j]`` on the
-        expert's rank; the handle's copies of the routing (``own_routing``); invalid ids recorded."""
+        """Step 2's indices, a thread per pair (t, k) of the CTA's tokens: t * K + k into
+        ``ll_index[q, l, r, j]`` on the expert's rank; the handle's copies of the routing (``own_routing``);
+        invalid ids recorded."""
         K, E, El, M = p.topk, p.num_experts, p.experts_per_rank, p.max_tokens
         for i in range(t_first * K + tid, t_end * K, self.threads):
             t = i // K
@@ -213,7 +212,7 @@ class LowLatencyDispatchKernel(EpKernel):
                 p.input_fault[INPUT_FAULT_RANKS] = Int32(1)
                 p.input_fault[INPUT_FAULT_FIRST] = p.rank
             if slot >= 0:
-                nvshmem_cute.p(element(p.ll_index, (q, e % El, p.rank, slot % M)), t, e // El)
+                nvshmem_cute.p(element(p.ll_index, (q, e % El, p.rank, slot % M)), i, e // El)
             if p.own_routing != 0:
                 p.own_idx[t, k] = e
                 p.own_w[t, k] = p.topk_w[t, k]
@@ -292,21 +291,21 @@ class LowLatencyDispatchKernel(EpKernel):
         base = el * S
         for s in range(lane, R, WARP):
             p.ll_range[el, s] = (Int64(starts[s]) << 32) | Int64(starts[s + 1] - starts[s])
-        for u in range(lane, S, WARP):  # (source, number) -> padded slot, for the combine's staging
+        K = p.topk
+        for u in range(lane, S, WARP):  # each filled slot's token, and its pair for the combine
             s = u // M
             j = u % M
-            slot = Int64(-1)
             if j < starts[s + 1] - starts[s]:
-                slot = Int64(base + starts[s] + j)
-                p.ll_src_info[base + starts[s] + j] = p.ll_index[q, el, s, j]
-            p.y_slot[base + u] = slot
+                pair = p.ll_index[q, el, s, j]
+                p.ll_src_info[base + starts[s] + j] = pair // K
+                p.y_slot[base + starts[s] + j] = Int64(s * M) * K + pair
         return carry
 
     @cute.jit
     def copy_rows(self, p: EpParams, starts: cute.Tensor, firsts: cute.Tensor, q: Int32, chunk: Int32,
                   warp: Int32, lane: Int32):
         """Step 4's rows, a warp per row over the chunk's rows: row r is expert w's (the warp that placed
-        it: ``firsts``) row r - firsts[w], source s's j-th (``starts`` of w), token ll_index[q, el, s, j]."""
+        it: ``firsts``) row r - firsts[w], source s's j-th (``starts`` of w), pair ll_index[q, el, s, j]."""
         dtype = p.x.element_type
         NW = self.threads // WARP
         row_bytes = p.hidden * (dtype.width // 8)
@@ -319,7 +318,7 @@ class LowLatencyDispatchKernel(EpKernel):
             row = r - firsts[w]
             s = self.last_at_or_before(theirs, row, p.world_size - 1, SOURCE_SEARCH_STEPS)
             el = chunk + w
-            t = p.ll_index[q, el, s, row - theirs[s]]
+            t = p.ll_index[q, el, s, row - theirs[s]] // p.topk
             copy_row_warp(dtype, staged.row(q * p.rank_capacity + s * p.max_tokens + t),
                           padded.row(el * p.rank_capacity + row), row_bytes // VECTOR_BYTES, lane)
 

@@ -24,6 +24,7 @@ from cute_ep.kernels.config import OP_COMBINE, OP_DISPATCH, OP_LAYOUT
 from cute_ep.kernels.dispatch import DispatchKernel
 from cute_ep.kernels.fanout import FanoutKernel
 from cute_ep.kernels.layout import LayoutKernel
+from cute_ep.kernels.low_latency_combine import LowLatencyCombineKernel
 from cute_ep.kernels.low_latency_dispatch import LowLatencyDispatchKernel
 from cute_ep.kernels.partial_sum import PartialSumKernel
 from cute_ep.kernels.rank_combine import RankCombineKernel
@@ -53,6 +54,7 @@ class EpModule:
         self.partial_sum = PartialSumKernel(dtype)
         self.stage_y = StageYKernel(dtype)
         self.low_latency_dispatch = LowLatencyDispatchKernel(dtype)
+        self.low_latency_combine = LowLatencyCombineKernel(dtype)
 
     @cute.jit
     def __call__(self, scalars: Scalars, pointers: Pointers, stream):
@@ -76,8 +78,9 @@ class EpModule:
                 if p.layout == layout:
                     self.launch(kernels, p, stream)
         if p.op == OP_COMBINE:
-            # Every combine variant reads recv_y: the caller's y (when it is not recv_y) is staged there
-            # first, on the device, so a sync-free combine copies only the rows received.
+            # The combines that read recv_y: the caller's y (when it is not recv_y) is staged there first,
+            # on the device, so a sync-free combine copies only the rows received (the low-latency combine
+            # reads the caller's y itself and passes y_rows 0).
             if p.y_rows != 0:
                 self.stage_y(p, stream)
             for (layout, combine), kernels in COMBINE_STEP:

@@ -5,10 +5,9 @@ same stream, so every row is in place before the combine kernel raises its start
 Rows [0, n) are copied, a warp per row (grid-stride): n = ``y_rows`` when positive; when negative the
 latest dispatch's ``num_recv``, at most ``-y_rows``. Row r comes from row r of y, or with ``y_gather``
 from row ``y_slot[r]`` (so the low-latency combine reads DeepEP's padded layout, only the rows
-received; a negative ``y_slot[r]`` leaves row r as it is). Why on the device: after a sync-free dispatch
-the host does not know the count, and y covers the worst case (every row the buffer could receive),
-mostly rows nobody received; a host-side copy moved them all. n is clamped to the capacity, and nothing
-is copied after a fault.
+received). Why on the device: after a sync-free dispatch the host does not know the count, and y covers
+the worst case (every row the buffer could receive), mostly rows nobody received; a host-side copy moved
+them all. n is clamped to the capacity, and nothing is copied after a fault.
 """
 
 from __future__ import annotations
@@ -59,8 +58,7 @@ class StageYKernel(EpKernel):
             src = Int64(r)
             if p.y_gather != 0:
                 src = p.y_slot[r]
-            if src >= 0:  # -1: a row nobody received (the low-latency layout numbers every (l, s, j))
-                copy_row_warp(dtype, given.row(src), staged.row(r), NV, tid % WARP)
+            copy_row_warp(dtype, given.row(src), staged.row(r), NV, tid % WARP)
 
 
 profiler_name(StageYKernel.kernel, "stage_y")

@@ -27,7 +27,7 @@ LAYOUT_EXPERT = 0
 LAYOUT_RANK = 1
 LAYOUTS = {"expert": LAYOUT_EXPERT, "rank": LAYOUT_RANK}
 # DeepEP's low-latency layout (``cute_ep.deep_ep``'s low-latency mode, buffers built with ``low_latency``):
-# one padded block of R * M rows per local expert; its combine is the expert layout's pull combine.
+# one padded block of R * M rows per local expert; its combine pushes each row back to its token's rank.
 LAYOUT_LOW_LATENCY = 2
 
 # Combine algorithms (run-time argument of the combine op): "pull" reads every (token, k) row from its
@@ -79,10 +79,10 @@ VARIANTS: tuple[Variant, ...] = (
     # One row per (source rank, token) with its local ids and weights beside it (no expert capacity).
     Variant("rank", LAYOUT_RANK, COMBINE_PULL, ("rank_layout",), ("rank_dispatch",), ("rank_combine",),
             runs=lambda c: c.capacity_factor == 0),
-    # DeepEP's padded layout in one launch (kernels/low_latency_dispatch.py); combine launches as
-    # "expert+pull" over the recv_y rows that dispatch numbered (so it has no combine step of its own).
-    Variant("low-latency", LAYOUT_LOW_LATENCY, COMBINE_PULL, (), ("low_latency_dispatch",), (),
-            runs=lambda c: c.low_latency),
+    # DeepEP's padded layout in one launch each way: the dispatch places it (kernels/low_latency_dispatch.py),
+    # the combine pushes the caller's padded rows back and sums them (kernels/low_latency_combine.py).
+    Variant("low-latency", LAYOUT_LOW_LATENCY, COMBINE_PULL, (), ("low_latency_dispatch",),
+            ("low_latency_combine",), runs=lambda c: c.low_latency),
 )
 BY_NAME = {v.name: v for v in VARIANTS}
 

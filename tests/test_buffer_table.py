@@ -81,7 +81,8 @@ def test_shapes_serve_the_host_config_and_the_device_scalars():
     assert by["ll_rows"].alloc_shape(ll) == (2 * 4 * ll.max_tokens, ll.hidden)
     assert by["ll_index"].alloc_shape(ll) == (2, 8, 4, ll.max_tokens)
     assert by["ll_rows"].alloc_shape(cfg) == (8,)
-    assert by["ll_signals"].alloc_shape(ll) == (2, 8, 4)
+    assert by["ll_signals"].alloc_shape(ll) == (2, 8, 4) and by["recv_y"].alloc_shape(ll) == (8,)
+    assert by["ll_comb"].alloc_shape(ll) == (ll.max_tokens * ll.topk, ll.hidden)
     assert by["counts"].alloc_shape(cfg) == (4, 37) and by["signals"].alloc_shape(cfg) == (3, 4)
     assert by["recv_group"].alloc_shape(cfg) == (cfg.capacity, 2)
     assert EpParams._fields == SCALARS + tuple(f"{n}_ptr" for n in BUFFER_NAMES)
@@ -138,7 +139,8 @@ CONDITIONS = {"recv_group": 'only with `combine_algorithm="reduced"`',
               "recv_topk_idx": "only with `capacity_factor == 0`",
               "recv_topk_w": "only with `capacity_factor == 0`", "recv_x": "not with `low_latency`",
               "ll_rows": "only with `low_latency`", "ll_index": "only with `low_latency`",
-              "ll_signals": "only with `low_latency`"}
+              "ll_signals": "only with `low_latency`", "recv_y": "not with `low_latency`",
+              "ll_comb": "only with `low_latency`"}
 
 
 def design_doc_table() -> str:

@@ -56,12 +56,13 @@ def compiled_ptx(request, sm90_module):
     return module.dtype, module.ptx
 
 
-def test_targets_sm90_with_eleven_kernels(compiled_ptx):
+def test_targets_sm90_with_twelve_kernels(compiled_ptx):
     _, ptx = compiled_ptx
     assert re.search(r"(?m)^\.target sm_90$", ptx)
     kinds = Counter(kind for kind, _ in _entries(ptx))
-    assert sorted(kinds) == ["Combine", "Dispatch", "Fanout", "Layout", "LowLatencyDispatch", "PartialSum",
-                             "RankCombine", "RankDispatch", "RankLayout", "ReducePush", "StageY"]
+    assert sorted(kinds) == ["Combine", "Dispatch", "Fanout", "Layout", "LowLatencyCombine",
+                             "LowLatencyDispatch", "PartialSum", "RankCombine", "RankDispatch", "RankLayout",
+                             "ReducePush", "StageY"]
     # The DSL emits an entry point per launch site: the module launches each kernel from one site.
     assert kinds == {kind: 1 for kind in kinds}
 
@@ -93,9 +94,11 @@ def test_links_the_nvshmem_calls_each_step_needs(compiled_ptx):
         assert re.search(rf"\b{fn}\b", ptx), f"{fn} not in the PTX"
 
 
-@pytest.mark.parametrize("kernel", ["Combine", "ReducePush", "PartialSum", "RankCombine"])
+@pytest.mark.parametrize("kernel",
+                         ["Combine", "ReducePush", "PartialSum", "RankCombine", "LowLatencyCombine"])
 def test_combine_accumulates_without_fma_and_loads_128_bit_past_l1(compiled_ptx, kernel):
-    """The pull combine and both phases of the reduced combine share kernels/rowsum.py."""
+    """The pull combine, both phases of the reduced combine and the low-latency combine share
+    kernels/rowsum.py."""
     _, ptx = compiled_ptx
     ops = _ops(_kernels(ptx)[kernel])
     assert ops["mul.rn.f32"] > 0 and ops["mul.rn.f32"] == ops["add.rn.f32"]
@@ -175,7 +178,7 @@ def test_every_wait_for_a_peer_is_bounded(compiled_ptx):
     assert "signal_wait_until" not in ptx  # NVSHMEM's wait has no timeout: one missing peer hangs all
     kernels = _kernels(ptx)
     for name in ("Layout", "RankLayout", "Dispatch", "Combine", "ReducePush", "PartialSum", "RankDispatch",
-                 "RankCombine", "LowLatencyDispatch"):
+                 "RankCombine", "LowLatencyDispatch", "LowLatencyCombine"):
         text = kernels[name]
         assert "ld.acquire.sys.global.u64" in text, name  # polls the signal with acquire semantics
         assert text.count("%globaltimer") >= 2, name  # start time + a fresh read inside the loop
@@ -218,6 +221,16 @@ def test_low_latency_dispatch_numbers_pairs_and_signals_counts(compiled_ptx):
     assert re.search(rf"\bnvshmemx_{DTYPES[dtype]}_put_warp\b", text)
     assert "cvt.rn.satfinite.e4m3x2.f32" in text and ops["div.rn.f32"] >= 2, ops
     assert "fence.sc.sys" in text
+
+
+def test_low_latency_combine_pushes_rows_then_signals(compiled_ptx):
+    """The low-latency combine (kernels/low_latency_combine.py) pushes rows to other nodes with put_warp,
+    quiets them, and raises the combine signal, with 128-bit peer-pointer stores on this node."""
+    dtype, ptx = compiled_ptx
+    text = _kernels(ptx)["LowLatencyCombine"]
+    assert re.search(rf"\bnvshmemx_{DTYPES[dtype]}_put_warp\b", text)
+    assert "nvshmemx_signal_op" in text and ("nvshmem_quiet" in text or "transfer_quiet" in text)
+    assert _ops(text)["st.global.v4.b32"] > 0
 
 
 class _FakeLib:

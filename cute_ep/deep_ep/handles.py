@@ -31,12 +31,14 @@ class _NormalRoute:
 
 @dataclass(frozen=True)
 class _LowLatencyRoute:
-    """cute_ep's side of a low-latency handle: the expert-layout dispatch handle, each expert-major row's
-    padded slot (``low_latency.PaddedRecv.slot``), and the caller's topk_idx with its version counter at
-    the dispatch (a combine given that same tensor, unchanged, reuses the dispatch's ids as they are)."""
+    """cute_ep's side of a low-latency handle: the dispatch's handle, ``low_latency.PaddedRecv``'s slot
+    (host backends: each expert-major row's padded slot; kernels: each filled padded slot's pair) and
+    count, and the caller's topk_idx with its version counter at the dispatch (a combine given that same
+    tensor, unchanged, reuses the dispatch's ids as they are)."""
 
     dispatch_handle: DispatchHandle
     slot: Tensor
+    count: Tensor
     max_tokens: int
     hidden: int
     num_experts: int

@@ -1,6 +1,8 @@
 """DeepEP's low-latency mode on a ``cute_ep.deep_ep.Buffer`` (``LowLatencyMode``): ``low_latency_dispatch``
-and ``low_latency_combine`` on the expert layout, the staging tensors of ``zero_copy`` combines, and their
-argument checks. The per-expert padded layout and DeepEP's FP8 cast: ``cute_ep.deep_ep.low_latency``.
+and ``low_latency_combine`` (on GPUs the module's low-latency layout, kernels/low_latency_dispatch.py and
+kernels/low_latency_combine.py; on the host backends the expert layout), the staging tensors of
+``zero_copy`` combines, and their argument checks. The per-expert padded layout in torch and DeepEP's FP8
+cast: ``cute_ep.deep_ep.low_latency``.
 """
 
 from __future__ import annotations
@@ -118,8 +120,8 @@ class LowLatencyMode:
                 recv, padded = self._ll_place(parity, got, m, k, scratch, into, stats,
                                               hidden if use_fp8 else 0, use_ue8m0)
                 sent = res.handle
-            route = _LowLatencyRoute(sent, padded.slot, m, hidden, num_experts, x.shape[0], topk_idx,
-                                     topk_idx._version)
+            route = _LowLatencyRoute(sent, padded.slot, padded.count, m, hidden, num_experts, x.shape[0],
+                                     topk_idx, topk_idx._version)
             handle = LowLatencyHandle((padded.src_info, padded.layout_range, m, hidden, num_experts), route)
             outputs = (*(recv if isinstance(recv, tuple) else (recv,)), padded.count, padded.src_info,
                        padded.layout_range, padded.slot)
@@ -167,29 +169,25 @@ class LowLatencyMode:
                                     low_latency=True)
             self._fence(key)
             self._ll_index ^= 1
-            # The kernels' launch stages the rows received from the padded layout itself (a gather by
-            # the dispatch's slots); elsewhere, and for a strided x, the torch gather of every row.
+            # The kernels' launch reads the padded rows received itself and pushes them back to their
+            # tokens' ranks (a strided x is made contiguous first); the host backends' expert layout
+            # reads them from the torch gather of every row.
             launch = self.backend == "cute"
-            gather = launch and src.is_contiguous()
-            if not gather:
-                rows = buf.recv_y if launch else buf.expert_output(buf.cfg.capacity)
+            if not launch:
+                rows = buf.expert_output(buf.cfg.capacity)
                 ll.expert_major_rows(src, route.slot, rows)
             sent = route.dispatch_handle
             ids = sent.topk_idx
             if topk_idx is not route.given_ids or topk_idx._version != route.given_version:
                 # pairs the caller set to -1 are skipped; the rest are the dispatch's (checked above on CPUs)
                 ids = torch.where(topk_idx < 0, torch.full_like(ids, -1), ids)
-            # either backend's low-latency layout combines as the expert layout's pull combine (variants.py)
             now = DispatchHandle(ids, topk_weights.contiguous(), sent.scatter, sent.num_tokens, sent.mode,
-                                 "expert")
+                                 sent.layout)
             if launch:
                 combined = out if out is not None and out.is_contiguous() else torch.empty(
                     (route.num_tokens, hidden), dtype=src.dtype, device=self.device)
-                if gather:
-                    self._ll_gather_combine(sig if scope.comm is None else None, buf, now, combined, src,
-                                            route.slot)
-                else:
-                    buf.launch_combine(now, combined)
+                self._ll_launch_combine(sig if scope.comm is None else None, buf, now, combined,
+                                        src.contiguous(), route)
             else:
                 combined = buf.combine(rows, now)
             self._combined.add(key)
@@ -276,13 +274,17 @@ class LowLatencyMode:
                 return result
         return enqueue(x.contiguous(), topk_idx, stats)
 
-    def _ll_gather_combine(self, sig: tuple | None, buf: Any, now: DispatchHandle, combined: Tensor,
-                           src: Tensor, slot: Tensor) -> None:
-        """A low-latency combine's launch on the kernels, reading the padded layout ``src`` by the
-        dispatch's ``slot``s into ``combined``: replayed from a CUDA graph where ``sig`` (None: never)
+    def _ll_launch_combine(self, sig: tuple | None, buf: Any, now: DispatchHandle, combined: Tensor,
+                           src: Tensor, route: _LowLatencyRoute) -> None:
+        """A low-latency combine's launch on the kernels (kernels/low_latency_combine.py): the padded rows
+        ``src`` that the dispatch counted (``route.count``) pushed back by the pairs it wrote
+        (``route.slot``), summed into ``combined``; replayed from a CUDA graph where ``sig`` (None: never)
         and the addresses of every tensor it reads or writes repeat (``ll_graphs``), else launched."""
+        slot = route.slot
+
         def launch() -> None:
-            buf.launch_combine(now, combined, y=src.view(-1, src.shape[-1]), y_slot=slot)
+            buf.launch_combine(now, combined, y=src.view(-1, src.shape[-1]), y_slot=slot,
+                               padded={"ll_count": route.count})
 
         if sig is not None:
             key = (sig, src.data_ptr(), slot.data_ptr(), now.topk_idx.data_ptr(), now.topk_weights.data_ptr(),

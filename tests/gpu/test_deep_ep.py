@@ -395,6 +395,32 @@ def test_low_latency_dispatch_fills_only_the_slots_it_counts(runtime, buffers, f
     assert_same("stats", stats, want_stats)
 
 
+def test_low_latency_combine_skips_the_pairs_the_caller_masks(runtime, buffers) -> None:
+    """The low-latency combine (kernels/low_latency_combine.py pushes every received row back) sums only
+    the pairs whose id the caller left as the dispatch's; pairs set to -1 are skipped: bit for bit the
+    reference, from x and from the zero_copy buffer, on a strided x too (made contiguous first)."""
+    kern, ref = buffers
+    rank, world = runtime.env.rank, runtime.env.world_size
+    m, experts = 32, EXPERTS_PER_RANK * world
+    inp = make_inputs(rank, world, 29, runtime.seed * 10 + 3)
+    g = torch.Generator().manual_seed(runtime.seed + 17 * rank)
+    masked = inp["idx"].clone()
+    masked[torch.rand(masked.shape, generator=g) < 0.3] = -1
+    y = torch.randn(EXPERTS_PER_RANK, world * m, HIDDEN, generator=g).to(torch.bfloat16)
+    outs = []
+    for buf, dev in ((kern, runtime.device), (ref, torch.device("cpu"))):
+        idx = on(dev, inp["idx"])
+        handle = buf.low_latency_dispatch(on(dev, inp["x"]), idx, m, experts, use_fp8=False)[2]
+        wide = torch.zeros(EXPERTS_PER_RANK, world * m, 2 * HIDDEN, dtype=torch.bfloat16, device=dev)
+        wide[..., ::2] = on(dev, y)
+        got = [buf.low_latency_combine(on(dev, y), on(dev, masked), on(dev, inp["w"]), handle)[0],
+               buf.low_latency_combine(wide[..., ::2], on(dev, masked), on(dev, inp["w"]), handle)[0]]
+        buf.get_next_low_latency_combine_buffer(handle).copy_(on(dev, y))
+        got.append(buf.low_latency_combine(on(dev, y), idx, on(dev, inp["w"]), handle, zero_copy=True)[0])
+        outs.append(tuple(got))
+    assert_same("combine", outs[0], outs[1])
+
+
 def test_low_latency_in_a_cuda_graph(runtime, buffers) -> None:
     """low_latency_dispatch -> experts -> low_latency_combine captured once, replayed with new inputs: the
     same outputs as eager calls."""

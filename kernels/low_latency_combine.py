@@ -1,0 +1,91 @@
+"""Low-latency combine kernel: the experts' outputs in DeepEP's padded layout pushed back to their tokens'
+ranks, then summed there: out[t] = the sum over k ascending of topk_w[t, k] * (the output of pair (t, k)),
+in fp32 (product and sum rounded separately), rounded once (``weighted_sum_rows``), pairs with id -1 or
+no slot skipped: bit for bit the pull combine's sum (kernels/combine.py).
+
+Inputs on the expert's rank: ``y`` (the caller's padded tensor, [El * R * M, H], expert l's rows from
+l * R * M), ``ll_count`` [El] (its rows per expert) and ``y_slot`` [El * R * M], which the low-latency
+dispatch (kernels/low_latency_dispatch.py) wrote for each filled slot: (s * M + t) * K + k, the pair it
+holds. Why push and not pull: the rows sit in the caller's tensor, which peers cannot read; pushing them
+needs no staging copy into symmetric memory, and a store is not waited for as a remote load is.
+
+1. Push (every warp, grid-stride over the filled slots, a few per warp at decode sizes): row u of expert l
+   goes into row t * K + k of ``ll_comb`` on source rank s (peer-pointer stores on this node, ``put_warp``
+   to other nodes).
+2. The last CTA to finish its pushes (``done[DONE_PUSH]``) raises ``signals[SIGNAL_COMBINE, rank]`` on every
+   peer to this call's epoch; every CTA waits until all peers have raised theirs here (bounded waits).
+3. Sum (a warp per token, split into parts over idle warps at decode sizes): the token's rows of
+   ``ll_comb`` weighted by ``topk_w`` into ``out``. The last CTA advances epochs[OP_COMBINE].
+Why one set of ``ll_comb`` suffices: a peer pushes its next combine only after its next dispatch, which
+waits for this rank's counts of that dispatch, enqueued after this combine; two combines in a row are
+ordered by the host (``cute_ep.deep_ep``'s fence between them).
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+import cutlass.memory
+import nvshmem.core.device.cute as nvshmem_cute
+from cutlass import Int32
+
+from cute_ep.kernels.base import CombineFamily
+from cute_ep.kernels.buffers import DONE_COMBINE, DONE_PUSH, SIGNAL_COMBINE, EpParams
+from cute_ep.kernels.config import OP_COMBINE
+from cute_ep.kernels.dispatch_senders import send_row_into
+from cute_ep.kernels.naming import profiler_name
+from cute_ep.kernels.ptx import fence_sys
+from cute_ep.kernels.rows import row_space
+from cute_ep.kernels.rowsum import weighted_sum_rows
+from cute_ep.kernels.signals import fault_free, last_cta_arrives, signal_and_wait_peers
+
+
+class LowLatencyCombineKernel(CombineFamily):
+    """The low-latency combine (see the module docstring); every size is a run-time argument."""
+
+    grid_factor = 2  # more warps, fewer rows each to push one after another at decode sizes
+
+    @cute.kernel
+    def kernel(self, p: EpParams):
+        lane, gwarp, NWARPS, my_addr, my_weight, NV, ROW_BYTES, epoch = self.begin(p)
+        tid, _, _ = cute.arch.thread_idx()
+        K, MK, S = p.topk, p.max_tokens * p.topk, p.rank_capacity
+        comb = row_space(p.ll_comb, ROW_BYTES)
+        if fault_free(p.fault):
+            rows = row_space(p.y, ROW_BYTES)
+            for u in range(gwarp, p.experts_per_rank * S, NWARPS):  # 1. push
+                if u % S < p.ll_count[u // S]:
+                    pair = p.y_slot[u]
+                    send_row_into(self.dtype, p, comb, rows.row(u), Int32(pair // MK), Int32(pair % MK),
+                                  Int32(1), Int32(ROW_BYTES), lane)
+        nvshmem_cute.quiet()
+        fence_sys()  # this thread's rows before the CTA's arrival
+        smem = cutlass.memory.SmemAllocator()
+        last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+        cute.arch.sync_threads()
+        if tid == 0:
+            last[0] = last_cta_arrives(p.done, DONE_PUSH)
+        cute.arch.sync_threads()
+        # 2. the last CTA announces every CTA's rows; every CTA waits for every peer's
+        signal_and_wait_peers(p, Int32(SIGNAL_COMBINE), epoch, Int32(OP_COMBINE), epoch, last[0])
+        work = Int32(0)
+        if fault_free(p.fault):
+            work = p.num_tokens
+        out_rows = row_space(p.out, ROW_BYTES)
+        parts, span = self.row_split(work, NV, NWARPS, Int32(1))
+        for u in range(gwarp, work * parts, NWARPS):  # 3. sum
+            t, v_begin, v_end = self.part_of(u, parts, span, NV)
+            n = Int32(0)
+            for k in range(K):
+                if p.topk_idx[t, k] >= 0:
+                    if p.scatter[t, k] >= 0:
+                        if lane == 0:
+                            my_addr[n] = comb.row(t * K + k)
+                            my_weight[n] = p.topk_w[t, k]
+                        n = n + 1
+            cute.arch.sync_warp()
+            weighted_sum_rows(self.dtype, my_addr, my_weight, n, v_begin, v_end, lane, out_rows.row(t))
+            cute.arch.sync_warp()
+        self.finish(p, Int32(DONE_COMBINE), epoch)
+
+
+profiler_name(LowLatencyCombineKernel.kernel, "low_latency_combine")
