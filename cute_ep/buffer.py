@@ -11,13 +11,12 @@ The public calls are those of ``cute_ep.api.EpBackend`` (argument shapes and dty
 adds ``launch_dispatch`` / ``launch_combine`` (no checks, no host sync: capturable in CUDA graphs),
 ``fp8_views`` and ``check_faults``.
 
-Ordering: every call is collective and every rank makes the same sequence of calls. Each dispatch starts with
-the layout kernel's count exchange, and no rank moves rows before every peer's layout kernel has started, i.e.
-before everything a peer enqueued earlier on its stream (its experts reading ``recv_x``, its combine reading
-peers' ``recv_y``) has finished (a low-latency dispatch ends with its exchange:
-kernels/low_latency_dispatch.py). So calls on one stream per rank never overwrite rows still in use. Work on
-another stream must be ordered before the next dispatch by the caller, and the views a dispatch returns are
-valid until the next dispatch.
+Ordering: every call is collective and every rank makes the same sequence of calls. Each dispatch
+starts with the layout kernel's count exchange, and no rank moves rows before every peer's layout
+kernel has started, i.e. before everything a peer enqueued earlier on its stream (its experts
+reading ``recv_x``, its combine reading peers' ``recv_y``) has finished. So calls on one stream per
+rank never overwrite rows still in use. Work on another stream must be ordered before the next
+dispatch by the caller, and the views a dispatch returns are valid until the next dispatch.
 
 Faults: every wait for a peer is bounded by ``cfg.timeout_s``. A rank whose peer never arrives (it skipped a
 call, died, or runs a different sequence of calls) gets ``PeerTimeout`` naming the peer and the operation
@@ -56,11 +55,14 @@ from cute_ep.kernels.config import (
     OP_COMBINE,
     OP_DISPATCH,
     OP_LAYOUT,
+    PHASE_ALL,
+    PHASE_RECEIVE,
     ConfigError,
     EpConfig,
 )
 from cute_ep.kernels.variants import variant
 from cute_ep.launcher import current_stream_handle
+from cute_ep.low_latency_launches import LowLatencyLaunches
 from cute_ep.status import StatusBlock
 from cute_ep.status_checks import StatusChecks
 from cute_ep.streams import on_stream
@@ -68,7 +70,7 @@ from cute_ep.streams import on_stream
 __all__ = ["EpBuffer", "check_gpu_runtime"]
 
 
-class EpBuffer(StatusChecks, BackendBase):
+class EpBuffer(StatusChecks, LowLatencyLaunches, BackendBase):
     """Owns one configuration's NVSHMEM symmetric buffers and compiled module (see module docstring).
 
     runtime:  a started ``cute_ep.bootstrap.Runtime`` with backend "nvshmem".
@@ -128,7 +130,7 @@ class EpBuffer(StatusChecks, BackendBase):
 
         # Stand-ins for empty per-call tensors (a kernel needs a valid pointer even for zero tokens).
         one = SimpleNamespace(num_tokens=1, capacity=1, hidden=cfg.hidden, topk=cfg.topk, experts_per_rank=1,
-                              rank_capacity=1, world_size=1)
+                              rank_capacity=1, world_size=1, fp8_scales=1)
         self._empty = {b.name: torch.empty(b.shape(one), dtype=b.torch_dtype(cfg), device=self.device)
                        for b in buffers_of(CALL)}
         self._align = {b.name: b.align(cfg) for b in buffers_of(CALL)}
@@ -266,8 +268,8 @@ class EpBuffer(StatusChecks, BackendBase):
 
     def launch_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                         mode: str = "scatter", fp8: bool | int = False, algorithm: str | None = None,
-                        layout: str = "expert", *, own: tuple | None = None,
-                        padded: dict[str, torch.Tensor] | None = None) -> DispatchHandle:
+                        layout: str = "expert", *,
+                        own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> DispatchHandle:
         """Enqueue the layout, dispatch and fan-out kernels on the current stream (one launch of the
         module): no checks, no host sync, so the call can be captured in a CUDA graph.
 
@@ -280,11 +282,10 @@ class EpBuffer(StatusChecks, BackendBase):
         own: (slots [T, K] int32, ids [T, K] int32, weights [T, K] fp32), contiguous, the caller's to keep:
         the layout writes the slots into the first and copies topk_idx / topk_weights into the others, and
         the handle refers to these three instead (valid for as long as the caller keeps them unwritten).
-        padded: layout "low-latency" (a ``low_latency`` buffer): {ll_x, ll_src_info, ll_count, ll_range,
-        ll_stats, y_slot: the tensor it writes} (kernels/low_latency_dispatch.py)."""
+        """
         t = x.shape[0]
         self._enqueue_dispatch(x, topk_idx, topk_weights, mode, fp8, algorithm, layout,
-                               own=own if t else None, padded=padded)
+                               own=own if t else None)
         slots, ids, weights = own if own is not None else (self.scatter[:t], topk_idx, topk_weights)
         handle = DispatchHandle(ids, weights, slots, t, mode, layout)
         self._note_launched_dispatch(handle)
@@ -316,7 +317,7 @@ class EpBuffer(StatusChecks, BackendBase):
     def _enqueue_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                           mode: str, fp8: bool | int, algorithm: str | None, layout: str,
                           own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                          mirror_seq: int = 0, padded: dict[str, torch.Tensor] | None = None) -> None:
+                          mirror_seq: int = 0) -> None:
         """One launch of the module: the layout (its own kernel, or folded into the dispatch's CTAs up to
         cfg.layout_in_dispatch tokens), the dispatch and the fan-out. The slots go to the buffer's
         ``scatter``, or with ``own`` = (slots, ids, weights), contiguous [T, K] int32 / int32 / fp32
@@ -326,7 +327,7 @@ class EpBuffer(StatusChecks, BackendBase):
         by_rank = layout == "rank"
         # The rank layout's rows have one order: its slots always come from the layout kernel.
         kernel_mode = MODES["scatter" if by_rank else mode]
-        self._launch(OP_DISPATCH, x.shape[0], x=x, idx=topk_idx, w=topk_weights, own=own, named=padded,
+        self._launch(OP_DISPATCH, x.shape[0], x=x, idx=topk_idx, w=topk_weights, own=own,
                      mirror_seq=mirror_seq, mode=kernel_mode, fp8=fp8,
                      algo=DISPATCH_ALGORITHMS[algorithm or self.algorithm],
                      # a reduced-combine buffer makes every expert-layout dispatch record the (token, rank)
@@ -334,8 +335,7 @@ class EpBuffer(StatusChecks, BackendBase):
                      **variant(layout, self.cfg.combine_algorithm).scalars)
 
     def launch_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None = None, *,
-                       y: torch.Tensor | None = None, y_slot: torch.Tensor | None = None,
-                       padded: dict | None = None) -> None:
+                       y: torch.Tensor | None = None, y_slot: torch.Tensor | None = None) -> None:
         """Enqueue the combine kernel(s) on the current stream: no host sync (capturable), and of the
         arguments only ``out`` is checked (host-side: its shape, dtype, device and contiguity).
 
@@ -346,25 +346,26 @@ class EpBuffer(StatusChecks, BackendBase):
         y: the caller's expert outputs, staged into ``recv_y`` by the same launch first, as ``combine``
         stages them (for this buffer's latest dispatch only the rows it received). y_slot [C'] int64,
         contiguous, with y: row j of ``recv_y`` is staged from ``y[y_slot[j]]`` (a gather; y any [N, H]
-        rows of cfg.dtype, every value in [0, N): not checked on the device). A low-latency handle's
-        combine reads y, its padded rows, itself (kernels/low_latency_combine.py): y_slot the dispatch's,
-        ``padded`` {"ll_count": its count}."""
+        rows of cfg.dtype, every value in [0, N): not checked on the device).
+        """
         check_combine_out(self.cfg, self.device, out, handle.num_tokens)
         staged, y_rows, slots = (None, 0, None) if y is None else self._staging(y, handle, y_slot)
-        self._enqueue_combine(handle, out, algorithm, staged, y_rows, slots, padded)
+        self._enqueue_combine(handle, out, algorithm, staged, y_rows, slots)
 
     def _enqueue_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None,
-                         y: torch.Tensor | None = None, y_rows: int = 0, y_slot=None, named=None) -> None:
+                         y: torch.Tensor | None = None, y_rows: int = 0,
+                         y_slot: torch.Tensor | None = None) -> None:
         """``launch_combine`` without the check of ``out`` (``combine`` makes its own); ``y`` / ``y_rows`` /
         ``y_slot``: the caller's expert outputs the module stages into ``recv_y`` first (``_staging``)."""
         t = handle.num_tokens
-        # The handle's slots where they are (dispatch() owns a copy), unless not laid out as ``scatter``.
+        # The kernels read the handle's slots where they are (a handle from dispatch() owns a copy): no
+        # copy into the buffer's ``scatter`` unless they are not laid out as it is.
         scatter = handle.scatter
         if scatter.dtype != torch.int32 or not scatter.is_contiguous() or scatter.device != self.device:
             self.scatter[:t].copy_(scatter.reshape(t, self.cfg.topk))
             scatter = self.scatter
         self._launch(OP_COMBINE, t, idx=handle.topk_idx, w=handle.topk_weights, out=out, scatter=scatter,
-                     y=y, y_rows=y_rows, y_slot=y_slot, named=named,
+                     y=y, y_rows=y_rows, y_slot=y_slot,
                      **variant(handle.layout, algorithm or self.cfg.combine_algorithm).scalars)
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
@@ -420,8 +421,6 @@ class EpBuffer(StatusChecks, BackendBase):
         count, at most y's rows, or y_slot's): a sync-free dispatch's y covers the worst case, which is
         mostly rows nobody received. Rows the kernel cannot read with 16-byte accesses (a strided or
         misaligned y, or y_slot not contiguous int64) are copied here."""
-        if handle.layout == "low-latency":  # its combine reads y (the padded rows) itself
-            return y, 0, y_slot
         rows = y.shape[0] if y_slot is None else y_slot.shape[0]
         if not rows:
             return None, 0, None
@@ -467,11 +466,14 @@ class EpBuffer(StatusChecks, BackendBase):
 
     def _launch(self, op: int, num_tokens: int, *, x=None, idx=None, w=None, out=None, scatter=None, y=None,
                 own=None, mirror_seq: int = 0, mode: int = 0, fp8: bool | int = False, algo: int = 0,
-                combine_algo: int = 0, layout: int = 0, y_rows: int = 0, y_slot=None, named=None) -> None:
-        """Enqueue one op of the module on the current stream (absent or empty per-call tensors are stand-ins;
-        ``scatter``: the slots to read, default the buffer's own; ``own``: (slots, ids, weights) a dispatch
-        writes into for its handle, see ``_enqueue_dispatch``; ``y`` / ``y_rows`` / ``y_slot``: what combine
-        stages into ``recv_y``, see ``_staging``; ``named``: more call tensors by buffer name)."""
+                combine_algo: int = 0, layout: int = 0, y_rows: int = 0, y_slot=None, named=None,
+                phase: int = PHASE_ALL) -> None:
+        """Enqueue one op of the module on the current stream (absent or empty per-call tensors are
+        replaced by their stand-ins; ``scatter``: the slots to read, default the buffer's own; ``own``:
+        (slots, ids, weights) a dispatch writes into for its handle, see ``_enqueue_dispatch``; ``y`` /
+        ``y_rows`` / ``y_slot``: what combine stages into ``recv_y``, see ``_staging``; ``named``: more
+        call tensors by buffer name; ``phase``: PHASE_* of the low-latency layout, whose receiving half
+        completes the op its sending half counted)."""
         own_idx = own_w = None
         if own is not None:
             scatter, own_idx, own_w = own
@@ -490,9 +492,9 @@ class EpBuffer(StatusChecks, BackendBase):
         self._launcher(current_stream_handle(self._device_index), addrs, op=op, mode=mode,
                        fp8=int(fp8), algo=algo, combine_algo=combine_algo, layout=layout,
                        num_tokens=num_tokens, own_routing=int(own is not None), mirror_seq=mirror_seq,
-                       y_rows=y_rows, y_gather=int(y_slot is not None))
+                       y_rows=y_rows, y_gather=int(y_slot is not None), phase=phase)
         if op != OP_COMBINE:  # a layout rewrites the count the staging of a later combine may read
             self._latest_scatter = None
-        if not torch.cuda.is_current_stream_capturing():  # a captured launch runs only when replayed
+        if phase != PHASE_RECEIVE and not torch.cuda.is_current_stream_capturing():  # replays: not counted
             for ran in (OP_LAYOUT, OP_DISPATCH) if op == OP_DISPATCH else (op,):  # OP_DISPATCH: both
                 self._calls[ran] += 1

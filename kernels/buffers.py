@@ -180,6 +180,9 @@ BUFFERS: tuple[Buffer, ...] = (
            "low-latency dispatch: rows each local expert received (its combine: the rows it pushes back)"),
     Buffer("ll_range", lambda s: (s.experts_per_rank, s.world_size), "int64", CALL, ("dispatch",),
            "low-latency dispatch: (begin << 32) | rows of each source rank's block of each local expert"),
+    Buffer("ll_scales", lambda s: (s.experts_per_rank, s.fp8_scales, s.rank_capacity), "float32", CALL,
+           ("dispatch",), "low-latency FP8 dispatch: each filled padded slot's scales, DeepEP's column-major "
+           "layout (ll_count itself: none)"),
     Buffer("ll_stats", lambda s: (s.experts_per_rank,), "int32", CALL, ("dispatch",),
            "low-latency dispatch: statistics the counts are added to (ll_count itself: none)"),
     # -- symmetric: peers read or write them ------------------------------------------------------
@@ -271,7 +274,7 @@ BY_NAME = {b.name: b for b in BUFFERS}
 
 # Run-time scalars every launch passes: the call's own, then sizes named as EpConfig's attributes.
 CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "layout", "rank", "num_tokens", "own_routing",
-                "mirror_seq", "y_rows", "y_gather")
+                "mirror_seq", "y_rows", "y_gather", "phase")
 SIZE_SCALARS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
                 "expert_capacity", "stage_rows", "num_sms", "timeout_ms", "layout_in_dispatch")
 SCALARS = CALL_SCALARS + SIZE_SCALARS
@@ -289,6 +292,10 @@ class _Sizes:
     @property
     def fp8_row_bytes(self):
         return packed_fp8_row_bytes(self.hidden)
+
+    @property
+    def fp8_scales(self):
+        return self.hidden // FP8_BLOCK
 
     @property
     def rank_capacity(self):

@@ -41,6 +41,11 @@ OP_LAYOUT = 0
 OP_DISPATCH = 1
 OP_COMBINE = 2
 OPS = {OP_LAYOUT: "layout", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
+# The launch scalar ``phase`` of the low-latency layout's ops (DeepEP's return_recv_hook): the whole op, its
+# sending half (rows out, counts announced) or its receiving half (waits, rows placed or summed).
+PHASE_ALL = 0
+PHASE_SEND = 1
+PHASE_RECEIVE = 2
 
 WARP = 32
 VECTOR_BYTES = 16  # one 128-bit access per lane

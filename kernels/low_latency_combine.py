@@ -9,9 +9,9 @@ dispatch (kernels/low_latency_dispatch.py) wrote for each filled slot: (s * M + 
 holds. Why push and not pull: the rows sit in the caller's tensor, which peers cannot read; pushing them
 needs no staging copy into symmetric memory, and a store is not waited for as a remote load is.
 
-1. Push (every warp, grid-stride over the filled slots, a few per warp at decode sizes): row u of expert l
-   goes into row t * K + k of ``ll_comb`` on source rank s (peer-pointer stores on this node, ``put_warp``
-   to other nodes).
+1. Push (every warp, grid-stride over the slots row-major across experts, so that a decode batch's few rows
+   per expert spread over all warps): row r of expert l goes into row t * K + k of ``ll_comb`` on source
+   rank s (peer-pointer stores on this node, ``put_warp`` to other nodes).
 2. The last CTA to finish its pushes (``done[DONE_PUSH]``) raises ``signals[SIGNAL_COMBINE, rank]`` on every
    peer to this call's epoch; every CTA waits until all peers have raised theirs here (bounded waits).
 3. Sum (a warp per token, split into parts over idle warps at decode sizes): the token's rows of
@@ -19,6 +19,8 @@ needs no staging copy into symmetric memory, and a store is not waited for as a 
 Why one set of ``ll_comb`` suffices: a peer pushes its next combine only after its next dispatch, which
 waits for this rank's counts of that dispatch, enqueued after this combine; two combines in a row are
 ordered by the host (``cute_ep.deep_ep``'s fence between them).
+With ``phase`` PHASE_SEND a launch runs steps 1-2 (the signal raised, nothing waited for) and a later one
+with PHASE_RECEIVE step 3 after the wait (DeepEP's ``return_recv_hook``).
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ from cutlass import Int32
 
 from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_COMBINE, DONE_PUSH, SIGNAL_COMBINE, EpParams
-from cute_ep.kernels.config import OP_COMBINE
+from cute_ep.kernels.config import OP_COMBINE, PHASE_RECEIVE, PHASE_SEND
 from cute_ep.kernels.dispatch_senders import send_row_into
 from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.ptx import fence_sys
 from cute_ep.kernels.rows import row_space
 from cute_ep.kernels.rowsum import weighted_sum_rows
-from cute_ep.kernels.signals import fault_free, last_cta_arrives, signal_and_wait_peers
+from cute_ep.kernels.signals import fault_free, last_cta_arrives, signal_and_wait_peers, signal_peers
 
 
 class LowLatencyCombineKernel(CombineFamily):
@@ -48,30 +50,40 @@ class LowLatencyCombineKernel(CombineFamily):
     def kernel(self, p: EpParams):
         lane, gwarp, NWARPS, my_addr, my_weight, NV, ROW_BYTES, epoch = self.begin(p)
         tid, _, _ = cute.arch.thread_idx()
-        K, MK, S = p.topk, p.max_tokens * p.topk, p.rank_capacity
+        K, MK, S, El = p.topk, p.max_tokens * p.topk, p.rank_capacity, p.experts_per_rank
         comb = row_space(p.ll_comb, ROW_BYTES)
-        if fault_free(p.fault):
-            rows = row_space(p.y, ROW_BYTES)
-            for u in range(gwarp, p.experts_per_rank * S, NWARPS):  # 1. push
-                if u % S < p.ll_count[u // S]:
-                    pair = p.y_slot[u]
-                    send_row_into(self.dtype, p, comb, rows.row(u), Int32(pair // MK), Int32(pair % MK),
-                                  Int32(1), Int32(ROW_BYTES), lane)
-        nvshmem_cute.quiet()
-        fence_sys()  # this thread's rows before the CTA's arrival
         smem = cutlass.memory.SmemAllocator()
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
-        cute.arch.sync_threads()
-        if tid == 0:
-            last[0] = last_cta_arrives(p.done, DONE_PUSH)
-        cute.arch.sync_threads()
-        # 2. the last CTA announces every CTA's rows; every CTA waits for every peer's
-        signal_and_wait_peers(p, Int32(SIGNAL_COMBINE), epoch, Int32(OP_COMBINE), epoch, last[0])
+        announce = Int32(0)  # this CTA finished the pushes last: it raises the signal
+        if p.phase != PHASE_RECEIVE:
+            if fault_free(p.fault):
+                rows = row_space(p.y, ROW_BYTES)
+                for i in range(gwarp, El * S, NWARPS):  # 1. push: i = r * El + l
+                    el, r = i % El, i // El
+                    if r < p.ll_count[el]:
+                        pair = p.y_slot[el * S + r]
+                        send_row_into(self.dtype, p, comb, rows.row(el * S + r), Int32(pair // MK),
+                                      Int32(pair % MK), Int32(1), Int32(ROW_BYTES), lane)
+            nvshmem_cute.quiet()
+            fence_sys()  # this thread's rows before the CTA's arrival
+            cute.arch.sync_threads()
+            if tid == 0:
+                last[0] = last_cta_arrives(p.done, DONE_PUSH)
+            cute.arch.sync_threads()
+            announce = last[0]
+        # 2. the last CTA announces every CTA's rows; every CTA waits for every peer's (not when sending only)
+        if p.phase == PHASE_SEND:
+            if announce != 0:
+                signal_peers(p, Int32(SIGNAL_COMBINE), epoch)
+        else:
+            signal_and_wait_peers(p, Int32(SIGNAL_COMBINE), epoch, Int32(OP_COMBINE), epoch, announce)
         work = Int32(0)
         if fault_free(p.fault):
             work = p.num_tokens
         out_rows = row_space(p.out, ROW_BYTES)
         parts, span = self.row_split(work, NV, NWARPS, Int32(1))
+        if p.phase == PHASE_SEND:
+            work = Int32(0)
         for u in range(gwarp, work * parts, NWARPS):  # 3. sum
             t, v_begin, v_end = self.part_of(u, parts, span, NV)
             n = Int32(0)
@@ -85,7 +97,9 @@ class LowLatencyCombineKernel(CombineFamily):
             cute.arch.sync_warp()
             weighted_sum_rows(self.dtype, my_addr, my_weight, n, v_begin, v_end, lane, out_rows.row(t))
             cute.arch.sync_warp()
-        self.finish(p, Int32(DONE_COMBINE), epoch)
+        if p.phase != PHASE_SEND:
+            self.finish(p, Int32(DONE_COMBINE), epoch)
 
 
-profiler_name(LowLatencyCombineKernel.kernel, "low_latency_combine")
+# "combine_low_latency": DeepEP's bench_kineto finds a call's combine kernels by "::combine"
+profiler_name(LowLatencyCombineKernel.kernel, "combine_low_latency")

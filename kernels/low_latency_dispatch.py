@@ -1,14 +1,15 @@
 """Low-latency dispatch kernel: DeepEP's per-expert padded receive layout in one launch, with no count
 exchange before the rows move.
 
-What rank d gets (the caller's tensors, passed per call): expert l's rows in ``ll_x`` [El * R * M, W] at
-slots l * R * M + [0, ll_count[l]), the blocks of source ranks in rank order, each source's tokens
-ascending; ``ll_src_info`` at each filled slot the token's index on its source; ``ll_count`` [El];
-``ll_range`` [El, R] int64 ((begin << 32) | rows of each source's block); ``ll_stats`` [El] += ll_count
+What rank d gets (the caller's tensors, passed per call): expert l's rows in ``ll_x`` [El * R * M, W] at slots
+l * R * M + [0, ll_count[l]), the blocks of source ranks in rank order, each source's tokens ascending;
+``ll_src_info`` at each filled slot the token's index on its source; ``ll_count`` [El]; ``ll_range`` [El, R]
+int64 ((begin << 32) | rows of each source's block); with FP8 ``ll_scales`` [El, H / 128, R * M] fp32 each
+filled slot's scales (DeepEP's column-major scales; ll_count itself: none); ``ll_stats`` [El] += ll_count
 (unless it is ``ll_count`` itself: the caller keeps no statistics); ``y_slot`` [El * R * M] int64 at each
-filled slot the pair it holds, (s * M + t) * K + k, where the combine (kernels/low_latency_combine.py)
-pushes its output. The sender's ``scatter[t, k]`` = (l * R + r) * M + j, the pair's place on the expert's
-rank (the combine skips pairs without one). W: a row of the buffer's dtype, or with ``fp8`` a packed FP8 row
+filled slot the pair it holds, (s * M + t) * K + k, where the combine (kernels/low_latency_combine.py) pushes
+its output. The sender's ``scatter[t, k]`` = (l * R + r) * M + j, the pair's place on the expert's rank (the
+combine skips pairs without one). W: a row of the buffer's dtype, or with ``fp8`` a packed FP8 row
 (kernels/quantize.py).
 
 Call ``epoch`` (epochs[OP_DISPATCH] + 1) uses set q = epoch % 2 of the symmetric ``ll_rows``,
@@ -29,6 +30,8 @@ next one on set q) before this rank has finished reading set q.
    of those experts from ``ll_rows`` into their padded slots, a warp per row (a decode batch's few rows
    per expert spread over every warp, not one warp's).
 5. The last CTA to finish advances epochs[OP_LAYOUT] and epochs[OP_DISPATCH] (unless a wait timed out).
+With ``phase`` PHASE_SEND a launch runs steps 1-3 and returns, and a later one with PHASE_RECEIVE steps 4-5
+(DeepEP's ``return_recv_hook``: the receiving half launched when the caller asks for the data).
 Ids outside [-1, E) and a token naming an expert twice are recorded in ``input_fault`` (this rank); an
 invalid id's pair is skipped, a repeated expert's pairs travel as two. After a fault nothing moves.
 """
@@ -39,7 +42,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import nvshmem.core.device.cute as nvshmem_cute
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import (
@@ -49,19 +52,31 @@ from cute_ep.kernels.buffers import (
     INPUT_FAULT_RANKS,
     EpParams,
 )
-from cute_ep.kernels.config import MAX_EXPERTS, MAX_WORLD_SIZE, OP_DISPATCH, OP_LAYOUT, VECTOR_BYTES, WARP
+from cute_ep.kernels.config import (
+    MAX_EXPERTS,
+    MAX_WORLD_SIZE,
+    OP_DISPATCH,
+    OP_LAYOUT,
+    PHASE_RECEIVE,
+    PHASE_SEND,
+    VECTOR_BYTES,
+    WARP,
+)
 from cute_ep.kernels.dispatch_senders import send_row_into
 from cute_ep.kernels.layout import cta_tokens
 from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.ptx import fence_sys, ld_acquire_u64
 from cute_ep.kernels.quantize import quantize_row_warp
-from cute_ep.kernels.rows import copy_row_warp, element, element_addr, row_space
+from cute_ep.kernels.rows import copy_row_to_lanes, element, element_addr, gmem_tensor, row_space
 from cute_ep.kernels.signals import SIGNAL_SET, fault_free, last_cta_arrives, record_fault, wait_signal_ge
 
 NUMBER_UNROLL = 8  # 32-pair steps whose ids warp 0 loads at once (one latency per 8 steps)
 SOURCE_SEARCH_STEPS = 9  # binary-search steps over the R + 1 block starts (R <= MAX_WORLD_SIZE = 256)
 EXPERT_SEARCH_STEPS = 5  # ... over the first rows of a CTA's 16 experts
 STARTS = MAX_WORLD_SIZE + 1  # shared-memory ints per warp: its expert's block starts and total
+# 128-bit pieces per lane in flight in the receiving copies: a decode batch gives each warp a few rows of
+# local memory to move, each a chain of load latencies (7168 bf16: 2 steps of 16 against 4 of 8)
+RECEIVE_ROW_UNROLL = 16
 
 
 class LowLatencyDispatchKernel(EpKernel):
@@ -80,39 +95,41 @@ class LowLatencyDispatchKernel(EpKernel):
         starts = smem.allocate_tensor(Int32, cute.make_layout(self.threads // WARP * STARTS), 16)
         firsts = smem.allocate_tensor(Int32, cute.make_layout(self.threads // WARP + 1), 4)
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
-        epoch = p.epochs[OP_DISPATCH] + Int64(1)
+        epoch = p.epochs[OP_DISPATCH] + Int64(1)  # the receiving half advances it: both see this call's
         q = Int32(epoch % 2)
         live = Int32(0)
         if fault_free(p.fault):
             live = Int32(1)
-        t_first, t_end = cta_tokens(p.num_tokens, bid, NCTA)
-        if live == 0:
-            t_end = t_first
-        for e in range(tid, p.num_experts, self.threads):
-            hist[e] = Int32(0)
-        cute.arch.sync_threads()
-        if tid < WARP:
-            if live != 0:
-                self.number_pairs(p, hist, t_first, t_end, tid)
-        else:
-            self.send_rows(p, q, t_first, t_end, tid)
-        cute.arch.sync_threads()  # the CTA's slots are in scatter
-        self.send_indices(p, q, t_first, t_end, tid)
-        nvshmem_cute.quiet()
-        fence_sys()  # this thread's rows and indices, before the CTA's arrival
-        cute.arch.sync_threads()
-        if tid == 0:
-            last[0] = last_cta_arrives(p.done, DONE_DISPATCH)
-        cute.arch.sync_threads()
-        if last[0] != 0:
-            if live != 0:
-                self.announce_counts(p, hist, q, epoch, tid)
-        self.receive(p, starts, firsts, q, epoch, live, tid)
-        if tid == 0:
-            if last_cta_arrives(p.done, DONE_LOW_LATENCY) != 0:
-                if fault_free(p.fault):
-                    p.epochs[OP_LAYOUT] = p.epochs[OP_LAYOUT] + Int64(1)
-                    p.epochs[OP_DISPATCH] = epoch
+        if p.phase != PHASE_RECEIVE:  # steps 1-3
+            t_first, t_end = cta_tokens(p.num_tokens, bid, NCTA)
+            if live == 0:
+                t_end = t_first
+            for e in range(tid, p.num_experts, self.threads):
+                hist[e] = Int32(0)
+            cute.arch.sync_threads()
+            if tid < WARP:
+                if live != 0:
+                    self.number_pairs(p, hist, t_first, t_end, tid)
+            else:
+                self.send_rows(p, q, t_first, t_end, tid)
+            cute.arch.sync_threads()  # the CTA's slots are in scatter
+            self.send_indices(p, q, t_first, t_end, tid)
+            nvshmem_cute.quiet()
+            fence_sys()  # this thread's rows and indices, before the CTA's arrival
+            cute.arch.sync_threads()
+            if tid == 0:
+                last[0] = last_cta_arrives(p.done, DONE_DISPATCH)
+            cute.arch.sync_threads()
+            if last[0] != 0:
+                if live != 0:
+                    self.announce_counts(p, hist, q, epoch, tid)
+        if p.phase != PHASE_SEND:  # steps 4-5
+            self.receive(p, starts, firsts, q, epoch, live, tid)
+            if tid == 0:
+                if last_cta_arrives(p.done, DONE_LOW_LATENCY) != 0:
+                    if fault_free(p.fault):
+                        p.epochs[OP_LAYOUT] = p.epochs[OP_LAYOUT] + Int64(1)
+                        p.epochs[OP_DISPATCH] = epoch
 
     @cute.jit
     def number_pairs(self, p: EpParams, hist: cute.Tensor, t_first: Int32, t_end: Int32, lane: Int32):
@@ -292,13 +309,11 @@ class LowLatencyDispatchKernel(EpKernel):
         for s in range(lane, R, WARP):
             p.ll_range[el, s] = (Int64(starts[s]) << 32) | Int64(starts[s + 1] - starts[s])
         K = p.topk
-        for u in range(lane, S, WARP):  # each filled slot's token, and its pair for the combine
-            s = u // M
-            j = u % M
-            if j < starts[s + 1] - starts[s]:
-                pair = p.ll_index[q, el, s, j]
-                p.ll_src_info[base + starts[s] + j] = pair // K
-                p.y_slot[base + starts[s] + j] = Int64(s * M) * K + pair
+        for r in range(lane, carry, WARP):  # each filled slot's token, and its pair for the combine
+            s = self.last_at_or_before(starts, r, R - 1, SOURCE_SEARCH_STEPS)
+            pair = p.ll_index[q, el, s, r - starts[s]]
+            p.ll_src_info[base + r] = pair // K
+            p.y_slot[base + r] = Int64(s * M) * K + pair
         return carry
 
     @cute.jit
@@ -312,6 +327,10 @@ class LowLatencyDispatchKernel(EpKernel):
         if p.fp8 != 0:
             row_bytes = p.fp8_row_bytes
         staged, padded = row_space(p.ll_rows, row_bytes), row_space(p.ll_x, row_bytes)
+        scales_out = Int32(0)  # FP8: each row's scales into the caller's column-major ll_scales too
+        if p.fp8 != 0:
+            if p.ll_scales.iterator.toint() != p.ll_count.iterator.toint():
+                scales_out = Int32(1)
         for r in range(warp, firsts[NW], NW):
             w = self.last_at_or_before(firsts, r, NW - 1, EXPERT_SEARCH_STEPS)
             theirs = cute.make_tensor(starts.iterator + w * STARTS, cute.make_layout(STARTS))
@@ -319,8 +338,13 @@ class LowLatencyDispatchKernel(EpKernel):
             s = self.last_at_or_before(theirs, row, p.world_size - 1, SOURCE_SEARCH_STEPS)
             el = chunk + w
             t = p.ll_index[q, el, s, row - theirs[s]] // p.topk
-            copy_row_warp(dtype, staged.row(q * p.rank_capacity + s * p.max_tokens + t),
-                          padded.row(el * p.rank_capacity + row), row_bytes // VECTOR_BYTES, lane)
+            src = staged.row(q * p.rank_capacity + s * p.max_tokens + t)
+            copy_row_to_lanes(dtype, src, padded.row(el * p.rank_capacity + row), Int32(1),
+                              row_bytes // VECTOR_BYTES, lane, RECEIVE_ROW_UNROLL)
+            if scales_out != 0:  # [H bytes of e4m3 | H / 128 fp32 scales | ...]
+                scales = gmem_tensor(Float32, src + p.hidden, cute.make_layout(p.fp8_scales), 4)
+                for c in range(lane, p.fp8_scales, WARP):
+                    p.ll_scales[el, c, row] = scales[c]
 
     @cute.jit
     def last_at_or_before(self, starts: cute.Tensor, r: Int32, hi: Int32, steps: cutlass.Constexpr) -> Int32:
@@ -338,4 +362,5 @@ class LowLatencyDispatchKernel(EpKernel):
         return lo
 
 
-profiler_name(LowLatencyDispatchKernel.kernel, "low_latency_dispatch")
+# "dispatch_low_latency": DeepEP's bench_kineto finds a call's dispatch kernels by "::dispatch"
+profiler_name(LowLatencyDispatchKernel.kernel, "dispatch_low_latency")

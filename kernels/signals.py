@@ -77,15 +77,24 @@ def signal_and_wait_peers(p, row: Int32, value: Int64, op: Int32, epoch: Int64, 
     """
     tid, _, _ = cute.arch.thread_idx()
     R = p.world_size
+    if signal != 0:
+        signal_peers(p, row, value)
     if fault_free(p.fault):
-        if signal != 0:
-            if tid < R:
-                fence_sys()
-                nvshmem_cute.signal_op(element(p.signals, (row, p.rank)), value, SIGNAL_SET, tid)
         if tid < R:
             if wait_signal_ge(element_addr(p.signals, (row, tid)), value, Int64(p.timeout_ms) * 1000000) == 0:
                 record_fault(p.fault, op, tid, epoch)
     cute.arch.sync_threads()
+
+
+@cute.jit
+def signal_peers(p, row: Int32, value: Int64):
+    """This CTA's first R threads SET ``signals[row, rank]`` on every peer to ``value``, each after a system
+    fence (this rank's earlier writes are visible first); nothing once a fault is recorded."""
+    tid, _, _ = cute.arch.thread_idx()
+    if fault_free(p.fault):
+        if tid < p.world_size:
+            fence_sys()
+            nvshmem_cute.signal_op(element(p.signals, (row, p.rank)), value, SIGNAL_SET, tid)
 
 
 @cute.jit

@@ -53,7 +53,7 @@ def buf(monkeypatch) -> EpBuffer:
     b._calls, b._sent, b._latest_recv = [0, 0, 0], None, None
     b._drops = torch.zeros(cfg.num_experts, dtype=torch.int64)
     one = SimpleNamespace(num_tokens=1, capacity=1, hidden=cfg.hidden, topk=cfg.topk, experts_per_rank=1,
-                              rank_capacity=1, world_size=1)
+                          rank_capacity=1, world_size=1, fp8_scales=1)
     b._empty = {t.name: torch.empty(t.shape(one), dtype=t.torch_dtype(cfg)) for t in buffers_of(CALL)}
     b._align = {t.name: t.align(cfg) for t in buffers_of(CALL)}
     b._empty_addr = {n: t.data_ptr() for n, t in b._empty.items()}
@@ -63,7 +63,8 @@ def buf(monkeypatch) -> EpBuffer:
 
 def ll_stand_ins(buf) -> dict[str, int]:
     """The low-latency dispatch's tensors: stand-ins in every other call."""
-    return {n: buf._empty[n].data_ptr() for n in ("ll_x", "ll_src_info", "ll_count", "ll_range", "ll_stats")}
+    names = ("ll_x", "ll_src_info", "ll_count", "ll_range", "ll_scales", "ll_stats")
+    return {n: buf._empty[n].data_ptr() for n in names}
 
 
 def inputs(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,7 +90,7 @@ def test_a_sync_free_dispatch_hands_over_its_tensors_and_the_handles_storage(buf
     assert scalars == {"op": OP_DISPATCH, "mode": MODES["scatter"], "fp8": 0,
                        "algo": DISPATCH_ALGORITHMS["dedup"], "combine_algo": combine_algo,
                        "layout": LAYOUTS[layout], "num_tokens": 5, "own_routing": 1, "mirror_seq": 0,
-                       "y_rows": 0, "y_gather": 0}
+                       "y_rows": 0, "y_gather": 0, "phase": 0}
     # the handle owns its routing: the layout copies the ids and weights into storage of its own
     assert {h.scatter.data_ptr(), h.topk_idx.data_ptr(), h.topk_weights.data_ptr()}.isdisjoint(
         {idx.data_ptr(), w.data_ptr()})
@@ -200,3 +201,47 @@ def test_launch_combine_gathers_y_by_its_slots_on_the_device(buf) -> None:
     assert scalars["y_gather"] == 0 and scalars["y_rows"] == 0
     assert ptrs["y_slot"] == buf._empty["y_slot"].data_ptr()
     assert torch.equal(buf.recv_y[:24], padded[strided])
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_low_latency_launches_hand_over_the_padded_tensors_and_the_phase(buf, split) -> None:
+    """The low-latency layout's launches (cute_ep/low_latency_launches.py): the dispatch gets the caller's
+    routing, the handle's own tensors and every padded tensor by name, the combine the padded rows, the
+    dispatch's pairs and counts; with return_recv_hook (``split``) each op is two launches, the sending
+    half counted as the op's launch and the receiving half not (its epoch is the op's)."""
+    from cute_ep.kernels.config import OP_LAYOUT, PHASE_ALL, PHASE_RECEIVE, PHASE_SEND
+    from cute_ep.kernels.variants import LAYOUT_LOW_LATENCY
+
+    x, idx, w = inputs(5)
+    own = tuple(torch.zeros(5, 2, dtype=d) for d in (torch.int32, torch.int32, torch.float32))
+    el, slots = 4, 2 * 16
+    padded = {"ll_x": torch.zeros(el * slots, 64, dtype=torch.bfloat16),
+              "ll_src_info": torch.zeros(el * slots, dtype=torch.int32),
+              "ll_count": torch.zeros(el, dtype=torch.int32),
+              "ll_range": torch.zeros(el, 2, dtype=torch.int64),
+              "ll_stats": torch.zeros(el, dtype=torch.int32),
+              "y_slot": torch.zeros(el * slots, dtype=torch.int64)}
+    phases = (PHASE_SEND, PHASE_RECEIVE) if split else (PHASE_ALL,)
+    for phase in phases:
+        handle = buf.launch_low_latency_dispatch(x, idx, w, own, padded, fp8=3, phase=phase)
+    assert handle.layout == "low-latency" and handle.scatter is own[0] and handle.topk_idx is own[1]
+    assert buf._calls[OP_LAYOUT] == buf._calls[OP_DISPATCH] == 1  # one dispatch, however many halves
+    out = torch.empty(5, 64, dtype=torch.bfloat16)
+    for phase in phases:
+        buf.launch_low_latency_combine(handle, out, padded["ll_x"], padded["y_slot"], padded["ll_count"],
+                                       phase)
+    assert buf._calls[OP_COMBINE] == 1
+    launches = buf._launcher.launches
+    assert len(launches) == 2 * len(phases)
+    for (_, ptrs, scalars), phase in zip(launches[: len(phases)], phases, strict=True):
+        assert scalars["op"] == OP_DISPATCH and scalars["phase"] == phase and scalars["fp8"] == 3
+        assert scalars["layout"] == LAYOUT_LOW_LATENCY and scalars["own_routing"] == 1
+        assert ptrs["x"] == x.data_ptr() and ptrs["topk_idx"] == idx.data_ptr()
+        assert (ptrs["scatter"], ptrs["own_idx"], ptrs["own_w"]) == tuple(t.data_ptr() for t in own)
+        assert all(ptrs[n] == t.data_ptr() for n, t in padded.items())
+    for (_, ptrs, scalars), phase in zip(launches[len(phases):], phases, strict=True):
+        assert scalars["op"] == OP_COMBINE and scalars["phase"] == phase and scalars["y_rows"] == 0
+        assert scalars["layout"] == LAYOUT_LOW_LATENCY
+        assert ptrs["y"] == padded["ll_x"].data_ptr() and ptrs["y_slot"] == padded["y_slot"].data_ptr()
+        assert ptrs["ll_count"] == padded["ll_count"].data_ptr() and ptrs["out"] == out.data_ptr()
+        assert ptrs["scatter"] == own[0].data_ptr() and ptrs["topk_w"] == own[2].data_ptr()

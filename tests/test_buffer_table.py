@@ -133,7 +133,7 @@ class _Sym:
 
 SYMBOLS = dict(num_tokens="T", hidden="H", topk="K", capacity="C", world_size="R", num_experts="E",
                stage_rows="stage_rows", max_tokens="M", fp8_row_bytes="fp8_row_bytes", experts_per_rank="E/R",
-               rank_capacity="R * M", num_sms="num_sms", status_words="S")
+               rank_capacity="R * M", num_sms="num_sms", status_words="S", fp8_scales="H / 128")
 CONDITIONS = {"recv_group": 'only with `combine_algorithm="reduced"`',
               "partials": 'only with `combine_algorithm="reduced"`', "packed": "only when H % 128 == 0",
               "recv_topk_idx": "only with `capacity_factor == 0`",

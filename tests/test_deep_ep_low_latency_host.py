@@ -10,7 +10,7 @@ import torch
 
 from cute_ep.deep_ep.low_latency import PaddedOut
 from cute_ep.deep_ep.low_latency_mode import LowLatencyMode, _LowLatencyRouting, _signature
-from cute_ep.kernels.config import FP8_SCALE_POWER_OF_TWO
+from cute_ep.kernels.config import FP8_SCALE_POWER_OF_TWO, PHASE_ALL, PHASE_RECEIVE
 
 
 def _mode(backend: str = "cute") -> LowLatencyMode:
@@ -66,9 +66,8 @@ class _Buffer:
     def __init__(self) -> None:
         self.launches = []
 
-    def launch_dispatch(self, x, topk_idx, topk_weights, fp8=False, layout="expert", *, own=None,
-                        padded=None):
-        self.launches.append((x, topk_idx.clone(), topk_weights, layout, own, fp8, padded))
+    def launch_low_latency_dispatch(self, x, topk_idx, topk_weights, own, padded, fp8=0, phase=0):
+        self.launches.append((x, topk_idx.clone(), topk_weights, phase, own, fp8, padded))
         return "handle"
 
 
@@ -83,11 +82,12 @@ def test_the_dispatch_launches_on_routing_kept_per_parity_with_ids_clamped_to_in
     into = PaddedOut.make_exact(4, 2, 16, 8, torch.bfloat16, torch.device("cpu"))
     assert mode._ll_launch_dispatch(buf, key, 0, x, ids, 288, 0, into, None) == "handle"
     assert mode._combined == set()  # a dispatch orders the earlier combines
-    _, sent, weights, layout, own, fp8, padded = buf.launches[0]
-    assert sent.dtype == torch.int32 and layout == "low-latency" and fp8 == 0
+    _, sent, weights, phase, own, fp8, padded = buf.launches[0]
+    assert sent.dtype == torch.int32 and phase == PHASE_ALL and fp8 == 0
     # the kernel writes the padded layout into the parity's tensors; without statistics into the count only
     assert padded == {"ll_x": into.rows, "ll_src_info": into.src_info, "ll_count": into.count,
-                      "ll_range": into.layout_range, "ll_stats": into.count, "y_slot": into.slot}
+                      "ll_range": into.layout_range, "ll_stats": into.count, "y_slot": into.slot,
+                      "ll_scales": into.count}
     assert into.rows.shape == (4 * 2 * 16, 8) and into.slot.shape == (4 * 2 * 16,)
     stats = torch.zeros(4, dtype=torch.int32)
     mode._ll_launch_dispatch(buf, key, 0, x, ids, 288, 0, into, stats)
@@ -103,6 +103,13 @@ def test_the_dispatch_launches_on_routing_kept_per_parity_with_ids_clamped_to_in
     assert ptr[1] == ptr[0] and ptr[2] == ptr[0]  # the same tensors: nothing made per call
     assert not set(ptr[3]) & set(ptr[0])  # the other parity: its own, as DeepEP's two buffers
     assert len(mode._ll_kept[("routing views", key, 0, id_dtype)]) == 2  # views for T = 3 and T = 2
+    # return_recv_hook's receiving half: the ids the sending half kept, not clamped and copied again
+    routing = mode._ll_kept[("routing views", key, 0, id_dtype)][3]
+    routing.ids.fill_(7)
+    mode._combined.add("a combine")
+    mode._ll_launch_dispatch(buf, key, 0, x, ids, 288, 0, into, None, PHASE_RECEIVE)
+    assert buf.launches[-1][3] == PHASE_RECEIVE and bool((buf.launches[-1][1] == 7).all())
+    assert mode._combined == {"a combine"}  # the sending half ordered the combines already
 
 
 def test_routing_views_share_the_kept_rows():

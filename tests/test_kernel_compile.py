@@ -60,8 +60,8 @@ def test_targets_sm90_with_twelve_kernels(compiled_ptx):
     _, ptx = compiled_ptx
     assert re.search(r"(?m)^\.target sm_90$", ptx)
     kinds = Counter(kind for kind, _ in _entries(ptx))
-    assert sorted(kinds) == ["Combine", "Dispatch", "Fanout", "Layout", "LowLatencyCombine",
-                             "LowLatencyDispatch", "PartialSum", "RankCombine", "RankDispatch", "RankLayout",
+    assert sorted(kinds) == ["Combine", "CombineLowLatency", "Dispatch", "DispatchLowLatency", "Fanout",
+                             "Layout", "PartialSum", "RankCombine", "RankDispatch", "RankLayout",
                              "ReducePush", "StageY"]
     # The DSL emits an entry point per launch site: the module launches each kernel from one site.
     assert kinds == {kind: 1 for kind in kinds}
@@ -95,7 +95,7 @@ def test_links_the_nvshmem_calls_each_step_needs(compiled_ptx):
 
 
 @pytest.mark.parametrize("kernel",
-                         ["Combine", "ReducePush", "PartialSum", "RankCombine", "LowLatencyCombine"])
+                         ["Combine", "ReducePush", "PartialSum", "RankCombine", "CombineLowLatency"])
 def test_combine_accumulates_without_fma_and_loads_128_bit_past_l1(compiled_ptx, kernel):
     """The pull combine, both phases of the reduced combine and the low-latency combine share
     kernels/rowsum.py."""
@@ -128,7 +128,7 @@ def test_kernels_declare_their_ctas_per_sm(compiled_ptx):
     kernels = _kernels(ptx)
     for name in ("ReducePush", "PartialSum"):
         assert re.search(r"\.minnctapersm 2\b", kernels[name]), name
-    for name in ("Dispatch", "RankDispatch", "LowLatencyDispatch"):
+    for name in ("Dispatch", "RankDispatch", "DispatchLowLatency"):
         assert re.search(r"\.minnctapersm 1\b", kernels[name]), name
     for name in ("Layout", "Fanout", "Combine", "RankCombine"):
         assert ".minnctapersm" not in kernels[name], name
@@ -139,7 +139,7 @@ def test_row_copies_are_128_bit(compiled_ptx):
     kernels = _kernels(ptx)
     # unrolled pieces in flight per lane: ROW_COPY_UNROLL in the fan-out, DISPATCH_ROW_UNROLL in dispatch
     for name, unroll in (("Dispatch", DISPATCH_ROW_UNROLL), ("Fanout", ROW_COPY_UNROLL),
-                         ("RankDispatch", DISPATCH_ROW_UNROLL), ("LowLatencyDispatch", ROW_COPY_UNROLL)):
+                         ("RankDispatch", DISPATCH_ROW_UNROLL), ("DispatchLowLatency", ROW_COPY_UNROLL)):
         ops = _ops(kernels[name])
         assert ops["st.global.v4.b32"] >= unroll, (name, ops)
         assert ops["ld.global.v4.b32"] >= unroll, (name, ops)
@@ -178,12 +178,12 @@ def test_every_wait_for_a_peer_is_bounded(compiled_ptx):
     assert "signal_wait_until" not in ptx  # NVSHMEM's wait has no timeout: one missing peer hangs all
     kernels = _kernels(ptx)
     for name in ("Layout", "RankLayout", "Dispatch", "Combine", "ReducePush", "PartialSum", "RankDispatch",
-                 "RankCombine", "LowLatencyDispatch", "LowLatencyCombine"):
+                 "RankCombine", "DispatchLowLatency", "CombineLowLatency"):
         text = kernels[name]
         assert "ld.acquire.sys.global.u64" in text, name  # polls the signal with acquire semantics
         assert text.count("%globaltimer") >= 2, name  # start time + a fresh read inside the loop
     for name in ("Layout", "Dispatch", "Fanout", "Combine", "ReducePush", "PartialSum",
-                 "LowLatencyDispatch"):  # fault record first
+                 "DispatchLowLatency"):  # fault record first
         assert "ld.volatile.global.b32" in kernels[name], name
 
 
@@ -214,7 +214,7 @@ def test_low_latency_dispatch_numbers_pairs_and_signals_counts(compiled_ptx):
     ops, quantizes FP8 rows by the same conversion as the dispatch, and moves rows to other nodes with
     put_warp."""
     dtype, ptx = compiled_ptx
-    text = _kernels(ptx)["LowLatencyDispatch"]
+    text = _kernels(ptx)["DispatchLowLatency"]
     ops = _ops(text)
     assert ops["match.any.sync.b32"] >= 2, ops  # the numbering and the destination ranks of a token
     assert "nvshmem_int32_p" in text and "nvshmemx_signal_op" in text
@@ -227,7 +227,7 @@ def test_low_latency_combine_pushes_rows_then_signals(compiled_ptx):
     """The low-latency combine (kernels/low_latency_combine.py) pushes rows to other nodes with put_warp,
     quiets them, and raises the combine signal, with 128-bit peer-pointer stores on this node."""
     dtype, ptx = compiled_ptx
-    text = _kernels(ptx)["LowLatencyCombine"]
+    text = _kernels(ptx)["CombineLowLatency"]
     assert re.search(rf"\bnvshmemx_{DTYPES[dtype]}_put_warp\b", text)
     assert "nvshmemx_signal_op" in text and ("nvshmem_quiet" in text or "transfer_quiet" in text)
     assert _ops(text)["st.global.v4.b32"] > 0

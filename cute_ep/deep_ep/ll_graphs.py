@@ -1,6 +1,6 @@
 """Low-latency calls replayed from CUDA graphs (``LowLatencyGraphs``), on the kernels' backend.
 
-A low-latency dispatch enqueues up to four launches (the ids' clamp and int32 copy, the module, the FP8
+A low-latency dispatch enqueues up to four launches (the ids' clamp and int32 copy, the module, ue8m0's
 scales' copy) and a combine one launch of the module, and their host work is most of the call: on an H200
 host (2026-11-28) a low-latency pair (then with one launch more, a padded-layout kernel) took 170-180 us
 of host time, of which the combine's launch took 34.5 us. A CUDA graph replays a call's launches in about

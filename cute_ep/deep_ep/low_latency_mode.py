@@ -23,7 +23,13 @@ from cute_ep.deep_ep.lifecycle import _Scope
 from cute_ep.deep_ep.pool import _CARRIER
 from cute_ep.deep_ep.utils import EventOverlap, function_modes_off
 from cute_ep.kernels.buffers import packed_fp8_row_bytes
-from cute_ep.kernels.config import FP8_SCALE_LOW_LATENCY, FP8_SCALE_POWER_OF_TWO
+from cute_ep.kernels.config import (
+    FP8_SCALE_LOW_LATENCY,
+    FP8_SCALE_POWER_OF_TWO,
+    PHASE_ALL,
+    PHASE_RECEIVE,
+    PHASE_SEND,
+)
 
 __all__ = ["LowLatencyMode"]
 
@@ -64,16 +70,18 @@ class LowLatencyMode:
         of source ranks come in rank order, each source's tokens ascending (DeepEP's order depends on
         arrival). A ``low_latency_combine`` given this call's ``topk_idx`` tensor, unchanged since, reuses
         the ids the dispatch kept.
-        ``return_recv_hook``: the data is complete when the call returns; the hook (call it, as with DeepEP)
-        does nothing. As DeepEP's, the results live in two alternating sets of receive tensors: valid until
-        the next low-latency dispatch that lands on the same set (the second low-latency call after this
-        one, a combine counting as a call; copy what must live longer). A token naming an expert twice
-        is refused on the host backends; on GPUs, where checking would cost a host sync, the kernel skips
-        ids outside [-1, E), sends a repeated expert's pairs as two, and records the call in its buffer's
-        status block (``input_fault``). On GPUs
-        the dispatch is one launch that writes the padded layout, and the combine's launch gathers the
-        rows received back by the slots the dispatch wrote. x may be bf16, fp16 or fp32 and H any size
-        the kernels take (a multiple of 128 with FP8).
+        ``return_recv_hook``: on GPUs, as DeepEP's, the call only sends (the kernel's sending half) and the
+        hook, called before the data is read and before the next low-latency call, enqueues the receiving half
+        on the current stream (and ue8m0's scales copy); on the host backends the data is complete when the
+        call returns and the hook does nothing. As DeepEP's, the results live in two alternating sets of
+        receive tensors: valid until the next low-latency dispatch that lands on the same set (the second
+        low-latency call after this one, a combine counting as a call; copy what must live longer). A token
+        naming an expert twice is refused on the host backends; on GPUs, where checking would cost a host
+        sync, the kernel skips ids outside [-1, E), sends a repeated expert's pairs as two, and records the
+        call in its buffer's status block (``input_fault``). On GPUs the dispatch is one launch that writes
+        the padded layout (two with ``return_recv_hook``), and the combine's launch pushes the rows back by
+        the pairs the dispatch wrote. x may be bf16, fp16 or fp32 and H any size the kernels take (a multiple
+        of 128 with FP8).
 
         Raises:
             NotImplementedError: ``dispatch_wait_recv_cost_stats`` (no per-peer wait timing).
@@ -99,11 +107,13 @@ class LowLatencyMode:
         with _Scope(self, None, async_finish) as scope:
             parity = self._ll_index  # DeepEP's buffer parity: this call's receive tensors
             self._ll_index ^= 1
+            hook = _no_wait if return_recv_hook else None
             if self.backend == "cute":  # the kernels, which also quantize FP8 rows
                 rule = 0 if not use_fp8 else FP8_SCALE_POWER_OF_TWO if round_scale else FP8_SCALE_LOW_LATENCY
-                recv, padded, sent = self._ll_kernels_dispatch(
+                recv, padded, sent, receive = self._ll_kernels_dispatch(
                     sig if scope.comm is None else None, parity, x, topk_idx, m, num_experts, rule, use_ue8m0,
-                    stats)
+                    stats, return_recv_hook)
+                hook = receive or hook
             else:
                 if use_fp8:  # cast into the rows the buffer moves: [H bytes of e4m3 | H / 128 fp32 | zeros]
                     packed = self._ll_cached("fp8 rows", (m, packed_fp8_row_bytes(hidden)), torch.uint8)
@@ -127,7 +137,6 @@ class LowLatencyMode:
                        padded.layout_range, padded.slot)
             event = scope.finish(outputs, (x, topk_idx, stats))
         extra = (x, topk_idx, *outputs[:-1], stats) if async_finish else None
-        hook = _no_wait if return_recv_hook else None
         return recv, padded.count, handle, EventOverlap(event, extra), hook
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: tuple,
@@ -183,20 +192,24 @@ class LowLatencyMode:
                 ids = torch.where(topk_idx < 0, torch.full_like(ids, -1), ids)
             now = DispatchHandle(ids, topk_weights.contiguous(), sent.scatter, sent.num_tokens, sent.mode,
                                  sent.layout)
+            receive = None  # with return_recv_hook on the kernels: the receiving half, for the hook
             if launch:
                 combined = out if out is not None and out.is_contiguous() else torch.empty(
                     (route.num_tokens, hidden), dtype=src.dtype, device=self.device)
-                self._ll_launch_combine(sig if scope.comm is None else None, buf, now, combined,
-                                        src.contiguous(), route)
+                receive = self._ll_launch_combine(sig if scope.comm is None else None, buf, now, combined,
+                                                  src.contiguous(), route, return_recv_hook)
             else:
                 combined = buf.combine(rows, now)
             self._combined.add(key)
             if out is not None and combined is not out:
-                out.copy_(combined)
+                if receive is None:
+                    out.copy_(combined)
+                else:
+                    receive = _then_copy(receive, combined, out)
                 combined = out
             event = scope.finish((combined,), (x, topk_idx, topk_weights, *handle[:2]))
         extra = (x, topk_idx, topk_weights, *handle[:2], combined) if async_finish else None
-        return combined, EventOverlap(event, extra), _no_wait if return_recv_hook else None
+        return combined, EventOverlap(event, extra), receive or (_no_wait if return_recv_hook else None)
 
     def _ll_signature(self, args: tuple) -> tuple | None:
         """``_signature(args)`` on the kernels' backend (its checks and graphs are kept by it), else None."""
@@ -221,11 +234,13 @@ class LowLatencyMode:
             seen[what, sig] = True
         return result
 
-    def _ll_fp8_out(self, parity: int, rows: Tensor, hidden: int, ue8m0: bool) -> tuple[Tensor, Tensor]:
+    def _ll_fp8_out(self, parity: int, rows: Tensor, hidden: int, ue8m0: bool,
+                    copy: bool = True) -> tuple[Tensor, Tensor]:
         """A low-latency FP8 dispatch's (q, scales) from its padded packed rows [El, S, P]: q [El, S, H]
         float8_e4m3fn, a view of the rows; scales DeepEP's [El, S, H / 128] fp32 (``ue8m0``: [El, S,
         ceil(H / 512)] int32 of exponent bytes), column-major in the last two dimensions, kept per parity
-        and rewritten here (one copy). The views are made once per rows tensor (each costs host time)."""
+        and rewritten here (one copy; not with ``copy`` False: the rows are still to come). The views are
+        made once per rows tensor (each costs host time)."""
         el, slots = rows.shape[0], rows.shape[1]
 
         def views() -> tuple[Tensor, Tensor, Tensor]:
@@ -236,6 +251,8 @@ class LowLatencyMode:
             return q, s_rows, self._ll_cached(f"scales {parity}", shape, dtype).transpose(1, 2)
 
         q, s_rows, scales = self._ll_kept_of(("fp8 views", rows.data_ptr(), hidden, ue8m0), views)
+        if not copy:
+            return q, scales
         if ue8m0:
             scales.copy_(ll.ue8m0_pack(s_rows.reshape(-1, s_rows.shape[-1])).view(el, slots, -1))
         else:
@@ -243,26 +260,45 @@ class LowLatencyMode:
         return q, scales
 
     def _ll_kernels_dispatch(self, sig: tuple | None, parity: int, x: Tensor, topk_idx: Tensor, m: int,
-                             num_experts: int, fp8_rule: int, ue8m0: bool, stats: Tensor | None
-                             ) -> tuple[Any, ll.PaddedRecv, DispatchHandle]:
+                             num_experts: int, fp8_rule: int, ue8m0: bool, stats: Tensor | None,
+                             split: bool) -> tuple[Any, ll.PaddedRecv, DispatchHandle, Any]:
         """A low-latency dispatch on the kernels: (what it returns as recv_x, the padded layout, the
-        dispatch's handle). One launch of the module writes the padded layout into this parity's receive
-        tensors (kernels/low_latency_dispatch.py), then FP8's (q, scales) views; replayed from a CUDA
-        graph where ``sig`` (the arguments' signature, None: never) repeats at this parity
-        (``ll_graphs``)."""
+        dispatch's handle, with ``split`` the hook that receives, else None). One launch of the module
+        writes the padded layout into this parity's receive tensors (kernels/low_latency_dispatch.py), with
+        FP8's fp32 scales in DeepEP's layout (ue8m0's are packed by one copy after); replayed from a CUDA
+        graph where ``sig`` (the arguments' signature, None: never) repeats at this parity (``ll_graphs``).
+        ``split`` (DeepEP's return_recv_hook): the sending half now, the receiving half (and ue8m0's copy)
+        in the hook."""
         hidden, k, world = x.shape[1], topk_idx.shape[1], self.group_size
         el = num_experts // world
         key, buf = self._buffer(hidden, x.dtype, num_experts, k, m, low_latency=True)
         width, dtype = (packed_fp8_row_bytes(hidden), torch.uint8) if fp8_rule else (hidden, x.dtype)
         into = self._ll_kept_of(("padded", key, parity, dtype, width), lambda: ll.PaddedOut.make_exact(
             el, world, m, width, dtype, self.device))
+        padded = into.received(el, world * m)
+        # FP8 with fp32 scales: the kernel writes them in DeepEP's column-major layout (_ll_fp8_out's tensor)
+        scales = self._ll_cached(f"scales {parity}", (el, hidden // 128, world * m), torch.float32) if (
+            fp8_rule and not ue8m0) else None
 
-        def enqueue(xs: Tensor, ids: Tensor, add_to: Tensor | None) -> tuple:
-            sent = self._ll_launch_dispatch(buf, key, parity, xs, ids, num_experts, fp8_rule, into, add_to)
-            padded = into.received(el, world * m)
-            recv = self._ll_fp8_out(parity, padded.rows, hidden, ue8m0) if fp8_rule else padded.rows
-            return recv, padded, sent
+        def enqueue(xs: Tensor, ids: Tensor, add_to: Tensor | None, phase: int = PHASE_ALL) -> tuple:
+            sent = self._ll_launch_dispatch(buf, key, parity, xs, ids, num_experts, fp8_rule, into, add_to,
+                                            phase, scales)
+            if not fp8_rule:
+                return padded.rows, padded, sent
+            fp8 = self._ll_fp8_out(parity, padded.rows, hidden, ue8m0, ue8m0 and phase != PHASE_SEND)
+            return fp8, padded, sent
 
+        if split:
+            xs = x.contiguous()
+            recv, _, sent = enqueue(xs, topk_idx, stats, PHASE_SEND)
+
+            def receive() -> None:
+                self._ll_launch_dispatch(buf, key, parity, xs, topk_idx, num_experts, fp8_rule, into, stats,
+                                         PHASE_RECEIVE, scales)
+                if fp8_rule and ue8m0:
+                    self._ll_fp8_out(parity, padded.rows, hidden, ue8m0, True)
+
+            return recv, padded, sent, receive
         if sig is not None and x.shape[0]:
             how, result = self._ll_graphs.dispatch(sig, parity, buf, x, topk_idx, stats, enqueue)
             if how is not None:
@@ -271,28 +307,33 @@ class LowLatencyMode:
                 self._combined.clear()  # as _ll_launch_dispatch
                 if stats is not None and how == "copied":  # a direct graph adds them itself
                     stats.add_(padded.count)
-                return result
-        return enqueue(x.contiguous(), topk_idx, stats)
+                return recv, padded, sent, None
+        return (*enqueue(x.contiguous(), topk_idx, stats), None)
 
     def _ll_launch_combine(self, sig: tuple | None, buf: Any, now: DispatchHandle, combined: Tensor,
-                           src: Tensor, route: _LowLatencyRoute) -> None:
+                           src: Tensor, route: _LowLatencyRoute, split: bool) -> Callable[[], None] | None:
         """A low-latency combine's launch on the kernels (kernels/low_latency_combine.py): the padded rows
         ``src`` that the dispatch counted (``route.count``) pushed back by the pairs it wrote
         (``route.slot``), summed into ``combined``; replayed from a CUDA graph where ``sig`` (None: never)
-        and the addresses of every tensor it reads or writes repeat (``ll_graphs``), else launched."""
+        and the addresses of every tensor it reads or writes repeat (``ll_graphs``), else launched.
+        ``split`` (DeepEP's return_recv_hook): the sending half now; returns the receiving half's launch."""
         slot = route.slot
 
-        def launch() -> None:
-            buf.launch_combine(now, combined, y=src.view(-1, src.shape[-1]), y_slot=slot,
-                               padded={"ll_count": route.count})
+        def launch(phase: int = PHASE_ALL) -> None:
+            rows = src.view(-1, src.shape[-1])
+            buf.launch_low_latency_combine(now, combined, rows, slot, route.count, phase)
 
+        if split:
+            launch(PHASE_SEND)
+            return lambda: launch(PHASE_RECEIVE)
         if sig is not None:
             key = (sig, src.data_ptr(), slot.data_ptr(), now.topk_idx.data_ptr(), now.topk_weights.data_ptr(),
                    now.scatter.data_ptr(), combined.data_ptr(), buf.is_latest_dispatch(now))
             if self._ll_graphs.combine(key, buf, launch)[0]:
                 buf.replayed_combine()
-                return
+                return None
         launch()
+        return None
 
     def _ll_place(self, parity: int, received: tuple[Tensor, Tensor, Tensor], m: int, k: int,
                   scratch: ll.PaddedScratch, into: ll.PaddedOut, stats: Tensor | None, fp8_hidden: int,
@@ -310,17 +351,18 @@ class LowLatencyMode:
         return self._ll_fp8_out(parity, padded.rows, fp8_hidden, ue8m0), padded
 
     def _ll_launch_dispatch(self, buf: Any, key: tuple, parity: int, x: Tensor, topk_idx: Tensor,
-                            num_experts: int, fp8_rule: int, into: ll.PaddedOut, stats: Tensor | None
-                            ) -> DispatchHandle:
+                            num_experts: int, fp8_rule: int, into: ll.PaddedOut, stats: Tensor | None,
+                            phase: int = PHASE_ALL, scales: Tensor | None = None) -> DispatchHandle:
         """A low-latency call's dispatch on the kernels: one launch of the module
-        (``EpBuffer.launch_dispatch``, layout "low-latency") writing the padded layout into ``into`` (and
-        its counts into ``stats``), on routing tensors kept per parity (the handle owns them until the
-        second low-latency call after this one, DeepEP's lifetime), so no tensor is made per call. The ids
-        become int32 as ``check_dispatch_inputs`` makes them: clamped to [-2, E] first (the kernel skips
-        and records an id outside [-1, E); no int64 id wraps into that range). ``fp8_rule``: 0 (rows as
-        they are), or the kernel quantizes each row by that scale rule (``FP8_SCALE_LOW_LATENCY`` or
-        ``FP8_SCALE_POWER_OF_TWO``: DeepEP's low-latency cast, bit for bit)."""
-        self._combined.clear()  # a dispatch orders every rank's earlier combines before later writes
+        (``EpBuffer.launch_low_latency_dispatch``; ``phase``: one half of it) writing the padded layout
+        into ``into`` (and its counts into ``stats``), on routing tensors kept per parity (the handle owns
+        them until the second low-latency call after this one, DeepEP's lifetime), so no tensor is made per
+        call. The ids become int32 as ``check_dispatch_inputs`` makes them: clamped to [-2, E] first (the
+        kernel skips and records an id outside [-1, E); no int64 id wraps into that range). ``fp8_rule``: 0
+        (rows as they are), or the kernel quantizes each row by that scale rule (``FP8_SCALE_LOW_LATENCY``
+        or ``FP8_SCALE_POWER_OF_TWO``: DeepEP's low-latency cast, bit for bit)."""
+        if phase != PHASE_RECEIVE:
+            self._combined.clear()  # a dispatch orders every rank's earlier combines before later writes
         t, k = topk_idx.shape
         views = self._ll_kept_of(("routing views", key, parity, topk_idx.dtype), dict)
         routing = views.get(t)
@@ -330,14 +372,15 @@ class LowLatencyMode:
             if len(views) >= _MAX_SIGNATURES:
                 views.clear()
             routing = views[t] = base.first(t)
-        torch.clamp(topk_idx, -2, num_experts, out=routing.clamped)
-        if routing.ids is not routing.clamped:
-            routing.ids.copy_(routing.clamped)
+        if phase != PHASE_RECEIVE:  # the receiving half reads the ids the sending half kept
+            torch.clamp(topk_idx, -2, num_experts, out=routing.clamped)
+            if routing.ids is not routing.clamped:
+                routing.ids.copy_(routing.clamped)
         padded = {"ll_x": into.rows, "ll_src_info": into.src_info, "ll_count": into.count,
                   "ll_range": into.layout_range, "ll_stats": into.count if stats is None else stats,
-                  "y_slot": into.slot}
-        return buf.launch_dispatch(x, routing.ids, routing.weights, fp8=fp8_rule, layout="low-latency",
-                                   own=routing.own, padded=padded)
+                  "y_slot": into.slot, "ll_scales": into.count if scales is None else scales}
+        return buf.launch_low_latency_dispatch(x, routing.ids, routing.weights, routing.own, padded,
+                                               fp8=fp8_rule, phase=phase)
 
     def _ll_combine_args(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, zero_copy: bool,
                          out: Any, both_flags: bool) -> tuple[_LowLatencyRoute, Tensor]:
@@ -505,6 +548,15 @@ class _LowLatencyRouting:
         clamped = self.clamped[:t]
         return _LowLatencyRouting(clamped, clamped if self.ids is self.clamped else self.ids[:t],
                                   self.weights[:t], tuple(o[:t] for o in self.own))
+
+
+def _then_copy(receive: Callable[[], None], result: Tensor, out: Tensor) -> Callable[[], None]:
+    """A hook that runs ``receive`` and then copies ``result`` into the caller's (strided) ``out``."""
+    def hook() -> None:
+        receive()
+        out.copy_(result)
+
+    return hook
 
 
 def _no_wait() -> None:

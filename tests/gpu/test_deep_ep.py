@@ -398,7 +398,8 @@ def test_low_latency_dispatch_fills_only_the_slots_it_counts(runtime, buffers, f
 def test_low_latency_combine_skips_the_pairs_the_caller_masks(runtime, buffers) -> None:
     """The low-latency combine (kernels/low_latency_combine.py pushes every received row back) sums only
     the pairs whose id the caller left as the dispatch's; pairs set to -1 are skipped: bit for bit the
-    reference, from x and from the zero_copy buffer, on a strided x too (made contiguous first)."""
+    reference, from x and from the zero_copy buffer, on a strided x too (made contiguous first), and split
+    by return_recv_hook (the sending half, then the hook's receiving half; into a strided out too)."""
     kern, ref = buffers
     rank, world = runtime.env.rank, runtime.env.world_size
     m, experts = 32, EXPERTS_PER_RANK * world
@@ -416,7 +417,16 @@ def test_low_latency_combine_skips_the_pairs_the_caller_masks(runtime, buffers) 
         got = [buf.low_latency_combine(on(dev, y), on(dev, masked), on(dev, inp["w"]), handle)[0],
                buf.low_latency_combine(wide[..., ::2], on(dev, masked), on(dev, inp["w"]), handle)[0]]
         buf.get_next_low_latency_combine_buffer(handle).copy_(on(dev, y))
-        got.append(buf.low_latency_combine(on(dev, y), idx, on(dev, inp["w"]), handle, zero_copy=True)[0])
+        combined, _, hook = buf.low_latency_combine(on(dev, y), idx, on(dev, inp["w"]), handle,
+                                                    zero_copy=True, return_recv_hook=True)
+        hook()  # the receiving half (on GPUs the kernel's second launch)
+        got.append(combined)
+        strided = torch.zeros(29, 2 * HIDDEN, dtype=torch.bfloat16, device=dev)[:, ::2]
+        combined, _, hook = buf.low_latency_combine(on(dev, y), idx, on(dev, inp["w"]), handle, out=strided,
+                                                    return_recv_hook=True)
+        hook()  # and the copy into the strided out after it
+        assert combined is strided
+        got.append(combined)
         outs.append(tuple(got))
     assert_same("combine", outs[0], outs[1])
 
