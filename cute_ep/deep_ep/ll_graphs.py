@@ -1,11 +1,12 @@
 """Low-latency calls replayed from CUDA graphs (``LowLatencyGraphs``), on the kernels' backend.
 
 A low-latency dispatch enqueues up to four launches (the ids' clamp and int32 copy, the module, ue8m0's
-scales' copy) and a combine one launch of the module, and their host work is most of the call: on an H200
-host (2026-11-28) a low-latency pair (then with one launch more, a padded-layout kernel) took 170-180 us
-of host time, of which the combine's launch took 34.5 us. A CUDA graph replays a call's launches in about
-2.6 us of host time. A graph reads the addresses it was captured with, so a call is replayed only where its
-tensors are where the graph's were:
+scales' copy) and a combine one launch of the module, and their host work is most of the call: on an H200 host
+(2026-11-28) a low-latency pair (then with one launch more, a padded-layout kernel) took 170-180 us of host
+time, of which the combine's launch took 34.5 us. A CUDA graph replays a call's launches in about 2.6 us of
+host time. Calls with ``return_recv_hook`` (two launches, the second from the hook) are not replayed. A graph
+reads the addresses it was captured with, so a call is replayed only where its tensors are where the graph's
+were:
 
 * **direct** (dispatch and combine): keyed by the call's argument signature (shapes, dtypes, strides,
   devices, flags), its buffer parity and the addresses of every tensor the launches read or write (the
