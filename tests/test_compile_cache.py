@@ -98,16 +98,14 @@ def test_precompile_script_stores_then_finds_the_module(stored, tmp_path, monkey
     monkeypatch.setattr(compile_mod, "compile_kernel", lambda fn, *args: calls.append(fn) or first)
     main = _precompile_main()
     assert main(["--cache", str(tmp_path), "--dtype", "float32", "--no-swiglu"]) == 0
-    # the EP module, then the DeepEP front's layout kernel per id type and its padded layout
-    assert [type(fn).__name__ for fn in calls] == ["EpModule", "TokenLayoutKernel", "TokenLayoutKernel",
-                                                   "PaddedLayoutKernel"]
+    # the EP module, then the DeepEP front's layout kernel per id type
+    assert [type(fn).__name__ for fn in calls] == ["EpModule", "TokenLayoutKernel", "TokenLayoutKernel"]
     assert "float32: compiled" in capsys.readouterr().out
     assert ObjectCache(tmp_path).path(CFG.compile_key()).stat().st_size > 100_000
     assert main(["--cache", str(tmp_path), "--dtype", "float32", "--no-swiglu"]) == 0
     out = capsys.readouterr().out
-    assert len(calls) == 4 and "float32: loaded (already there)" in out
+    assert len(calls) == 3 and "float32: loaded (already there)" in out
     assert "token layout (int64 ids): loaded (already there)" in out
-    assert "low-latency padded layout: loaded (already there)" in out
 
 
 def test_precompile_script_refuses_a_bad_dtype(tmp_path):

@@ -104,8 +104,9 @@ def test_combine_accumulates_without_fma_and_loads_128_bit_past_l1(compiled_ptx,
     assert ops["mul.rn.f32"] > 0 and ops["mul.rn.f32"] == ops["add.rn.f32"]
     assert ops["fma.rn.f32"] == 0
     loads = {op: n for op, n in ops.items() if op.startswith("ld.global") and ".v4." in op}
+    if kernel == "CombineLowLatency":  # its push reads the caller's rows, written before the launch
+        assert loads.pop("ld.global.v4.b32") == DISPATCH_ROW_UNROLL, loads
     assert loads and all(".cg" in op for op in loads), loads  # 8-, 4- and 1-row groups, all .cg
-    assert not any(op.startswith("ld.global") and ".cg" not in op and ".v4" in op for op in ops)
     assert ops["st.global.v4.b32"] > 0
 
 

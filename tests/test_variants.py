@@ -15,6 +15,7 @@ from cute_ep.kernels.variants import (
     COMBINE_STEP,
     DISPATCH_STEP,
     LAYOUT_EXPERT,
+    LAYOUT_LOW_LATENCY,
     LAYOUT_RANK,
     LAYOUT_STEP,
     VARIANTS,
@@ -42,11 +43,15 @@ def test_each_kernel_has_one_launch_site():
     # The module emits one launch per (step, key): a kernel named under two keys would get two entry points.
     steps = (LAYOUT_STEP, DISPATCH_STEP, COMBINE_STEP)
     sites = [name for step in steps for _, names in step for name in names]
-    assert len(sites) == len(set(sites)) == 9
+    assert len(sites) == len(set(sites)) == 11
     assert dict(COMBINE_STEP) == {(LAYOUT_EXPERT, COMBINE_PULL): ("combine",),
                                   (LAYOUT_EXPERT, COMBINE_REDUCED): ("reduce_push", "partial_sum"),
-                                  (LAYOUT_RANK, COMBINE_PULL): ("rank_combine",)}
+                                  (LAYOUT_RANK, COMBINE_PULL): ("rank_combine",),
+                                  (LAYOUT_LOW_LATENCY, COMBINE_PULL): ("low_latency_combine",)}
     assert dict(DISPATCH_STEP)[LAYOUT_EXPERT] == ("dispatch", "fanout")  # the fan-out right after
+    # the low-latency layout: no layout step (its dispatch counts on the sender), one kernel each way
+    assert dict(DISPATCH_STEP)[LAYOUT_LOW_LATENCY] == ("low_latency_dispatch",)
+    assert dict(LAYOUT_STEP)[LAYOUT_LOW_LATENCY] == ()
 
 
 def test_the_host_scalars_select_the_declared_variant():
