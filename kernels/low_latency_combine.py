@@ -45,6 +45,10 @@ class LowLatencyCombineKernel(CombineFamily):
     """The low-latency combine (see the module docstring); every size is a run-time argument."""
 
     grid_factor = 2  # more warps, fewer rows each to push one after another at decode sizes
+    # Every CTA waits for the peers' signal, which needs every CTA's pushes: all CTAs must be resident at
+    # once, so two per SM of the budget, as launched (ptxas otherwise took 146 registers, one CTA per SM:
+    # the grid fits only where twice the budget's SMs are free).
+    ctas_per_sm = 2
 
     @cute.kernel
     def kernel(self, p: EpParams):

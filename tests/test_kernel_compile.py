@@ -127,7 +127,7 @@ def test_kernels_declare_their_ctas_per_sm(compiled_ptx):
     dispatch kernels (16 warps per CTA) declare one CTA per SM, for the same 128 registers."""
     _, ptx = compiled_ptx
     kernels = _kernels(ptx)
-    for name in ("ReducePush", "PartialSum"):
+    for name in ("ReducePush", "PartialSum", "CombineLowLatency"):
         assert re.search(r"\.minnctapersm 2\b", kernels[name]), name
     for name in ("Dispatch", "RankDispatch", "DispatchLowLatency"):
         assert re.search(r"\.minnctapersm 1\b", kernels[name]), name
