@@ -299,10 +299,6 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, BackendBase):
         self._calls[OP_LAYOUT] += 1
         self._calls[OP_DISPATCH] += 1
 
-    def is_latest_dispatch(self, handle: DispatchHandle) -> bool:
-        """Whether ``handle`` is the latest dispatch's (its combine stages only the rows received)."""
-        return handle.scatter is self._latest_scatter
-
     def replayed_combine(self) -> None:
         """Note a ``launch_combine`` replayed from a CUDA graph: the combine ran once more (``check_ran``)."""
         self._calls[OP_COMBINE] += 1

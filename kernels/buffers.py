@@ -96,10 +96,6 @@ def _fp8_capable(c: Any) -> bool:
     return c.hidden % FP8_BLOCK == 0
 
 
-def _low_latency(c: Any) -> bool:
-    return bool(c.low_latency)
-
-
 def _not_low_latency(c: Any) -> bool:
     return not c.low_latency
 
@@ -222,16 +218,16 @@ BUFFERS: tuple[Buffer, ...] = (
            needed=_fp8_capable),
     Buffer("ll_rows", lambda s: (2 * s.rank_capacity, s.hidden), ROW, SYMMETRIC, ("dispatch",),
            "low-latency dispatch, two sets (call parity): row q * R * M + s * M + t is source s's token t "
-           "(FP8: packed rows, fp8_row_bytes apart)", needed=_low_latency),
+           "(FP8: packed rows, fp8_row_bytes apart)", needed=runs("low-latency")),
     Buffer("ll_index", lambda s: (2, s.experts_per_rank, s.world_size, s.max_tokens), "int32", SYMMETRIC,
            ("dispatch",), "low-latency dispatch: [q, l, s, j] = t * K + k of source s's j-th pair (t, k) for "
-           "local expert l", needed=_low_latency),
+           "local expert l", needed=runs("low-latency")),
     Buffer("ll_signals", lambda s: (2, s.experts_per_rank, s.world_size), "uint64", SYMMETRIC, ("dispatch",),
            "low-latency dispatch: [q, l, s] = (epoch << 32) | pairs source s sent to local expert l",
-           needed=_low_latency),
+           needed=runs("low-latency")),
     Buffer("ll_comb", lambda s: (s.max_tokens * s.topk, s.hidden), ROW, SYMMETRIC, ("combine",),
            "low-latency combine: row t * K + k is the expert output of this rank's pair (t, k), pushed by "
-           "the expert's rank", needed=_low_latency),
+           "the expert's rank", needed=runs("low-latency")),
     # -- this rank's own --------------------------------------------------------------------------
     Buffer("scatter", lambda s: (s.max_tokens, s.topk), "int32", LOCAL, ("layout", "dispatch", "combine"),
            "slot of each (token, k) in its expert's rank's receive buffer; -1: none or dropped", fill=-1),

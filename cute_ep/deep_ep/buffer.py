@@ -10,8 +10,8 @@ in each method's docstring and in docs/deep_ep.md. The receive sides are built o
   (``normal.RowFormat``);
 * low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``): on GPUs the module's low-latency
   dispatch writes DeepEP's per-expert padded tensors in one launch (kernels/low_latency_dispatch.py) and
-  the expert layout's pull combine sums them back; on the host backends the expert layout, rearranged
-  with torch ops (``low_latency.padded_layout``). No host sync.
+  its combine pushes them back and sums them (kernels/low_latency_combine.py); on the host backends the
+  expert layout, rearranged with torch ops (``low_latency.padded_layout``). No host sync.
 
 Buffers: DeepEP's ``Buffer`` is sized by bytes and learns the shapes per call; cute-ep's buffers are sized
 by shape (``EpConfig``: hidden, experts, top-k, dtype, most tokens per rank). So a ``Buffer`` builds them

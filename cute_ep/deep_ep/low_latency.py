@@ -3,8 +3,8 @@ built from the expert-major dispatch of ``cute_ep``, and its inverse for combine
 
 ``padded_layout`` is the one place the padded layout is made in torch, for the host backends (on a GPU the
 module's low-latency dispatch writes it itself: kernels/low_latency_dispatch.py); ``expert_major_rows`` is the
-one place combine reads it back in torch (on a GPU the combine's launch gathers the rows received itself:
-``EpBuffer.launch_combine`` with ``y_slot``). Both are sync-free torch ops whose work is proportional to the
+one place combine reads it back in torch (on a GPU the module's low-latency combine pushes the rows received
+back itself: kernels/low_latency_combine.py). Both are sync-free torch ops whose work is proportional to the
 receive capacity (every row a rank could receive), not to the rows received: the host does not know that count
 without a sync.
 """
@@ -180,7 +180,7 @@ class PaddedOut:
     def make_exact(cls, experts: int, num_ranks: int, max_tokens: int, width: int, dtype: torch.dtype,
                    device: torch.device) -> PaddedOut:
         """The tensors the kernels' low-latency dispatch writes (kernels/low_latency_dispatch.py): no spare
-        rows, and slot [El * R * M] (each (expert, source, token) row of the combine's ``recv_y``)."""
+        rows, and slot [El * R * M] (each filled slot's pair, which its combine pushes back by)."""
         n = experts * num_ranks * max_tokens
         return cls(torch.empty((n, width), dtype=dtype, device=device),
                    torch.empty(n, dtype=torch.int32, device=device),

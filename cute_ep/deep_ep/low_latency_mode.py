@@ -245,10 +245,7 @@ class LowLatencyMode:
 
         def views() -> tuple[Tensor, Tensor, Tensor]:
             q, s_rows = ll.split_fp8_payload(rows, hidden)  # q: rows P bytes apart, no copy
-            nsc = s_rows.shape[-1]
-            shape, dtype = ((el, -(-nsc // 4), slots), torch.int32) if ue8m0 else ((el, nsc, slots),
-                                                                                    torch.float32)
-            return q, s_rows, self._ll_cached(f"scales {parity}", shape, dtype).transpose(1, 2)
+            return q, s_rows, self._ll_scales(parity, el, s_rows.shape[-1], slots, ue8m0).transpose(1, 2)
 
         q, s_rows, scales = self._ll_kept_of(("fp8 views", rows.data_ptr(), hidden, ue8m0), views)
         if not copy:
@@ -258,6 +255,13 @@ class LowLatencyMode:
         else:
             scales.copy_(s_rows)
         return q, scales
+
+    def _ll_scales(self, parity: int, el: int, nsc: int, slots: int, ue8m0: bool) -> Tensor:
+        """The storage of a parity's DeepEP scales, [El, nsc, S] fp32 (``ue8m0``: [El, ceil(nsc / 4), S]
+        int32), kept: ``_ll_fp8_out`` returns its transpose, and the kernels write fp32 scales into it."""
+        if ue8m0:
+            return self._ll_cached(f"scales {parity}", (el, -(-nsc // 4), slots), torch.int32)
+        return self._ll_cached(f"scales {parity}", (el, nsc, slots), torch.float32)
 
     def _ll_kernels_dispatch(self, sig: tuple | None, parity: int, x: Tensor, topk_idx: Tensor, m: int,
                              num_experts: int, fp8_rule: int, ue8m0: bool, stats: Tensor | None,
@@ -277,8 +281,9 @@ class LowLatencyMode:
             el, world, m, width, dtype, self.device))
         padded = into.received(el, world * m)
         # FP8 with fp32 scales: the kernel writes them in DeepEP's column-major layout (_ll_fp8_out's tensor)
-        scales = self._ll_cached(f"scales {parity}", (el, hidden // 128, world * m), torch.float32) if (
-            fp8_rule and not ue8m0) else None
+        scales = None
+        if fp8_rule and not ue8m0:
+            scales = self._ll_scales(parity, el, hidden // 128, world * m, False)
 
         def enqueue(xs: Tensor, ids: Tensor, add_to: Tensor | None, phase: int = PHASE_ALL) -> tuple:
             sent = self._ll_launch_dispatch(buf, key, parity, xs, ids, num_experts, fp8_rule, into, add_to,
@@ -328,7 +333,7 @@ class LowLatencyMode:
             return lambda: launch(PHASE_RECEIVE)
         if sig is not None:
             key = (sig, src.data_ptr(), slot.data_ptr(), now.topk_idx.data_ptr(), now.topk_weights.data_ptr(),
-                   now.scatter.data_ptr(), combined.data_ptr(), buf.is_latest_dispatch(now))
+                   now.scatter.data_ptr(), combined.data_ptr())
             if self._ll_graphs.combine(key, buf, launch)[0]:
                 buf.replayed_combine()
                 return None
