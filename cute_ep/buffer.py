@@ -63,6 +63,7 @@ from cute_ep.kernels.config import (
 from cute_ep.kernels.variants import variant
 from cute_ep.launcher import current_stream_handle
 from cute_ep.low_latency_launches import LowLatencyLaunches
+from cute_ep.received_views import ReceivedViews
 from cute_ep.status import StatusBlock
 from cute_ep.status_checks import StatusChecks
 from cute_ep.streams import on_stream
@@ -70,7 +71,7 @@ from cute_ep.streams import on_stream
 __all__ = ["EpBuffer", "check_gpu_runtime"]
 
 
-class EpBuffer(StatusChecks, LowLatencyLaunches, BackendBase):
+class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
     """Owns one configuration's NVSHMEM symmetric buffers and compiled module (see module docstring).
 
     runtime:  a started ``cute_ep.bootstrap.Runtime`` with backend "nvshmem".
@@ -123,7 +124,6 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, BackendBase):
         self._calls = [0, 0, 0]  # launches per operation: the epochs a completed call reaches
         self._sent: tuple[torch.Tensor, torch.Tensor] | None = None  # routing of the latest dispatch
         self._latest_recv: int | None = None  # its num_recv (None: not read back, sync=False or launch_*)
-        self._fp8_rows: torch.Tensor | None = None  # fp8_packed_rows() of the whole capacity, made once
         self._drops = torch.zeros(cfg.num_experts, dtype=torch.int64)  # read from the device, not reported
         self.poison()
         runtime.barrier()  # synchronizes the device first: every rank's signals are zero before any signal
@@ -180,7 +180,9 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, BackendBase):
 
         Host syncs: one wait for the status (sizes, faults, refused inputs, drops), which the dispatch's
         last CTA writes into pinned host memory (no copy, no stream sync; the expert layout's fan-out may
-        still run on the stream when the call returns); none with sync=False.
+        still run on the stream when the call returns); none with sync=False. Its views (recv_x, ...) are
+        then the same tensors in every such call of a layout and format (views of the buffer's memory,
+        made once: resize or restride them in place and the next results see it).
         The ids' values are checked on the device; a refused call raises ``ValueError`` on every rank
         (this rank's own inputs named as before, else the rank that passed invalid ones).
         """
@@ -231,40 +233,14 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, BackendBase):
         self._dispatches += 1
         self._latest_recv = num_recv if status is not None else None
         note_dispatch_rows(handle, num_recv if status is not None else self._count_reader())
-        recv_x, recv_scales = self.recv_x[:num_recv], None
-        if fp8:  # either layout (the rank layout's num_recv <= cfg.rank_capacity <= cfg.capacity)
-            recv_x, recv_scales = self.fp8_views(num_recv)
-        # The rank layout's weights are per (row, k); the expert layout's per row.
-        recv_w = None if by_rank else self.recv_w[:num_recv]
-        per_k = (self.recv_topk_idx[:num_recv], self.recv_topk_w[:num_recv]) if by_rank else (None, None)
+        recv_x, recv_w, recv_src, recv_scales, *per_k = self._received(num_recv, by_rank, bool(fp8),
+                                                                       keep=status is None)
         # tokens_per_expert and the count are the buffer's own (views valid until the next dispatch).
-        result = DispatchResult(recv_x, recv_w, self.recv_src[:num_recv], self.tokens_per_expert, num_recv,
-                                handle, recv_scales, self.num_recv, event, *per_k)
+        result = DispatchResult(recv_x, recv_w, recv_src, self.tokens_per_expert, num_recv, handle,
+                                recv_scales, self.num_recv, event, *per_k)
         if status is not None:
             self._take_drops(status["dropped"], result)
         return result
-
-    def fp8_packed_rows(self, num_recv: int | None = None) -> torch.Tensor:
-        """The received packed FP8 rows [n, cfg.fp8_row_bytes] uint8 (a view of ``recv_x``'s memory, where
-        an FP8 dispatch puts them); n = num_recv, or the capacity."""
-        if num_recv is None and self._fp8_rows is not None:
-            return self._fp8_rows
-        c = self.cfg
-        c.check_fp8()
-        n = c.capacity if num_recv is None else num_recv
-        self._check_num_recv(n)
-        p = c.fp8_row_bytes
-        rows = self.recv_x.view(torch.uint8).view(-1)[: c.capacity * p].view(c.capacity, p)
-        if num_recv is None:
-            self._fp8_rows = rows
-        return rows[:n]
-
-    def fp8_views(self, num_recv: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The received FP8 rows and scales after an FP8 dispatch: (q [n, H] float8_e4m3fn, scales
-        [n, H / 128] fp32), strided views of ``fp8_packed_rows`` (rows ``cfg.fp8_row_bytes`` apart)."""
-        from cute_ep.fp8 import unpack_fp8_rows
-
-        return unpack_fp8_rows(self.fp8_packed_rows(num_recv), self.cfg.hidden)
 
     def launch_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                         mode: str = "scatter", fp8: bool | int = False, algorithm: str | None = None,

@@ -23,6 +23,8 @@ bf16), uniform routing from input seed 0, the same inputs for every column:
 Timing: CUDA events per iteration, each rank's median, the slowest rank's reported (every rank's under
 ``per_rank``). Kernels and captured_step: ``bench_timing.Timer`` (GPU time: a sleep holds the GPU while
 the host enqueues); eager_launches and public calls: each started on an idle GPU (host work included).
+meta.one_launch_us: a one-element torch ``add_`` timed as the calls are, the least any call with a launch
+costs that way (the floor under the targets below).
 
 Targets (meta.targets; a row's ``met``: true / false, null where one does not apply): dispatch()+combine()
 within 20 us of the captured step at 1 and 128 tokens and within 3% at 4096; dispatch() within 15 us of
@@ -235,6 +237,8 @@ def check_report(report: Any, where: str = "report") -> None:
         raise br.BenchReportError(f"{where}: 'meta' must be an object and 'rows' a list")
     if [k for k in META_FIELDS if k not in meta]:
         raise br.BenchReportError(f"{where}: meta lacks {[k for k in META_FIELDS if k not in meta]}")
+    if meta.get("one_launch_us") is not None:  # reports made before it was measured have none
+        _times(f"{where}: meta one_launch_us", [meta["one_launch_us"]])
     for i, row in enumerate(rows):
         lacking = [k for k in ROW_FIELDS if k not in row] if isinstance(row, Mapping) else list(ROW_FIELDS)
         if lacking:
@@ -371,6 +375,16 @@ def call_times(runtime: Any, fn: Callable[[], Any], warmup: int, iters: int) -> 
     return times
 
 
+def one_launch_median(runtime: Any, args: argparse.Namespace) -> float:
+    """This rank's median (us) of the least a call with one kernel launch costs when timed as the public
+    calls are (``call_times``): a torch ``add_`` on one element, whose kernel runs ~2 us; the rest is the
+    host's launch and the GPU's start from idle, which every call that launches pays."""
+    import torch
+
+    one = torch.zeros(1, device=runtime.device)
+    return br.median(call_times(runtime, lambda: one.add_(1), args.warmup, args.iters))
+
+
 def step_medians(buf: Any, s: Any, layout: str, timer: Any, runtime: Any, args: argparse.Namespace
                  ) -> dict[str, float]:  # fmt: skip
     """This rank's medians (us) of the kernels alone, the captured step and the eager step on ``s``."""
@@ -434,7 +448,8 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any, device: str) -> 
         "tokens": args.token_list, "layouts": args.layout_list, "iters": args.iters, "warmup": args.warmup,
         "routing": "uniform", "seed": SEED, **br.gpu_share_meta(runtime), "deepep": deepep,
         "timing": "kernels, captured_step: bench_timing.Timer; eager_launches, public calls: CUDA events "
-                  "around each call, started on an idle GPU; DeepEP: bench_timing.measure_deepep",
+                  "around each call, started on an idle GPU; DeepEP: bench_timing.measure_deepep; "
+                  "one_launch_us: a one-element torch add_ timed as the calls are (the floor of any call)",
         "environment": {k: os.environ.get(k) for k in bt.RECORDED_VARS},
         "versions": br.package_versions(), "git_sha": br.git_sha(), "time": br.utc_timestamp(),
         "command": shlex.join([Path(sys.executable).name, *sys.argv]), "targets": TARGETS,
@@ -459,6 +474,9 @@ def public_calls_report(args: argparse.Namespace, cfg: Any, runtime: Any, say: C
     timer = bt.Timer(runtime)
     cfg, buf, dep, dep_skipped = bt.open_budget(bt.shared_module_buffers(runtime), runtime, cfg, cfg.num_sms,
                                                 peer, skipped, say)  # fmt: skip
+    # The floor under the targets' "within N us of the kernels": one launch timed as a call (slowest rank)
+    meta["one_launch_us"] = max(all_gather(one_launch_median(runtime, args), runtime.cpu_group))
+    say(f"one launch (torch add_ of one element, from an idle GPU): {meta['one_launch_us']:.1f} us")
     rows: list[dict[str, Any]] = []
     say(TABLE_HEADER)
     for t in args.token_list:

@@ -98,6 +98,12 @@ def test_a_sync_free_dispatch_hands_over_its_tensors_and_the_handles_storage(buf
     rows = buf.cfg.rank_capacity if layout == "rank" else buf.cfg.capacity
     assert res.recv_x.shape == (rows, 64) and res.recv_x.data_ptr() == buf.recv_x.data_ptr()
     assert res.recv_src.data_ptr() == buf.recv_src.data_ptr() and res.recv_count is buf.num_recv
+    # the next sync-free call of the layout hands over the same views (made once), the other layout its own
+    again = buf.dispatch(x, idx, w, sync=False, layout=layout)
+    assert again.recv_x is res.recv_x and again.recv_src is res.recv_src and again.handle is not h
+    assert again.recv_weights is res.recv_weights and again.recv_topk_idx is res.recv_topk_idx
+    other = buf.dispatch(x, idx, w, sync=False, layout="expert" if layout == "rank" else "rank")
+    assert other.recv_x is not res.recv_x and (other.recv_weights is None) == (layout == "expert")
 
 
 def test_int64_ids_reach_the_kernels_as_clamped_int32(buf) -> None:

@@ -235,21 +235,24 @@ def test_buffers_take_their_sms_from_the_building_call_or_the_modes_default_and_
             return 20
 
     pool = Pool.__new__(Pool)
+    pool._sm_cap = 132  # each rank's share: a whole H200
     monkeypatch.delenv(LOW_LATENCY_SMS_ENV_VAR, raising=False)
-    assert pool._low_latency_sms() == 20  # Buffer.num_sms
+    assert pool._low_latency_sms(288) == 96  # DeepEP's low-latency grid: 3 experts a CTA
+    assert pool._low_latency_sms(256) == 128 and pool._low_latency_sms(8) == 8
     monkeypatch.setenv(LOW_LATENCY_SMS_ENV_VAR, "96")
-    assert pool._low_latency_sms() == 96
+    assert pool._low_latency_sms(8) == 96
     for bad in ("0", "-4", "many"):
         monkeypatch.setenv(LOW_LATENCY_SMS_ENV_VAR, bad)
         with pytest.raises(ValueError, match=f"{LOW_LATENCY_SMS_ENV_VAR} must be an integer >= 1.*{bad}"):
-            pool._low_latency_sms()
-    pool._sm_cap = 66  # each rank's share
+            pool._low_latency_sms(288)
+    pool._sm_cap = 66  # each rank's share: two ranks on an H200
     monkeypatch.delenv(LOW_LATENCY_SMS_ENV_VAR)
-    assert pool._new_buffer_sms(False, 0) == 20 and pool._new_buffer_sms(True, 0) == 20  # Buffer.num_sms
-    assert pool._new_buffer_sms(False, 24) == 24  # the building call's config
+    assert pool._new_buffer_sms(False, 0) == 20  # Buffer.num_sms
+    assert pool._new_buffer_sms(True, 0, 288) == 58  # 5 experts a CTA on 66 SMs
+    assert pool._new_buffer_sms(False, 24) == 24 and pool._new_buffer_sms(True, 24, 288) == 24  # the call's
     assert pool._new_buffer_sms(False, 132) == 66  # at most the share
-    monkeypatch.setenv(LOW_LATENCY_SMS_ENV_VAR, "48")
-    assert pool._new_buffer_sms(True, 0) == 48 and pool._new_buffer_sms(False, 0) == 20
+    monkeypatch.setenv(LOW_LATENCY_SMS_ENV_VAR, "80")
+    assert pool._new_buffer_sms(True, 0, 288) == 66 and pool._new_buffer_sms(False, 0) == 20
     # a low-latency buffer of the same shape is never the normal mode's
     pool._buffers = OrderedDict({(256, torch.bfloat16, 4, 4, 128, "low-latency"): object()})
     assert pool._bucketed(256, torch.bfloat16, 4, 4, 10) == MIN_BUCKET

@@ -194,9 +194,10 @@ def test_the_report_is_written_with_its_schema(pc, tmp_path):
     assert report["rows"] == json.loads(json.dumps(rows))
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
     pc.check_report(report)
+    pc.check_report(dict(report, meta=dict(report["meta"], one_launch_us=24.5)))  # the floor, when measured
 
 
-@pytest.mark.parametrize("spoil", ["schema", "meta", "row key", "time", "deepep null", "met"])
+@pytest.mark.parametrize("spoil", ["schema", "meta", "row key", "time", "deepep null", "met", "floor"])
 def test_a_broken_report_is_refused_naming_the_problem(pc, tmp_path, spoil):
     from cute_ep.tools.bench_report import BenchReportError
 
@@ -205,7 +206,8 @@ def test_a_broken_report_is_refused_naming_the_problem(pc, tmp_path, spoil):
     expect = {"schema": "schema 'cute_ep.public_calls/1' expected", "meta": "meta lacks ['targets']",
               "row key": "row 0 lacks ['met']", "deepep null": "deepep_combine_us: rank 0's median",
               "time": "row 0 (tokens=128, layout=rank) captured_step_us: rank 0's median must be a positive",
-              "met": "'met' must be true / false / null"}
+              "met": "'met' must be true / false / null",
+              "floor": "meta one_launch_us: rank 0's median must be a positive time"}
     if spoil == "schema":
         report["schema"] = "cute-ep-decode/1"
     elif spoil == "meta":
@@ -216,6 +218,8 @@ def test_a_broken_report_is_refused_naming_the_problem(pc, tmp_path, spoil):
         r["captured_step_us"] = -1.0
     elif spoil == "deepep null":
         r["deepep_combine_us"] = None  # null without a reason
+    elif spoil == "floor":
+        report["meta"]["one_launch_us"] = 0.0
     else:
         r["met"] = dict(r["met"], dispatch="yes")
     with pytest.raises(BenchReportError, match=re.escape(expect[spoil])):

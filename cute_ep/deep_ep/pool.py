@@ -18,10 +18,20 @@ from cute_ep.deep_ep.checks import agree
 from cute_ep.deep_ep.lifecycle import BUDGET_ENV_VAR
 from cute_ep.kernels.config import EpConfig
 
-__all__ = ["LOW_LATENCY_SMS_ENV_VAR", "MIN_BUCKET", "BufferPool"]
+__all__ = ["LOW_LATENCY_SMS_ENV_VAR", "MIN_BUCKET", "BufferPool", "low_latency_grid"]
 
 LOW_LATENCY_SMS_ENV_VAR = "CUTE_EP_LOW_LATENCY_SMS"
-"""Where set, the SMs of the low-latency mode's kernels (else ``Buffer.num_sms``) as its buffers are built."""
+"""Where set, the SMs of the low-latency mode's kernels as its buffers are built (else DeepEP's low-latency
+grid for the shape: ``low_latency_grid``)."""
+
+
+def low_latency_grid(num_experts: int, sms: int) -> int:
+    """The CTAs DeepEP v1.2.1's low-latency kernels launch for ``num_experts`` experts on a GPU of ``sms``
+    SMs: each CTA serves ceil(num_experts / sms) experts, so ceil(num_experts / that) CTAs (96 for 288
+    experts on a 132-SM H200). The low-latency mode's kernels take as many by default, so that DeepEP's
+    tests compare the two on the same SMs."""
+    per_cta = -(-num_experts // max(1, sms))
+    return -(-num_experts // per_cta)
 
 MIN_BUCKET = 64
 """The least max_tokens of a normal-mode buffer (larger ones are powers of two)."""
@@ -95,7 +105,8 @@ class BufferPool:
         env = self.runtime.env
         cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
                        num_experts=num_experts, topk=topk, hidden=hidden, dtype=dtype, max_tokens=max_tokens,
-                       num_sms=self._new_buffer_sms(low_latency, num_sms) if self.backend == "cute" else 0,
+                       num_sms=(self._new_buffer_sms(low_latency, num_sms, num_experts)
+                                if self.backend == "cute" else 0),
                        low_latency=low_latency and self.backend == "cute")
         if self.backend == "cute":
             from cute_ep.buffer import EpBuffer
@@ -121,20 +132,25 @@ class BufferPool:
         self._buffers[key] = buf
         return key, buf
 
-    def _new_buffer_sms(self, low_latency: bool, num_sms: int) -> int:
+    def _new_buffer_sms(self, low_latency: bool, num_sms: int, num_experts: int = 0) -> int:
         """The SMs of a kernels' buffer built now: ``num_sms`` (the building call's config), else the
-        mode's default (``Buffer.num_sms``, or ``_low_latency_sms``), at most each rank's share."""
-        return min(num_sms or (self._low_latency_sms() if low_latency else self._buffer_sms()), self._sm_cap)
+        mode's default (``Buffer.num_sms``, or ``_low_latency_sms(num_experts)``), at most each rank's
+        share."""
+        default = self._low_latency_sms(num_experts) if low_latency else self._buffer_sms()
+        return min(num_sms or default, self._sm_cap)
 
-    def _low_latency_sms(self) -> int:
-        """The SMs of low-latency buffers built now: ``CUTE_EP_LOW_LATENCY_SMS`` where set, else
-        ``Buffer.num_sms`` (either capped by each rank's share)."""
+    def _low_latency_sms(self, num_experts: int) -> int:
+        """The SMs of low-latency buffers of ``num_experts`` experts built now: ``CUTE_EP_LOW_LATENCY_SMS``
+        where set, else ``low_latency_grid`` on each rank's share of its GPU (either capped by the share).
+        Why not ``Buffer.num_sms``: DeepEP's low-latency kernels take no SM budget (a decode step's
+        communication runs alone), and ours on 24 SMs took 102.4 us per BF16 pair on one H200 (a world of
+        one, DeepEP's test shapes) against 66.7 on 96."""
         env = os.environ.get(LOW_LATENCY_SMS_ENV_VAR, "").strip()
         if not env:
-            return self._buffer_sms()
+            return low_latency_grid(num_experts, self._sm_cap)
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"{LOW_LATENCY_SMS_ENV_VAR} must be an integer >= 1 (the SMs of the low-latency "
-                             f"kernels), got {env!r}; unset it to use Buffer.num_sms")
+                             f"kernels), got {env!r}; unset it for DeepEP's low-latency grid")
         return int(env)
 
     def _bucketed(self, hidden: int, dtype: torch.dtype, num_experts: int, topk: int, tokens: int) -> int:
