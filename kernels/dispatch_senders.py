@@ -49,12 +49,13 @@ def send_row_to_lanes(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d:
 
 @cute.jit
 def send_row_into(dtype: cutlass.Constexpr, p: EpParams, dest: RowSpace, src_addr: Int64, d: Int32,
-                  slot: Int32, sends: Int32, row_bytes: Int32, lane: Int32):
+                  slot: Int32, sends: Int32, row_bytes: Int32, lane: Int32,
+                  unroll: cutlass.Constexpr = DISPATCH_ROW_UNROLL):
     """The warp moves one row (``row_bytes`` from ``src_addr``) into row ``slot`` of rank ``d``'s copy of
     the symmetric rows ``dest`` for each lane set in ``sends`` (each such lane holds its own d and slot;
     every lane calls this): 128-bit stores through the peer pointers of this node, every destination from
     one load of each piece (ALGO_PUT_WARP: only to this rank itself), then ``put_warp`` to each destination
-    on other nodes."""
+    on other nodes. ``unroll``: the pieces per lane in flight (``copy_row_to_lanes``)."""
     store = Int32(0)
     if ((sends >> lane) & 1) != 0:
         if d // p.local_world_size == p.rank // p.local_world_size:
@@ -66,7 +67,7 @@ def send_row_into(dtype: cutlass.Constexpr, p: EpParams, dest: RowSpace, src_add
     dst = Int64(0)
     if store != 0:
         dst = dest.on_peer(d).row(slot)
-    copy_row_to_lanes(dtype, src_addr, dst, stores, row_bytes // VECTOR_BYTES, lane, DISPATCH_ROW_UNROLL)
+    copy_row_to_lanes(dtype, src_addr, dst, stores, row_bytes // VECTOR_BYTES, lane, unroll)
     n = row_bytes // (dtype.width // 8)
     puts = sends & ~stores
     for _ in range(cute.arch.popc(puts)):

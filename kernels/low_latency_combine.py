@@ -40,6 +40,10 @@ from cute_ep.kernels.rows import row_space
 from cute_ep.kernels.rowsum import weighted_sum_rows
 from cute_ep.kernels.signals import fault_free, last_cta_arrives, signal_and_wait_peers, signal_peers
 
+# 128-bit pieces per lane in flight in a pushed row: a decode batch gives each warp a row or two, each a
+# chain of load latencies (7168 bf16: 4 steps of 8 against 7 of the dispatch's 4; with 16, ptxas spilled)
+PUSH_UNROLL = 8
+
 
 class LowLatencyCombineKernel(CombineFamily):
     """The low-latency combine (see the module docstring); every size is a run-time argument."""
@@ -67,7 +71,7 @@ class LowLatencyCombineKernel(CombineFamily):
                     if r < p.ll_count[el]:
                         pair = p.y_slot[el * S + r]
                         send_row_into(self.dtype, p, comb, rows.row(el * S + r), Int32(pair // MK),
-                                      Int32(pair % MK), Int32(1), Int32(ROW_BYTES), lane)
+                                      Int32(pair % MK), Int32(1), Int32(ROW_BYTES), lane, PUSH_UNROLL)
             nvshmem_cute.quiet()
             fence_sys()  # this thread's rows before the CTA's arrival
             cute.arch.sync_threads()

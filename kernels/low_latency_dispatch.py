@@ -77,6 +77,9 @@ STARTS = MAX_WORLD_SIZE + 1  # shared-memory ints per warp: its expert's block s
 # 128-bit pieces per lane in flight in the receiving copies: a decode batch gives each warp a few rows of
 # local memory to move, each a chain of load latencies (7168 bf16: 2 steps of 16 against 4 of 8)
 RECEIVE_ROW_UNROLL = 16
+# ... in the rows sent: a decode batch's 128 tokens keep 128 of the grid's warps busy, a row each (8: 4
+# steps per 7168-bf16 row against 7 of the normal dispatch's 4; with 16, ptxas spilled)
+SEND_ROW_UNROLL = 8
 
 
 class LowLatencyDispatchKernel(EpKernel):
@@ -203,7 +206,7 @@ class LowLatencyDispatchKernel(EpKernel):
                     cute.arch.sync_warp()  # lanes copy bytes other lanes wrote
                     src_addr = packed_rows.row(t)
                 send_row_into(dtype, p, dest, src_addr, d, q * p.rank_capacity + p.rank * M + t, sends,
-                              row_bytes, lane)
+                              row_bytes, lane, SEND_ROW_UNROLL)
 
     @cute.jit
     def send_indices(self, p: EpParams, q: Int32, t_first: Int32, t_end: Int32, tid: Int32):

@@ -19,6 +19,8 @@ from _sm90 import DTYPES, sm90_params
 
 from cute_ep.bootstrap.compile import ModuleRegistry
 from cute_ep.kernels.dispatch_senders import DISPATCH_ROW_UNROLL
+from cute_ep.kernels.low_latency_combine import PUSH_UNROLL
+from cute_ep.kernels.low_latency_dispatch import RECEIVE_ROW_UNROLL, SEND_ROW_UNROLL
 from cute_ep.kernels.rows import ROW_COPY_UNROLL
 
 
@@ -105,7 +107,7 @@ def test_combine_accumulates_without_fma_and_loads_128_bit_past_l1(compiled_ptx,
     assert ops["fma.rn.f32"] == 0
     loads = {op: n for op, n in ops.items() if op.startswith("ld.global") and ".v4." in op}
     if kernel == "CombineLowLatency":  # its push reads the caller's rows, written before the launch
-        assert loads.pop("ld.global.v4.b32") == DISPATCH_ROW_UNROLL, loads
+        assert loads.pop("ld.global.v4.b32") == PUSH_UNROLL, loads
     assert loads and all(".cg" in op for op in loads), loads  # 8-, 4- and 1-row groups, all .cg
     assert ops["st.global.v4.b32"] > 0
 
@@ -138,9 +140,11 @@ def test_kernels_declare_their_ctas_per_sm(compiled_ptx):
 def test_row_copies_are_128_bit(compiled_ptx):
     _, ptx = compiled_ptx
     kernels = _kernels(ptx)
-    # unrolled pieces in flight per lane: ROW_COPY_UNROLL in the fan-out, DISPATCH_ROW_UNROLL in dispatch
+    # unrolled pieces in flight per lane: ROW_COPY_UNROLL in the fan-out, DISPATCH_ROW_UNROLL in dispatch,
+    # the low-latency dispatch's rows sent and copied into the padded layout: both of its own
     for name, unroll in (("Dispatch", DISPATCH_ROW_UNROLL), ("Fanout", ROW_COPY_UNROLL),
-                         ("RankDispatch", DISPATCH_ROW_UNROLL), ("DispatchLowLatency", ROW_COPY_UNROLL)):
+                         ("RankDispatch", DISPATCH_ROW_UNROLL),
+                         ("DispatchLowLatency", SEND_ROW_UNROLL + RECEIVE_ROW_UNROLL)):
         ops = _ops(kernels[name])
         assert ops["st.global.v4.b32"] >= unroll, (name, ops)
         assert ops["ld.global.v4.b32"] >= unroll, (name, ops)
