@@ -245,6 +245,7 @@ def test_buffers_take_their_sms_from_the_building_call_or_the_modes_default_and_
         monkeypatch.setenv(LOW_LATENCY_SMS_ENV_VAR, bad)
         with pytest.raises(ValueError, match=f"{LOW_LATENCY_SMS_ENV_VAR} must be an integer >= 1.*{bad}"):
             pool._low_latency_sms(288)
+        assert pool._new_buffer_sms(True, 24, 288) == 24  # the call's own SMs: the variable is not read
     pool._sm_cap = 66  # each rank's share: two ranks on an H200
     monkeypatch.delenv(LOW_LATENCY_SMS_ENV_VAR)
     assert pool._new_buffer_sms(False, 0) == 20  # Buffer.num_sms

@@ -136,8 +136,9 @@ class BufferPool:
         """The SMs of a kernels' buffer built now: ``num_sms`` (the building call's config), else the
         mode's default (``Buffer.num_sms``, or ``_low_latency_sms(num_experts)``), at most each rank's
         share."""
-        default = self._low_latency_sms(num_experts) if low_latency else self._buffer_sms()
-        return min(num_sms or default, self._sm_cap)
+        if not num_sms:  # the mode's default only when the call gives none (its variable is read there)
+            num_sms = self._low_latency_sms(num_experts) if low_latency else self._buffer_sms()
+        return min(num_sms, self._sm_cap)
 
     def _low_latency_sms(self, num_experts: int) -> int:
         """The SMs of low-latency buffers of ``num_experts`` experts built now: ``CUTE_EP_LOW_LATENCY_SMS``
