@@ -80,6 +80,9 @@ RECEIVE_ROW_UNROLL = 16
 # ... in the rows sent: a decode batch's 128 tokens keep 128 of the grid's warps busy, a row each (8: 4
 # steps per 7168-bf16 row against 7 of the normal dispatch's 4; with 16, ptxas spilled)
 SEND_ROW_UNROLL = 8
+# ... in the FP8 cast of a row sent (quantize_row_warp's steps): a decode batch casts a row or two per CTA,
+# one warp each
+CAST_UNROLL = 4
 
 
 class LowLatencyDispatchKernel(EpKernel):
@@ -202,7 +205,8 @@ class LowLatencyDispatchKernel(EpKernel):
             src_addr = x_rows.row(t)
             if sends != 0:
                 if p.fp8 != 0:
-                    quantize_row_warp(dtype, src_addr, packed_rows.row(t), H, row_bytes, lane, p.fp8)
+                    quantize_row_warp(dtype, src_addr, packed_rows.row(t), H, row_bytes, lane, p.fp8,
+                                      CAST_UNROLL)
                     cute.arch.sync_warp()  # lanes copy bytes other lanes wrote
                     src_addr = packed_rows.row(t)
                 send_row_into(dtype, p, dest, src_addr, d, q * p.rank_capacity + p.rank * M + t, sends,

@@ -50,12 +50,14 @@ from cute_ep.kernels.rows import gmem_tensor
 
 @cute.jit
 def quantize_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, hidden: Int32,
-                      row_bytes: Int32, lane: Int32, rule: Int32):
+                      row_bytes: Int32, lane: Int32, rule: Int32, unroll: cutlass.Constexpr = 1):
     """A warp quantizes the row at ``src_addr`` (``hidden`` elements of ``dtype``, 16-byte aligned) into
     the packed FP8 row at ``dst_addr`` (``row_bytes`` bytes, 16-byte aligned) by the scale ``rule`` (an
     FP8_SCALE_* of kernels/config.py). See the module docstring.
 
-    The caller must ``sync_warp`` before lanes read bytes other lanes wrote."""
+    The caller must ``sync_warp`` before lanes read bytes other lanes wrote.
+    ``unroll``: the warp steps whose pieces are loaded before the first is cast (a warp alone on a row
+    otherwise waits a full load latency per step: 28 per 7168-bf16 row); 1 where registers are short."""
     V = VECTOR_BYTES // (dtype.width // 8)  # elements per lane
     LPB = FP8_BLOCK // V  # lanes per block: 16 or 32
     BPS = WARP // LPB  # blocks per warp step: 2 or 1
@@ -70,30 +72,32 @@ def quantize_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64
     scales = gmem_tensor(Float32, dst_addr + Int64(hidden), cute.make_layout(nblocks), 4)
     tail = gmem_tensor(Int32, dst_addr + Int64(hidden + 4 * nblocks), cute.make_layout(WARP), 4)
     sub = lane % LPB
-    for b0 in range(0, nblocks, BPS):  # warp-uniform bounds: every lane takes part in the shuffles
-        block = b0 + lane // LPB
-        valid = block < nblocks
-        frag = cute.make_rmem_tensor(layout, dtype)
-        frag.fill(0.0)
-        piece = block * LPB + sub  # this lane's V elements: piece * V .. piece * V + V - 1
-        if valid:
-            cute.autovec_copy(src[None, piece], frag)
-        vals = frag.load().to(Float32)
-        a = Float32(0.0)
-        for i in cutlass.range_constexpr(V):
-            a = abs_max(a, vals[i])
-        for i in cutlass.range_constexpr(len(OFFSETS)):
-            a = max_f32(a, cute.arch.shuffle_sync_bfly(a, OFFSETS[i]))
-        scale, inv = block_scale(a, rule)
-        words = cute.make_rmem_tensor(cute.make_layout(V // 4), Int32)
-        for w in cutlass.range_constexpr(V // 4):
-            b01 = cvt_e4m3x2(mul_rn(vals[4 * w], inv), mul_rn(vals[4 * w + 1], inv))
-            b23 = cvt_e4m3x2(mul_rn(vals[4 * w + 2], inv), mul_rn(vals[4 * w + 3], inv))
-            words[w] = b01 | (b23 << 16)
-        if valid:
-            cute.autovec_copy(words, q_words[None, piece])  # one 64-bit (bf16/fp16) or 32-bit store
-            if sub == 0:
-                scales[block] = scale
+    for b0 in range(0, nblocks, BPS * unroll):  # warp-uniform bounds: every lane takes part in the shuffles
+        frags = [cute.make_rmem_tensor(layout, dtype) for _ in range(unroll)]
+        for u in cutlass.range_constexpr(unroll):  # every load in flight before the first use
+            frags[u].fill(0.0)
+            block = b0 + u * BPS + lane // LPB
+            if block < nblocks:
+                cute.autovec_copy(src[None, block * LPB + sub], frags[u])  # this lane's V elements
+        for u in cutlass.range_constexpr(unroll):
+            block = b0 + u * BPS + lane // LPB
+            piece = block * LPB + sub
+            vals = frags[u].load().to(Float32)
+            a = Float32(0.0)
+            for i in cutlass.range_constexpr(V):
+                a = abs_max(a, vals[i])
+            for i in cutlass.range_constexpr(len(OFFSETS)):
+                a = max_f32(a, cute.arch.shuffle_sync_bfly(a, OFFSETS[i]))
+            scale, inv = block_scale(a, rule)
+            words = cute.make_rmem_tensor(cute.make_layout(V // 4), Int32)
+            for w in cutlass.range_constexpr(V // 4):
+                b01 = cvt_e4m3x2(mul_rn(vals[4 * w], inv), mul_rn(vals[4 * w + 1], inv))
+                b23 = cvt_e4m3x2(mul_rn(vals[4 * w + 2], inv), mul_rn(vals[4 * w + 3], inv))
+                words[w] = b01 | (b23 << 16)
+            if block < nblocks:
+                cute.autovec_copy(words, q_words[None, piece])  # one 64-bit (bf16/fp16) or 32-bit store
+                if sub == 0:
+                    scales[block] = scale
     # Zero padding after the scales (fewer than 16 bytes, one word per lane).
     pad_words = (row_bytes - hidden - 4 * nblocks) // 4
     if lane < pad_words:
