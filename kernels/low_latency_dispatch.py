@@ -20,9 +20,11 @@ next one on set q) before this rank has finished reading set q.
    number of earlier pairs (row-major) routed to e; 32 pairs a step, a histogram of E counts in shared
    memory, lanes of one expert in a step ranked by ``match_sync``. The CTA's own tokens' slots go to
    ``scatter``. Meanwhile the other warps send the CTA's rows, which need no number.
-2. Send (warps 1.., a token each): the row (FP8: quantized once into ``packed``) goes once to each rank
-   its experts live on, into that rank's ``ll_rows[q * R * M + r * M + t]``. Then (every thread, a pair
-   each) t * K + k goes into ``ll_index[q, l, r, j]`` on the expert's rank.
+2. Send (warps 1.., a part of SEND_UNIT columns of a token's row each: a decode batch's one or two rows
+   per CTA spread over its warps): the row (FP8: quantized once into ``packed``, each part by the warp
+   that sends it) goes once to each rank its experts live on, into that rank's
+   ``ll_rows[q * R * M + r * M + t]``. Then (every thread, a pair each) t * K + k goes into
+   ``ll_index[q, l, r, j]`` on the expert's rank.
 3. Counts (the last CTA to finish step 2, its histogram): for every expert e, ``ll_signals[q, l, r]`` on
    e's rank becomes (epoch << 32) | count after a system fence (rows and indices land first).
 4. Receive (each CTA a contiguous range of local experts, 16 at a time): a warp per expert waits for its R
@@ -48,6 +50,7 @@ from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import (
     DONE_DISPATCH,
     DONE_LOW_LATENCY,
+    FP8_BLOCK,
     INPUT_FAULT_FIRST,
     INPUT_FAULT_RANKS,
     EpParams,
@@ -66,7 +69,7 @@ from cute_ep.kernels.dispatch_senders import send_row_into
 from cute_ep.kernels.layout import cta_tokens
 from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.ptx import fence_sys, ld_acquire_u64
-from cute_ep.kernels.quantize import quantize_row_warp
+from cute_ep.kernels.quantize import quantize_blocks_warp
 from cute_ep.kernels.rows import copy_row_to_lanes, element, element_addr, gmem_tensor, row_space
 from cute_ep.kernels.signals import SIGNAL_SET, fault_free, last_cta_arrives, record_fault, wait_signal_ge
 
@@ -77,12 +80,13 @@ STARTS = MAX_WORLD_SIZE + 1  # shared-memory ints per warp: its expert's block s
 # 128-bit pieces per lane in flight in the receiving copies: a decode batch gives each warp a few rows of
 # local memory to move, each a chain of load latencies (7168 bf16: 2 steps of 16 against 4 of 8)
 RECEIVE_ROW_UNROLL = 16
-# ... in the rows sent: a decode batch's 128 tokens keep 128 of the grid's warps busy, a row each (8: 4
-# steps per 7168-bf16 row against 7 of the normal dispatch's 4; with 16, ptxas spilled)
-SEND_ROW_UNROLL = 8
-# ... in the FP8 cast of a row sent (quantize_row_warp's steps): a decode batch casts a row or two per CTA,
-# one warp each
-CAST_UNROLL = 4
+# Columns per part of a row sent (4 FP8 blocks: a part's scales are whole 16-byte pieces): a warp sends (and
+# casts) one part of a token's row, so a CTA's one or two decode tokens spread over its 15 sending warps
+SEND_UNIT = 512
+# 128-bit pieces per lane in flight in a part sent (512 bf16 columns: 2 per lane), and steps of its FP8
+# cast loaded at once (4 blocks: 2 steps of 2 blocks); more spilled in ptxas
+SEND_ROW_UNROLL = 2
+CAST_UNROLL = 2
 
 
 class LowLatencyDispatchKernel(EpKernel):
@@ -179,17 +183,34 @@ class LowLatencyDispatchKernel(EpKernel):
 
     @cute.jit
     def send_rows(self, p: EpParams, q: Int32, t_first: Int32, t_end: Int32, tid: Int32):
-        """Step 2's rows, by warps 1..: each token of [t_first, t_end) once to every rank it names."""
+        """Step 2's rows, by warps 1..: each token of [t_first, t_end) once to every rank it names, in
+        parts of SEND_UNIT columns, so that a CTA's few decode tokens keep every sending warp busy (a
+        part's FP8 values and scales are cast and sent by the warp that owns it)."""
         dtype = p.x.element_type
         H, K, El, M = p.hidden, p.topk, p.experts_per_rank, p.max_tokens
-        row_bytes = H * (dtype.width // 8)
+        esize = dtype.width // 8
+        row_bytes = H * esize
         if p.fp8 != 0:
             row_bytes = p.fp8_row_bytes
-        x_rows, packed_rows = row_space(p.x, Int64(H) * (dtype.width // 8)), row_space(p.packed, row_bytes)
+        x_rows, packed_rows = row_space(p.x, Int64(H) * esize), row_space(p.packed, row_bytes)
         dest = row_space(p.ll_rows, row_bytes)
         lane = tid % WARP
         senders = self.threads // WARP - 1
-        for t in range(t_first + tid // WARP - 1, t_end, senders):
+        units = (H + SEND_UNIT - 1) // SEND_UNIT
+        parts = Int32(senders)  # per token, so that each sending warp has a part ...
+        if t_end - t_first > 0:
+            parts = senders // (t_end - t_first)
+        if parts < 1:
+            parts = Int32(1)
+        per = (units + parts - 1) // parts  # ... of `per` units
+        parts = (units + per - 1) // per
+        for u in range(tid // WARP - 1, (t_end - t_first) * parts, senders):
+            t = t_first + u // parts
+            part = u % parts
+            c0 = part * per * SEND_UNIT
+            c1 = c0 + per * SEND_UNIT
+            if c1 > H:
+                c1 = H
             d = Int32(-1)
             if lane < K:  # K <= 32 (EpConfig): a lane per pair
                 e = p.topk_idx[t, lane]
@@ -202,15 +223,27 @@ class LowLatencyDispatchKernel(EpKernel):
                 if (same & Int32(cute.arch.lanemask_lt())) == 0:
                     lead = Int32(1)
             sends = Int32(cute.arch.vote_ballot_sync(lead != 0))
-            src_addr = x_rows.row(t)
+            slot = q * p.rank_capacity + p.rank * M + t
             if sends != 0:
                 if p.fp8 != 0:
-                    quantize_row_warp(dtype, src_addr, packed_rows.row(t), H, row_bytes, lane, p.fp8,
-                                      CAST_UNROLL)
+                    b0, b1 = c0 // FP8_BLOCK, c1 // FP8_BLOCK
+                    last = Int32(0)
+                    if part == parts - 1:
+                        last = Int32(1)
+                    quantize_blocks_warp(dtype, x_rows.row(t), packed_rows.row(t), H, row_bytes, lane, p.fp8,
+                                         b0, b1, last, CAST_UNROLL)
                     cute.arch.sync_warp()  # lanes copy bytes other lanes wrote
-                    src_addr = packed_rows.row(t)
-                send_row_into(dtype, p, dest, src_addr, d, q * p.rank_capacity + p.rank * M + t, sends,
-                              row_bytes, lane, SEND_ROW_UNROLL)
+                    send_row_into(dtype, p, dest.from_byte(c0), packed_rows.row(t) + c0, d, slot, sends,
+                                  c1 - c0, lane, SEND_ROW_UNROLL)  # the part's values
+                    s0 = H + 4 * b0
+                    s1 = H + 4 * b1
+                    if last != 0:
+                        s1 = row_bytes  # the last part's scales and the padding after them
+                    send_row_into(dtype, p, dest.from_byte(s0), packed_rows.row(t) + s0, d, slot, sends,
+                                  s1 - s0, lane, SEND_ROW_UNROLL)
+                else:
+                    send_row_into(dtype, p, dest.from_byte(c0 * esize), x_rows.row(t) + c0 * esize, d, slot,
+                                  sends, (c1 - c0) * esize, lane, SEND_ROW_UNROLL)
 
     @cute.jit
     def send_indices(self, p: EpParams, q: Int32, t_first: Int32, t_end: Int32, tid: Int32):

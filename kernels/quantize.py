@@ -58,6 +58,17 @@ def quantize_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64
     The caller must ``sync_warp`` before lanes read bytes other lanes wrote.
     ``unroll``: the warp steps whose pieces are loaded before the first is cast (a warp alone on a row
     otherwise waits a full load latency per step: 28 per 7168-bf16 row); 1 where registers are short."""
+    quantize_blocks_warp(dtype, src_addr, dst_addr, hidden, row_bytes, lane, rule, Int32(0),
+                         hidden // FP8_BLOCK, Int32(1), unroll)
+
+
+@cute.jit
+def quantize_blocks_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, hidden: Int32,
+                         row_bytes: Int32, lane: Int32, rule: Int32, first: Int32, end: Int32, pad: Int32,
+                         unroll: cutlass.Constexpr):
+    """``quantize_row_warp`` of the row's 128-column blocks [first, end) only: their FP8 values and
+    scales; the zero padding too where ``pad`` is not 0. Warps casting a row's blocks apart write
+    disjoint bytes."""
     V = VECTOR_BYTES // (dtype.width // 8)  # elements per lane
     LPB = FP8_BLOCK // V  # lanes per block: 16 or 32
     BPS = WARP // LPB  # blocks per warp step: 2 or 1
@@ -72,12 +83,12 @@ def quantize_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64
     scales = gmem_tensor(Float32, dst_addr + Int64(hidden), cute.make_layout(nblocks), 4)
     tail = gmem_tensor(Int32, dst_addr + Int64(hidden + 4 * nblocks), cute.make_layout(WARP), 4)
     sub = lane % LPB
-    for b0 in range(0, nblocks, BPS * unroll):  # warp-uniform bounds: every lane takes part in the shuffles
+    for b0 in range(first, end, BPS * unroll):  # warp-uniform bounds: every lane takes part in the shuffles
         frags = [cute.make_rmem_tensor(layout, dtype) for _ in range(unroll)]
         for u in cutlass.range_constexpr(unroll):  # every load in flight before the first use
             frags[u].fill(0.0)
             block = b0 + u * BPS + lane // LPB
-            if block < nblocks:
+            if block < end:
                 cute.autovec_copy(src[None, block * LPB + sub], frags[u])  # this lane's V elements
         for u in cutlass.range_constexpr(unroll):
             block = b0 + u * BPS + lane // LPB
@@ -94,14 +105,15 @@ def quantize_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64
                 b01 = cvt_e4m3x2(mul_rn(vals[4 * w], inv), mul_rn(vals[4 * w + 1], inv))
                 b23 = cvt_e4m3x2(mul_rn(vals[4 * w + 2], inv), mul_rn(vals[4 * w + 3], inv))
                 words[w] = b01 | (b23 << 16)
-            if block < nblocks:
+            if block < end:
                 cute.autovec_copy(words, q_words[None, piece])  # one 64-bit (bf16/fp16) or 32-bit store
                 if sub == 0:
                     scales[block] = scale
     # Zero padding after the scales (fewer than 16 bytes, one word per lane).
     pad_words = (row_bytes - hidden - 4 * nblocks) // 4
-    if lane < pad_words:
-        tail[lane] = Int32(0)
+    if pad != 0:
+        if lane < pad_words:
+            tail[lane] = Int32(0)
 
 
 @cute.jit

@@ -32,6 +32,10 @@ class RowSpace(NamedTuple):
         """The address of row ``i``."""
         return self.base + Int64(i) * self.row_bytes
 
+    def from_byte(self, offset) -> RowSpace:
+        """The same rows from byte ``offset`` of each on (a part of every row)."""
+        return RowSpace(self.base + Int64(offset), self.row_bytes)
+
     def on_peer(self, peer) -> RowSpace:
         """The same rows in ``peer``'s copy of this symmetric buffer (a peer on this node)."""
         return RowSpace(nvshmem_ptr(self.base, peer), self.row_bytes)
