@@ -54,7 +54,6 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Int32, Int64
 
 from cute_ep.kernels.base import EpKernel
@@ -67,7 +66,7 @@ from cute_ep.kernels.ptx import fence_sys, ld_volatile_i32
 from cute_ep.kernels.quantize import quantize_row_warp
 from cute_ep.kernels.rank_layout import RankLayoutKernel
 from cute_ep.kernels.rows import element_addr, row_space
-from cute_ep.kernels.signals import fault_free, last_cta_arrives, signal_and_wait_peers
+from cute_ep.kernels.signals import cta_arrives_last, fault_free, signal_and_wait_peers
 
 
 @cute.jit
@@ -180,17 +179,10 @@ class DispatchKernel(EpKernel):
                 k_stop = k_begin
             for k in range(k_begin, k_stop):
                 send_pair(dtype, p, t, k, src_addr, row_bytes, lane, by_rank)
-        nvshmem_cute.quiet()
-        fence_sys()  # this thread's peer-pointer stores, before the CTA's arrival below
-
         # The last CTA to finish announces every CTA's rows to the peers, then waits for theirs.
         smem = cutlass.memory.SmemAllocator()
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
-        cute.arch.sync_threads()
-        if tid == 0:
-            last[0] = last_cta_arrives(p.done, DONE_DISPATCH)
-        cute.arch.sync_threads()
-        if last[0] != 0:
+        if cta_arrives_last(p.done, DONE_DISPATCH, last, tid) != 0:
             signal_and_wait_peers(p, Int32(SIGNAL_DISPATCH), epoch, Int32(OP_DISPATCH), epoch, Int32(1))
             if tid == 0:
                 if fault_free(p.fault):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import cutlass.cute as cute
 import cutlass.memory
-import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Int32
 
 from cute_ep.kernels.base import CombineFamily
@@ -35,10 +34,9 @@ from cute_ep.kernels.buffers import DONE_COMBINE, DONE_PUSH, SIGNAL_COMBINE, EpP
 from cute_ep.kernels.config import OP_COMBINE, PHASE_RECEIVE, PHASE_SEND
 from cute_ep.kernels.dispatch_senders import send_row_into
 from cute_ep.kernels.naming import profiler_name
-from cute_ep.kernels.ptx import fence_sys
 from cute_ep.kernels.rows import row_space
 from cute_ep.kernels.rowsum import weighted_sum_rows
-from cute_ep.kernels.signals import fault_free, last_cta_arrives, signal_and_wait_peers, signal_peers
+from cute_ep.kernels.signals import cta_arrives_last, fault_free, signal_and_wait_peers, signal_peers
 
 # 128-bit pieces per lane in flight in a pushed row: a decode batch gives each warp a row or two, each a
 # chain of load latencies (7168 bf16: 4 steps of 8 against 7 of the dispatch's 4; with 16, ptxas spilled)
@@ -72,13 +70,7 @@ class LowLatencyCombineKernel(CombineFamily):
                         pair = p.y_slot[el * S + r]
                         send_row_into(self.dtype, p, comb, rows.row(el * S + r), Int32(pair // MK),
                                       Int32(pair % MK), Int32(1), Int32(ROW_BYTES), lane, PUSH_UNROLL)
-            nvshmem_cute.quiet()
-            fence_sys()  # this thread's rows before the CTA's arrival
-            cute.arch.sync_threads()
-            if tid == 0:
-                last[0] = last_cta_arrives(p.done, DONE_PUSH)
-            cute.arch.sync_threads()
-            announce = last[0]
+            announce = cta_arrives_last(p.done, DONE_PUSH, last, tid)
         # 2. the last CTA announces every CTA's rows; every CTA waits for every peer's (not when sending only)
         if p.phase == PHASE_SEND:
             if announce != 0:

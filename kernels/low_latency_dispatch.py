@@ -71,7 +71,14 @@ from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.ptx import fence_sys, ld_acquire_u64
 from cute_ep.kernels.quantize import quantize_blocks_warp
 from cute_ep.kernels.rows import copy_row_to_lanes, element, element_addr, gmem_tensor, row_space
-from cute_ep.kernels.signals import SIGNAL_SET, fault_free, last_cta_arrives, record_fault, wait_signal_ge
+from cute_ep.kernels.signals import (
+    SIGNAL_SET,
+    cta_arrives_last,
+    fault_free,
+    last_cta_arrives,
+    record_fault,
+    wait_signal_ge,
+)
 
 NUMBER_UNROLL = 8  # 32-pair steps whose ids warp 0 loads at once (one latency per 8 steps)
 SOURCE_SEARCH_STEPS = 9  # binary-search steps over the R + 1 block starts (R <= MAX_WORLD_SIZE = 256)
@@ -124,13 +131,7 @@ class LowLatencyDispatchKernel(EpKernel):
                 self.send_rows(p, q, t_first, t_end, tid)
             cute.arch.sync_threads()  # the CTA's slots are in scatter
             self.send_indices(p, q, t_first, t_end, tid)
-            nvshmem_cute.quiet()
-            fence_sys()  # this thread's rows and indices, before the CTA's arrival
-            cute.arch.sync_threads()
-            if tid == 0:
-                last[0] = last_cta_arrives(p.done, DONE_DISPATCH)
-            cute.arch.sync_threads()
-            if last[0] != 0:
+            if cta_arrives_last(p.done, DONE_DISPATCH, last, tid) != 0:  # its rows and indices are out
                 if live != 0:
                     self.announce_counts(p, hist, q, epoch, tid)
         if p.phase != PHASE_SEND:  # steps 4-5

@@ -5,7 +5,8 @@ Why these exist:
   every other rank with no error; this wait gives up after the buffer's timeout and the fault is recorded.
 - ``record_fault`` / ``fault_free``: the first timeout wins and every kernel of the buffer stops moving
   data until the host has read the record and raised.
-- ``last_cta_arrives``: the last CTA of a grid announces the whole grid's work (one arrival counter per slot).
+- ``last_cta_arrives``: the last CTA of a grid announces the whole grid's work (one arrival counter per slot);
+  ``cta_arrives_last``: the whole CTA's side of it (its puts completed and fenced, the answer shared).
 """
 
 from __future__ import annotations
@@ -111,3 +112,18 @@ def last_cta_arrives(done: cute.Tensor, slot: Int32) -> Int32:
         done[slot] = Int32(0)
         last = Int32(1)
     return last
+
+
+@cute.jit
+def cta_arrives_last(done: cute.Tensor, slot: Int32, flag: cute.Tensor, tid: Int32) -> Int32:
+    """Called by every thread of a CTA once its part of the CTA's sends is issued: completes this thread's
+    puts and fences its stores, then counts the CTA's arrival (``last_cta_arrives``). Returns in every
+    thread 1 in the last CTA of the grid to arrive, else 0; ``flag`` is one shared-memory Int32 that carries
+    the answer to the CTA's threads."""
+    nvshmem_cute.quiet()
+    fence_sys()  # this thread's rows, before the CTA's arrival
+    cute.arch.sync_threads()
+    if tid == 0:
+        flag[0] = last_cta_arrives(done, slot)
+    cute.arch.sync_threads()
+    return flag[0]
