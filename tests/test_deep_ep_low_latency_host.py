@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from cute_ep.deep_ep.ll_graphs import combine_key
 from cute_ep.deep_ep.low_latency import PaddedOut
 from cute_ep.deep_ep.low_latency_mode import LowLatencyMode, _LowLatencyRouting, _signature
 from cute_ep.kernels.config import FP8_SCALE_POWER_OF_TWO, PHASE_ALL, PHASE_RECEIVE
@@ -199,11 +200,17 @@ def test_a_low_latency_combine_is_replayed_only_at_the_addresses_it_was_captured
     def enqueue(tag):
         return lambda: launched.append(tag) or tag
 
-    assert g.graphs.combine(("sig", 100, 200), buf, enqueue("a")) == (False, None)
-    assert g.graphs.combine(("sig", 100, 200), buf, enqueue("b")) == (True, "b")  # captured, replayed
-    assert g.graphs.combine(("sig", 100, 200), buf, enqueue("c")) == (True, "b") and launched == ["b"]
-    assert g.graphs.combine(("sig", 100, 300), buf, enqueue("d")) == (False, None)  # an output elsewhere
-    assert g.replayed == ["b", "b"] and dict(g.graphs.replays) == {"combine": 2}
+    at = [torch.zeros(2), torch.zeros(3)]  # (rows, output)
+    key = combine_key("sig", *at)
+    assert key == ("combine", "sig", at[0].data_ptr(), at[1].data_ptr())
+    assert g.graphs.replay(key, buf) == (False, None)  # nothing captured: the full path runs
+    assert g.graphs.combine(key, buf, enqueue("a")) == (False, None)
+    assert g.graphs.combine(key, buf, enqueue("b")) == (True, "b")  # captured, replayed
+    assert g.graphs.combine(key, buf, enqueue("c")) == (True, "b") and launched == ["b"]
+    assert g.graphs.replay(key, buf) == (True, "b") and g.graphs.replay(key, object()) == (False, None)
+    elsewhere = combine_key("sig", at[0], torch.zeros(3))  # an output elsewhere
+    assert g.graphs.combine(elsewhere, buf, enqueue("d")) == (False, None)
+    assert g.replayed == ["b", "b", "b"] and dict(g.graphs.replays) == {"combine": 3}
 
 
 def test_low_latency_graphs_stop_capturing_when_signatures_rarely_repeat(monkeypatch):
@@ -218,7 +225,7 @@ def test_low_latency_graphs_stop_capturing_when_signatures_rarely_repeat(monkeyp
     assert sum(g.graphs.captures.values()) == always  # then no replays earned another capture
     assert len(g.graphs._plans) <= MAX_GRAPHS and len(g.graphs._seen) <= MAX_SIGHTINGS
     for i in range(MAX_GRAPHS + 4):
-        g.graphs.combine((i,), buf, lambda: None)
+        g.graphs.combine(("combine", i), buf, lambda: None)
     assert len(g.graphs._seen) <= MAX_SIGHTINGS
     off = _Graphs(monkeypatch, enabled="0")
     for _ in range(3):
@@ -259,3 +266,127 @@ def test_buffers_take_their_sms_from_the_building_call_or_the_modes_default_and_
     assert pool._bucketed(256, torch.bfloat16, 4, 4, 10) == MIN_BUCKET
     pool._buffers[(256, torch.bfloat16, 4, 4, 128)] = object()
     assert pool._bucketed(256, torch.bfloat16, 4, 4, 10) == 128
+
+
+class _KernelsBuffer:
+    """An EpBuffer's low-latency launches and notes, recorded (no kernels run)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.cfg = SimpleNamespace(max_tokens=max_tokens)
+        self.launched, self.notes = [], []
+
+    def launch_low_latency_dispatch(self, x, topk_idx, topk_weights, own, padded, fp8=0, phase=0):
+        from cute_ep.api import DispatchHandle
+
+        self.launched.append(("dispatch", x.data_ptr(), topk_idx.data_ptr(), fp8))
+        own[1].copy_(topk_idx)  # as the kernel: the routing copied into the handle's tensors
+        return DispatchHandle(own[1], own[2], own[0], x.shape[0], "scatter", "low-latency")
+
+    def launch_low_latency_combine(self, handle, out, y, pairs, count, phase=0):
+        self.launched.append(("combine", out.data_ptr(), y.data_ptr()))
+
+    def replayed_dispatch(self, handle):
+        self.notes.append(("dispatch", handle))
+
+    def replayed_combine(self):
+        self.notes.append(("combine",))
+
+
+def _kernels_mode(monkeypatch, replays: bool):
+    """A LowLatencyMode on the kernels' backend over stand-ins (the Buffer's pool, fence, graphs with a
+    recording capture); ``replays`` False: the replay path always declines (the full path runs)."""
+    from collections import OrderedDict
+
+    from cute_ep.deep_ep.checks import CallChecks
+    from cute_ep.deep_ep.pool import BufferPool
+
+    class Mode(BufferPool, CallChecks, LowLatencyMode):
+        pass
+
+    mode = object.__new__(Mode)
+    base = _mode()
+    mode.__dict__.update(base.__dict__)
+    mode._agreed = base._agreed
+    g = _Graphs(monkeypatch)
+    t, h, e, k, world = 4, 256, 8, 2, 2
+    buf = _KernelsBuffer(max_tokens=t)
+    mode._buffers = OrderedDict({(h, torch.float32, e, k, t, "low-latency"): buf})
+    mode._ll_graphs, mode._ll_index, mode.group_size, mode._ll_staging = g.graphs, 0, world, {}
+    mode._check_alive = lambda: None
+    mode.fences = []
+    mode._fence = lambda key: mode.fences.append(key) if key in mode._combined else None
+    if not replays:
+        mode._ll_dispatch_replayed = lambda *a: None
+        mode._ll_combine_replayed = lambda *a: None
+    out_rows, real_empty = torch.zeros(t, h), torch.empty
+
+    def empty(*shape, **kw):  # the combine's output where the CUDA allocator would put it again (a CPU
+        # allocator may not), so that its graph's key repeats
+        size = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        return out_rows if tuple(size) == (t, h) else real_empty(*shape, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    x = torch.rand(t, h)
+    ids = torch.tensor([[0, 5], [3, -1], [7, 2], [1, 4]])
+    w = torch.rand(t, k)
+    y = torch.rand(e // world, world * t, h)
+    stats = torch.zeros(e // world, dtype=torch.int32)
+    return mode, buf, g, (x, ids, w, y, stats, t, e)
+
+
+def _pairs(mode, args, n: int, use_fp8: bool = False):
+    x, ids, w, y, stats, t, e = args
+    got = []
+    for _ in range(n):
+        recv, count, handle, event, hook = mode.low_latency_dispatch(
+            x, ids, t, e, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8)
+        combined, cevent, chook = mode.low_latency_combine(y, ids, w, handle)
+        got.append((recv, count, tuple(handle), handle.cute_ep.dispatch_handle, event.event, hook,
+                    combined.shape, cevent.event, chook, mode._ll_index))
+    return got
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_repeated_low_latency_calls_replay_their_graphs_with_the_full_paths_results(monkeypatch, use_fp8):
+    full, full_buf, full_g, full_args = _kernels_mode(monkeypatch, replays=False)
+    fast, fast_buf, fast_g, fast_args = _kernels_mode(monkeypatch, replays=True)
+    import collections
+
+    calls = {id(full): collections.Counter(), id(fast): collections.Counter()}
+    for mode in (full, fast):
+        counter = calls[id(mode)]
+        for name in ("_ll_kernels_dispatch", "_ll_launch_combine"):  # the full path's launch steps
+            real = getattr(mode, name)
+            setattr(mode, name, lambda *a, _r=real, _c=counter, _n=name: (_c.update([_n]), _r(*a))[1])
+    a = _pairs(full, full_args, 8, use_fp8)
+    b = _pairs(fast, fast_args, 8, use_fp8)
+    assert calls[id(full)] == {"_ll_kernels_dispatch": 8, "_ll_launch_combine": 8}
+    assert calls[id(fast)] == {"_ll_kernels_dispatch": 2, "_ll_launch_combine": 2}  # sighting, capture
+    assert len(full_buf.launched) == len(fast_buf.launched)  # eager first sightings, then the captures
+    # a dispatch + combine loop keeps each call at one parity: one graph each
+    assert dict(full_g.graphs.captures) == dict(fast_g.graphs.captures) == {"direct": 1, "combine": 1}
+    assert dict(full_g.graphs.replays) == dict(fast_g.graphs.replays)  # every later call a replay
+    assert [n[0] for n in full_buf.notes] == [n[0] for n in fast_buf.notes]
+    for one, other in zip(a, b, strict=True):
+        recv_a, recv_b = (one[0], other[0]) if not use_fp8 else (one[0][0], other[0][0])
+        assert recv_a.shape == recv_b.shape and recv_a.dtype == recv_b.dtype
+        assert one[4:] == other[4:] and one[1].shape == other[1].shape  # events, hooks, parity
+        assert [type(v) for v in one[2]] == [type(v) for v in other[2]] and one[2][2:] == other[2][2:]
+    # on the replay path the later calls return the very tensors the captured calls returned
+    for i in range(4, 8):
+        assert b[i][0] is b[i - 2][0] and b[i][3] is b[i - 2][3]
+        assert b[i][2][0] is b[i - 2][2][0]  # src_info of this parity
+    assert fast.fences == [] and full.fences == []  # a dispatch between: no fence due
+    # the combine's replay takes the handle's ids as they are; ids the caller changed take the full path
+    x, ids, w, y, stats, t, e = fast_args
+    handle = fast.low_latency_dispatch(x, ids, t, e, cumulative_local_expert_recv_stats=stats,
+                                       use_fp8=use_fp8)[2]
+    before = dict(fast_g.graphs.replays)
+    ids.masked_fill_(ids == 3, -1)  # a new version of the same tensor
+    fast.low_latency_combine(y, ids, w, handle)
+    assert fast_g.graphs.replays["combine"] == before["combine"]  # not this graph: new ids, new addresses
+    # a call with async_finish takes the full path (its event), as does one while a capture is under way
+    fast_g.capturing = True
+    n = len(fast_buf.launched)
+    fast.low_latency_dispatch(x, ids, t, e, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8)
+    assert len(fast_buf.launched) == n + 1

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from cute_ep.api import DispatchHandle
 
-__all__ = ["LowLatencyHandle", "NormalHandle"]
+__all__ = ["LowLatencyHandle", "NormalHandle", "low_latency_handle"]
 
 
 @dataclass(frozen=True)
@@ -123,3 +123,12 @@ class LowLatencyHandle(tuple):
         obj = super().__new__(cls, entries)
         obj.cute_ep = route
         return obj
+
+
+def low_latency_handle(padded: Any, sent: DispatchHandle, max_tokens: int, hidden: int, num_experts: int,
+                       topk_idx: Tensor) -> LowLatencyHandle:
+    """A low-latency dispatch's handle: its padded layout ``padded`` (``low_latency.PaddedRecv``), the
+    dispatch's own handle ``sent`` and the caller's ``topk_idx`` (its version counter noted now)."""
+    route = _LowLatencyRoute(sent, padded.slot, padded.count, max_tokens, hidden, num_experts,
+                             topk_idx.shape[0], topk_idx, topk_idx._version)
+    return LowLatencyHandle((padded.src_info, padded.layout_range, max_tokens, hidden, num_experts), route)

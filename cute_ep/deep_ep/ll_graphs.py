@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CAPTURE_BUDGET", "GRAPHS_ENV_VAR", "LowLatencyGraphs", "MAX_GRAPHS", "MAX_SIGHTINGS"]
+__all__ = ["CAPTURE_BUDGET", "GRAPHS_ENV_VAR", "LowLatencyGraphs", "MAX_GRAPHS", "MAX_SIGHTINGS",
+           "combine_key", "direct_key"]
 
 GRAPHS_ENV_VAR = "CUTE_EP_LOW_LATENCY_GRAPHS"
 MAX_GRAPHS = 16  # graphs kept per Buffer (least recently used dropped first)
@@ -99,9 +100,8 @@ class LowLatencyGraphs:
         if not self._usable():
             return None, None
         if x.is_contiguous():  # a new direct key is only noted: the copied graph may run meanwhile
-            direct = ("direct", sig, parity, x.data_ptr(), topk_idx.data_ptr(),
-                      0 if stats is None else stats.data_ptr())
-            ran, result = self._run(direct, buf, lambda: enqueue(x, topk_idx, stats))
+            ran, result = self._run(direct_key(sig, parity, x, topk_idx, stats), buf,
+                                    lambda: enqueue(x, topk_idx, stats))
             if ran:
                 return "direct", result
         kept: list[torch.Tensor] = []  # made at the first capture (before() runs before enqueue())
@@ -116,14 +116,32 @@ class LowLatencyGraphs:
         return ("copied" if ran else None), result
 
     def combine(self, key: tuple, buf: Any, enqueue: Callable[[], Any]) -> tuple[bool, Any]:
-        """``(True, result)`` where the graph of ``key`` (the call's signature and the addresses of every
-        tensor its launch reads or writes) ran ``enqueue()``'s launches, else ``(False, None)``."""
+        """``(True, result)`` where the graph of ``key`` (``combine_key``: the call's signature and the
+        addresses of every tensor its launch reads or writes) ran ``enqueue()``'s launches, else
+        ``(False, None)``."""
         if not self._usable():
             return False, None
-        return self._run(("combine", *key), buf, enqueue)
+        return self._run(key, buf, enqueue)
+
+    def replay(self, key: tuple, buf: Any) -> tuple[bool, Any]:
+        """``(True, result)`` where the graph of ``key`` (``direct_key`` or ``combine_key``) is captured on
+        ``buf`` and was replayed now, else ``(False, None)`` with nothing noted (the call's full path then
+        notes, captures or replays it): a repeated call's replay with none of that path's host work."""
+        if not self._usable():
+            return False, None
+        plan = self._plans.get(key)
+        if plan is None or plan.buf is not buf:
+            return False, None
+        return True, self._replay(key, plan)
 
     def _usable(self) -> bool:
         return self.enabled and not self._capturing()
+
+    def _replay(self, key: tuple, plan: _Plan) -> Any:
+        self._plans.move_to_end(key)
+        plan.replay()
+        self.replays[key[0]] += 1
+        return plan.result
 
     def _run(self, key: tuple, buf: Any, enqueue: Callable[[], Any],
              before: Callable[[], None] | None = None) -> tuple[bool, Any]:
@@ -136,17 +154,13 @@ class LowLatencyGraphs:
             return False, None
         if before is not None:
             before()
-        if captured:
-            self._plans.move_to_end(key)
-        else:
+        if not captured:
             del self._seen[key]
             plan = self._plans[key] = _Plan(buf, *self._capture(enqueue))
             self.captures[key[0]] += 1
             while len(self._plans) > MAX_GRAPHS:
                 self._plans.popitem(last=False)
-        plan.replay()
-        self.replays[key[0]] += 1
-        return True, plan.result
+        return True, self._replay(key, plan)
 
     def _note(self, key: tuple, buf: Any) -> None:
         """A first sighting (or one on a rebuilt buffer): remembered until a second comes."""
@@ -179,6 +193,20 @@ class LowLatencyGraphs:
         if self._stream is not None and now != self._stream:
             self._wait_for(self._stream)
         self._stream = now
+
+
+def direct_key(sig: tuple, parity: int, x: torch.Tensor, topk_idx: torch.Tensor,
+               stats: torch.Tensor | None) -> tuple:
+    """A dispatch's direct key: its signature, buffer parity and the addresses of x, topk_idx and the
+    statistics (0: none)."""
+    stats_at = 0 if stats is None else stats.data_ptr()
+    return ("direct", sig, parity, x.data_ptr(), topk_idx.data_ptr(), stats_at)
+
+
+def combine_key(sig: tuple, *tensors: torch.Tensor) -> tuple:
+    """A combine's key: its signature and the addresses of ``tensors``, every tensor its launch reads or
+    writes."""
+    return ("combine", sig, *(t.data_ptr() for t in tensors))
 
 
 def capture_on_side_stream(enqueue: Callable[[], Any]) -> tuple[Callable[[], None], Any]:

@@ -18,8 +18,10 @@ from torch import Tensor
 from cute_ep.api import DispatchHandle
 from cute_ep.deep_ep import low_latency as ll
 from cute_ep.deep_ep.checks import _ID_DTYPES, _check_row_dtype, check_expert_ids, check_tensors
-from cute_ep.deep_ep.handles import LowLatencyHandle, _LowLatencyRoute
+from cute_ep.deep_ep.handles import LowLatencyHandle, _LowLatencyRoute, low_latency_handle
 from cute_ep.deep_ep.lifecycle import _Scope
+from cute_ep.deep_ep.ll_graphs import combine_key
+from cute_ep.deep_ep.ll_replay import LowLatencyReplays
 from cute_ep.deep_ep.pool import _CARRIER
 from cute_ep.deep_ep.utils import EventOverlap, function_modes_off
 from cute_ep.kernels.buffers import packed_fp8_row_bytes
@@ -34,7 +36,7 @@ from cute_ep.kernels.config import (
 __all__ = ["LowLatencyMode"]
 
 
-class LowLatencyMode:
+class LowLatencyMode(LowLatencyReplays):
     """DeepEP's low-latency calls of ``Buffer``. They use what ``BufferLifecycle`` sets (``runtime``,
     ``group_size``, ``device``, ``backend``, ``_combined``, ``_ll_index``: DeepEP's buffer parity,
     ``_ll_staging``), ``BufferPool``'s buffers and ``CallChecks``' checks."""
@@ -103,6 +105,10 @@ class LowLatencyMode:
                         lambda _: {"x's dtype and hidden size": (str(x.dtype), x.shape[1]),
                                    "num_max_dispatch_tokens_per_rank": m, "num_experts": num_experts,
                                    "topk_idx's K": topk_idx.shape[1], "use_fp8": bool(use_fp8)})
+        if not (async_finish or return_recv_hook):  # a repeated call: its graph replayed (ll_replay)
+            replayed = self._ll_dispatch_replayed(sig, x, topk_idx, stats, m, num_experts)
+            if replayed is not None:
+                return replayed
         el, hidden, k = num_experts // world, x.shape[1], topk_idx.shape[1]
         with _Scope(self, None, async_finish) as scope:
             parity = self._ll_index  # DeepEP's buffer parity: this call's receive tensors
@@ -130,9 +136,7 @@ class LowLatencyMode:
                 recv, padded = self._ll_place(parity, got, m, k, scratch, into, stats,
                                               hidden if use_fp8 else 0, use_ue8m0)
                 sent = res.handle
-            route = _LowLatencyRoute(sent, padded.slot, padded.count, m, hidden, num_experts, x.shape[0],
-                                     topk_idx, topk_idx._version)
-            handle = LowLatencyHandle((padded.src_info, padded.layout_range, m, hidden, num_experts), route)
+            handle = low_latency_handle(padded, sent, m, hidden, num_experts, topk_idx)
             outputs = (*(recv if isinstance(recv, tuple) else (recv,)), padded.count, padded.src_info,
                        padded.layout_range, padded.slot)
             event = scope.finish(outputs, (x, topk_idx, stats))
@@ -171,6 +175,10 @@ class LowLatencyMode:
                 "x's dtype": str(r[1].dtype),
                 "the handle's (num_max_dispatch_tokens_per_rank, hidden, num_experts)": (
                     r[0].max_tokens, r[0].hidden, r[0].num_experts)})
+        if not (async_finish or return_recv_hook) and out is None:  # a repeated call: replayed (ll_replay)
+            replayed = self._ll_combine_replayed(sig, x, topk_idx, topk_weights, route, zero_copy)
+            if replayed is not None:
+                return replayed
         src = self._staging(route)[self._ll_index] if zero_copy else x
         hidden, k = route.hidden, route.dispatch_handle.topk_idx.shape[1]
         with _Scope(self, None, async_finish) as scope:
@@ -332,8 +340,7 @@ class LowLatencyMode:
             launch(PHASE_SEND)
             return lambda: launch(PHASE_RECEIVE)
         if sig is not None:
-            key = (sig, src.data_ptr(), slot.data_ptr(), now.topk_idx.data_ptr(), now.topk_weights.data_ptr(),
-                   now.scatter.data_ptr(), combined.data_ptr())
+            key = combine_key(sig, src, slot, now.topk_idx, now.topk_weights, now.scatter, combined)
             if self._ll_graphs.combine(key, buf, launch)[0]:
                 buf.replayed_combine()
                 return None

@@ -86,16 +86,23 @@ class BufferPool:
     def _used_bytes(self) -> int:
         return sum(b.cfg.symmetric_bytes() for b in self._buffers.values())
 
+    def _built(self, hidden: int, dtype: torch.dtype, num_experts: int, topk: int, max_tokens: int,
+               low_latency: bool = False) -> tuple[tuple, Any]:
+        """(key, the buffer of those sizes built before, or None): ``_buffer`` without building one."""
+        key = (hidden, dtype, num_experts, topk, max_tokens) + (("low-latency",) if low_latency else ())
+        buf = self._buffers.get(key)
+        if buf is not None:
+            self._buffers.move_to_end(key)
+        return key, buf
+
     def _buffer(self, hidden: int, dtype: torch.dtype, num_experts: int, topk: int, max_tokens: int,
                 low_latency: bool = False, num_sms: int = 0) -> tuple[tuple, Any]:
         """(key, the backend's buffer) for rows of ``hidden`` ``dtype`` elements, ``num_experts`` experts,
         top-``topk``, ``max_tokens`` tokens per rank: the one built before, or a new one (collective).
         ``low_latency``: the low-latency mode's own (its SMs: ``_low_latency_sms``). ``num_sms``: the SMs
         of a new buffer's kernels (the building call's config; 0: ``Buffer.num_sms``), at most the share."""
-        key = (hidden, dtype, num_experts, topk, max_tokens) + (("low-latency",) if low_latency else ())
-        buf = self._buffers.get(key)
+        key, buf = self._built(hidden, dtype, num_experts, topk, max_tokens, low_latency)
         if buf is not None:
-            self._buffers.move_to_end(key)
             return key, buf
         if self.group_size > 1:  # a collective build: every rank must build the same (else a ConfigError)
             name = ("the buffers' (row width, dtype, experts, top-k, tokens per rank): x's dtype and hidden "
