@@ -553,3 +553,32 @@ def test_handle_matrices_are_made_when_first_read_and_equal_deeps_formulas(buf) 
     s.in_rank[0] = ~s.in_rank[0]
     with pytest.raises(RuntimeError, match="send_head is made from is_token_in_rank when first read, and"):
         fresh[5]
+
+
+def test_calls_skip_the_callers_torch_function_modes(buf) -> None:
+    """A default device is a torch-function mode through which every tensor attribute read passes in
+    Python (DeepEP's tests set one); the calls run with the modes skipped, their results unchanged."""
+    from torch.overrides import TorchFunctionMode
+
+    class Counting(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen += 1
+            return func(*args, **(kwargs or {}))
+
+    s = _layout(buf)
+    expected = [t.clone() for t in (s.per_rank, s.per_expert, s.in_rank)]
+    with Counting() as mode:
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(s.idx, s.e)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(s.x, s.idx, 8, s.e, use_fp8=False)
+        assert mode.seen == 0
+        y = torch.zeros_like(recv)  # the caller's own work still passes through it
+        assert mode.seen == 1
+        combined, _, _ = buf.low_latency_combine(y, s.idx, s.w, handle)
+    assert mode.seen == 1
+    for got, want in zip((per_rank, per_expert, in_rank), expected, strict=True):
+        assert same_bits(got, want)
+    assert combined.shape == s.x.shape and not bool(combined.any())

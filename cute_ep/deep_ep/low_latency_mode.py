@@ -23,7 +23,7 @@ from cute_ep.deep_ep.lifecycle import _Scope
 from cute_ep.deep_ep.ll_graphs import combine_key
 from cute_ep.deep_ep.ll_replay import LowLatencyReplays
 from cute_ep.deep_ep.pool import _CARRIER
-from cute_ep.deep_ep.utils import EventOverlap, function_modes_off
+from cute_ep.deep_ep.utils import EventOverlap, function_modes_off, without_function_modes
 from cute_ep.kernels.buffers import packed_fp8_row_bytes
 from cute_ep.kernels.config import (
     FP8_SCALE_LOW_LATENCY,
@@ -49,6 +49,7 @@ class LowLatencyMode(LowLatencyReplays):
         del num_max_dispatch_tokens_per_rank, hidden, num_experts
         self.runtime.barrier()
 
+    @without_function_modes
     def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Tensor | None = None,
                              dispatch_wait_recv_cost_stats: Tensor | None = None, use_fp8: bool = True,
@@ -143,6 +144,7 @@ class LowLatencyMode(LowLatencyReplays):
         extra = (x, topk_idx, *outputs[:-1], stats) if async_finish else None
         return recv, padded.count, handle, EventOverlap(event, extra), hook
 
+    @without_function_modes
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Tensor | None = None,

@@ -21,7 +21,7 @@ from cute_ep.deep_ep.handles import NormalHandle, _NormalRoute
 from cute_ep.deep_ep.lifecycle import _Scope
 from cute_ep.deep_ep.pool import _CARRIER
 from cute_ep.deep_ep.token_layout import TokenLayout, shared_token_layout
-from cute_ep.deep_ep.utils import Config, EventOverlap
+from cute_ep.deep_ep.utils import Config, EventOverlap, without_function_modes
 
 __all__ = ["NormalMode"]
 
@@ -55,6 +55,7 @@ class NormalMode(FreshDispatch):
     ``rank``, ``group_size``, ``device``, ``backend``, ``_nccl``, ``_combined``), ``BufferPool``'s buffers,
     ``CallChecks``' checks and ``Buffer.get_dispatch_config``."""
 
+    @without_function_modes
     def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int,
                             previous_event: EventOverlap | None = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False
@@ -84,6 +85,7 @@ class NormalMode(FreshDispatch):
         event = scope.finish((per_rank, per_expert, in_rank), (topk_idx,))
         return per_rank, None, per_expert, in_rank, EventOverlap(event)
 
+    @without_function_modes
     def dispatch(self, x: Tensor | tuple[Tensor, Tensor], handle: tuple | None = None,
                  num_tokens_per_rank: Tensor | None = None, num_tokens_per_rdma_rank: Tensor | None = None,
                  is_token_in_rank: Tensor | None = None, num_tokens_per_expert: Tensor | None = None,
@@ -198,6 +200,7 @@ class NormalMode(FreshDispatch):
                       topk_idx=(topk_idx, "[T, K] int64", torch.int64),
                       topk_weights=(topk_weights, "[T, K] float32", torch.float32))
 
+    @without_function_modes
     def combine(self, x: Tensor, handle: tuple, topk_weights: Tensor | None = None, bias: Any = None,
                 config: Config | None = None, previous_event: EventOverlap | None = None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False
