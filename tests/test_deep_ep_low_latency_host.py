@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from cute_ep.deep_ep.ll_checks import _signature
 from cute_ep.deep_ep.ll_graphs import combine_key
 from cute_ep.deep_ep.low_latency import PaddedOut
-from cute_ep.deep_ep.low_latency_mode import LowLatencyMode, _LowLatencyRouting, _signature
+from cute_ep.deep_ep.low_latency_mode import LowLatencyMode, _LowLatencyRouting
 from cute_ep.kernels.config import FP8_SCALE_POWER_OF_TWO, PHASE_ALL, PHASE_RECEIVE
 
 
