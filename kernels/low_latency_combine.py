@@ -86,14 +86,21 @@ class LowLatencyCombineKernel(CombineFamily):
             work = Int32(0)
         for u in range(gwarp, work * parts, NWARPS):  # 3. sum
             t, v_begin, v_end = self.part_of(u, parts, span, NV)
-            n = Int32(0)
-            for k in range(K):
-                if p.topk_idx[t, k] >= 0:
-                    if p.scatter[t, k] >= 0:
-                        if lane == 0:
-                            my_addr[n] = comb.row(t * K + k)
-                            my_weight[n] = p.topk_w[t, k]
-                        n = n + 1
+            # a lane per pair (K <= 32, EpConfig's low-latency bound): the token's ids and slots loaded at
+            # once, not one pair's after another's (16 dependent loads at top-8)
+            pushed = Int32(0)
+            if lane < K:
+                e = p.topk_idx[t, lane]
+                slot = p.scatter[t, lane]
+                if e >= 0:
+                    if slot >= 0:
+                        pushed = Int32(1)
+            members = Int32(cute.arch.vote_ballot_sync(pushed != 0))
+            if pushed != 0:  # its place among the pairs summed, k ascending
+                at = cute.arch.popc(members & Int32(cute.arch.lanemask_lt()))
+                my_addr[at] = comb.row(t * K + lane)
+                my_weight[at] = p.topk_w[t, lane]
+            n = cute.arch.popc(members)
             cute.arch.sync_warp()
             weighted_sum_rows(self.dtype, my_addr, my_weight, n, v_begin, v_end, lane, out_rows.row(t))
             cute.arch.sync_warp()

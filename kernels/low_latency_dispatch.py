@@ -28,9 +28,10 @@ next one on set q) before this rank has finished reading set q.
 3. Counts (the last CTA to finish step 2, its histogram): for every expert e, ``ll_signals[q, l, r]`` on
    e's rank becomes (epoch << 32) | count after a system fence (rows and indices land first).
 4. Receive (each CTA a contiguous range of local experts, 16 at a time): a warp per expert waits for its R
-   counts, scans them into its blocks' starts and writes the metadata; then the CTA's warps copy the rows
-   of those experts from ``ll_rows`` into their padded slots, a warp per row (a decode batch's few rows
-   per expert spread over every warp, not one warp's).
+   counts, scans them into its blocks' starts and writes the expert's count, statistics and ranges; then
+   the CTA's warps copy the rows of those experts from ``ll_rows`` into their padded slots, a warp per row
+   (a decode batch's few rows per expert spread over every warp, not one warp's), each with its slot's
+   ``ll_src_info`` and ``y_slot`` (one read of the row's ``ll_index`` entry for both).
 5. The last CTA to finish advances epochs[OP_LAYOUT] and epochs[OP_DISPATCH] (unless a wait timed out).
 With ``phase`` PHASE_SEND a launch runs steps 1-3 and returns, and a later one with PHASE_RECEIVE steps 4-5
 (DeepEP's ``return_recv_hook``: the receiving half launched when the caller asks for the data).
@@ -318,9 +319,10 @@ class LowLatencyDispatchKernel(EpKernel):
     def place_blocks(self, p: EpParams, starts: cute.Tensor, q: Int32, epoch: Int64, el: Int32, live: Int32,
                      lane: Int32) -> Int32:
         """Local expert ``el``, by one warp: wait for each source's count (a lane per source), the blocks'
-        starts into ``starts`` (R + 1 entries, the last the total), and the metadata: count, statistics,
-        layout range, src_info and y_slot. Returns the expert's rows."""
-        R, M, S = p.world_size, p.max_tokens, p.rank_capacity
+        starts into ``starts`` (R + 1 entries, the last the total), and the expert's metadata: count,
+        statistics and layout range (each row's own, by the warp that copies it: ``copy_rows``). Returns the
+        expert's rows."""
+        R = p.world_size
         carry = Int32(0)
         for s0 in range(0, R, WARP):
             s = s0 + lane
@@ -343,18 +345,12 @@ class LowLatencyDispatchKernel(EpKernel):
         if lane == 0:
             starts[R] = carry
             p.ll_count[el] = carry
-            if p.ll_stats.iterator.toint() != p.ll_count.iterator.toint():
-                p.ll_stats[el] = p.ll_stats[el] + carry
         cute.arch.sync_warp()
-        base = el * S
         for s in range(lane, R, WARP):
             p.ll_range[el, s] = (Int64(starts[s]) << 32) | Int64(starts[s + 1] - starts[s])
-        K = p.topk
-        for r in range(lane, carry, WARP):  # each filled slot's token, and its pair for the combine
-            s = self.last_at_or_before(starts, r, R - 1, SOURCE_SEARCH_STEPS)
-            pair = p.ll_index[q, el, s, r - starts[s]]
-            p.ll_src_info[base + r] = pair // K
-            p.y_slot[base + r] = Int64(s * M) * K + pair
+        if lane == 0:  # a read-modify-write: after the rest, off the path to the rows
+            if p.ll_stats.iterator.toint() != p.ll_count.iterator.toint():
+                p.ll_stats[el] = p.ll_stats[el] + carry
         return carry
 
     @cute.jit
@@ -378,9 +374,14 @@ class LowLatencyDispatchKernel(EpKernel):
             row = r - firsts[w]
             s = self.last_at_or_before(theirs, row, p.world_size - 1, SOURCE_SEARCH_STEPS)
             el = chunk + w
-            t = p.ll_index[q, el, s, row - theirs[s]] // p.topk
+            pair = p.ll_index[q, el, s, row - theirs[s]]
+            t = pair // p.topk
+            slot = el * p.rank_capacity + row
+            if lane == 0:  # the slot's token, and its pair for the combine
+                p.ll_src_info[slot] = t
+                p.y_slot[slot] = Int64(s * p.max_tokens) * p.topk + pair
             src = staged.row(q * p.rank_capacity + s * p.max_tokens + t)
-            copy_row_to_lanes(dtype, src, padded.row(el * p.rank_capacity + row), Int32(1),
+            copy_row_to_lanes(dtype, src, padded.row(slot), Int32(1),
                               row_bytes // VECTOR_BYTES, lane, RECEIVE_ROW_UNROLL)
             if scales_out != 0:  # [H bytes of e4m3 | H / 128 fp32 scales | ...]
                 scales = gmem_tensor(Float32, src + p.hidden, cute.make_layout(p.fp8_scales), 4)
