@@ -256,12 +256,13 @@ def test_buffers_take_their_sms_from_the_building_call_or_the_modes_default_and_
         assert pool._new_buffer_sms(True, 24, 288) == 24  # the call's own SMs: the variable is not read
     pool._sm_cap = 66  # each rank's share: two ranks on an H200
     monkeypatch.delenv(LOW_LATENCY_SMS_ENV_VAR)
-    assert pool._new_buffer_sms(False, 0) == 20  # Buffer.num_sms
+    assert pool._new_buffer_sms(False, 0, 256) == 20  # Buffer.num_sms
     assert pool._new_buffer_sms(True, 0, 288) == 58  # 5 experts a CTA on 66 SMs
-    assert pool._new_buffer_sms(False, 24) == 24 and pool._new_buffer_sms(True, 24, 288) == 24  # the call's
-    assert pool._new_buffer_sms(False, 132) == 66  # at most the share
+    # the call's own SMs, in either mode
+    assert pool._new_buffer_sms(False, 24, 256) == 24 and pool._new_buffer_sms(True, 24, 288) == 24
+    assert pool._new_buffer_sms(False, 132, 256) == 66  # at most the share
     monkeypatch.setenv(LOW_LATENCY_SMS_ENV_VAR, "80")
-    assert pool._new_buffer_sms(True, 0, 288) == 66 and pool._new_buffer_sms(False, 0) == 20
+    assert pool._new_buffer_sms(True, 0, 288) == 66 and pool._new_buffer_sms(False, 0, 256) == 20
     # a low-latency buffer of the same shape is never the normal mode's
     pool._buffers = OrderedDict({(256, torch.bfloat16, 4, 4, 128, "low-latency"): object()})
     assert pool._bucketed(256, torch.bfloat16, 4, 4, 10) == MIN_BUCKET

@@ -139,7 +139,7 @@ class BufferPool:
         self._buffers[key] = buf
         return key, buf
 
-    def _new_buffer_sms(self, low_latency: bool, num_sms: int, num_experts: int = 0) -> int:
+    def _new_buffer_sms(self, low_latency: bool, num_sms: int, num_experts: int) -> int:
         """The SMs of a kernels' buffer built now: ``num_sms`` (the building call's config), else the
         mode's default (``Buffer.num_sms``, or ``_low_latency_sms(num_experts)``), at most each rank's
         share."""
