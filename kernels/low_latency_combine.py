@@ -9,9 +9,12 @@ dispatch (kernels/low_latency_dispatch.py) wrote for each filled slot: (s * M + 
 holds. Why push and not pull: the rows sit in the caller's tensor, which peers cannot read; pushing them
 needs no staging copy into symmetric memory, and a store is not waited for as a remote load is.
 
-1. Push (every warp, grid-stride over the slots row-major across experts, so that a decode batch's few rows
-   per expert spread over all warps): row r of expert l goes into row t * K + k of ``ll_comb`` on source
-   rank s (peer-pointer stores on this node, ``put_warp`` to other nodes).
+1. Push (every warp): each CTA scans ``ll_count`` into the first row of each expert among all filled
+   slots, and the grid's warps take those rows in parts of columns (``push_split``), each warp the same
+   share, whatever the experts' counts (a grid-stride loop over every slot, empty ones too, spent 14% of
+   the kernel's warp samples skipping them and gave some warps three rows while most had none); row r of
+   expert l goes into row t * K + k of ``ll_comb`` on source rank s (peer-pointer stores on this node,
+   ``put_warp`` to other nodes).
 2. The last CTA to finish its pushes (``done[DONE_PUSH]``) raises ``signals[SIGNAL_COMBINE, rank]`` on every
    peer to this call's epoch; every CTA waits until all peers have raised theirs here (bounded waits).
 3. Sum (a warp per token, split into parts over idle warps at decode sizes): the token's rows of
@@ -27,20 +30,23 @@ from __future__ import annotations
 
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass import Int32
+from cutlass import Int32, Int64
 
 from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_COMBINE, DONE_PUSH, SIGNAL_COMBINE, EpParams
-from cute_ep.kernels.config import OP_COMBINE, PHASE_RECEIVE, PHASE_SEND
+from cute_ep.kernels.config import MAX_EXPERTS, OP_COMBINE, PHASE_RECEIVE, PHASE_SEND, VECTOR_BYTES, WARP
 from cute_ep.kernels.dispatch_senders import send_row_into
 from cute_ep.kernels.naming import profiler_name
-from cute_ep.kernels.rows import row_space
+from cute_ep.kernels.rows import RowSpace, row_space
 from cute_ep.kernels.rowsum import weighted_sum_rows
+from cute_ep.kernels.scan import exclusive_scan_cta, last_at_or_before
 from cute_ep.kernels.signals import cta_arrives_last, fault_free, signal_and_wait_peers, signal_peers
 
 # 128-bit pieces per lane in flight in a pushed row: a decode batch gives each warp a row or two, each a
 # chain of load latencies (7168 bf16: 4 steps of 8 against 7 of the dispatch's 4; with 16, ptxas spilled)
 PUSH_UNROLL = 8
+MAX_PUSH_PARTS = 8  # parts of a row pushed by different warps, at most
+EXPERT_SEARCH_STEPS = 13  # binary-search steps over a rank's experts (2 ** 13 > MAX_EXPERTS)
 
 
 class LowLatencyCombineKernel(CombineFamily):
@@ -56,20 +62,15 @@ class LowLatencyCombineKernel(CombineFamily):
     def kernel(self, p: EpParams):
         lane, gwarp, NWARPS, my_addr, my_weight, NV, ROW_BYTES, epoch = self.begin(p)
         tid, _, _ = cute.arch.thread_idx()
-        K, MK, S, El = p.topk, p.max_tokens * p.topk, p.rank_capacity, p.experts_per_rank
+        K = p.topk
         comb = row_space(p.ll_comb, ROW_BYTES)
         smem = cutlass.memory.SmemAllocator()
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+        firsts = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS), 16)
+        sums = smem.allocate_tensor(Int32, cute.make_layout(self.threads // WARP + 1), 4)
         announce = Int32(0)  # this CTA finished the pushes last: it raises the signal
         if p.phase != PHASE_RECEIVE:
-            if fault_free(p.fault):
-                rows = row_space(p.y, ROW_BYTES)
-                for i in range(gwarp, El * S, NWARPS):  # 1. push: i = r * El + l
-                    el, r = i % El, i // El
-                    if r < p.ll_count[el]:
-                        pair = p.y_slot[el * S + r]
-                        send_row_into(self.dtype, p, comb, rows.row(el * S + r), Int32(pair // MK),
-                                      Int32(pair % MK), Int32(1), Int32(ROW_BYTES), lane, PUSH_UNROLL)
+            self.push_rows(p, firsts, sums, comb, lane, gwarp, NWARPS, NV, ROW_BYTES)  # 1. push
             announce = cta_arrives_last(p.done, DONE_PUSH, last, tid)
         # 2. the last CTA announces every CTA's rows; every CTA waits for every peer's (not when sending only)
         if p.phase == PHASE_SEND:
@@ -106,6 +107,50 @@ class LowLatencyCombineKernel(CombineFamily):
             cute.arch.sync_warp()
         if p.phase != PHASE_SEND:
             self.finish(p, Int32(DONE_COMBINE), epoch)
+
+    @cute.jit
+    def push_rows(self, p: EpParams, firsts: cute.Tensor, sums: cute.Tensor, comb: RowSpace, lane: Int32,
+                  gwarp: Int32, NWARPS: Int32, NV: Int32, row_bytes: Int64):
+        """Step 1, by every thread of the CTA: ``firsts`` (shared, El ints) becomes each expert's first row
+        among the filled slots (``sums``: the scan's scratch); filled row j is then expert l's row r (l the
+        last expert whose first row is at or before j), and its part's columns go to the pair's row of
+        ``comb`` on its source rank. Nothing moves once a fault is recorded."""
+        tid, _, _ = cute.arch.thread_idx()
+        El, S, MK = p.experts_per_rank, p.rank_capacity, p.max_tokens * p.topk
+        for el in range(tid, El, self.threads):
+            firsts[el] = p.ll_count[el]
+        cute.arch.sync_threads()
+        exclusive_scan_cta(firsts, El, sums, self.threads)
+        total = Int32(0)
+        if fault_free(p.fault):
+            total = sums[self.threads // WARP]
+        parts, span = self.push_split(total, NV, NWARPS)
+        rows = row_space(p.y, row_bytes)
+        for u in range(gwarp, total * parts, NWARPS):
+            j, v_begin, v_end = self.part_of(u, parts, span, NV)
+            el = last_at_or_before(firsts, j, El - 1, EXPERT_SEARCH_STEPS)
+            slot = el * S + j - firsts[el]
+            pair = p.y_slot[slot]
+            at = Int64(v_begin) * VECTOR_BYTES
+            send_row_into(self.dtype, p, comb.from_byte(at), rows.row(slot) + at, Int32(pair // MK),
+                          Int32(pair % MK), Int32(1), (v_end - v_begin) * VECTOR_BYTES, lane, PUSH_UNROLL)
+
+    @cute.jit
+    def push_split(self, rows: Int32, num_pieces: Int32, num_warps: Int32):
+        """(parts, pieces per part) for pushing ``rows`` rows of ``num_pieces`` 128-bit pieces over
+        ``num_warps`` warps: the parts (at most MAX_PUSH_PARTS, a lane's piece at least each) that leave the
+        busiest warp the fewest rounds of PUSH_UNROLL loads per lane (fewer parts on a tie). Why rounds: a
+        part's copy waits a memory latency per round, so at decode sizes (rows near the warps' count) a
+        row in 4 parts of one round each beats one row of 4 rounds per warp."""
+        best, best_rounds = Int32(1), Int32(-1)
+        for parts in cutlass.range_constexpr(1, MAX_PUSH_PARTS + 1):
+            if parts * WARP <= num_pieces:
+                span = (num_pieces + parts - 1) // parts
+                rounds = ((rows * parts + num_warps - 1) // num_warps) * \
+                    ((span + PUSH_UNROLL * WARP - 1) // (PUSH_UNROLL * WARP))
+                if best_rounds < 0 or rounds < best_rounds:
+                    best, best_rounds = Int32(parts), rounds
+        return best, (num_pieces + best - 1) // best
 
 
 # "combine_low_latency": DeepEP's bench_kineto finds a call's combine kernels by "::combine"

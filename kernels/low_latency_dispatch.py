@@ -18,8 +18,9 @@ epoch ends only after every peer's counts of that call arrived, so no peer start
 next one on set q) before this rank has finished reading set q.
 1. Numbering (warp 0 of every CTA, over all pairs): pair i = t * K + k routed to expert e gets j, the
    number of earlier pairs (row-major) routed to e; 32 pairs a step, a histogram of E counts in shared
-   memory, lanes of one expert in a step ranked by ``match_sync``. The CTA's own tokens' slots go to
-   ``scatter``. Meanwhile the other warps send the CTA's rows, which need no number.
+   memory, lanes of one expert in a step ranked by ``match_sync`` in the steps that hold the CTA's own
+   tokens (their slots go to ``scatter``), the other steps only counted. Meanwhile the other warps send
+   the CTA's rows, which need no number.
 2. Send (warps 1.., a part of SEND_UNIT columns of a token's row each: a decode batch's one or two rows
    per CTA spread over its warps): the row (FP8: quantized once into ``packed``, each part by the warp
    that sends it) goes once to each rank its experts live on, into that rank's
@@ -72,6 +73,7 @@ from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.ptx import fence_sys, ld_acquire_u64
 from cute_ep.kernels.quantize import quantize_blocks_warp
 from cute_ep.kernels.rows import copy_row_to_lanes, element, element_addr, gmem_tensor, row_space
+from cute_ep.kernels.scan import last_at_or_before
 from cute_ep.kernels.signals import (
     SIGNAL_SET,
     cta_arrives_last,
@@ -145,12 +147,17 @@ class LowLatencyDispatchKernel(EpKernel):
 
     @cute.jit
     def number_pairs(self, p: EpParams, hist: cute.Tensor, t_first: Int32, t_end: Int32, lane: Int32):
-        """Step 1, by warp 0: every pair's number within its expert (``hist`` ends as the counts); the
-        slots of tokens [t_first, t_end) go to ``scatter`` (-1 for an id of -1 or out of range)."""
+        """Step 1, by warp 0: every expert's count of pairs into ``hist``, and the slots of tokens
+        [t_first, t_end) (each pair's number within its expert) into ``scatter`` (-1 for an id of -1 or
+        out of range). Only the steps of 32 pairs that hold this CTA's tokens are numbered (``match_sync``
+        ranks a step's lanes of one expert); the others' pairs are only counted, a shared-memory atomic
+        each: numbering every step made the CTA's sending warps wait for warp 0 at the barrier after this
+        step (30% of the kernel's warp samples at 128 tokens, one H200)."""
         K, E, El, R, M = p.topk, p.num_experts, p.experts_per_rank, p.world_size, p.max_tokens
         ids = cute.make_tensor(p.topk_idx.iterator, cute.make_layout(p.num_tokens * K))
         scatter = cute.make_tensor(p.scatter.iterator, cute.make_layout(p.max_tokens * K))
         pairs = p.num_tokens * K
+        own_begin, own_end = t_first * K, t_end * K
         lt = Int32(cute.arch.lanemask_lt())
         le = lt | (Int32(1) << lane)
         got = cute.make_rmem_tensor(cute.make_layout(NUMBER_UNROLL), Int32)
@@ -166,22 +173,28 @@ class LowLatencyDispatchKernel(EpKernel):
                 if e >= 0:
                     if e < E:
                         key = e
-                same = Int32(cute.arch.match_sync(cute.arch.FULL_MASK, key))
-                before = Int32(0)
-                if key >= 0:
-                    before = hist[key]
-                cute.arch.sync_warp()  # every lane has read the count before its group's last lane adds
-                if key >= 0:
-                    if (same & ~le) == 0:  # the group's last lane
-                        hist[key] = before + cute.arch.popc(same)
-                cute.arch.sync_warp()
-                t = i // K
-                if t >= t_first:
-                    if t < t_end:
-                        slot = Int32(-1)
-                        if key >= 0:
-                            slot = ((key % El) * R + p.rank) * M + before + cute.arch.popc(same & lt)
-                        scatter[i] = slot
+                step = base + u * WARP
+                if step + WARP <= own_begin or step >= own_end:  # pairs of other CTAs' tokens: counted
+                    if key >= 0:
+                        cute.arch.atomic_add(hist.iterator + key, Int32(1))
+                else:  # this CTA's tokens: numbered, lanes of one expert ranked among themselves
+                    cute.arch.sync_warp()  # the earlier steps' counts are in
+                    same = Int32(cute.arch.match_sync(cute.arch.FULL_MASK, key))
+                    before = Int32(0)
+                    if key >= 0:
+                        before = hist[key]
+                    cute.arch.sync_warp()  # every lane has read the count before its group's last lane adds
+                    if key >= 0:
+                        if (same & ~le) == 0:  # the group's last lane
+                            hist[key] = before + cute.arch.popc(same)
+                    cute.arch.sync_warp()
+                    t = i // K
+                    if t >= t_first:
+                        if t < t_end:
+                            slot = Int32(-1)
+                            if key >= 0:
+                                slot = ((key % El) * R + p.rank) * M + before + cute.arch.popc(same & lt)
+                            scatter[i] = slot
 
     @cute.jit
     def send_rows(self, p: EpParams, q: Int32, t_first: Int32, t_end: Int32, tid: Int32):
@@ -369,10 +382,10 @@ class LowLatencyDispatchKernel(EpKernel):
             if p.ll_scales.iterator.toint() != p.ll_count.iterator.toint():
                 scales_out = Int32(1)
         for r in range(warp, firsts[NW], NW):
-            w = self.last_at_or_before(firsts, r, NW - 1, EXPERT_SEARCH_STEPS)
+            w = last_at_or_before(firsts, r, NW - 1, EXPERT_SEARCH_STEPS)
             theirs = cute.make_tensor(starts.iterator + w * STARTS, cute.make_layout(STARTS))
             row = r - firsts[w]
-            s = self.last_at_or_before(theirs, row, p.world_size - 1, SOURCE_SEARCH_STEPS)
+            s = last_at_or_before(theirs, row, p.world_size - 1, SOURCE_SEARCH_STEPS)
             el = chunk + w
             pair = p.ll_index[q, el, s, row - theirs[s]]
             t = pair // p.topk
@@ -387,21 +400,6 @@ class LowLatencyDispatchKernel(EpKernel):
                 scales = gmem_tensor(Float32, src + p.hidden, cute.make_layout(p.fp8_scales), 4)
                 for c in range(lane, p.fp8_scales, WARP):
                     p.ll_scales[el, c, row] = scales[c]
-
-    @cute.jit
-    def last_at_or_before(self, starts: cute.Tensor, r: Int32, hi: Int32, steps: cutlass.Constexpr) -> Int32:
-        """The last index in [0, hi] whose start is at or before r (empty blocks share the next one's
-        start, so it is the block holding r): a binary search of ``steps`` steps."""
-        lo = Int32(0)
-        top = hi
-        for _ in cutlass.range_constexpr(steps):
-            if lo < top:
-                mid = (lo + top + 1) // 2
-                if starts[mid] <= r:
-                    lo = mid
-                else:
-                    top = mid - 1
-        return lo
 
 
 # "dispatch_low_latency": DeepEP's bench_kineto finds a call's dispatch kernels by "::dispatch"

@@ -1,5 +1,6 @@
 """CTA-wide sums for the layout's step 3 (kernels/layout.py): an exclusive prefix scan of a shared-memory
-vector, reading its entries, and each column's sum over the CTAs' count rows of ``layout_parts``."""
+vector, reading its entries, and each column's sum over the CTAs' count rows of ``layout_parts``; the block
+holding a row among blocks laid end to end (the low-latency kernels' rows of each expert and source)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,23 @@ def prefix_at(prefix: cute.Tensor, total: Int32, i: Int32, n: Int32) -> Int32:
     if i < n:
         v = prefix[i]
     return v
+
+
+@cute.jit
+def last_at_or_before(starts: cute.Tensor, r: Int32, hi: Int32, steps: cutlass.Constexpr) -> Int32:
+    """The last index in [0, hi] whose start (``starts``, ascending) is at or before r: the block holding
+    row r, since an empty block shares the next one's start. A binary search of ``steps`` steps
+    (2 ** steps > hi)."""
+    lo = Int32(0)
+    top = hi
+    for _ in cutlass.range_constexpr(steps):
+        if lo < top:
+            mid = (lo + top + 1) // 2
+            if starts[mid] <= r:
+                lo = mid
+            else:
+                top = mid - 1
+    return lo
 
 
 PARTS_IN_FLIGHT = 16  # loads of earlier CTAs' counts a thread issues before it adds the first
