@@ -11,8 +11,9 @@ needs no staging copy into symmetric memory, and a store is not waited for as a 
 
 1. Push (every warp): each CTA scans ``ll_count`` into the first row of each expert among all filled
    slots, and the grid's warps take those rows in parts of columns (``push_split``), each warp the same
-   share, whatever the experts' counts (a grid-stride loop over every slot, empty ones too, spent 14% of
-   the kernel's warp samples skipping them and gave some warps three rows while most had none); row r of
+   share, whatever the experts' counts (a grid-stride loop over every slot, empty ones too: at 128 tokens,
+   top-8 of 288 experts on one H200 it spent 14% of the kernel's warp samples skipping empty slots and
+   gave 40-59 of the 1536 warps two rows while a third had none); row r of
    expert l goes into row t * K + k of ``ll_comb`` on source rank s (peer-pointer stores on this node,
    ``put_warp`` to other nodes).
 2. The last CTA to finish its pushes (``done[DONE_PUSH]``) raises ``signals[SIGNAL_COMBINE, rank]`` on every
