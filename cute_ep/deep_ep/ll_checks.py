@@ -15,7 +15,6 @@ from torch import Tensor
 
 from cute_ep.deep_ep.checks import _ID_DTYPES, _check_row_dtype, check_expert_ids, check_tensors
 from cute_ep.deep_ep.handles import LowLatencyHandle, _LowLatencyRoute
-from cute_ep.deep_ep.utils import function_modes_off
 
 __all__ = ["LowLatencyChecks"]
 
@@ -133,11 +132,12 @@ _MAX_SIGNATURES = 1024  # argument signatures (and token counts) remembered per 
 
 def _signature(args: tuple) -> tuple | None:
     """``args`` with each tensor replaced by what a low-latency call's checks read of it (type, shape,
-    dtype, device, strides), if the result is hashable; else None."""
+    dtype, device, strides), if the result is hashable; else None. Its callers, ``low_latency_dispatch``
+    and ``low_latency_combine``, run under ``without_function_modes``: a caller's default device sees none
+    of these reads."""
     try:
-        with function_modes_off():  # a caller's default device would see every read below
-            sig = tuple((type(a), a.shape, a.dtype, a.device, a.stride()) if isinstance(a, Tensor) else a
-                        for a in args)
+        sig = tuple((type(a), a.shape, a.dtype, a.device, a.stride()) if isinstance(a, Tensor) else a
+                    for a in args)
         hash(sig)
     except TypeError:
         return None
