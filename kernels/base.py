@@ -131,10 +131,11 @@ class CombineFamily(EpKernel):
     @cute.jit
     def finish(self, p: EpParams, done_slot: Int32, epoch: Int64):
         """After the CTA's work: the last CTA to arrive advances ``epochs[OP_COMBINE]`` to ``epoch``
-        unless a wait timed out (a timed-out call does not count as run)."""
+        unless a wait timed out (a timed-out call does not count as run). The host reads the epoch after
+        the launch ends, so the arrivals are fenced within this GPU only."""
         tid, _, _ = cute.arch.thread_idx()
         cute.arch.sync_threads()
         if tid == 0:
-            if last_cta_arrives(p.done, done_slot) != 0:
+            if last_cta_arrives(p.done, done_slot, system=False) != 0:
                 if fault_free(p.fault):
                     p.epochs[OP_COMBINE] = epoch

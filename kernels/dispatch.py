@@ -182,7 +182,7 @@ class DispatchKernel(EpKernel):
         # The last CTA to finish announces every CTA's rows to the peers, then waits for theirs.
         smem = cutlass.memory.SmemAllocator()
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
-        if cta_arrives_last(p.done, DONE_DISPATCH, last, tid) != 0:
+        if cta_arrives_last(p, DONE_DISPATCH, last, tid) != 0:
             signal_and_wait_peers(p, Int32(SIGNAL_DISPATCH), epoch, Int32(OP_DISPATCH), epoch, Int32(1))
             if tid == 0:
                 if fault_free(p.fault):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_COMBINE, DONE_PUSH, SIGNAL_COMBINE, EpParams
@@ -72,7 +72,7 @@ class LowLatencyCombineKernel(CombineFamily):
         announce = Int32(0)  # this CTA finished the pushes last: it raises the signal
         if p.phase != PHASE_RECEIVE:
             self.push_rows(p, firsts, sums, comb, lane, gwarp, NWARPS, NV, ROW_BYTES)  # 1. push
-            announce = cta_arrives_last(p.done, DONE_PUSH, last, tid)
+            announce = cta_arrives_last(p, DONE_PUSH, last, tid)
         # 2. the last CTA announces every CTA's rows; every CTA waits for every peer's (not when sending only)
         if p.phase == PHASE_SEND:
             if announce != 0:
@@ -88,12 +88,14 @@ class LowLatencyCombineKernel(CombineFamily):
             work = Int32(0)
         for u in range(gwarp, work * parts, NWARPS):  # 3. sum
             t, v_begin, v_end = self.part_of(u, parts, span, NV)
-            # a lane per pair (K <= 32, EpConfig's low-latency bound): the token's ids and slots loaded at
-            # once, not one pair's after another's (16 dependent loads at top-8)
+            # a lane per pair (K <= 32, EpConfig's low-latency bound): the token's ids, slots and weights
+            # loaded at once, not one pair's after another's (16 dependent loads at top-8)
             pushed = Int32(0)
+            w = Float32(0.0)
             if lane < K:
                 e = p.topk_idx[t, lane]
                 slot = p.scatter[t, lane]
+                w = p.topk_w[t, lane]
                 if e >= 0:
                     if slot >= 0:
                         pushed = Int32(1)
@@ -101,7 +103,7 @@ class LowLatencyCombineKernel(CombineFamily):
             if pushed != 0:  # its place among the pairs summed, k ascending
                 at = cute.arch.popc(members & Int32(cute.arch.lanemask_lt()))
                 my_addr[at] = comb.row(t * K + lane)
-                my_weight[at] = p.topk_w[t, lane]
+                my_weight[at] = w
             n = cute.arch.popc(members)
             cute.arch.sync_warp()
             weighted_sum_rows(self.dtype, my_addr, my_weight, n, v_begin, v_end, lane, out_rows.row(t))
@@ -127,14 +129,27 @@ class LowLatencyCombineKernel(CombineFamily):
             total = sums[self.threads // WARP]
         parts, span = self.push_split(total, NV, NWARPS)
         rows = row_space(p.y, row_bytes)
-        for u in range(gwarp, total * parts, NWARPS):
-            j, v_begin, v_end = self.part_of(u, parts, span, NV)
-            el = last_at_or_before(firsts, j, El - 1, EXPERT_SEARCH_STEPS)
-            slot = el * S + j - firsts[el]
-            pair = p.y_slot[slot]
-            at = Int64(v_begin) * VECTOR_BYTES
-            send_row_into(self.dtype, p, comb.from_byte(at), rows.row(slot) + at, Int32(pair // MK),
-                          Int32(pair % MK), Int32(1), (v_end - v_begin) * VECTOR_BYTES, lane, PUSH_UNROLL)
+        units = total * parts
+        for base in range(gwarp, units, NWARPS * WARP):
+            # the warp's next 32 units looked up at once, a lane each (search, y_slot read): one latency
+            # for them all, not one before each unit's copy
+            slot, src, dst_row = Int32(0), Int32(0), Int32(0)
+            if base + lane * NWARPS < units:
+                j = (base + lane * NWARPS) // parts
+                el = last_at_or_before(firsts, j, El - 1, EXPERT_SEARCH_STEPS)
+                slot = el * S + j - firsts[el]
+                pair = p.y_slot[slot]
+                src, dst_row = Int32(pair // MK), Int32(pair % MK)
+            count = (units - base + NWARPS - 1) // NWARPS  # the warp's units in this batch
+            if count > WARP:
+                count = Int32(WARP)
+            for i in range(count):
+                _, v_begin, v_end = self.part_of(base + i * NWARPS, parts, span, NV)
+                at = Int64(v_begin) * VECTOR_BYTES
+                src_addr = rows.row(cute.arch.shuffle_sync(slot, i)) + at
+                send_row_into(self.dtype, p, comb.from_byte(at), src_addr, cute.arch.shuffle_sync(src, i),
+                              cute.arch.shuffle_sync(dst_row, i), Int32(1), (v_end - v_begin) * VECTOR_BYTES,
+                              lane, PUSH_UNROLL)
 
     @cute.jit
     def push_split(self, rows: Int32, num_pieces: Int32, num_warps: Int32):

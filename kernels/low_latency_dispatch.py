@@ -70,17 +70,17 @@ from cute_ep.kernels.config import (
 from cute_ep.kernels.dispatch_senders import send_row_into
 from cute_ep.kernels.layout import cta_tokens
 from cute_ep.kernels.naming import profiler_name
-from cute_ep.kernels.ptx import fence_sys, ld_acquire_u64
+from cute_ep.kernels.ptx import fence_sys
 from cute_ep.kernels.quantize import quantize_blocks_warp
 from cute_ep.kernels.rows import copy_row_to_lanes, element, element_addr, gmem_tensor, row_space
-from cute_ep.kernels.scan import last_at_or_before
+from cute_ep.kernels.scan import last_at_or_before, warp_inclusive_scan
 from cute_ep.kernels.signals import (
     SIGNAL_SET,
     cta_arrives_last,
     fault_free,
     last_cta_arrives,
     record_fault,
-    wait_signal_ge,
+    wait_signal_value,
 )
 
 NUMBER_UNROLL = 8  # 32-pair steps whose ids warp 0 loads at once (one latency per 8 steps)
@@ -134,13 +134,13 @@ class LowLatencyDispatchKernel(EpKernel):
                 self.send_rows(p, q, t_first, t_end, tid)
             cute.arch.sync_threads()  # the CTA's slots are in scatter
             self.send_indices(p, q, t_first, t_end, tid)
-            if cta_arrives_last(p.done, DONE_DISPATCH, last, tid) != 0:  # its rows and indices are out
+            if cta_arrives_last(p, DONE_DISPATCH, last, tid) != 0:  # its rows and indices are out
                 if live != 0:
                     self.announce_counts(p, hist, q, epoch, tid)
         if p.phase != PHASE_SEND:  # steps 4-5
             self.receive(p, starts, firsts, q, epoch, live, tid)
-            if tid == 0:
-                if last_cta_arrives(p.done, DONE_LOW_LATENCY) != 0:
+            if tid == 0:  # the epochs are read after the launch ends: arrivals fenced within this GPU
+                if last_cta_arrives(p.done, DONE_LOW_LATENCY, system=False) != 0:
                     if fault_free(p.fault):
                         p.epochs[OP_LAYOUT] = p.epochs[OP_LAYOUT] + Int64(1)
                         p.epochs[OP_DISPATCH] = epoch
@@ -317,13 +317,15 @@ class LowLatencyDispatchKernel(EpKernel):
             if lane == 0:
                 firsts[warp] = total
             cute.arch.sync_threads()
-            if tid == 0:  # each expert's first row among the chunk's rows
-                run = Int32(0)
-                for w in range(NW):
-                    n = firsts[w]
-                    firsts[w] = run
-                    run = run + n
-                firsts[NW] = run
+            if warp == 0:  # each expert's first row among the chunk's rows (NW <= WARP)
+                n = Int32(0)
+                if lane < NW:
+                    n = firsts[lane]
+                incl = warp_inclusive_scan(n, lane)
+                if lane < NW:
+                    firsts[lane] = incl - n
+                if lane == WARP - 1:
+                    firsts[NW] = incl
             cute.arch.sync_threads()
             self.copy_rows(p, starts, firsts, q, chunk, warp, lane)
             cute.arch.sync_threads()  # starts and firsts are rewritten by the next chunk
@@ -336,41 +338,45 @@ class LowLatencyDispatchKernel(EpKernel):
         statistics and layout range (each row's own, by the warp that copies it: ``copy_rows``). Returns the
         expert's rows."""
         R = p.world_size
+        keeps_stats = p.ll_stats.iterator.toint() != p.ll_count.iterator.toint()
+        prior = Int32(0)  # read before the waits, so the statistics' update adds no latency of its own
+        if lane == 0:
+            if keeps_stats:
+                prior = p.ll_stats[el]
         carry = Int32(0)
         for s0 in range(0, R, WARP):
             s = s0 + lane
             n = Int32(0)
             if s < R:
                 if live != 0:
-                    addr = element_addr(p.ll_signals, (q, el, s))
-                    if wait_signal_ge(addr, epoch << 32, Int64(p.timeout_ms) * 1000000) != 0:
-                        n = Int32(ld_acquire_u64(addr) & Int64(0xFFFFFFFF))
+                    arrived, seen = wait_signal_value(element_addr(p.ll_signals, (q, el, s)), epoch << 32,
+                                                      Int64(p.timeout_ms) * 1000000)
+                    if arrived != 0:
+                        n = Int32(seen & Int64(0xFFFFFFFF))
                     else:
                         record_fault(p.fault, Int32(OP_DISPATCH), s, epoch)
-            incl = n  # inclusive scan of the counts across the warp
-            for k in cutlass.range_constexpr(5):
-                got = cute.arch.shuffle_sync_up(incl, 1 << k)
-                if lane >= (1 << k):
-                    incl = incl + got
+            incl = warp_inclusive_scan(n, lane)  # the counts' running sum across the warp
             if s < R:
                 starts[s] = carry + incl - n
             carry = carry + cute.arch.shuffle_sync(incl, WARP - 1)
         if lane == 0:
             starts[R] = carry
             p.ll_count[el] = carry
+            if keeps_stats:
+                p.ll_stats[el] = prior + carry
         cute.arch.sync_warp()
         for s in range(lane, R, WARP):
             p.ll_range[el, s] = (Int64(starts[s]) << 32) | Int64(starts[s + 1] - starts[s])
-        if lane == 0:  # a read-modify-write: after the rest, off the path to the rows
-            if p.ll_stats.iterator.toint() != p.ll_count.iterator.toint():
-                p.ll_stats[el] = p.ll_stats[el] + carry
         return carry
 
     @cute.jit
     def copy_rows(self, p: EpParams, starts: cute.Tensor, firsts: cute.Tensor, q: Int32, chunk: Int32,
                   warp: Int32, lane: Int32):
         """Step 4's rows, a warp per row over the chunk's rows: row r is expert w's (the warp that placed
-        it: ``firsts``) row r - firsts[w], source s's j-th (``starts`` of w), pair ll_index[q, el, s, j]."""
+        it: ``firsts``) row r - firsts[w], source s's j-th (``starts`` of w), pair ll_index[q, el, s, j].
+        A warp's rows are looked up 32 at a time, a lane per row (searches, the ``ll_index`` read, the slot's
+        ``ll_src_info`` and ``y_slot``), before it copies them one after another: one latency for 32 rows'
+        lookups, not one per row before its copy can start."""
         dtype = p.x.element_type
         NW = self.threads // WARP
         row_bytes = p.hidden * (dtype.width // 8)
@@ -381,25 +387,33 @@ class LowLatencyDispatchKernel(EpKernel):
         if p.fp8 != 0:
             if p.ll_scales.iterator.toint() != p.ll_count.iterator.toint():
                 scales_out = Int32(1)
-        for r in range(warp, firsts[NW], NW):
-            w = last_at_or_before(firsts, r, NW - 1, EXPERT_SEARCH_STEPS)
-            theirs = cute.make_tensor(starts.iterator + w * STARTS, cute.make_layout(STARTS))
-            row = r - firsts[w]
-            s = last_at_or_before(theirs, row, p.world_size - 1, SOURCE_SEARCH_STEPS)
-            el = chunk + w
-            pair = p.ll_index[q, el, s, row - theirs[s]]
-            t = pair // p.topk
-            slot = el * p.rank_capacity + row
-            if lane == 0:  # the slot's token, and its pair for the combine
-                p.ll_src_info[slot] = t
+        rows = firsts[NW]
+        for base in range(warp, rows, NW * WARP):
+            src_row, slot = Int32(0), Int32(0)
+            r = base + lane * NW  # this lane's row of the warp's next 32
+            if r < rows:
+                w = last_at_or_before(firsts, r, NW - 1, EXPERT_SEARCH_STEPS)
+                theirs = cute.make_tensor(starts.iterator + w * STARTS, cute.make_layout(STARTS))
+                row = r - firsts[w]
+                s = last_at_or_before(theirs, row, p.world_size - 1, SOURCE_SEARCH_STEPS)
+                pair = p.ll_index[q, chunk + w, s, row - theirs[s]]
+                t = pair // p.topk
+                slot = (chunk + w) * p.rank_capacity + row
+                src_row = q * p.rank_capacity + s * p.max_tokens + t
+                p.ll_src_info[slot] = t  # the slot's token, and its pair for the combine
                 p.y_slot[slot] = Int64(s * p.max_tokens) * p.topk + pair
-            src = staged.row(q * p.rank_capacity + s * p.max_tokens + t)
-            copy_row_to_lanes(dtype, src, padded.row(slot), Int32(1),
-                              row_bytes // VECTOR_BYTES, lane, RECEIVE_ROW_UNROLL)
-            if scales_out != 0:  # [H bytes of e4m3 | H / 128 fp32 scales | ...]
-                scales = gmem_tensor(Float32, src + p.hidden, cute.make_layout(p.fp8_scales), 4)
-                for c in range(lane, p.fp8_scales, WARP):
-                    p.ll_scales[el, c, row] = scales[c]
+            count = (rows - base + NW - 1) // NW  # the warp's rows in this batch
+            if count > WARP:
+                count = Int32(WARP)
+            for i in range(count):
+                src = staged.row(cute.arch.shuffle_sync(src_row, i))
+                dst_slot = cute.arch.shuffle_sync(slot, i)
+                copy_row_to_lanes(dtype, src, padded.row(dst_slot), Int32(1), row_bytes // VECTOR_BYTES, lane,
+                                  RECEIVE_ROW_UNROLL)
+                if scales_out != 0:  # [H bytes of e4m3 | H / 128 fp32 scales | ...]
+                    scales = gmem_tensor(Float32, src + p.hidden, cute.make_layout(p.fp8_scales), 4)
+                    for c in range(lane, p.fp8_scales, WARP):
+                        p.ll_scales[dst_slot // p.rank_capacity, c, dst_slot % p.rank_capacity] = scales[c]
 
 
 # "dispatch_low_latency": DeepEP's bench_kineto finds a call's dispatch kernels by "::dispatch"

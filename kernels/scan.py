@@ -1,6 +1,7 @@
-"""CTA-wide sums for the layout's step 3 (kernels/layout.py): an exclusive prefix scan of a shared-memory
-vector, reading its entries, and each column's sum over the CTAs' count rows of ``layout_parts``; the block
-holding a row among blocks laid end to end (the low-latency kernels' rows of each expert and source)."""
+"""Sums and searches over counts: a warp's inclusive scan; for the layout's step 3 (kernels/layout.py) an
+exclusive prefix scan of a shared-memory vector, reading its entries, and each column's sum over the CTAs'
+count rows of ``layout_parts``; the block holding a row among blocks laid end to end (the low-latency
+kernels' rows of each expert and source)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ from cutlass import Int32
 from cute_ep.kernels.config import WARP
 from cute_ep.kernels.ptx import ld_volatile_i32
 from cute_ep.kernels.rows import element_addr
+
+
+@cute.jit
+def warp_inclusive_scan(v: Int32, lane: Int32) -> Int32:
+    """The sum of ``v`` over lanes 0..lane of the warp (every lane calls it)."""
+    incl = v
+    for k in cutlass.range_constexpr(5):
+        got = cute.arch.shuffle_sync_up(incl, 1 << k)
+        if lane >= (1 << k):
+            incl = incl + got
+    return incl
 
 
 @cute.jit
@@ -33,11 +45,7 @@ def exclusive_scan_cta(vals: cute.Tensor, n: Int32, scratch: cute.Tensor, NT: cu
     own = Int32(0)
     for i in range(lo, hi):
         own = own + vals[i]
-    incl = own  # inclusive scan of the chunk sums across the warp
-    for k in cutlass.range_constexpr(5):
-        got = cute.arch.shuffle_sync_up(incl, 1 << k)
-        if lane >= (1 << k):
-            incl = incl + got
+    incl = warp_inclusive_scan(own, lane)  # the chunk sums across the warp
     if lane == WARP - 1:
         scratch[warp] = incl
     cute.arch.sync_threads()
@@ -45,11 +53,7 @@ def exclusive_scan_cta(vals: cute.Tensor, n: Int32, scratch: cute.Tensor, NT: cu
         wt = Int32(0)
         if lane < NWT:
             wt = scratch[lane]
-        winc = wt
-        for k in cutlass.range_constexpr(5):
-            got = cute.arch.shuffle_sync_up(winc, 1 << k)
-            if lane >= (1 << k):
-                winc = winc + got
+        winc = warp_inclusive_scan(wt, lane)
         if lane < NWT:
             scratch[lane] = winc - wt  # the warps before this one
         if lane == WARP - 1:
