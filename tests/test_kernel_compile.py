@@ -112,6 +112,16 @@ def test_combine_accumulates_without_fma_and_loads_128_bit_past_l1(compiled_ptx,
     assert ops["st.global.v4.b32"] > 0
 
 
+@pytest.mark.parametrize("kernel", ["Combine", "RankCombine", "PartialSum", "CombineLowLatency",
+                                    "DispatchLowLatency"])
+def test_last_cta_of_a_launch_is_counted_after_a_gpu_fence(compiled_ptx, kernel):
+    """The combines' ``finish`` and the low-latency dispatch's end count their CTAs' arrivals after a
+    fence within the GPU (``last_cta_arrives(system=False)``): the epochs they advance are read after the
+    launch ends, so no system fence is needed there."""
+    _, ptx = compiled_ptx
+    assert _ops(_kernels(ptx)[kernel])["fence.acq_rel.gpu"] >= 1
+
+
 def test_reduced_combine_pushes_partials_and_signals(compiled_ptx):
     """Phase 1 moves partial rows to other nodes with put_warp and raises the combine signal; the
     dispatch records group lists with single-element puts."""
