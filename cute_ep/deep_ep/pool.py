@@ -26,10 +26,12 @@ grid for the shape: ``low_latency_grid``)."""
 
 
 def low_latency_grid(num_experts: int, sms: int) -> int:
-    """The CTAs DeepEP v1.2.1's low-latency kernels launch for ``num_experts`` experts on a GPU of ``sms``
-    SMs: each CTA serves ceil(num_experts / sms) experts, so ceil(num_experts / that) CTAs (96 for 288
-    experts on a 132-SM H200). The low-latency mode's kernels take as many by default, so that DeepEP's
-    tests compare the two on the same SMs."""
+    """The CTAs DeepEP v1.2.1's low-latency dispatch launches for ``num_experts`` experts on a GPU of
+    ``sms`` SMs: each CTA serves ceil(num_experts / sms) experts, so ceil(num_experts / that) CTAs (96 for
+    288 experts on a 132-SM H200). The low-latency mode's kernels (dispatch and combine) take as many by
+    default. DeepEP's combine launches at least as many: one CTA per ceil(tokens / sms) of the call's
+    tokens where that is more (128 at 128 tokens on an H200), so at DeepEP's test shapes its combine runs
+    on a third more SMs than ours."""
     per_cta = -(-num_experts // max(1, sms))
     return -(-num_experts // per_cta)
 
