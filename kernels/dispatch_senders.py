@@ -11,8 +11,9 @@ import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.buffers import EpParams
-from cute_ep.kernels.config import ALGO_DEDUP, ALGO_PUT_WARP, MODE_ATOMIC, MODE_SCATTER, VECTOR_BYTES, WARP
+from cute_ep.kernels.config import ALGO_DEDUP, MODE_ATOMIC, MODE_SCATTER, VECTOR_BYTES, WARP
 from cute_ep.kernels.rows import RowSpace, copy_row_to_lanes, element, row_space, row_view
+from cute_ep.kernels.signals import stored_to
 
 
 @cute.jit
@@ -58,11 +59,7 @@ def send_row_into(dtype: cutlass.Constexpr, p: EpParams, dest: RowSpace, src_add
     on other nodes. ``unroll``: the pieces per lane in flight (``copy_row_to_lanes``)."""
     store = Int32(0)
     if ((sends >> lane) & 1) != 0:
-        if d // p.local_world_size == p.rank // p.local_world_size:
-            store = Int32(1)
-            if p.algo == ALGO_PUT_WARP:
-                if d != p.rank:
-                    store = Int32(0)
+        store = stored_to(p, d)
     stores = Int32(cute.arch.vote_ballot_sync(store != 0))
     dst = Int64(0)
     if store != 0:

@@ -13,9 +13,9 @@ needs no staging copy into symmetric memory, and a store is not waited for as a 
    slots, and the grid's warps take those rows in parts of columns (``push_split``), each warp the same
    share, whatever the experts' counts (a grid-stride loop over every slot, empty ones too: at 128 tokens,
    top-8 of 288 experts on one H200 it spent 14% of the kernel's warp samples skipping empty slots and
-   gave 40-59 of the 1536 warps two rows while a third had none); row r of
-   expert l goes into row t * K + k of ``ll_comb`` on source rank s (peer-pointer stores on this node,
-   ``put_warp`` to other nodes).
+   gave 40-59 of the 1536 warps two rows while a third had none); row r of expert l goes into row
+   t * K + k of ``ll_comb`` on source rank s (peer-pointer stores on this node, ``put_warp`` to other
+   nodes).
 2. The last CTA to finish its pushes (``done[DONE_PUSH]``) raises ``signals[SIGNAL_COMBINE, rank]`` on every
    peer to this call's epoch; every CTA waits until all peers have raised theirs here (bounded waits).
 3. Sum (a warp per token, split into parts over idle warps at decode sizes): the token's rows of
@@ -40,7 +40,7 @@ from cute_ep.kernels.dispatch_senders import send_row_into
 from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.rows import RowSpace, row_space
 from cute_ep.kernels.rowsum import weighted_sum_rows
-from cute_ep.kernels.scan import exclusive_scan_cta, last_at_or_before
+from cute_ep.kernels.scan import exclusive_scan_cta, last_at_or_before, warp_batch
 from cute_ep.kernels.signals import cta_arrives_last, fault_free, signal_and_wait_peers, signal_peers
 
 # 128-bit pieces per lane in flight in a pushed row: a decode batch gives each warp a row or two, each a
@@ -140,10 +140,7 @@ class LowLatencyCombineKernel(CombineFamily):
                 slot = el * S + j - firsts[el]
                 pair = p.y_slot[slot]
                 src, dst_row = Int32(pair // MK), Int32(pair % MK)
-            count = (units - base + NWARPS - 1) // NWARPS  # the warp's units in this batch
-            if count > WARP:
-                count = Int32(WARP)
-            for i in range(count):
+            for i in range(warp_batch(units, base, NWARPS)):
                 _, v_begin, v_end = self.part_of(base + i * NWARPS, parts, span, NV)
                 at = Int64(v_begin) * VECTOR_BYTES
                 src_addr = rows.row(cute.arch.shuffle_sync(slot, i)) + at

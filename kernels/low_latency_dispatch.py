@@ -73,7 +73,7 @@ from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.ptx import fence_sys
 from cute_ep.kernels.quantize import quantize_blocks_warp
 from cute_ep.kernels.rows import copy_row_to_lanes, element, element_addr, gmem_tensor, row_space
-from cute_ep.kernels.scan import last_at_or_before, warp_inclusive_scan
+from cute_ep.kernels.scan import last_at_or_before, warp_batch, warp_inclusive_scan
 from cute_ep.kernels.signals import (
     SIGNAL_SET,
     cta_arrives_last,
@@ -402,10 +402,7 @@ class LowLatencyDispatchKernel(EpKernel):
                 src_row = q * p.rank_capacity + s * p.max_tokens + t
                 p.ll_src_info[slot] = t  # the slot's token, and its pair for the combine
                 p.y_slot[slot] = Int64(s * p.max_tokens) * p.topk + pair
-            count = (rows - base + NW - 1) // NW  # the warp's rows in this batch
-            if count > WARP:
-                count = Int32(WARP)
-            for i in range(count):
+            for i in range(warp_batch(rows, base, NW)):
                 src = staged.row(cute.arch.shuffle_sync(src_row, i))
                 dst_slot = cute.arch.shuffle_sync(slot, i)
                 copy_row_to_lanes(dtype, src, padded.row(dst_slot), Int32(1), row_bytes // VECTOR_BYTES, lane,

@@ -23,7 +23,7 @@ stores through the NVSHMEM peer pointer on the same node, else into this warp's 
 ``put_warp``. The grid is ``REDUCED_GRID_FACTOR`` x num_sms CTAs (kernels/module.py): more warps, more
 loads in flight. The source tag ``recv_src[p]`` = (src_rank * M + t) * K + k names the token.
 
-Completion: every thread ``quiet``s and fences; the last CTA to finish raises
+Completion: each CTA's arrival is counted after its sends (``cta_arrives_last``); the last CTA raises
 ``signals[SIGNAL_COMBINE, rank]`` on every peer to 2 * epoch (phase 2, kernels/partial_sum.py, waits
 for it). The epoch is advanced by phase 2.
 """
@@ -31,6 +31,7 @@ for it). The epoch is advanced by phase 2.
 from __future__ import annotations
 
 import cutlass.cute as cute
+import cutlass.memory
 import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Int32
 
@@ -41,7 +42,7 @@ from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.ptx import fence_sys
 from cute_ep.kernels.rows import element, row_space, row_view
 from cute_ep.kernels.rowsum import weighted_sum_rows
-from cute_ep.kernels.signals import SIGNAL_SET, fault_free, last_cta_arrives, signal_and_wait_peers
+from cute_ep.kernels.signals import SIGNAL_SET, cta_arrives_last, fault_free, signal_and_wait_peers
 
 
 class ReducePushKernel(CombineFamily):
@@ -60,6 +61,7 @@ class ReducePushKernel(CombineFamily):
         lane, gwarp, NWARPS, my_addr, my_weight, NV, ROW_BYTES, epoch = self.begin(p)
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
+        last = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(1), 4)  # arrived last
 
         signal_and_wait_peers(p, Int32(SIGNAL_COMBINE), epoch * 2 - 1, Int32(OP_COMBINE), epoch,
                               Int32(bid == 0))  # CTA 0 signals, every CTA waits
@@ -111,11 +113,8 @@ class ReducePushKernel(CombineFamily):
                         )
                     cute.arch.sync_warp()  # the list is rewritten for the next group
 
-        nvshmem_cute.quiet()
-        fence_sys()  # this thread's peer-pointer stores, before the CTA's arrival below
-        cute.arch.sync_threads()
-        if tid == 0:
-            if last_cta_arrives(p.done, Int32(DONE_PUSH)) != 0:
+        if cta_arrives_last(p, Int32(DONE_PUSH), last, tid) != 0:
+            if tid == 0:
                 if fault_free(p.fault):
                     fence_sys()
                     my_signal = element(p.signals, (SIGNAL_COMBINE, rank))

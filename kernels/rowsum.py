@@ -13,7 +13,8 @@ split depends on how many rows there are (``SHAPES``): 8 or more rows, 2 pieces 
 pieces of fewer rows (4 x 4, 8 x 2) — with 2 pieces per lane a sum of 2 rows (the rank layout's combine
 and the reduced combine's second phase on 2 ranks) had 4 loads in flight per lane and was latency-bound
 (rank combine 1100 us at 4096 tokens and 24 SMs on 2x H200, DeepEP's 419 us). The order of the sum of
-each element is unchanged (ascending i). Loads bypass L1 (``.cg``): rows written by other GPUs, or
+each element is unchanged (ascending i). A span's last round loads only each lane's pieces below its end.
+Loads bypass L1 (``.cg``): rows written by other GPUs, or
 rewritten staging rows, must not be served from a stale L1 line.
 """
 
@@ -26,7 +27,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.config import VECTOR_BYTES, WARP
-from cute_ep.kernels.ptx import add_rn, mul_rn
+from cute_ep.kernels.ptx import add_rn, f32_from_bits, mul_rn
 from cute_ep.kernels.rows import gmem_tensor
 
 LOADS_IN_FLIGHT = 16  # 128-bit loads a lane issues before it uses the first
@@ -59,26 +60,47 @@ def accumulate_group(
     rows: RowList,
     first: Int32,
     offset: Int64,
+    valid: Int32,
 ):
     """acc[q * V + i] += weight[j] * element i of row j's piece at offset + q * WARP * 16 bytes, for the
-    rows j in [first, first + group) ascending and q < ``pieces``; every load is issued before the first
-    multiply."""
+    rows j in [first, first + group) ascending and q < ``pieces`` (those from ``valid`` on hold piece 0's
+    sums, not stored); every load is issued before the first multiply."""
     V = VECTOR_BYTES // (dtype.width // 8)
     layout = cute.make_layout(V)
     load = cute.make_copy_atom(
         cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=128, load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL
     )
     frags = [cute.make_rmem_tensor(layout, dtype) for _ in range(group * pieces)]
+    # a piece past ``valid`` loads piece 0 again (no branch: registers written under a branch went to
+    # local memory) and its sum is not stored
+    at = [Int64(Int32(valid > q)) * (q * WARP * VECTOR_BYTES) for q in range(pieces)]
     for j in cutlass.range_constexpr(group):
         for q in cutlass.range_constexpr(pieces):
-            src = rows.row_addr[first + j] + offset + Int64(q * WARP * VECTOR_BYTES)
+            src = rows.row_addr[first + j] + offset + at[q]
             cute.copy(load, gmem_tensor(dtype, src, layout, VECTOR_BYTES), frags[j * pieces + q])
     for j in cutlass.range_constexpr(group):
         wj = rows.weight[first + j]
         for q in cutlass.range_constexpr(pieces):
-            vals = frags[j * pieces + q].load().to(Float32)
+            vals = widened(dtype, frags[j * pieces + q])
             for i in cutlass.range_constexpr(V):
                 acc[q * V + i] = add_rn(acc[q * V + i], mul_rn(wj, vals[i]))
+
+
+@cute.jit
+def widened(dtype: cutlass.Constexpr, frag: cute.Tensor):
+    """The V elements of a 128-bit register fragment as fp32 values (exactly: every element type here
+    widens without rounding). BF16 is widened from the fragment's 32-bit words, one instruction an element
+    (the low half shifted up, the high half masked): the conversion's own lowering took 1.5, a sixth of
+    the low-latency combine's sum (Nsight Compute, one H200)."""
+    if cutlass.const_expr(dtype == cutlass.BFloat16):
+        words = cute.recast_tensor(frag, Int32).load()
+        vals = []
+        for i in cutlass.range_constexpr(VECTOR_BYTES // 4):
+            vals.append(f32_from_bits(words[i] << 16))  # element 2i: the word's low 16 bits
+            vals.append(f32_from_bits(words[i] & Int32(-65536)))  # element 2i + 1: the high 16 bits
+        return vals
+    else:
+        return frag.load().to(Float32)
 
 
 @cute.jit
@@ -88,10 +110,12 @@ def sum_pieces(
     max_group: cutlass.Constexpr,
     rows: RowList,
     offset: Int64,
+    valid: Int32,
     dst_addr: Int64,
 ):
-    """``pieces`` pieces (WARP pieces apart, from ``offset``) of the weighted sum of the n listed rows,
-    stored to ``dst_addr`` at the same offsets; rows in groups of ``max_group`` (then halves)."""
+    """The first min(``pieces``, ``valid``) of ``pieces`` pieces (WARP pieces apart, from ``offset``) of the
+    weighted sum of the n listed rows, stored to ``dst_addr`` at the same offsets; rows in groups of
+    ``max_group`` (then halves)."""
     V = VECTOR_BYTES // (dtype.width // 8)
     acc = cute.make_rmem_tensor(cute.make_layout(V * pieces), Float32)
     acc.fill(0.0)
@@ -101,7 +125,7 @@ def sum_pieces(
         if cutlass.const_expr(size <= max_group):
             end = done + (rows.n - done) // size * size
             for c in range(done, end, size):
-                accumulate_group(dtype, size, pieces, acc, rows, c, offset)
+                accumulate_group(dtype, size, pieces, acc, rows, c, offset, valid)
             done = end
     for q in cutlass.range_constexpr(pieces):
         res = cute.make_rmem_tensor(cute.make_layout(V), dtype)
@@ -109,8 +133,9 @@ def sum_pieces(
         for i in cutlass.range_constexpr(V):
             part[i] = acc[q * V + i]
         res.store(part.load().to(dtype))
-        dst = dst_addr + offset + Int64(q * WARP * VECTOR_BYTES)
-        cute.autovec_copy(res, gmem_tensor(dtype, dst, cute.make_layout(V), VECTOR_BYTES))
+        if valid > q:
+            dst = dst_addr + offset + Int64(q * WARP * VECTOR_BYTES)
+            cute.autovec_copy(res, gmem_tensor(dtype, dst, cute.make_layout(V), VECTOR_BYTES))
 
 
 @cute.jit
@@ -123,20 +148,14 @@ def sum_span(
     lane: Int32,
     dst_addr: Int64,
 ):
-    """Pieces span = [v_begin, v_end) of the sum: ``pieces`` per lane while whole steps of the warp fit, then
-    half as many once, then one."""
+    """Pieces span = [v_begin, v_end) of the sum, ``pieces`` per lane a round; in the last round a lane
+    takes only its pieces below v_end. Why not smaller rounds for the rest: each round waits a memory
+    latency, and a rest of rounds of one piece a lane took two for a part of 56 pieces, where one round of
+    two pieces a lane holds it."""
     v_begin, v_end = span
-    step = pieces * WARP
-    v = v_begin + (v_end - v_begin) // step * step
-    for u in range(v_begin + lane, v, step):
-        sum_pieces(dtype, pieces, max_group, rows, Int64(u * VECTOR_BYTES), dst_addr)
-    if cutlass.const_expr(pieces >= 4):  # e.g. H 7168 bf16: 896 pieces = 3 x 256 + 128
-        half = pieces // 2
-        if v_end - v >= half * WARP:
-            sum_pieces(dtype, half, max_group * 2, rows, Int64((v + lane) * VECTOR_BYTES), dst_addr)
-            v = v + half * WARP
-    for u in range(v + lane, v_end, WARP):
-        sum_pieces(dtype, 1, max_group, rows, Int64(u * VECTOR_BYTES), dst_addr)
+    for u in range(v_begin + lane, v_end, pieces * WARP):
+        valid = (v_end - u + WARP - 1) // WARP  # this lane's pieces u, u + WARP, ... below v_end
+        sum_pieces(dtype, pieces, max_group, rows, Int64(u * VECTOR_BYTES), valid, dst_addr)
 
 
 @cute.jit

@@ -93,6 +93,16 @@ def last_at_or_before(starts: cute.Tensor, r: Int32, hi: Int32, steps: cutlass.C
     return lo
 
 
+@cute.jit
+def warp_batch(units: Int32, first: Int32, stride: Int32) -> Int32:
+    """How many units of a grid-stride loop a warp takes in its batch from ``first``: first, first + stride,
+    ... below ``units``, at most WARP (a lane each, looked up at once before the warp works through them)."""
+    count = (units - first + stride - 1) // stride
+    if count > WARP:
+        count = Int32(WARP)
+    return count
+
+
 PARTS_IN_FLIGHT = 16  # loads of earlier CTAs' counts a thread issues before it adds the first
 
 

@@ -133,6 +133,31 @@ def last_cta_arrives(done: cute.Tensor, slot: Int32, system: cutlass.Constexpr =
 
 
 @cute.jit
+def stored_to(p, d: Int32) -> Int32:
+    """1 where this rank's sends reach rank ``d`` as stores through its peer pointer (ranks of this node;
+    with ALGO_PUT_WARP only this rank itself), 0 where NVSHMEM puts carry them."""
+    store = Int32(0)
+    if d // p.local_world_size == p.rank // p.local_world_size:
+        store = Int32(1)
+        if p.algo == ALGO_PUT_WARP:
+            if d != p.rank:
+                store = Int32(0)
+    return store
+
+
+@cute.jit
+def sends_may_put(p) -> Int32:
+    """1 where some rank's sends go by NVSHMEM puts (``stored_to`` 0 for it): peers on other nodes, or
+    ALGO_PUT_WARP."""
+    may = Int32(0)
+    if p.local_world_size < p.world_size:
+        may = Int32(1)
+    if p.algo == ALGO_PUT_WARP:
+        may = Int32(1)
+    return may
+
+
+@cute.jit
 def cta_arrives_last(p, slot: Int32, flag: cute.Tensor, tid: Int32) -> Int32:
     """Called by every thread of a CTA once its part of the CTA's sends is issued: counts the CTA's
     arrival in ``p.done[slot]`` (``last_cta_arrives``) after the CTA's sends are complete and fenced.
@@ -140,10 +165,10 @@ def cta_arrives_last(p, slot: Int32, flag: cute.Tensor, tid: Int32) -> Int32:
     Int32 that carries the answer to the CTA's threads.
 
     Why one fence for the CTA: a store through a peer pointer is ordered before thread 0's fence by the CTA
-    barrier (a fence is cumulative), so only sends through NVSHMEM puts (peers on other nodes, or
-    ALGO_PUT_WARP) need each thread's own ``quiet``. A quiet and a fence in every thread held about a tenth
-    of the low-latency kernels' warp samples (Nsight Compute, 128 tokens, one H200)."""
-    if p.local_world_size < p.world_size or p.algo == ALGO_PUT_WARP:
+    barrier (a fence is cumulative), so only sends through NVSHMEM puts (``sends_may_put``) need each
+    thread's own ``quiet``. A quiet and a fence in every thread held about a tenth of the low-latency
+    kernels' warp samples (Nsight Compute, 128 tokens, one H200)."""
+    if sends_may_put(p) != 0:
         nvshmem_cute.quiet()  # this thread's puts complete
     cute.arch.sync_threads()
     if tid == 0:

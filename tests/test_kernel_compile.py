@@ -274,3 +274,17 @@ def test_registry_rejects_implicit_keys():
         ModuleRegistry(register=False).get("bf16", lambda: ("f", ()))
     with pytest.raises(ValueError, match="max_alive must be >= 1, got 0"):
         ModuleRegistry(max_alive=0)
+
+
+@pytest.mark.parametrize("kernel",
+                         ["Combine", "ReducePush", "PartialSum", "RankCombine", "CombineLowLatency"])
+def test_combine_widens_bf16_from_bits(compiled_ptx, kernel):
+    """kernels/rowsum.py widens BF16 rows to fp32 from their 32-bit words (a shift or a mask an element),
+    not through the conversion instruction, whose lowering took more; FP16 keeps the conversion (FP32 has
+    none)."""
+    dtype, ptx = compiled_ptx
+    ops = _ops(_kernels(ptx)[kernel])
+    if dtype == torch.bfloat16:
+        assert ops["cvt.f32.bf16"] == 0, ops
+    elif dtype == torch.float16:
+        assert ops["cvt.f32.f16"] > 0, ops
