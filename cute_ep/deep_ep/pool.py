@@ -31,7 +31,7 @@ def low_latency_grid(num_experts: int, sms: int) -> int:
     288 experts on a 132-SM H200). The low-latency mode's kernels (dispatch and combine) take as many by
     default. DeepEP's combine launches at least as many: one CTA per ceil(tokens / sms) of the call's
     tokens where that is more (128 at 128 tokens on an H200), so at DeepEP's test shapes its combine runs
-    on a third more SMs than ours."""
+    on a third more SMs than ours; ours on 128 measured no faster (one H200, 2026-11-29, docs/results.md)."""
     per_cta = -(-num_experts // max(1, sms))
     return -(-num_experts // per_cta)
 
