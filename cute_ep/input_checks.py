@@ -235,6 +235,9 @@ def note_dispatch_rows(handle: Any, num_recv: int | Callable[[], int | None] | N
     None where nothing is known (``launch_dispatch``)."""
     scatter = handle.scatter
     key = id(scatter)
+    entry = _DISPATCH_ROWS.get(key)
+    if entry is not None and entry[1] is num_recv and entry[0]() is scatter:  # noted so already (a replay)
+        return
 
     def forget(ref: weakref.ref, key: int = key, rows: dict = _DISPATCH_ROWS) -> None:
         # the table itself, not the module's name for it: at interpreter exit that name is None first

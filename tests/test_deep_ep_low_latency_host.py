@@ -314,6 +314,7 @@ def _kernels_mode(monkeypatch, replays: bool):
     buf = _KernelsBuffer(max_tokens=t)
     mode._buffers = OrderedDict({(h, torch.float32, e, k, t, "low-latency"): buf})
     mode._ll_graphs, mode._ll_index, mode.group_size, mode._ll_staging = g.graphs, 0, world, {}
+    mode._ll_replay_handles = [None, None]
     mode._check_alive = lambda: None
     mode.fences = []
     mode._fence = lambda key: mode.fences.append(key) if key in mode._combined else None

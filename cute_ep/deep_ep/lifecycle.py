@@ -135,6 +135,7 @@ class BufferLifecycle:
         self._comm_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self._combined: set[tuple] = set()  # buffers combined on since the latest dispatch (see _fence)
         self._ll_index = 0  # DeepEP's low-latency buffer parity: flips on every low-latency call
+        self._ll_replay_handles: list = [None, None]  # per parity, the latest replayed dispatch's handle
         self._ll_staging: dict[tuple, list[Tensor | None]] = {}
         self._ll_kept: dict[tuple, Any] = {}  # LowLatencyMode._ll_kept_of: tensors and scratch kept per shape
         self._ll_graphs = LowLatencyGraphs()  # low-latency calls replayed from CUDA graphs (GPUs)
@@ -190,6 +191,7 @@ class BufferLifecycle:
 
     def _release(self) -> None:
         self._ll_graphs.clear()  # they launch on the buffers freed below
+        self._ll_replay_handles = [None, None]  # their tensors are the freed buffers'
         try:
             for key in list(self._buffers):
                 self._buffers.pop(key).close()

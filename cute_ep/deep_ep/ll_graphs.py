@@ -38,23 +38,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["CAPTURE_BUDGET", "GRAPHS_ENV_VAR", "LowLatencyGraphs", "MAX_GRAPHS", "MAX_SIGHTINGS",
-           "combine_key", "direct_key"]
+__all__ = ["CAPTURE_BUDGET", "GRAPHS_ENV_VAR", "LowLatencyGraphs", "MAX_GRAPHS", "MAX_RECALLED",
+           "MAX_SIGHTINGS", "combine_call_key", "combine_key", "direct_key", "dispatch_call_key"]
 
 GRAPHS_ENV_VAR = "CUTE_EP_LOW_LATENCY_GRAPHS"
 MAX_GRAPHS = 16  # graphs kept per Buffer (least recently used dropped first)
 MAX_SIGHTINGS = 64  # keys seen once and remembered, waiting for a second sighting
+MAX_RECALLED = 4 * MAX_GRAPHS  # call keys remembered (``remember``) before starting over
 CAPTURE_BUDGET = (MAX_GRAPHS, 16)  # captures always allowed, then one more per this many replays
 
 
 class _Plan:
     """One key's captured graph: ``buf`` the EpBuffer it launches on (a rebuilt buffer needs a new graph),
-    ``replay`` its replay, ``result`` what the captured call returned."""
+    ``replay`` its replay, ``result`` what the captured call returned, ``dropped`` once no longer kept."""
 
-    __slots__ = ("buf", "replay", "result")
+    __slots__ = ("buf", "replay", "result", "dropped")
 
     def __init__(self, buf: Any, replay: Callable[[], None], result: Any) -> None:
-        self.buf, self.replay, self.result = buf, replay, result
+        self.buf, self.replay, self.result, self.dropped = buf, replay, result, False
 
 
 class LowLatencyGraphs:
@@ -76,6 +77,7 @@ class LowLatencyGraphs:
         self._stream_handle = stream_handle or _current_stream_handle
         self._wait_for = wait_for or _wait_for_stream
         self._plans: OrderedDict[tuple, _Plan] = OrderedDict()
+        self._recalled: dict[tuple, tuple[tuple, _Plan, Any]] = {}  # see remember()
         self._seen: OrderedDict[tuple, Any] = OrderedDict()  # key -> the buffer of its first sighting
         self._inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stream: int | None = None  # the stream the kept inputs were last written on
@@ -84,7 +86,10 @@ class LowLatencyGraphs:
 
     def clear(self) -> None:
         """Drop every graph, sighting and kept input (the buffers they launch on are being freed)."""
+        for plan in self._plans.values():
+            plan.dropped = True
         self._plans.clear()
+        self._recalled.clear()
         self._seen.clear()
         self._inputs.clear()
         self._stream = None
@@ -134,6 +139,29 @@ class LowLatencyGraphs:
             return False, None
         return True, self._replay(key, plan)
 
+    def remember(self, call_key: tuple, key: tuple, extra: Any) -> None:
+        """Note that a call whose arguments give ``call_key`` (a cheaper key, built from the tensors'
+        addresses and layouts alone: ``dispatch_call_key``, ``combine_call_key``) replayed the captured graph
+        of ``key``, with what the caller needs to replay it again (``extra``): ``recall`` finds it."""
+        plan = self._plans.get(key)
+        if plan is None:
+            return
+        if len(self._recalled) >= MAX_RECALLED:  # many addresses: start over
+            self._recalled.clear()
+        self._recalled[call_key] = (key, plan, extra)
+
+    def recall(self, call_key: tuple) -> tuple[tuple, _Plan, Any] | None:
+        """``(key, plan, extra)`` remembered for ``call_key`` while its graph is kept and may replay now
+        (not while capturing), else None: replay it with ``replay_plan``."""
+        got = self._recalled.get(call_key)
+        if got is None or got[1].dropped or not self._usable():
+            return None
+        return got
+
+    def replay_plan(self, key: tuple, plan: _Plan) -> Any:
+        """Replay a recalled plan (``recall``): what its captured call returned."""
+        return self._replay(key, plan)
+
     def _usable(self) -> bool:
         return self.enabled and not self._capturing()
 
@@ -159,12 +187,14 @@ class LowLatencyGraphs:
             plan = self._plans[key] = _Plan(buf, *self._capture(enqueue))
             self.captures[key[0]] += 1
             while len(self._plans) > MAX_GRAPHS:
-                self._plans.popitem(last=False)
+                self._plans.popitem(last=False)[1].dropped = True
         return True, self._replay(key, plan)
 
     def _note(self, key: tuple, buf: Any) -> None:
         """A first sighting (or one on a rebuilt buffer): remembered until a second comes."""
-        self._plans.pop(key, None)
+        old = self._plans.pop(key, None)
+        if old is not None:
+            old.dropped = True
         self._seen[key] = buf
         self._seen.move_to_end(key)
         while len(self._seen) > MAX_SIGHTINGS:
@@ -201,6 +231,34 @@ def direct_key(sig: tuple, parity: int, x: torch.Tensor, topk_idx: torch.Tensor,
     statistics (0: none)."""
     stats_at = 0 if stats is None else stats.data_ptr()
     return ("direct", sig, parity, x.data_ptr(), topk_idx.data_ptr(), stats_at)
+
+
+def dispatch_call_key(parity: int, x: Any, topk_idx: Any, stats: Any, *values: Any) -> tuple | None:
+    """A dispatch's call key (``LowLatencyGraphs.remember``): the addresses, shapes, strides and dtypes of
+    x, topk_idx and the statistics (None: none), the plain ``values`` and the buffer ``parity``; None
+    unless every tensor is a plain ``torch.Tensor`` (then the full path decides). It holds all that the
+    call's signature and direct key hold: a device is known by its addresses (CUDA's unified addressing)."""
+    if type(x) is not torch.Tensor or type(topk_idx) is not torch.Tensor:
+        return None
+    if stats is None:
+        at = None
+    elif type(stats) is torch.Tensor:
+        at = (stats.data_ptr(), stats.shape, stats.stride(), stats.dtype)
+    else:
+        return None
+    return (parity, x.data_ptr(), x.shape, x.stride(), x.dtype, topk_idx.data_ptr(), topk_idx.shape,
+            topk_idx.stride(), topk_idx.dtype, at, *values)
+
+
+def combine_call_key(parity: int, x: Any, topk_weights: Any, sent: Any, *values: Any) -> tuple | None:
+    """A combine's call key (``LowLatencyGraphs.remember``): the buffer ``parity``, the addresses, shapes,
+    strides and dtypes of x and topk_weights, the dispatch's own handle ``sent`` by identity (the remembered
+    entry holds it: its id is not reused meanwhile) and the plain ``values``; None unless x and
+    topk_weights are plain ``torch.Tensor``s."""
+    if type(x) is not torch.Tensor or type(topk_weights) is not torch.Tensor:
+        return None
+    return (parity, x.data_ptr(), x.shape, x.stride(), x.dtype, topk_weights.data_ptr(), topk_weights.shape,
+            topk_weights.stride(), topk_weights.dtype, id(sent), *values)
 
 
 def combine_key(sig: tuple, *tensors: torch.Tensor) -> tuple:

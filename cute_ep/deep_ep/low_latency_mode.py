@@ -19,7 +19,7 @@ from cute_ep.deep_ep import low_latency as ll
 from cute_ep.deep_ep.handles import LowLatencyHandle, _LowLatencyRoute, low_latency_handle
 from cute_ep.deep_ep.lifecycle import _Scope
 from cute_ep.deep_ep.ll_checks import _MAX_SIGNATURES, LowLatencyChecks
-from cute_ep.deep_ep.ll_graphs import combine_key
+from cute_ep.deep_ep.ll_graphs import combine_call_key, combine_key, dispatch_call_key
 from cute_ep.deep_ep.ll_replay import LowLatencyReplays
 from cute_ep.deep_ep.pool import _CARRIER
 from cute_ep.deep_ep.utils import EventOverlap, without_function_modes
@@ -98,6 +98,13 @@ class LowLatencyMode(LowLatencyChecks, LowLatencyReplays):
             )
         m, world = num_max_dispatch_tokens_per_rank, self.group_size
         stats = cumulative_local_expert_recv_stats
+        call_key = None
+        if not (async_finish or return_recv_hook):  # a call repeated: replayed by its call key (ll_replay)
+            call_key = dispatch_call_key(self._ll_index, x, topk_idx, stats, m, num_experts, use_fp8,
+                                         round_scale, use_ue8m0)
+            replayed = self._ll_dispatch_recalled(call_key, topk_idx, m, num_experts)
+            if replayed is not None:
+                return replayed
         flags = (use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
         sig = self._ll_signature((x, topk_idx, stats, m, num_experts, *flags))
         self._ll_agreed("low_latency_dispatch", sig,
@@ -105,8 +112,8 @@ class LowLatencyMode(LowLatencyChecks, LowLatencyReplays):
                         lambda _: {"x's dtype and hidden size": (str(x.dtype), x.shape[1]),
                                    "num_max_dispatch_tokens_per_rank": m, "num_experts": num_experts,
                                    "topk_idx's K": topk_idx.shape[1], "use_fp8": bool(use_fp8)})
-        if not (async_finish or return_recv_hook):  # a repeated call: its graph replayed (ll_replay)
-            replayed = self._ll_dispatch_replayed(sig, x, topk_idx, stats, m, num_experts)
+        if call_key is not None:  # a repeated call: its graph replayed (ll_replay)
+            replayed = self._ll_dispatch_replayed(sig, call_key, x, topk_idx, stats, m, num_experts)
             if replayed is not None:
                 return replayed
         el, hidden, k = num_experts // world, x.shape[1], topk_idx.shape[1]
@@ -168,6 +175,13 @@ class LowLatencyMode(LowLatencyChecks, LowLatencyReplays):
                                       "kernels do not time their waits per peer); pass None")
         both = async_finish and return_recv_hook
         route = handle.cute_ep if isinstance(handle, LowLatencyHandle) else None
+        call_key = None
+        if route is not None and not (async_finish or return_recv_hook) and out is None:
+            # a call repeated: replayed by its call key (ll_replay)
+            call_key = combine_call_key(self._ll_index, x, topk_weights, route.dispatch_handle, zero_copy)
+            replayed = None if zero_copy else self._ll_combine_recalled(call_key, topk_idx, route)
+            if replayed is not None:
+                return replayed
         sig = None if route is None else self._ll_signature((
             x, topk_idx, topk_weights, out, zero_copy, both, route.max_tokens, route.hidden,
             route.num_experts, route.num_tokens, route.dispatch_handle.topk_idx.shape[1]))
@@ -176,8 +190,8 @@ class LowLatencyMode(LowLatencyChecks, LowLatencyReplays):
                 "x's dtype": str(r[1].dtype),
                 "the handle's (num_max_dispatch_tokens_per_rank, hidden, num_experts)": (
                     r[0].max_tokens, r[0].hidden, r[0].num_experts)})
-        if not (async_finish or return_recv_hook) and out is None:  # a repeated call: replayed (ll_replay)
-            replayed = self._ll_combine_replayed(sig, x, topk_idx, topk_weights, route, zero_copy)
+        if call_key is not None:  # a repeated call: replayed (ll_replay)
+            replayed = self._ll_combine_replayed(sig, call_key, x, topk_idx, topk_weights, route, zero_copy)
             if replayed is not None:
                 return replayed
         src = self._staging(route)[self._ll_index] if zero_copy else x

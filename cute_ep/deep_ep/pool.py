@@ -92,10 +92,14 @@ class BufferPool:
                low_latency: bool = False) -> tuple[tuple, Any]:
         """(key, the buffer of those sizes built before, or None): ``_buffer`` without building one."""
         key = (hidden, dtype, num_experts, topk, max_tokens) + (("low-latency",) if low_latency else ())
+        return key, self._kept_buffer(key)
+
+    def _kept_buffer(self, key: tuple) -> Any:
+        """The buffer built before under ``key`` (``_built``'s), noted as the latest used; else None."""
         buf = self._buffers.get(key)
         if buf is not None:
             self._buffers.move_to_end(key)
-        return key, buf
+        return buf
 
     def _buffer(self, hidden: int, dtype: torch.dtype, num_experts: int, topk: int, max_tokens: int,
                 low_latency: bool = False, num_sms: int = 0) -> tuple[tuple, Any]:
@@ -133,6 +137,7 @@ class BufferPool:
                 self._buffers.pop(old).close()
                 self._combined.discard(old)
                 self._ll_graphs.clear()  # a graph may launch on the buffer just freed
+                self._ll_replay_handles = [None, None]  # their tensors are the freed buffers'
             buf = EpBuffer(self.runtime, cfg, registry=self._registry)
         else:
             from cute_ep.reference_backend import ReferenceEpBuffer
