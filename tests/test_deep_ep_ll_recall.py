@@ -30,6 +30,20 @@ def _recalls(mode) -> int:
     return len(mode._ll_graphs._recalled)
 
 
+def _warmed(monkeypatch):
+    """A mode whose BF16 pair has been recalled (6 pairs run), the signatures counted from then on, and
+    its dispatch on the stand-ins' tensors: (mode, buf, graphs, args, signatures seen, dispatch)."""
+    mode, buf, g, args = _kernels_mode(monkeypatch, replays=True)
+    x, ids, w, y, stats, t, e = args
+    _pairs(mode, args, 6)
+
+    def dispatch(xs=x):
+        return mode.low_latency_dispatch(xs, ids, t, e, cumulative_local_expert_recv_stats=stats,
+                                         use_fp8=False)[2]
+
+    return mode, buf, g, args, _counting_signatures(monkeypatch), dispatch
+
+
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_repeated_pairs_are_recalled_with_no_signature_and_the_full_paths_results(monkeypatch, use_fp8):
     mode, buf, g, args = _kernels_mode(monkeypatch, replays=True)
@@ -60,12 +74,9 @@ def test_repeated_pairs_are_recalled_with_no_signature_and_the_full_paths_result
 
 
 def test_a_moved_or_relaid_tensor_takes_the_full_path(monkeypatch):
-    mode, buf, g, args = _kernels_mode(monkeypatch, replays=True)
+    mode, buf, g, args, seen, dispatch = _warmed(monkeypatch)
     x, ids, w, y, stats, t, e = args
-    _pairs(mode, args, 6)
-    seen = _counting_signatures(monkeypatch)
-    moved = x.clone()  # new addresses: the full path (a new direct key, a sighting)
-    mode.low_latency_dispatch(moved, ids, t, e, cumulative_local_expert_recv_stats=stats, use_fp8=False)
+    dispatch(x.clone())  # new addresses: the full path (a new direct key, a sighting)
     assert len(seen) == 1
     # the same address, another layout: not the call key remembered
     assert dispatch_call_key(0, x, ids, stats, t, e, False, False, False) != dispatch_call_key(
@@ -77,12 +88,9 @@ def test_a_moved_or_relaid_tensor_takes_the_full_path(monkeypatch):
 
 
 def test_recall_declines_while_capturing_after_clear_and_where_a_combine_must_fence(monkeypatch):
-    mode, buf, g, args = _kernels_mode(monkeypatch, replays=True)
+    mode, buf, g, args, seen, dispatch = _warmed(monkeypatch)
     x, ids, w, y, stats, t, e = args
-    _pairs(mode, args, 6)
-    seen = _counting_signatures(monkeypatch)
-    handle = mode.low_latency_dispatch(x, ids, t, e, cumulative_local_expert_recv_stats=stats,
-                                       use_fp8=False)[2]
+    handle = dispatch()
     mode.low_latency_combine(y, ids, w, handle)
     assert not seen  # both recalled
     for fences in (1, 2):  # more combines, no dispatch between: each fences first (the second at the
@@ -90,27 +98,23 @@ def test_recall_declines_while_capturing_after_clear_and_where_a_combine_must_fe
         mode.low_latency_combine(y, ids, w, handle)
         assert len(seen) == fences and len(mode.fences) == fences
     g.capturing = True  # the caller's own capture: neither recalled nor replayed
-    mode.low_latency_dispatch(x, ids, t, e, cumulative_local_expert_recv_stats=stats, use_fp8=False)
+    dispatch()
     assert len(seen) == 3 and len(buf.launched) == 5  # launched eagerly (4 before: sightings and captures)
     g.capturing = False
     g.graphs.clear()  # the buffers freed: nothing recalled
     assert _recalls(mode) == 0
-    mode.low_latency_dispatch(x, ids, t, e, cumulative_local_expert_recv_stats=stats, use_fp8=False)
+    dispatch()
     assert len(seen) == 4
 
 
 def test_a_combine_is_recalled_only_on_its_dispatchs_ids_and_where_its_output_lands_again(monkeypatch):
-    mode, buf, g, args = _kernels_mode(monkeypatch, replays=True)
+    mode, buf, g, args, seen, dispatch = _warmed(monkeypatch)
     x, ids, w, y, stats, t, e = args
-    _pairs(mode, args, 6)
-    seen = _counting_signatures(monkeypatch)
-    handle = mode.low_latency_dispatch(x, ids, t, e, cumulative_local_expert_recv_stats=stats,
-                                       use_fp8=False)[2]
+    handle = dispatch()
     other_ids = ids.clone()  # equal ids in another tensor: the full path (it cannot know they are the same)
     mode.low_latency_combine(y, other_ids, w, handle)
     assert len(seen) == 1
-    handle = mode.low_latency_dispatch(x, ids, t, e, cumulative_local_expert_recv_stats=stats,
-                                       use_fp8=False)[2]
+    handle = dispatch()
     monkeypatch.setattr(torch, "empty", torch.zeros)  # a new output elsewhere (the stand-ins' is kept)
     combined = mode.low_latency_combine(y, ids, w, handle)[0]
     assert len(seen) == 2 and combined.shape == (t, y.shape[-1])
