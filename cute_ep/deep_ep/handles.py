@@ -46,6 +46,11 @@ class _LowLatencyRoute:
     given_ids: Tensor
     given_version: int
 
+    def gives(self, topk_idx: Tensor) -> bool:
+        """Whether ``topk_idx`` is the ids tensor the dispatch was given, unchanged since (same tensor, same
+        version counter): then the dispatch's ids serve as they are."""
+        return topk_idx is self.given_ids and topk_idx._version == self.given_version
+
 
 class NormalHandle(tuple):
     """DeepEP's normal-mode handle, the 6-tuple ``(rank_prefix_matrix, channel_prefix_matrix,

@@ -85,8 +85,7 @@ class LowLatencyReplays:
         # tensor unchanged since): a handle holds only these, and making one is most of a replay's notes
         handle = self._ll_replay_handles[parity]
         route = None if handle is None else handle.cute_ep
-        if (route is None or route.dispatch_handle is not sent or route.given_ids is not topk_idx
-                or route.given_version != topk_idx._version):
+        if route is None or route.dispatch_handle is not sent or not route.gives(topk_idx):
             handle = low_latency_handle(padded, sent, m, hidden, num_experts, topk_idx)
             self._ll_replay_handles[parity] = handle
         return recv, padded.count, handle, EventOverlap(None, None), None
@@ -96,7 +95,7 @@ class LowLatencyReplays:
         """``low_latency_combine``'s result (without ``out`` or ``zero_copy``) where a call of key
         ``call_key`` was replayed before, its graph is kept, the ids are the dispatch's unchanged, no fence
         is due and the new output lands where that call's did: replayed again and noted; else None."""
-        if topk_idx is not route.given_ids or topk_idx._version != route.given_version:
+        if not route.gives(topk_idx):
             return None
         got = None if call_key is None else self._ll_graphs.recall(call_key)
         if got is None:
@@ -119,7 +118,7 @@ class LowLatencyReplays:
         addresses it reads and writes, a new output's among them) is captured: replayed, noted as the full
         path notes it and (without ``zero_copy``) remembered under ``call_key``; else None. Only on the
         dispatch's ids unchanged, and where no fence is due."""
-        if sig is None or topk_idx is not route.given_ids or topk_idx._version != route.given_version:
+        if sig is None or not route.gives(topk_idx):
             return None
         sent = route.dispatch_handle
         src = self._staging(route)[self._ll_index] if zero_copy else x

@@ -98,8 +98,9 @@ class LowLatencyMode(LowLatencyChecks, LowLatencyReplays):
             )
         m, world = num_max_dispatch_tokens_per_rank, self.group_size
         stats = cumulative_local_expert_recv_stats
-        call_key = None
-        if not (async_finish or return_recv_hook):  # a call repeated: replayed by its call key (ll_replay)
+        repeatable = not (async_finish or return_recv_hook)  # may replay a captured graph (ll_replay)
+        call_key = None  # the kernels' calls only (the only ones with graphs)
+        if repeatable and self.backend == "cute":  # a call repeated: recalled by its call key
             call_key = dispatch_call_key(self._ll_index, x, topk_idx, stats, m, num_experts, use_fp8,
                                          round_scale, use_ue8m0)
             replayed = self._ll_dispatch_recalled(call_key, topk_idx, m, num_experts)
@@ -112,7 +113,7 @@ class LowLatencyMode(LowLatencyChecks, LowLatencyReplays):
                         lambda _: {"x's dtype and hidden size": (str(x.dtype), x.shape[1]),
                                    "num_max_dispatch_tokens_per_rank": m, "num_experts": num_experts,
                                    "topk_idx's K": topk_idx.shape[1], "use_fp8": bool(use_fp8)})
-        if call_key is not None:  # a repeated call: its graph replayed (ll_replay)
+        if repeatable:  # a repeated call: its graph replayed (ll_replay)
             replayed = self._ll_dispatch_replayed(sig, call_key, x, topk_idx, stats, m, num_experts)
             if replayed is not None:
                 return replayed
@@ -175,9 +176,9 @@ class LowLatencyMode(LowLatencyChecks, LowLatencyReplays):
                                       "kernels do not time their waits per peer); pass None")
         both = async_finish and return_recv_hook
         route = handle.cute_ep if isinstance(handle, LowLatencyHandle) else None
-        call_key = None
-        if route is not None and not (async_finish or return_recv_hook) and out is None:
-            # a call repeated: replayed by its call key (ll_replay)
+        repeatable = not (async_finish or return_recv_hook) and out is None  # may replay (ll_replay)
+        call_key = None  # the kernels' calls only (the only ones with graphs)
+        if repeatable and route is not None and self.backend == "cute":  # recalled by its call key
             call_key = combine_call_key(self._ll_index, x, topk_weights, route.dispatch_handle, zero_copy)
             replayed = None if zero_copy else self._ll_combine_recalled(call_key, topk_idx, route)
             if replayed is not None:
@@ -190,7 +191,7 @@ class LowLatencyMode(LowLatencyChecks, LowLatencyReplays):
                 "x's dtype": str(r[1].dtype),
                 "the handle's (num_max_dispatch_tokens_per_rank, hidden, num_experts)": (
                     r[0].max_tokens, r[0].hidden, r[0].num_experts)})
-        if call_key is not None:  # a repeated call: replayed (ll_replay)
+        if repeatable:  # a repeated call: replayed (ll_replay)
             replayed = self._ll_combine_replayed(sig, call_key, x, topk_idx, topk_weights, route, zero_copy)
             if replayed is not None:
                 return replayed
@@ -210,7 +211,7 @@ class LowLatencyMode(LowLatencyChecks, LowLatencyReplays):
                 ll.expert_major_rows(src, route.slot, rows)
             sent = route.dispatch_handle
             ids = sent.topk_idx
-            if topk_idx is not route.given_ids or topk_idx._version != route.given_version:
+            if not route.gives(topk_idx):
                 # pairs the caller set to -1 are skipped; the rest are the dispatch's (checked above on CPUs)
                 ids = torch.where(topk_idx < 0, torch.full_like(ids, -1), ids)
             now = DispatchHandle(ids, topk_weights.contiguous(), sent.scatter, sent.num_tokens, sent.mode,
