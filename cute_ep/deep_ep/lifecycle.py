@@ -140,6 +140,7 @@ class BufferLifecycle:
         self._ll_kept: dict[tuple, Any] = {}  # LowLatencyMode._ll_kept_of: tensors and scratch kept per shape
         self._ll_graphs = LowLatencyGraphs()  # low-latency calls replayed from CUDA graphs (GPUs)
         self._routing_kept: tuple = (None, None)  # FreshDispatch._rank_routing: (shape, its constants)
+        self._layout_kernel_takes: set[tuple] = set()  # NormalMode._layout_kernel_for: the calls checked
         self._fence_zero: Any = None  # BufferPool._fence's all-reduce operand, made on first use
 
     def _start_kernels(self) -> None:

@@ -66,6 +66,11 @@ class NormalMode(FreshDispatch):
         not checked here: that is a host sync, which this call makes none of; they count nowhere). Local: no
         collective. On the CuTe backend one kernel launch (up to 8192 experts and 64 ranks; beyond, torch
         operations with the same results)."""
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            fast = self._layout_kernel_for(topk_idx, num_experts)
+            if fast is not None:
+                per_rank, per_expert, in_rank = fast(topk_idx, num_experts, self.group_size)
+                return per_rank, None, per_expert, in_rank, EventOverlap(None)
         self._check_alive()
         self._check_comm_flags(previous_event, async_finish, allocate_on_comm_stream)
         check_tensors(self.device, topk_idx=(topk_idx, "[T, K] int64", torch.int64))
@@ -79,11 +84,27 @@ class NormalMode(FreshDispatch):
             if self.backend == "cute" and TokenLayout.fits(topk_idx, num_experts, self.group_size):
                 # one launch (kernels/token_layout.py) instead of a dozen torch operations
                 layout = shared_token_layout()(topk_idx, num_experts, self.group_size)
+                if scope.comm is None and type(topk_idx) is Tensor:
+                    self._layout_kernel_takes.add((num_experts, topk_idx.dtype, topk_idx.device,
+                                                   topk_idx.dim()))
             else:
                 layout = normal.dispatch_layout(topk_idx, num_experts, self.group_size)
             per_rank, per_expert, in_rank = layout
         event = scope.finish((per_rank, per_expert, in_rank), (topk_idx,))
         return per_rank, None, per_expert, in_rank, EventOverlap(event)
+
+    def _layout_kernel_for(self, topk_idx: Any, num_experts: Any) -> TokenLayout | None:
+        """The layout launch for a call on the caller's stream of a kind (num_experts; the ids' dtype, device
+        and rank; a plain tensor) that a checked call already took to the kernel, when the ids' shape fits
+        it too: the call goes straight to the launch, its checks' answers being those of that call. None
+        otherwise (the checked path). Why: the checks and the stream scope answer the same for every such
+        call, and cost 4.8-6.9 us of host time in a 22-34 us call (two H200 hosts, 2026-11-29)."""
+        if type(topk_idx) is not Tensor or self.runtime is None:
+            return None
+        if (num_experts, topk_idx.dtype, topk_idx.device, topk_idx.dim()) not in self._layout_kernel_takes:
+            return None
+        t, k = topk_idx.shape
+        return shared_token_layout() if t * max(k, self.group_size) < 2**31 else None
 
     @without_function_modes
     def dispatch(self, x: Tensor | tuple[Tensor, Tensor], handle: tuple | None = None,

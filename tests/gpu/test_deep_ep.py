@@ -311,9 +311,10 @@ def test_layout_kernel_matches_torch(runtime, buffers, id_dtype: torch.dtype) ->
     """get_dispatch_layout on the kernels' Buffer (one launch of kernels/token_layout.py) against the torch
     form on the CPU, bit for bit: DeepSeek's and DeepEP's low-latency expert counts, top-k 1 to 64, no
     tokens and one token, -1 ids, and ids outside [-1, E) (counted nowhere; a GPU call does not check
-    them); no host sync once compiled. Local to each rank (no collective)."""
+    them); then the kernel alone for rank counts up to 64 (its rank and expert slices cut short); no host
+    sync once compiled. Local to each rank (no collective)."""
     from cute_ep.deep_ep import normal
-    from cute_ep.deep_ep.token_layout import TokenLayout
+    from cute_ep.deep_ep.token_layout import TokenLayout, shared_token_layout
 
     kern, _ = buffers
     rank, world = runtime.env.rank, runtime.env.world_size
@@ -336,6 +337,19 @@ def test_layout_kernel_matches_torch(runtime, buffers, id_dtype: torch.dtype) ->
         for name, a, b in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"),
                               (got[0], got[2], got[3]), want, strict=True):
             assert_same(f"{name} (T={tokens}, K={topk}, E={experts})", a, b)
+    # The kernel's grid has a CTA per 8 ranks and per 32 experts: rank counts other than this world's, with
+    # partial slices of both (the kernel called directly, as get_dispatch_layout calls it).
+    layout = shared_token_layout()
+    for n, k, ranks, per_rank in [(1000, 8, 3, 11), (517, 6, 9, 4), (2048, 8, 64, 5), (64, 3, 17, 1)]:
+        e = ranks * per_rank
+        ids = torch.rand(n, e, generator=g).topk(k, dim=1).indices
+        ids[torch.rand(n, k, generator=g) < 0.1] = -1
+        ids = ids.to(id_dtype)
+        got = layout(ids.to(runtime.device), e, ranks)
+        want = normal.dispatch_layout(ids, e, ranks)
+        for name, a, b in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"), got, want,
+                              strict=True):
+            assert_same(f"{name} (T={n}, K={k}, E={e}, R={ranks})", a, b)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
