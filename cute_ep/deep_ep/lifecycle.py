@@ -141,6 +141,7 @@ class BufferLifecycle:
         self._ll_graphs = LowLatencyGraphs()  # low-latency calls replayed from CUDA graphs (GPUs)
         self._routing_kept: tuple = (None, None)  # FreshDispatch._rank_routing: (shape, its constants)
         self._layout_kernel_takes: set[tuple] = set()  # NormalMode._layout_kernel_for: the calls checked
+        self._known_dispatches: dict[tuple, Any] = {}  # NormalMode's _KnownDispatch per kind of cached call
         self._fence_zero: Any = None  # BufferPool._fence's all-reduce operand, made on first use
 
     def _start_kernels(self) -> None:
@@ -193,6 +194,7 @@ class BufferLifecycle:
     def _release(self) -> None:
         self._ll_graphs.clear()  # they launch on the buffers freed below
         self._ll_replay_handles = [None, None]  # their tensors are the freed buffers'
+        self._known_dispatches.clear()  # they name the buffers freed below
         try:
             for key in list(self._buffers):
                 self._buffers.pop(key).close()

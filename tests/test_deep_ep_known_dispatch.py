@@ -1,0 +1,107 @@
+"""A cached normal dispatch of a kind already checked goes straight to the kernels, without a GPU (the
+kernels' backend stood in for by the reference buffers a world of one builds): the kind is the handle, x's
+and its scales' dtype, shape, strides and device, and the config's SMs; a call given anything else (stream
+options, the layout's tensors, another handle, a subclass, a config never checked) takes the checked path
+and its errors; the results are the checked path's."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from cute_ep.deep_ep import Buffer, Config, normal_mode
+
+
+def _fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP's test input: FP8 rows and per-128-column scales, the scales column-major."""
+    t, h = x.shape
+    amax = x.view(t, -1, 128).abs().float().amax(dim=2).clamp(1e-4)
+    rows = (x.view(t, -1, 128) * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(t, h)
+    return rows, (amax / 448.0).T.contiguous().T
+
+
+@pytest.fixture
+def cached(monkeypatch):
+    """[buffer as the kernels' backend, a fresh dispatch's handle, x, checked calls counted] (a list: a test
+    may take the handle out)."""
+    buf = Buffer(None, explicitly_destroy=True)
+    g = torch.Generator().manual_seed(5)
+    t, e, k, h = 12, 8, 2, 256
+    idx = torch.rand(t, e, generator=g).topk(k, dim=1).indices
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+    handle = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                          num_tokens_per_expert=per_expert, topk_idx=idx,
+                          topk_weights=torch.rand(t, k, generator=g))[4]
+    for rows in (x, _fp8(x)):  # the cached rows' buffers, built on the reference backend
+        buf.dispatch(rows, handle=handle)
+    buf.backend = "cute"  # the buffers are built: the kernels' path, on them
+    checked: list = []
+    real = normal_mode.NormalMode._dispatch_args
+
+    def counted(self, *args, **kwargs):
+        checked.append(args)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(normal_mode.NormalMode, "_dispatch_args", counted)
+    state = [buf, handle, x, checked]
+    del handle  # the list holds it alone
+    yield state
+    buf.destroy()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_kind_already_checked_skips_the_checks_with_the_same_results(cached, fp8):
+    buf, handle, x, checked = cached
+    arg = _fp8(x) if fp8 else x
+    first = buf.dispatch(arg, handle=handle)
+    assert len(checked) == 1
+    for config in (None, None, Config(24, 8, 256)):
+        got = buf.dispatch(arg, handle=handle, config=config)
+        assert got[1:5] == (None, None, None, None) and got[5].event is None
+        if fp8:
+            assert torch.equal(got[0][0].view(torch.uint8), first[0][0].view(torch.uint8))
+            assert torch.equal(got[0][1], first[0][1]) and got[0][1].is_contiguous()
+        else:
+            assert torch.equal(got[0], first[0]) and got[0] is not first[0]  # a new tensor each call
+    assert len(checked) == 2  # the config's SMs (24) are a kind of their own: checked once
+    buf.dispatch(arg, handle=handle, config=Config(24, 4, 128))  # other chunk sizes, the same SMs
+    assert len(checked) == 2
+
+
+def test_anything_else_takes_the_checked_path(cached):
+    buf, handle, x, checked = cached
+    buf.dispatch(x, handle=handle)
+    calls = [dict(x=x[:6]), dict(x=x.float()), dict(x=x.as_subclass(type("Rows", (torch.Tensor,), {}))),
+             dict(x=x, async_finish=True), dict(x=x, is_token_in_rank=handle[4]), dict(x=list(_fp8(x)))]
+    for i, kwargs in enumerate(calls):
+        try:
+            buf.dispatch(handle=handle, **kwargs)
+        except ValueError:
+            pass  # the checked path's refusals (x's rows against the handle's, a list for a tuple)
+        assert len(checked) == 2 + i, kwargs
+    with pytest.raises(ValueError, match="num_sms must be even"):
+        buf.dispatch(x, handle=handle, config=Config(23, 8, 256))
+    with pytest.raises(ValueError, match="takes no topk_idx"):
+        buf.dispatch(x, handle=handle, topk_idx=torch.zeros(12, 2, dtype=torch.int64),
+                     topk_weights=torch.zeros(12, 2))
+
+
+def test_a_dead_handle_or_an_evicted_buffer_is_never_used(cached):
+    buf, handle, x, checked = cached
+    cached[1] = None
+    buf.dispatch(x, handle=handle)
+    (known,) = buf._known_dispatches.values()
+    assert known.route() is handle.cute_ep and known.usable(buf)
+    key = known.buf_key
+    kept = buf._buffers.pop(key)
+    assert not known.usable(buf)  # evicted: the checked path (which would build it again)
+    buf._buffers[key] = kept
+    checked.clear()  # the counted checks' arguments hold the handle too
+    del handle
+    gc.collect()
+    assert known.route() is None  # the entry keeps nothing of the handle alive
+    buf.destroy()
+    assert not buf._known_dispatches
