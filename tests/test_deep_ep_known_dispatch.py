@@ -105,3 +105,24 @@ def test_a_dead_handle_or_an_evicted_buffer_is_never_used(cached):
     assert known.route() is None  # the entry keeps nothing of the handle alive
     buf.destroy()
     assert not buf._known_dispatches
+
+
+def test_the_kernels_buffers_send_the_rows_in_one_launch_without_a_handle(cached):
+    """On a buffer that launches (the kernels'), a cached dispatch's rows go out through ``launch_dispatch``
+    (no handle kept, no checks: its routing is the cached handle's) and come back as the buffer's rows; the
+    combines noted before are forgotten, as every dispatch does."""
+    buf = cached[0]
+    calls = []
+
+    class Launching:
+        recv_x = torch.arange(12.0).view(6, 2)
+
+        def launch_dispatch(self, *args, **kwargs):
+            calls.append((args, kwargs))
+
+    x, ids, w = torch.zeros(3, 2), torch.zeros(3, 1, dtype=torch.int32), torch.zeros(3, 1)
+    buf._combined.add(("some", "buffer"))
+    got = buf._rows_sent_on(Launching(), x, ids, w)
+    assert got is Launching.recv_x and not buf._combined
+    (args, kwargs), = calls
+    assert args[0] is x and args[1] is ids and args[2] is w and kwargs == {"layout": "rank"}

@@ -472,7 +472,7 @@ def _cached_rows(mode: NormalMode, buf: Any, fmt: normal.RowFormat, route: _Norm
     handle's routing (its dispatch kept the per-rank ids and zero weights it was given, its own copy), and
     the received rows unpacked into new tensors: (recv_x, recv_scales or None)."""
     sent = route.dispatch_handle
-    res = mode._dispatch_on(buf, fmt.pack(x, scales, None, None), sent.topk_idx, sent.topk_weights, "rank")
+    received = mode._rows_sent_on(buf, fmt.pack(x, scales, None, None), sent.topk_idx, sent.topk_weights)
     rows = min(route.num_recv, mode.group_size * route.max_tokens)
-    recv_x, recv_scales, _, _ = fmt.unpack(res.recv_x[:rows], route.num_recv)
+    recv_x, recv_scales, _, _ = fmt.unpack(received[:rows], route.num_recv)
     return recv_x, recv_scales

@@ -180,6 +180,18 @@ class BufferPool:
         self._combined.clear()  # a dispatch orders every rank's earlier combines before later writes
         return buf.dispatch(x, ids, weights, layout=layout, sync=False)
 
+    def _rows_sent_on(self, buf: Any, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """A rank-layout dispatch whose handle nobody keeps (a cached dispatch: its routing is the cached
+        handle's, checked before): the received rows, [capacity, W] of the buffer (valid until its next
+        dispatch). On the kernels one launch (``EpBuffer.launch_dispatch``): none of ``dispatch()``'s
+        argument checks, handle storage or result views, which only a kept handle needs."""
+        self._combined.clear()  # a dispatch orders every rank's earlier combines before later writes
+        launch = getattr(buf, "launch_dispatch", None)  # the kernels' buffers (the host backends: dispatch)
+        if launch is None:
+            return buf.dispatch(x, ids, weights, layout="rank", sync=False).recv_x
+        launch(x, ids, weights, layout="rank")
+        return buf.recv_x
+
     def _fence(self, key: tuple) -> None:
         """Before writing a buffer's expert outputs again without a dispatch in between (GPU kernels
         only): wait until every peer's previous combine, which reads them, is done (one small all-reduce
