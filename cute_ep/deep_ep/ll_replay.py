@@ -116,7 +116,7 @@ class LowLatencyReplays:
                              topk_weights: Tensor, route: _LowLatencyRoute, zero_copy: bool) -> tuple | None:
         """``low_latency_combine``'s result (without ``out``) where its graph (signature ``sig`` and the
         addresses it reads and writes, a new output's among them) is captured: replayed, noted as the full
-        path notes it and (without ``zero_copy``) remembered under ``call_key``; else None. Only on the
+        path notes it and remembered under ``call_key`` (None with ``zero_copy``); else None. Only on the
         dispatch's ids unchanged, and where no fence is due."""
         if sig is None or not route.gives(topk_idx):
             return None
@@ -133,7 +133,7 @@ class LowLatencyReplays:
         key = combine_key(sig, src, route.slot, sent.topk_idx, topk_weights, sent.scatter, combined)
         if not self._ll_graphs.replay(key, buf)[0]:
             return None
-        if call_key is not None and not zero_copy:
+        if call_key is not None:  # none with zero_copy (its input is the staging buffer)
             self._ll_graphs.remember(call_key, key, (pool_key, sent, shape, src.dtype, combined.data_ptr()))
         return self._ll_combine_noted(buf, pool_key, combined)
 

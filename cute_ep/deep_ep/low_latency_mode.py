@@ -178,9 +178,10 @@ class LowLatencyMode(LowLatencyChecks, LowLatencyReplays):
         route = handle.cute_ep if isinstance(handle, LowLatencyHandle) else None
         repeatable = not (async_finish or return_recv_hook) and out is None  # may replay (ll_replay)
         call_key = None  # the kernels' calls only (the only ones with graphs)
-        if repeatable and route is not None and self.backend == "cute":  # recalled by its call key
-            call_key = combine_call_key(self._ll_index, x, topk_weights, route.dispatch_handle, zero_copy)
-            replayed = None if zero_copy else self._ll_combine_recalled(call_key, topk_idx, route)
+        # recalled by its call key (not with zero_copy: its input is the staging buffer, never remembered)
+        if repeatable and route is not None and self.backend == "cute" and not zero_copy:
+            call_key = combine_call_key(self._ll_index, x, topk_weights, route.dispatch_handle)
+            replayed = self._ll_combine_recalled(call_key, topk_idx, route)
             if replayed is not None:
                 return replayed
         sig = None if route is None else self._ll_signature((
