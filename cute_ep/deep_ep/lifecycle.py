@@ -191,9 +191,14 @@ class BufferLifecycle:
                 self.runtime.close()  # lets gloo's workers finish with this Buffer's collectives first
             self.runtime = self.group = None  # a destroyed Buffer refers to no process group
 
+    def _forget_replays(self) -> None:
+        """Drop the low-latency graphs and the handles of their replays: a buffer they launch on, or whose
+        tensors a handle holds, is being freed."""
+        self._ll_graphs.clear()
+        self._ll_replay_handles = [None, None]
+
     def _release(self) -> None:
-        self._ll_graphs.clear()  # they launch on the buffers freed below
-        self._ll_replay_handles = [None, None]  # their tensors are the freed buffers'
+        self._forget_replays()  # they launch on the buffers freed below
         self._known_dispatches.clear()  # they name the buffers freed below
         try:
             for key in list(self._buffers):

@@ -136,8 +136,7 @@ class BufferPool:
                 old = next(iter(self._buffers))  # the least recently used; every rank evicts the same
                 self._buffers.pop(old).close()
                 self._combined.discard(old)
-                self._ll_graphs.clear()  # a graph may launch on the buffer just freed
-                self._ll_replay_handles = [None, None]  # their tensors are the freed buffers'
+                self._forget_replays()  # a graph may launch on the buffer just freed
             buf = EpBuffer(self.runtime, cfg, registry=self._registry)
         else:
             from cute_ep.reference_backend import ReferenceEpBuffer
