@@ -61,7 +61,7 @@ from cute_ep.kernels.config import (
     EpConfig,
 )
 from cute_ep.kernels.variants import variant
-from cute_ep.launcher import current_stream_handle
+from cute_ep.launcher import current_stream_handle, delivery_scalars
 from cute_ep.low_latency_launches import LowLatencyLaunches
 from cute_ep.received_views import ReceivedViews
 from cute_ep.status import StatusBlock
@@ -169,14 +169,16 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  mode: str = "scatter", fp8: bool = False, algorithm: str | None = None, sync: bool = True,
                  layout: str = "expert", *, stream: torch.cuda.Stream | None = None,
-                 previous_event: torch.cuda.Event | None = None) -> DispatchResult:
+                 previous_event: torch.cuda.Event | None = None,
+                 deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None) -> DispatchResult:
         """Send every (token, k) row to the rank owning expert ``topk_idx[t, k]`` (arguments, returns and
         errors: ``cute_ep.api.EpBackend.dispatch``). Collective.
 
         stream / previous_event (GPU only): run the kernels on ``stream`` (e.g. a communication stream,
         with ``cfg.num_sms`` bounding the SMs they take), after ``previous_event`` (default: after the
         caller's current stream); the result's ``event`` marks their end on ``stream``. With only
-        ``previous_event``, the current stream waits for it first.
+        ``previous_event``, the current stream waits for it first. deliver: the received rows also copied
+        into the caller's tensors by the same launch (``launch_dispatch``'s).
 
         Host syncs: one wait for the status (sizes, faults, refused inputs, drops), which the dispatch's
         last CTA writes into pinned host memory (no copy, no stream sync; the expert layout's fan-out may
@@ -208,7 +210,8 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
             # host polls (no copy, no stream sync); ``read()`` when that is off or did not happen.
             seq = self.status.next_seq() if sync and self.status.use_mirror() else 0
             self._enqueue_dispatch(x, idx, w, mode, fp8, algorithm, layout,
-                                   own=(scatter, idx_own, w_own) if t else None, mirror_seq=seq)
+                                   own=(scatter, idx_own, w_own) if t else None, mirror_seq=seq,
+                                   deliver=deliver)
             event = on.record_event() if stream is not None else None
             handle = DispatchHandle(idx_own, w_own, scatter, t, mode, layout)
             self._sent = (handle.topk_idx, handle.topk_weights)
@@ -245,7 +248,8 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
     def launch_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                         mode: str = "scatter", fp8: bool | int = False, algorithm: str | None = None,
                         layout: str = "expert", *,
-                        own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> DispatchHandle:
+                        own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                        deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None) -> DispatchHandle:
         """Enqueue the layout, dispatch and fan-out kernels on the current stream (one launch of the
         module): no checks, no host sync, so the call can be captured in a CUDA graph.
 
@@ -258,10 +262,15 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
         own: (slots [T, K] int32, ids [T, K] int32, weights [T, K] fp32), contiguous, the caller's to keep:
         the layout writes the slots into the first and copies topk_idx / topk_weights into the others, and
         the handle refers to these three instead (valid for as long as the caller keeps them unwritten).
+        deliver: (rows, parts), parts up to 3 contiguous 2-D tensors of at least ``rows`` rows, on the
+        buffer's device, 16-byte aligned: the same launch then copies the first ``rows`` received rows out
+        of ``recv_x`` into them (kernels/deliver.py), part i taking the next ``parts[i].shape[1] *
+        element_size`` bytes of each row (a multiple of 4; together at most a row), so they outlive the
+        buffer's next dispatch. ``ValueError`` for parts that do not fit a row.
         """
         t = x.shape[0]
         self._enqueue_dispatch(x, topk_idx, topk_weights, mode, fp8, algorithm, layout,
-                               own=own if t else None)
+                               own=own if t else None, deliver=deliver)
         slots, ids, weights = own if own is not None else (self.scatter[:t], topk_idx, topk_weights)
         handle = DispatchHandle(ids, weights, slots, t, mode, layout)
         self._note_launched_dispatch(handle)
@@ -289,18 +298,19 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
     def _enqueue_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                           mode: str, fp8: bool | int, algorithm: str | None, layout: str,
                           own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                          mirror_seq: int = 0) -> None:
+                          mirror_seq: int = 0, deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None
+                          ) -> None:
         """One launch of the module: the layout (its own kernel, or folded into the dispatch's CTAs up to
         cfg.layout_in_dispatch tokens), the dispatch and the fan-out. The slots go to the buffer's
         ``scatter``, or with ``own`` = (slots, ids, weights), contiguous [T, K] int32 / int32 / fp32
         tensors, to the first, and the layout copies ``topk_idx`` / ``topk_weights`` into the others.
         ``mirror_seq`` (not 0): the dispatch's last CTA mirrors the status block into pinned host memory
-        (``StatusBlock.read_mirror``)."""
+        (``StatusBlock.read_mirror``). ``deliver``: see ``launch_dispatch``."""
         by_rank = layout == "rank"
         # The rank layout's rows have one order: its slots always come from the layout kernel.
         kernel_mode = MODES["scatter" if by_rank else mode]
         self._launch(OP_DISPATCH, x.shape[0], x=x, idx=topk_idx, w=topk_weights, own=own,
-                     mirror_seq=mirror_seq, mode=kernel_mode, fp8=fp8,
+                     mirror_seq=mirror_seq, mode=kernel_mode, fp8=fp8, deliver=deliver,
                      algo=DISPATCH_ALGORITHMS[algorithm or self.algorithm],
                      # a reduced-combine buffer makes every expert-layout dispatch record the (token, rank)
                      # groups
@@ -439,13 +449,14 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
     def _launch(self, op: int, num_tokens: int, *, x=None, idx=None, w=None, out=None, scatter=None, y=None,
                 own=None, mirror_seq: int = 0, mode: int = 0, fp8: bool | int = False, algo: int = 0,
                 combine_algo: int = 0, layout: int = 0, y_rows: int = 0, y_slot=None, named=None,
-                phase: int = PHASE_ALL) -> None:
+                phase: int = PHASE_ALL, deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None) -> None:
         """Enqueue one op of the module on the current stream (absent or empty per-call tensors are
         replaced by their stand-ins; ``scatter``: the slots to read, default the buffer's own; ``own``:
         (slots, ids, weights) a dispatch writes into for its handle, see ``_enqueue_dispatch``; ``y`` /
         ``y_rows`` / ``y_slot``: what combine stages into ``recv_y``, see ``_staging``; ``named``: more
         call tensors by buffer name; ``phase``: PHASE_* of the low-latency layout, whose receiving half
-        completes the op its sending half counted)."""
+        completes the op its sending half counted); ``deliver``: (rows, parts) the dispatch copies its
+        received rows into, see ``launch_dispatch``."""
         own_idx = own_w = None
         if own is not None:
             scatter, own_idx, own_w = own
@@ -461,10 +472,13 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
                 if addr % self._align[name]:
                     raise ValueError(f"{name} must be {self._align[name]}-byte aligned, got address "
                                      f"{addr:#x}")
+        delivered = {"deliver_rows": 0}
+        if deliver is not None and deliver[0] > 0:
+            delivered = delivery_scalars(self.cfg, self.device, deliver, addrs)
         self._launcher(current_stream_handle(self._device_index), addrs, op=op, mode=mode,
                        fp8=int(fp8), algo=algo, combine_algo=combine_algo, layout=layout,
                        num_tokens=num_tokens, own_routing=int(own is not None), mirror_seq=mirror_seq,
-                       y_rows=y_rows, y_gather=int(y_slot is not None), phase=phase)
+                       y_rows=y_rows, y_gather=int(y_slot is not None), phase=phase, **delivered)
         if op != OP_COMBINE:  # a layout rewrites the count the staging of a later combine may read
             self._latest_scatter = None
         if phase != PHASE_RECEIVE and not torch.cuda.is_current_stream_capturing():  # replays: not counted

@@ -221,3 +221,31 @@ def current_stream_handle(device_index: int) -> int:
     if raw is None:
         return torch.cuda.current_stream(device_index).cuda_stream
     return raw(device_index)
+
+
+def delivery_scalars(cfg, device: torch.device, deliver: tuple[int, tuple[torch.Tensor, ...]],
+                     addrs: dict[str, int]) -> dict[str, int]:
+    """The launch scalars of a dispatch that copies its first ``rows`` received rows into ``parts``
+    (``EpBuffer.launch_dispatch``'s ``deliver`` = (rows, parts)); the parts' addresses go into ``addrs``.
+    ``ValueError`` for a part the kernel could not write as asked (kernels/deliver.py)."""
+    rows, parts = deliver
+    if not 1 <= len(parts) <= 3:
+        raise ValueError(f"deliver takes 1 to 3 parts, got {len(parts)}")
+    scalars, end = {"deliver_rows": min(int(rows), cfg.capacity)}, 0
+    for i, part in enumerate(parts):
+        width = part.shape[1] * part.element_size() if part.dim() == 2 else -1
+        addr = part.data_ptr() if part.device == device else -1
+        if width < 0 or width % 4 or not part.is_contiguous() or part.shape[0] < rows or addr % 16:
+            raise ValueError(f"deliver part {i} must be a contiguous 2-D tensor of at least {rows} rows on "
+                             f"{device}, 16-byte aligned, its rows a multiple of 4 bytes; got shape "
+                             f"{tuple(part.shape)}, strides {part.stride()}, on {part.device}"
+                             + (f", address {addr:#x}" if addr >= 0 else ""))
+        end += width
+        addrs[f"deliver{i}"] = addr
+        scalars[f"deliver_end{i}"] = end
+    row_bytes = cfg.hidden * cfg.element_size
+    if end > row_bytes:
+        raise ValueError(f"deliver's parts take {end} bytes of each row; a received row has {row_bytes}")
+    for i in range(len(parts), 3):  # the absent parts: empty
+        scalars[f"deliver_end{i}"] = end
+    return scalars

@@ -181,6 +181,13 @@ BUFFERS: tuple[Buffer, ...] = (
            "layout (ll_count itself: none)"),
     Buffer("ll_stats", lambda s: (s.experts_per_rank,), "int32", CALL, ("dispatch",),
            "low-latency dispatch: statistics the counts are added to (ll_count itself: none)"),
+    Buffer("deliver0", lambda s: (s.capacity,), "int32", CALL, ("dispatch",),
+           "with deliver_rows: the caller's tensor that bytes [0, deliver_end0) of each received row are "
+           "copied into (its rows deliver_end0 bytes apart)"),
+    Buffer("deliver1", lambda s: (s.capacity,), "int32", CALL, ("dispatch",),
+           "with deliver_rows: the caller's tensor for bytes [deliver_end0, deliver_end1) of each row"),
+    Buffer("deliver2", lambda s: (s.capacity,), "int32", CALL, ("dispatch",),
+           "with deliver_rows: the caller's tensor for bytes [deliver_end1, deliver_end2) of each row"),
     # -- symmetric: peers read or write them ------------------------------------------------------
     Buffer("recv_x", lambda s: (s.capacity, s.hidden), ROW, SYMMETRIC, ("dispatch",),
            "received rows, expert-major (after an FP8 dispatch: packed FP8 rows, fp8_row_bytes apart)",
@@ -270,7 +277,8 @@ BY_NAME = {b.name: b for b in BUFFERS}
 
 # Run-time scalars every launch passes: the call's own, then sizes named as EpConfig's attributes.
 CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "layout", "rank", "num_tokens", "own_routing",
-                "mirror_seq", "y_rows", "y_gather", "phase")
+                "mirror_seq", "y_rows", "y_gather", "phase", "deliver_rows", "deliver_end0", "deliver_end1",
+                "deliver_end2")
 SIZE_SCALARS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
                 "expert_capacity", "stage_rows", "num_sms", "timeout_ms", "layout_in_dispatch")
 SCALARS = CALL_SCALARS + SIZE_SCALARS

@@ -21,6 +21,7 @@ from cutlass import Int32
 from cute_ep.kernels.buffers import EpParams, Pointers, Scalars
 from cute_ep.kernels.combine import CombineKernel
 from cute_ep.kernels.config import OP_COMBINE, OP_DISPATCH, OP_LAYOUT
+from cute_ep.kernels.deliver import DeliverKernel
 from cute_ep.kernels.dispatch import DispatchKernel
 from cute_ep.kernels.fanout import FanoutKernel
 from cute_ep.kernels.layout import LayoutKernel
@@ -37,7 +38,8 @@ from cute_ep.kernels.variants import COMBINE_STEP, DISPATCH_STEP, LAYOUT_STEP
 
 class EpModule:
     """Host entry point: ``scalars.op`` selects the launch: OP_LAYOUT the layout alone, OP_DISPATCH the
-    layout and the dispatch (+ fan-out), OP_COMBINE the combine (after the staging of the caller's y when
+    layout and the dispatch (+ fan-out; then, when ``deliver_rows`` is not 0, the delivery of the received
+    rows into the caller's tensors), OP_COMBINE the combine (after the staging of the caller's y when
     ``y_rows`` is not 0); ``scalars.layout`` and ``scalars.combine_algo`` the variant
     (kernels/variants.py) whose kernels run. Every kernel a variant names is an attribute here."""
 
@@ -53,6 +55,7 @@ class EpModule:
         self.reduce_push = ReducePushKernel(dtype)
         self.partial_sum = PartialSumKernel(dtype)
         self.stage_y = StageYKernel(dtype)
+        self.deliver = DeliverKernel(dtype)
         self.low_latency_dispatch = LowLatencyDispatchKernel(dtype)
         self.low_latency_combine = LowLatencyCombineKernel(dtype)
 
@@ -77,6 +80,9 @@ class EpModule:
             for layout, kernels in DISPATCH_STEP:
                 if p.layout == layout:
                     self.launch(kernels, p, stream)
+            # The received rows copied into the caller's tensors (kernels/deliver.py), when it asks.
+            if p.deliver_rows != 0:
+                self.deliver(p, stream)
         if p.op == OP_COMBINE:
             # The combines that read recv_y: the caller's y (when it is not recv_y) is staged there first,
             # on the device, so a sync-free combine copies only the rows received (the low-latency combine

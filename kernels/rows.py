@@ -117,6 +117,27 @@ def copy_row_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, nu
 
 
 @cute.jit
+def copy_bytes_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, num_bytes: Int32,
+                    lane: Int32):
+    """A warp copies ``num_bytes`` (a multiple of 4) from ``src_addr`` to ``dst_addr`` (4-byte aligned; the
+    same values in every lane): as 128-bit pieces of ``dtype`` when both addresses and the length are
+    multiples of 16, else as 4-byte words (a part of a row whose columns are 4 bytes wide)."""
+    wide = Int32(0)
+    if num_bytes % 16 == 0:
+        if src_addr % 16 == 0:
+            if dst_addr % 16 == 0:
+                wide = Int32(1)
+    if wide != 0:
+        copy_row_warp(dtype, src_addr, dst_addr, num_bytes // 16, lane)
+    else:
+        words = cute.make_layout(num_bytes // 4)
+        src = gmem_tensor(Int32, src_addr, words, 4)
+        dst = gmem_tensor(Int32, dst_addr, words, 4)
+        for i in range(lane, num_bytes // 4, 32):
+            dst[i] = src[i]
+
+
+@cute.jit
 def element(t: cute.Tensor, coord) -> cute.Tensor:
     """A one-element view of ``t`` at ``coord`` (NVSHMEM's single-value FFIs take a tensor)."""
     return cute.make_tensor(t.iterator + cute.crd2idx(coord, t.layout), cute.make_layout(1))

@@ -62,8 +62,9 @@ def buf(monkeypatch) -> EpBuffer:
 
 
 def ll_stand_ins(buf) -> dict[str, int]:
-    """The low-latency dispatch's tensors: stand-ins in every other call."""
-    names = ("ll_x", "ll_src_info", "ll_count", "ll_range", "ll_scales", "ll_stats")
+    """The low-latency dispatch's tensors and the delivery's parts: stand-ins in every other call."""
+    names = ("ll_x", "ll_src_info", "ll_count", "ll_range", "ll_scales", "ll_stats", "deliver0", "deliver1",
+             "deliver2")
     return {n: buf._empty[n].data_ptr() for n in names}
 
 
@@ -90,7 +91,7 @@ def test_a_sync_free_dispatch_hands_over_its_tensors_and_the_handles_storage(buf
     assert scalars == {"op": OP_DISPATCH, "mode": MODES["scatter"], "fp8": 0,
                        "algo": DISPATCH_ALGORITHMS["dedup"], "combine_algo": combine_algo,
                        "layout": LAYOUTS[layout], "num_tokens": 5, "own_routing": 1, "mirror_seq": 0,
-                       "y_rows": 0, "y_gather": 0, "phase": 0}
+                       "y_rows": 0, "y_gather": 0, "phase": 0, "deliver_rows": 0}
     # the handle owns its routing: the layout copies the ids and weights into storage of its own
     assert {h.scatter.data_ptr(), h.topk_idx.data_ptr(), h.topk_weights.data_ptr()}.isdisjoint(
         {idx.data_ptr(), w.data_ptr()})
@@ -251,3 +252,41 @@ def test_low_latency_launches_hand_over_the_padded_tensors_and_the_phase(buf, sp
         assert ptrs["y"] == padded["ll_x"].data_ptr() and ptrs["y_slot"] == padded["y_slot"].data_ptr()
         assert ptrs["ll_count"] == padded["ll_count"].data_ptr() and ptrs["out"] == out.data_ptr()
         assert ptrs["scatter"] == own[0].data_ptr() and ptrs["topk_w"] == own[2].data_ptr()
+
+
+def test_a_delivering_dispatch_hands_over_its_parts_and_where_each_ends(buf) -> None:
+    """``launch_dispatch(..., deliver=(rows, parts))``: each part's address and the byte where it ends in a
+    row (absent parts end where the last one did), the rows at most the capacity; the next launch
+    delivers nothing."""
+    x, idx, w = inputs(5)
+    head = torch.empty(7, 25, dtype=torch.int32)  # 100 bytes of a 128-byte row
+    tail = torch.empty(7, 7, dtype=torch.float32)  # the next 28
+    buf.launch_dispatch(x, idx, w, layout="rank", deliver=(7, (head, tail)))
+    whole = torch.empty(10**6, 32, dtype=torch.int32)
+    buf.launch_dispatch(x, idx, w, layout="rank", deliver=(10**6, (whole,)))
+    buf.launch_dispatch(x, idx, w, layout="rank")
+    (_, ptrs, scalars), (_, _, most), (_, plain_ptrs, plain) = buf._launcher.launches
+    assert ptrs["deliver0"] == head.data_ptr() and ptrs["deliver1"] == tail.data_ptr()
+    assert ptrs["deliver2"] == buf._empty["deliver2"].data_ptr()
+    assert {k: v for k, v in scalars.items() if k.startswith("deliver")} == {
+        "deliver_rows": 7, "deliver_end0": 100, "deliver_end1": 128, "deliver_end2": 128}
+    assert most["deliver_rows"] == buf.cfg.capacity and most["deliver_end0"] == 128
+    assert plain["deliver_rows"] == 0
+    assert all(plain_ptrs[f"deliver{i}"] == buf._empty[f"deliver{i}"].data_ptr() for i in range(3))
+
+
+@pytest.mark.parametrize("parts, message", [
+    (lambda: (), "1 to 3 parts, got 0"),
+    (lambda: (torch.empty(4, 4, dtype=torch.int32),) * 4, "1 to 3 parts, got 4"),
+    (lambda: (torch.empty(3, 4, dtype=torch.int32),), "at least 4 rows"),
+    (lambda: (torch.empty(4, 3, dtype=torch.uint8),), "a multiple of 4 bytes"),
+    (lambda: (torch.empty(4, 8, dtype=torch.int32)[:, :4],), "contiguous"),
+    (lambda: (torch.empty(4 * 4 + 1, dtype=torch.int32)[1:].view(4, 4),), "16-byte aligned"),
+    (lambda: (torch.empty(4, 4, dtype=torch.int32, device="meta"),), "on meta"),
+    (lambda: (torch.empty(4, 33, dtype=torch.int32),), "take 132 bytes of each row; a received row has 128"),
+])
+def test_a_delivery_the_kernel_could_not_write_is_refused(buf, parts, message) -> None:
+    x, idx, w = inputs(4)
+    with pytest.raises(ValueError, match=message):
+        buf.launch_dispatch(x, idx, w, layout="rank", deliver=(4, parts()))
+    assert not buf._launcher.launches

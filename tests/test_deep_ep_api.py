@@ -495,6 +495,37 @@ def test_row_format_widths() -> None:
     assert fp32.passthrough and fp32.elems == 128
 
 
+@pytest.mark.parametrize("hidden, scale_order", [(7168, "column-major"), (7168, "row-major"), (384, "row-major")])
+def test_fp8_rows_pack_and_unpack_to_their_bytes(hidden: int, scale_order: str, monkeypatch) -> None:
+    """A row of FP8 values and their scales: the values' bytes, then the scales' (any strides), then zeros
+    to 16 bytes (hidden 384: 3 scales, 4 bytes of padding), one torch.cat where no padding is due; unpack
+    splits them back into new contiguous tensors, into the caller's when given."""
+    g = torch.Generator().manual_seed(3)
+    t, s = 6, hidden // 128
+    x = torch.randn(t, hidden, generator=g).to(torch.float8_e4m3fn)
+    scales = torch.rand(t, s, generator=g)
+    if scale_order == "column-major":
+        scales = scales.T.contiguous().T
+    fmt = normal.RowFormat(torch.float8_e4m3fn, hidden, torch.float32, s)
+    cats = []
+    cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: cats.append(1) or cat(*a, **k))
+    rows = fmt.pack(x, scales, None, None)
+    assert len(cats) == (fmt.row_bytes == hidden + 4 * s)
+    raw = rows.view(torch.uint8)
+    assert rows.dtype == torch.bfloat16 and raw.shape == (t, fmt.row_bytes)
+    assert torch.equal(raw[:, :hidden], x.view(torch.uint8))
+    assert torch.equal(raw[:, hidden : hidden + 4 * s].view(torch.float32), scales)
+    assert not raw[:, hidden + 4 * s :].any()
+    got_x, got_scales, ids, weights = fmt.unpack(rows[:4], t)
+    assert ids is None and weights is None and got_scales.is_contiguous() and got_x.shape == (t, hidden)
+    assert torch.equal(got_x[:4].view(torch.uint8), x[:4].view(torch.uint8))
+    assert torch.equal(got_scales[:4], scales[:4])
+    into = fmt.outputs(t, torch.device("cpu"))
+    again = fmt.unpack(rows, t, into)
+    assert again[0] is into[0] and again[1] is into[1] and torch.equal(into[1], scales)
+
+
 def test_row_bytes_are_copied_as_wide_integers_where_they_line_up(monkeypatch) -> None:
     """copy_bytes moves 8-byte words where both sides' widths, row strides and offsets allow, narrower ones
     otherwise, single bytes last; the bytes arrive the same either way."""

@@ -109,20 +109,49 @@ def test_a_dead_handle_or_an_evicted_buffer_is_never_used(cached):
 
 def test_the_kernels_buffers_send_the_rows_in_one_launch_without_a_handle(cached):
     """On a buffer that launches (the kernels'), a cached dispatch's rows go out through ``launch_dispatch``
-    (no handle kept, no checks: its routing is the cached handle's) and come back as the buffer's rows; the
-    combines noted before are forgotten, as every dispatch does."""
+    (no handle kept, no checks: its routing is the cached handle's), which also copies them into the
+    caller's tensors (``deliver``); the combines noted before are forgotten, as every dispatch does."""
     buf = cached[0]
     calls = []
 
     class Launching:
-        recv_x = torch.arange(12.0).view(6, 2)
-
         def launch_dispatch(self, *args, **kwargs):
             calls.append((args, kwargs))
 
     x, ids, w = torch.zeros(3, 2), torch.zeros(3, 1, dtype=torch.int32), torch.zeros(3, 1)
+    into = (3, (torch.empty(3, 2),))
     buf._combined.add(("some", "buffer"))
-    got = buf._rows_sent_on(Launching(), x, ids, w)
-    assert got is Launching.recv_x and not buf._combined
+    got = buf._rows_sent_on(Launching(), x, ids, w, into)
+    assert got is None and not buf._combined
     (args, kwargs), = calls
-    assert args[0] is x and args[1] is ids and args[2] is w and kwargs == {"layout": "rank"}
+    assert args[0] is x and args[1] is ids and args[2] is w and kwargs == {"layout": "rank", "deliver": into}
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_cached_dispatch_on_the_kernels_returns_the_tensors_it_had_them_delivered_into(cached, fp8):
+    """The cached path on the kernels' buffers: new tensors for the values (and FP8 scales) of the rows the
+    handle's dispatch received, handed to the launch as the delivery's parts (no torch copy after it), and
+    returned as the call's outputs."""
+    buf, handle, x, _ = cached
+    arg = _fp8(x) if fp8 else x
+    want = buf.dispatch(arg, handle=handle)[0]  # the reference backend's rows
+    route = handle.cute_ep
+    known = next(iter(buf._known_dispatches.values()))
+    sent = []
+
+    class Launching:
+        def launch_dispatch(self, rows, ids, weights, layout, deliver):
+            n, parts = deliver
+            sent.append((n, parts))
+            for part, got in zip(parts, want if fp8 else (want,), strict=True):  # what the kernel would copy
+                part[:n].copy_(got[:n])
+
+    out = normal_mode._cached_rows(buf, Launching(), known.fmt, route, *(arg if fp8 else (arg, None)))
+    ((n, parts),) = sent
+    assert n == route.num_recv and len(parts) == (2 if fp8 else 1)
+    assert out[0] is parts[0] and (out[1] is parts[1] if fp8 else out[1] is None)
+    assert out[0].shape == (route.num_recv, x.shape[1])
+    assert out[0].dtype == (arg[0].dtype if fp8 else x.dtype)
+    assert torch.equal(out[0].view(torch.uint8), (want[0] if fp8 else want).view(torch.uint8))
+    if fp8:
+        assert out[1].shape == (route.num_recv, x.shape[1] // 128) and out[1].is_contiguous()

@@ -58,12 +58,12 @@ def compiled_ptx(request, sm90_module):
     return module.dtype, module.ptx
 
 
-def test_targets_sm90_with_twelve_kernels(compiled_ptx):
+def test_targets_sm90_with_thirteen_kernels(compiled_ptx):
     _, ptx = compiled_ptx
     assert re.search(r"(?m)^\.target sm_90$", ptx)
     kinds = Counter(kind for kind, _ in _entries(ptx))
-    assert sorted(kinds) == ["Combine", "CombineLowLatency", "Dispatch", "DispatchLowLatency", "Fanout",
-                             "Layout", "PartialSum", "RankCombine", "RankDispatch", "RankLayout",
+    assert sorted(kinds) == ["Combine", "CombineLowLatency", "Deliver", "Dispatch", "DispatchLowLatency",
+                             "Fanout", "Layout", "PartialSum", "RankCombine", "RankDispatch", "RankLayout",
                              "ReducePush", "StageY"]
     # The DSL emits an entry point per launch site: the module launches each kernel from one site.
     assert kinds == {kind: 1 for kind in kinds}
@@ -158,6 +158,19 @@ def test_row_copies_are_128_bit(compiled_ptx):
         ops = _ops(kernels[name])
         assert ops["st.global.v4.b32"] >= unroll, (name, ops)
         assert ops["ld.global.v4.b32"] >= unroll, (name, ops)
+
+
+def test_delivery_copies_pieces_where_aligned_and_words_elsewhere(compiled_ptx):
+    """The delivery kernel copies a part of each received row as 128-bit pieces (ROW_COPY_UNROLL in flight
+    per lane) and, for parts whose offset or width is not a multiple of 16 bytes (scales, ids), as 4-byte
+    words; it calls no NVSHMEM function (every row it reads is this rank's)."""
+    _, ptx = compiled_ptx
+    deliver = _kernels(ptx)["Deliver"]
+    ops = _ops(deliver)
+    assert ops["st.global.v4.b32"] >= ROW_COPY_UNROLL and ops["ld.global.v4.b32"] >= ROW_COPY_UNROLL, ops
+    assert ops["st.global.u32"] + ops["st.global.b32"] >= 1, ops
+    assert ops["ld.global.u32"] + ops["ld.global.b32"] >= 1, ops
+    assert "nvshmem" not in deliver
 
 
 def test_layout_steps_use_warp_votes(compiled_ptx):

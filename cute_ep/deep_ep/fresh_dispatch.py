@@ -153,9 +153,15 @@ class FreshDispatch:
         payload = a.fmt.pack(a.x, a.scales, given["topk_idx"], given["topk_weights"])
         ids, zero_w = self._rank_routing(a.in_rank)
         _, buf = self._buffer(a.fmt.elems, _CARRIER, world, world, max_tokens, num_sms=2 * a.channels)
-        res = self._dispatch_on(buf, payload, ids, zero_w, "rank")
         rows = min(num_out, world * max_tokens)
-        recv_x, recv_scales, gidx, gw = a.fmt.unpack(res.recv_x[:rows], num_out)
+        outputs = a.fmt.outputs(num_out, dev)
+        delivered = hasattr(buf, "launch_dispatch")  # the kernels copy the rows into outputs, in the launch
+        into = (rows, tuple(t for t in outputs if t is not None)) if delivered else None
+        res = self._dispatch_on(buf, payload, ids, zero_w, "rank", into)
+        if delivered:
+            recv_x, recv_scales, gidx, gw = outputs[0], outputs[1], *a.fmt.ids_and_weights(outputs[2])
+        else:
+            recv_x, recv_scales, gidx, gw = a.fmt.unpack(res.recv_x[:rows], num_out, outputs)
         # A synced call knows the count (every row is real); with num_worst_tokens rows past it are -1.
         recv_src_idx = torch.remainder(res.recv_src[:rows], max_tokens)
         if not synced:

@@ -197,6 +197,12 @@ class RowFormat:
         t = x.shape[0]
         if self.passthrough:
             return x.contiguous().view(_CARRIER) if t else x.new_empty((0, self.elems), dtype=_CARRIER)
+        if (t and self.row_bytes == self.scale_end and not self.topk and scales.dtype == self.scale_dtype
+                and x.is_contiguous() and x.storage_offset() % 4 == 0):
+            # FP8 rows and their scales side by side, nothing to zero: one tensor operation instead of three
+            # (each costs host time per call), the scales any strides (DeepEP's test passes them
+            # column-major)
+            return torch.cat((x.view(torch.int32), scales.view(torch.int32)), dim=1).view(_CARRIER)
         rows = torch.empty((t, self.row_bytes), dtype=torch.uint8, device=x.device)
         if t == 0:
             return rows.view(_CARRIER)
@@ -213,24 +219,38 @@ class RowFormat:
             rows[:, self.idx_end : self.idx_end + 4 * self.topk].view(torch.float32).copy_(topk_weights)
         return rows.view(_CARRIER)
 
-    def unpack(self, rows: Tensor, out_rows: int
+    def outputs(self, out_rows: int, device: torch.device) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """New tensors for ``out_rows`` received rows, one per part of the row: (x [out_rows, H] x_dtype,
+        scales [out_rows, num_scales] or None, ids and weights [out_rows, 8K] uint8 or None)."""
+        x = torch.empty((out_rows, self.hidden), dtype=self.x_dtype, device=device)
+        scales = both = None
+        if self.scale_dtype is not None:
+            scales = torch.empty((out_rows, self.num_scales), dtype=self.scale_dtype, device=device)
+        if self.topk:
+            both = torch.empty((out_rows, 8 * self.topk), dtype=torch.uint8, device=device)
+        return x, scales, both
+
+    def ids_and_weights(self, both: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        """The global ids [N, K] int32 and weights [N, K] fp32 in ``outputs``' third tensor (views)."""
+        if both is None:
+            return None, None
+        k = self.topk
+        return both[:, : 4 * k].view(torch.int32), both[:, 4 * k :].view(torch.float32)
+
+    def unpack(self, rows: Tensor, out_rows: int, outputs: tuple | None = None
                ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
         """From received rows [n, elems] bf16 (n <= out_rows; rows past n are left uninitialised, as DeepEP
-        leaves its padding): (x [out_rows, H] x_dtype, scales [out_rows, num_scales] or None, global ids
-        [out_rows, K] int32 or None, weights [out_rows, K] fp32 or None). x and scales are new tensors;
-        the ids and weights are views of one new tensor holding both (rows 8K bytes apart: two tensor
-        operations instead of four)."""
-        n, dev = rows.shape[0], rows.device
+        leaves its padding), copied by torch (the kernels' buffers copy them in the dispatch's launch:
+        ``EpBuffer.launch_dispatch``'s ``deliver`` into ``outputs``): (x [out_rows, H] x_dtype, scales
+        [out_rows, num_scales] or None, global ids [out_rows, K] int32 or None, weights [out_rows, K] fp32
+        or None). x and scales are new tensors (``outputs``' when given); the ids and weights are views of one
+        new tensor holding both (rows 8K bytes apart: two tensor operations instead of four)."""
+        n = rows.shape[0]
         raw = rows.view(torch.uint8)
-        x = torch.empty((out_rows, self.hidden), dtype=self.x_dtype, device=dev)
+        x, scales, both = outputs if outputs is not None else self.outputs(out_rows, rows.device)
         copy_bytes(x.view(torch.uint8)[:n], raw[:, : self.x_bytes])
-        scales = idx = w = None
-        if self.scale_dtype is not None:
-            scales = torch.empty((out_rows, self.num_scales), dtype=self.scale_dtype, device=dev)
+        if scales is not None:
             copy_bytes(scales[:n].view(torch.uint8), raw[:, self.x_bytes : self.scale_end])
-        if self.topk:
-            k = self.topk
-            both = torch.empty((out_rows, 8 * k), dtype=torch.uint8, device=dev)
-            copy_bytes(both[:n], raw[:, self.scale_end : self.idx_end + 4 * k])
-            idx, w = both[:, : 4 * k].view(torch.int32), both[:, 4 * k :].view(torch.float32)
-        return x, scales, idx, w
+        if both is not None:
+            copy_bytes(both[:n], raw[:, self.scale_end : self.idx_end + 4 * self.topk])
+        return x, scales, *self.ids_and_weights(both)

@@ -175,21 +175,28 @@ class BufferPool:
                  if len(k) == 5 and k[:4] == (hidden, dtype, num_experts, topk) and k[4] >= want]
         return min(built, default=want)
 
-    def _dispatch_on(self, buf: Any, x: Tensor, ids: Tensor, weights: Tensor, layout: str) -> Any:
+    def _dispatch_on(self, buf: Any, x: Tensor, ids: Tensor, weights: Tensor, layout: str,
+                     into: tuple[int, tuple[Tensor, ...]] | None = None) -> Any:
+        """A sync-free dispatch on ``buf``; ``into`` (rows, parts): on the kernels' buffers the same launch
+        copies the received rows into the parts (``EpBuffer.launch_dispatch``'s ``deliver``)."""
         self._combined.clear()  # a dispatch orders every rank's earlier combines before later writes
+        if into is not None and hasattr(buf, "launch_dispatch"):
+            return buf.dispatch(x, ids, weights, layout=layout, sync=False, deliver=into)
         return buf.dispatch(x, ids, weights, layout=layout, sync=False)
 
-    def _rows_sent_on(self, buf: Any, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    def _rows_sent_on(self, buf: Any, x: Tensor, ids: Tensor, weights: Tensor,
+                      into: tuple[int, tuple[Tensor, ...]]) -> Tensor | None:
         """A rank-layout dispatch whose handle nobody keeps (a cached dispatch: its routing is the cached
-        handle's, checked before): the received rows, [capacity, W] of the buffer (valid until its next
-        dispatch). On the kernels one launch (``EpBuffer.launch_dispatch``): none of ``dispatch()``'s
-        argument checks, handle storage or result views, which only a kept handle needs."""
+        handle's, checked before). On the kernels one launch (``EpBuffer.launch_dispatch``: none of
+        ``dispatch()``'s argument checks, handle storage or result views, which only a kept handle needs)
+        that also copies the first ``into[0]`` received rows into the parts ``into[1]``: returns None. On
+        the host backends: the received rows, [capacity, W] of the buffer, for the caller to copy."""
         self._combined.clear()  # a dispatch orders every rank's earlier combines before later writes
         launch = getattr(buf, "launch_dispatch", None)  # the kernels' buffers (the host backends: dispatch)
         if launch is None:
             return buf.dispatch(x, ids, weights, layout="rank", sync=False).recv_x
-        launch(x, ids, weights, layout="rank")
-        return buf.recv_x
+        launch(x, ids, weights, layout="rank", deliver=into)
+        return None
 
     def _fence(self, key: tuple) -> None:
         """Before writing a buffer's expert outputs again without a dispatch in between (GPU kernels

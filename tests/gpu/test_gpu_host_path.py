@@ -7,6 +7,8 @@ and combine on a communication stream beside a GEMM.
 - ``combine`` and ``dispatch(sync=False)`` make no host sync (torch's sync debug mode raises on one), a
   synced ``dispatch`` makes one; the sync-free dispatch returns worst-case views with the count on the
   device, eagerly and replayed in a CUDA graph, with the synced call's results.
+- a dispatch copies its received rows into the caller's tensors in its own launch when asked
+  (``deliver``), byte for byte, split into parts.
 - dispatch + combine on their own stream (``stream=``), with ``num_sms`` bounding their SMs, beside
   matrix products on the compute stream: results bit-identical to running alone, and the two together
   take less time than one after the other.
@@ -166,6 +168,31 @@ def test_sync_free_dispatch_eagerly_and_in_a_graph(runtime):
             assert int(g_res.recv_count) == n, f"replay {i}"
             assert torch.equal(g_res.recv_x[:n], rows) and torch.equal(g_out, want), f"replay {i}"
         del graph
+        buf.check_ran()
+
+
+@pytest.mark.parametrize("layout", ["expert", "rank"])
+def test_a_dispatch_delivers_its_rows_into_the_callers_tensors_in_its_launch(runtime, layout):
+    """``launch_dispatch(..., deliver=(rows, parts))``: the same launch copies each received row's bytes into
+    the parts in order (a 400-byte part of 128-bit pieces, then 12 and 100 bytes of 4-byte words, the last
+    starting off a 16-byte boundary), exactly the buffer's rows; rows past ``rows`` and a dispatch without
+    ``deliver`` leave the parts as they were."""
+    cfg, rank, (x, idx, w) = _setup(runtime, seed=11)
+    idx = idx.to(torch.int32)
+    dev = runtime.device
+    with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
+        n = buf.dispatch(x, idx, w, layout=layout).num_recv
+        want = buf.recv_x[:n].clone().view(torch.int32)  # 128 words a row (256 bf16)
+        parts = tuple(torch.full((n + 2, cols), -7, dtype=torch.int32, device=dev) for cols in (100, 3, 25))
+        buf.poison()
+        buf.launch_dispatch(x, idx, w, layout=layout, deliver=(n, parts))
+        torch.cuda.synchronize()
+        assert torch.equal(torch.cat([p[:n] for p in parts], dim=1), want)
+        assert all(bool((p[n:] == -7).all()) for p in parts)  # nothing past the rows asked for
+        kept = [p.clone() for p in parts]
+        buf.launch_dispatch(x, idx, w, layout=layout)  # no delivery: the parts stay as they were
+        torch.cuda.synchronize()
+        assert all(torch.equal(p, k) for p, k in zip(parts, kept, strict=True))
         buf.check_ran()
 
 
