@@ -13,8 +13,8 @@ top-k ids and weights, each a tensor of its own, while the next dispatch overwri
 rows out of the buffer. Copied by torch, each part was an operation of its own, about 10 us of host time
 per call on an H200 host, and a kernel boundary more.
 
-A warp per (row, part), grid-stride; 128-bit pieces where the part's offset, width and tensor allow (the
-values), 4-byte words otherwise (scales, ids, weights: widths of 4 bytes a column).
+A warp per (row, part, 4 KiB of the part), grid-stride; 128-bit pieces where the part's offset, width and
+tensor allow (the values), 4-byte words otherwise (scales, ids, weights: widths of 4 bytes a column).
 """
 
 from __future__ import annotations
@@ -26,8 +26,13 @@ from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import EpParams
 from cute_ep.kernels.config import WARP
 from cute_ep.kernels.naming import profiler_name
-from cute_ep.kernels.rows import copy_bytes_warp, row_space
+from cute_ep.kernels.rows import ROW_COPY_UNROLL, copy_bytes_warp, row_space
 from cute_ep.kernels.signals import fault_free
+
+# Bytes a warp copies per unit of work: one unrolled round of the row copy (ROW_COPY_UNROLL 128-bit pieces a
+# lane). With a warp per whole row, 4096 rows of 7168 bf16 were 2.7 rows for each of 1536 warps (the last
+# round on two thirds of them): 30.5 us against torch's 27.9 for the same bytes (one H200).
+CHUNK_BYTES = ROW_COPY_UNROLL * WARP * 16
 
 
 class DeliverKernel(EpKernel):
@@ -59,8 +64,15 @@ class DeliverKernel(EpKernel):
             width = end - begin
             if width > 0:
                 parts = row_space(out, width)
-                for r in range(bid * WPC + tid // WARP, n, NCTA * WPC):
-                    copy_bytes_warp(self.dtype, received.row(r) + begin, parts.row(r), width, tid % WARP)
+                chunks = (width + CHUNK_BYTES - 1) // CHUNK_BYTES
+                for u in range(bid * WPC + tid // WARP, n * chunks, NCTA * WPC):
+                    r = u // chunks
+                    at = (u - r * chunks) * CHUNK_BYTES
+                    size = width - at
+                    if size > CHUNK_BYTES:
+                        size = CHUNK_BYTES
+                    copy_bytes_warp(self.dtype, received.row(r) + begin + at, parts.row(r) + at, size,
+                                    tid % WARP)
             begin = end
 
 

@@ -495,7 +495,8 @@ def test_row_format_widths() -> None:
     assert fp32.passthrough and fp32.elems == 128
 
 
-@pytest.mark.parametrize("hidden, scale_order", [(7168, "column-major"), (7168, "row-major"), (384, "row-major")])
+@pytest.mark.parametrize("hidden, scale_order",
+                         [(7168, "column-major"), (7168, "row-major"), (384, "row-major")])
 def test_fp8_rows_pack_and_unpack_to_their_bytes(hidden: int, scale_order: str, monkeypatch) -> None:
     """A row of FP8 values and their scales: the values' bytes, then the scales' (any strides), then zeros
     to 16 bytes (hidden 384: 3 scales, 4 bytes of padding), one torch.cat where no padding is due; unpack
