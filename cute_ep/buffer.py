@@ -61,7 +61,7 @@ from cute_ep.kernels.config import (
     EpConfig,
 )
 from cute_ep.kernels.variants import variant
-from cute_ep.launcher import current_stream_handle, delivery_scalars
+from cute_ep.launcher import assembly_scalars, current_stream_handle, delivery_scalars
 from cute_ep.low_latency_launches import LowLatencyLaunches
 from cute_ep.received_views import ReceivedViews
 from cute_ep.status import StatusBlock
@@ -249,7 +249,8 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
                         mode: str = "scatter", fp8: bool | int = False, algorithm: str | None = None,
                         layout: str = "expert", *,
                         own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                        deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None) -> DispatchHandle:
+                        deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None,
+                        assemble: tuple[torch.Tensor, torch.Tensor] | None = None) -> DispatchHandle:
         """Enqueue the layout, dispatch and fan-out kernels on the current stream (one launch of the
         module): no checks, no host sync, so the call can be captured in a CUDA graph.
 
@@ -267,10 +268,14 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
         of ``recv_x`` into them (kernels/deliver.py), part i taking the next ``parts[i].shape[1] *
         element_size`` bytes of each row (a multiple of 4; together at most a row), so they outlive the
         buffer's next dispatch. ``ValueError`` for parts that do not fit a row.
+        assemble: (values [T, V] contiguous, words [T, S] of 4-byte elements, any strides >= 0), on the
+        buffer's device: the same launch first writes each row of x (contiguous, the launch's to write) as
+        the row of values' bytes, then its S words, then zeros (kernels/assemble.py); e.g. FP8 rows and
+        their scales. ``ValueError`` for parts that do not fit a row.
         """
         t = x.shape[0]
         self._enqueue_dispatch(x, topk_idx, topk_weights, mode, fp8, algorithm, layout,
-                               own=own if t else None, deliver=deliver)
+                               own=own if t else None, deliver=deliver, assemble=assemble if t else None)
         slots, ids, weights = own if own is not None else (self.scatter[:t], topk_idx, topk_weights)
         handle = DispatchHandle(ids, weights, slots, t, mode, layout)
         self._note_launched_dispatch(handle)
@@ -298,19 +303,19 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
     def _enqueue_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                           mode: str, fp8: bool | int, algorithm: str | None, layout: str,
                           own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                          mirror_seq: int = 0, deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None
-                          ) -> None:
+                          mirror_seq: int = 0, deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None,
+                          assemble: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """One launch of the module: the layout (its own kernel, or folded into the dispatch's CTAs up to
         cfg.layout_in_dispatch tokens), the dispatch and the fan-out. The slots go to the buffer's
         ``scatter``, or with ``own`` = (slots, ids, weights), contiguous [T, K] int32 / int32 / fp32
         tensors, to the first, and the layout copies ``topk_idx`` / ``topk_weights`` into the others.
         ``mirror_seq`` (not 0): the dispatch's last CTA mirrors the status block into pinned host memory
-        (``StatusBlock.read_mirror``). ``deliver``: see ``launch_dispatch``."""
+        (``StatusBlock.read_mirror``). ``deliver``, ``assemble``: see ``launch_dispatch``."""
         by_rank = layout == "rank"
         # The rank layout's rows have one order: its slots always come from the layout kernel.
         kernel_mode = MODES["scatter" if by_rank else mode]
         self._launch(OP_DISPATCH, x.shape[0], x=x, idx=topk_idx, w=topk_weights, own=own,
-                     mirror_seq=mirror_seq, mode=kernel_mode, fp8=fp8, deliver=deliver,
+                     mirror_seq=mirror_seq, mode=kernel_mode, fp8=fp8, deliver=deliver, assemble=assemble,
                      algo=DISPATCH_ALGORITHMS[algorithm or self.algorithm],
                      # a reduced-combine buffer makes every expert-layout dispatch record the (token, rank)
                      # groups
@@ -449,14 +454,16 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
     def _launch(self, op: int, num_tokens: int, *, x=None, idx=None, w=None, out=None, scatter=None, y=None,
                 own=None, mirror_seq: int = 0, mode: int = 0, fp8: bool | int = False, algo: int = 0,
                 combine_algo: int = 0, layout: int = 0, y_rows: int = 0, y_slot=None, named=None,
-                phase: int = PHASE_ALL, deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None) -> None:
+                phase: int = PHASE_ALL, deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None,
+                assemble: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Enqueue one op of the module on the current stream (absent or empty per-call tensors are
         replaced by their stand-ins; ``scatter``: the slots to read, default the buffer's own; ``own``:
         (slots, ids, weights) a dispatch writes into for its handle, see ``_enqueue_dispatch``; ``y`` /
         ``y_rows`` / ``y_slot``: what combine stages into ``recv_y``, see ``_staging``; ``named``: more
         call tensors by buffer name; ``phase``: PHASE_* of the low-latency layout, whose receiving half
         completes the op its sending half counted); ``deliver``: (rows, parts) the dispatch copies its
-        received rows into, see ``launch_dispatch``."""
+        received rows into, ``assemble``: (values, words) it puts x's rows together from first, see
+        ``launch_dispatch``."""
         own_idx = own_w = None
         if own is not None:
             scatter, own_idx, own_w = own
@@ -472,9 +479,11 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
                 if addr % self._align[name]:
                     raise ValueError(f"{name} must be {self._align[name]}-byte aligned, got address "
                                      f"{addr:#x}")
-        delivered = {"deliver_rows": 0}
+        delivered = {"deliver_rows": 0, "assemble_rows": 0}
         if deliver is not None and deliver[0] > 0:
-            delivered = delivery_scalars(self.cfg, self.device, deliver, addrs)
+            delivered |= delivery_scalars(self.cfg, self.device, deliver, addrs)
+        if assemble is not None:
+            delivered |= assembly_scalars(self.cfg, self.device, num_tokens, assemble, addrs)
         self._launcher(current_stream_handle(self._device_index), addrs, op=op, mode=mode,
                        fp8=int(fp8), algo=algo, combine_algo=combine_algo, layout=layout,
                        num_tokens=num_tokens, own_routing=int(own is not None), mirror_seq=mirror_seq,

@@ -249,3 +249,31 @@ def delivery_scalars(cfg, device: torch.device, deliver: tuple[int, tuple[torch.
     for i in range(len(parts), 3):  # the absent parts: empty
         scalars[f"deliver_end{i}"] = end
     return scalars
+
+
+def assembly_scalars(cfg, device: torch.device, num_tokens: int, assemble: tuple[torch.Tensor, torch.Tensor],
+                     addrs: dict[str, int]) -> dict[str, int]:
+    """The launch scalars of a dispatch whose rows of x the same launch puts together first from
+    ``assemble`` = (values, words) (``EpBuffer.launch_dispatch``'s ``assemble``); their addresses go into
+    ``addrs``. ``ValueError`` for parts the kernel could not read as asked (kernels/assemble.py)."""
+    values, words = assemble
+    width = values.shape[1] * values.element_size() if values.dim() == 2 else -1
+    if (width < 0 or width % 4 or not values.is_contiguous() or values.shape[0] != num_tokens
+            or values.device != device or values.data_ptr() % 4):
+        raise ValueError(f"assemble's values must be a contiguous 2-D tensor of {num_tokens} rows (x's) "
+                         f"on {device}, its rows a multiple of 4 bytes; got shape {tuple(values.shape)}, "
+                         f"strides {values.stride()}, on {values.device}")
+    if (words.dim() != 2 or words.element_size() != 4 or words.shape[0] != num_tokens
+            or words.device != device or min(words.stride()) < 0 or words.data_ptr() % 4):
+        raise ValueError(f"assemble's words must be a 2-D tensor of 4-byte elements, {num_tokens} rows "
+                         f"(x's), on {device}, any strides >= 0; got {words.dtype} of shape "
+                         f"{tuple(words.shape)}, strides {words.stride()}, on {words.device}")
+    end = width + 4 * words.shape[1]
+    row_bytes = cfg.hidden * cfg.element_size
+    if end > row_bytes:
+        raise ValueError(f"assemble's values and words take {end} bytes of each row; a row of x has "
+                         f"{row_bytes}")
+    addrs["assemble0"], addrs["assemble1"] = values.data_ptr(), words.data_ptr()
+    t_stride, j_stride = words.stride()
+    return {"assemble_rows": num_tokens, "assemble_end0": width, "assemble_end1": end,
+            "assemble_stride_t": t_stride, "assemble_stride_j": j_stride}

@@ -181,6 +181,12 @@ BUFFERS: tuple[Buffer, ...] = (
            "layout (ll_count itself: none)"),
     Buffer("ll_stats", lambda s: (s.experts_per_rank,), "int32", CALL, ("dispatch",),
            "low-latency dispatch: statistics the counts are added to (ll_count itself: none)"),
+    Buffer("assemble0", lambda s: (s.num_tokens,), "int32", CALL, ("dispatch",),
+           "with assemble_rows: the caller's values, bytes [0, assemble_end0) of each row of x, put together "
+           "there before the dispatch reads x (rows assemble_end0 bytes apart)"),
+    Buffer("assemble1", lambda s: (s.num_tokens,), "int32", CALL, ("dispatch",),
+           "with assemble_rows: the words after them, (assemble_end1 - assemble_end0) / 4 a row, token t's "
+           "word j at t * assemble_stride_t + j * assemble_stride_j; zeros to the row's end"),
     Buffer("deliver0", lambda s: (s.capacity,), "int32", CALL, ("dispatch",),
            "with deliver_rows: the caller's tensor that bytes [0, deliver_end0) of each received row are "
            "copied into (its rows deliver_end0 bytes apart)"),
@@ -278,7 +284,8 @@ BY_NAME = {b.name: b for b in BUFFERS}
 # Run-time scalars every launch passes: the call's own, then sizes named as EpConfig's attributes.
 CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "layout", "rank", "num_tokens", "own_routing",
                 "mirror_seq", "y_rows", "y_gather", "phase", "deliver_rows", "deliver_end0", "deliver_end1",
-                "deliver_end2")
+                "deliver_end2", "assemble_rows", "assemble_end0", "assemble_end1", "assemble_stride_t",
+                "assemble_stride_j")
 SIZE_SCALARS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
                 "expert_capacity", "stage_rows", "num_sms", "timeout_ms", "layout_in_dispatch")
 SCALARS = CALL_SCALARS + SIZE_SCALARS

@@ -30,9 +30,12 @@ from cute_ep.kernels.rows import ROW_COPY_UNROLL, copy_bytes_warp, row_space
 from cute_ep.kernels.signals import fault_free
 
 # Bytes a warp copies per unit of work: one unrolled round of the row copy (ROW_COPY_UNROLL 128-bit pieces a
-# lane). With a warp per whole row, 4096 rows of 7168 bf16 were 2.7 rows for each of 1536 warps (the last
-# round on two thirds of them): 30.5 us against torch's 27.9 for the same bytes (one H200).
+# lane), so that the rows' last round does not leave most warps idle (4096 rows are 2.7 a warp of 1536).
 CHUNK_BYTES = ROW_COPY_UNROLL * WARP * 16
+# CTAs of 512 threads per SM of the op's budget for the local row copies around a dispatch (this kernel and
+# kernels/assemble.py; they replace torch copies, which took the whole GPU): with 4, 96 CTAs at a 24-SM
+# budget, 4096 rows of 7168 bf16 took 30.5 us against torch's 27.9 for the same bytes (one H200).
+ROW_COPY_CTAS_PER_SM = 8
 
 
 class DeliverKernel(EpKernel):
@@ -41,9 +44,7 @@ class DeliverKernel(EpKernel):
     threads = 512
 
     def grid_ctas(self, p: EpParams):
-        """Four CTAs per SM of the budget, as the staging kernel (kernels/stage_y.py), which copies rows the
-        same way and measured near torch's copy of the same rows so."""
-        return p.num_sms * 4
+        return p.num_sms * ROW_COPY_CTAS_PER_SM
 
     @cute.kernel
     def kernel(self, p: EpParams):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Int32
 
+from cute_ep.kernels.assemble import AssembleKernel
 from cute_ep.kernels.buffers import EpParams, Pointers, Scalars
 from cute_ep.kernels.combine import CombineKernel
 from cute_ep.kernels.config import OP_COMBINE, OP_DISPATCH, OP_LAYOUT
@@ -38,8 +39,9 @@ from cute_ep.kernels.variants import COMBINE_STEP, DISPATCH_STEP, LAYOUT_STEP
 
 class EpModule:
     """Host entry point: ``scalars.op`` selects the launch: OP_LAYOUT the layout alone, OP_DISPATCH the
-    layout and the dispatch (+ fan-out; then, when ``deliver_rows`` is not 0, the delivery of the received
-    rows into the caller's tensors), OP_COMBINE the combine (after the staging of the caller's y when
+    layout and the dispatch (+ fan-out; before them, when ``assemble_rows`` is not 0, the assembly of x's rows
+    from the caller's parts; after them, when ``deliver_rows`` is not 0, the delivery of the received rows
+    into the caller's tensors), OP_COMBINE the combine (after the staging of the caller's y when
     ``y_rows`` is not 0); ``scalars.layout`` and ``scalars.combine_algo`` the variant
     (kernels/variants.py) whose kernels run. Every kernel a variant names is an attribute here."""
 
@@ -56,12 +58,17 @@ class EpModule:
         self.partial_sum = PartialSumKernel(dtype)
         self.stage_y = StageYKernel(dtype)
         self.deliver = DeliverKernel(dtype)
+        self.assemble = AssembleKernel(dtype)
         self.low_latency_dispatch = LowLatencyDispatchKernel(dtype)
         self.low_latency_combine = LowLatencyCombineKernel(dtype)
 
     @cute.jit
     def __call__(self, scalars: Scalars, pointers: Pointers, stream):
         p = EpParams(*scalars, *pointers)
+        # A dispatch's rows put together from the caller's parts first (kernels/assemble.py), when it asks.
+        if p.op == OP_DISPATCH:
+            if p.assemble_rows != 0:
+                self.assemble(p, stream)
         # The layout: alone, or before a dispatch of more than layout_in_dispatch tokens (up to that the
         # dispatch kernel runs its steps).
         layout_kernel = Int32(0)

@@ -138,6 +138,18 @@ def copy_bytes_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, 
 
 
 @cute.jit
+def gather_words_warp(src: cute.Tensor, dst_addr: Int64, num_words: Int32, pad_words: Int32, lane: Int32):
+    """A warp copies the ``num_words`` 4-byte elements of ``src`` (one row of a tensor, any stride) to
+    consecutive words from ``dst_addr``, then zeroes ``pad_words`` words after them."""
+    dst = gmem_tensor(Int32, dst_addr, cute.make_layout(num_words + pad_words), 4)
+    for j in range(lane, num_words + pad_words, 32):
+        word = Int32(0)
+        if j < num_words:
+            word = src[j]
+        dst[j] = word
+
+
+@cute.jit
 def element(t: cute.Tensor, coord) -> cute.Tensor:
     """A one-element view of ``t`` at ``coord`` (NVSHMEM's single-value FFIs take a tensor)."""
     return cute.make_tensor(t.iterator + cute.crd2idx(coord, t.layout), cute.make_layout(1))

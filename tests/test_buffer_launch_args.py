@@ -62,9 +62,10 @@ def buf(monkeypatch) -> EpBuffer:
 
 
 def ll_stand_ins(buf) -> dict[str, int]:
-    """The low-latency dispatch's tensors and the delivery's parts: stand-ins in every other call."""
+    """The low-latency dispatch's tensors, the delivery's and the assembly's parts: stand-ins in every other
+    call."""
     names = ("ll_x", "ll_src_info", "ll_count", "ll_range", "ll_scales", "ll_stats", "deliver0", "deliver1",
-             "deliver2")
+             "deliver2", "assemble0", "assemble1")
     return {n: buf._empty[n].data_ptr() for n in names}
 
 
@@ -91,7 +92,8 @@ def test_a_sync_free_dispatch_hands_over_its_tensors_and_the_handles_storage(buf
     assert scalars == {"op": OP_DISPATCH, "mode": MODES["scatter"], "fp8": 0,
                        "algo": DISPATCH_ALGORITHMS["dedup"], "combine_algo": combine_algo,
                        "layout": LAYOUTS[layout], "num_tokens": 5, "own_routing": 1, "mirror_seq": 0,
-                       "y_rows": 0, "y_gather": 0, "phase": 0, "deliver_rows": 0}
+                       "y_rows": 0, "y_gather": 0, "phase": 0, "deliver_rows": 0,
+                       "assemble_rows": 0}
     # the handle owns its routing: the layout copies the ids and weights into storage of its own
     assert {h.scatter.data_ptr(), h.topk_idx.data_ptr(), h.topk_weights.data_ptr()}.isdisjoint(
         {idx.data_ptr(), w.data_ptr()})
@@ -289,4 +291,39 @@ def test_a_delivery_the_kernel_could_not_write_is_refused(buf, parts, message) -
     x, idx, w = inputs(4)
     with pytest.raises(ValueError, match=message):
         buf.launch_dispatch(x, idx, w, layout="rank", deliver=(4, parts()))
+    assert not buf._launcher.launches
+
+
+def test_an_assembling_dispatch_hands_over_its_values_words_and_their_strides(buf) -> None:
+    """``launch_dispatch(..., assemble=(values, words))``: both addresses, where the values end in a row and
+    the words end, the words' strides in words (column-major scales: 1 and the token count), the tokens;
+    the next launch assembles nothing."""
+    x, idx, w = inputs(5)
+    values = torch.empty(5, 24, dtype=torch.int32)  # 96 bytes of a 128-byte row
+    words = torch.empty(6, 5, dtype=torch.float32).T  # [5, 6], column-major: 24 bytes, 8 left to zero
+    buf.launch_dispatch(x, idx, w, layout="rank", assemble=(values, words))
+    buf.launch_dispatch(x, idx, w, layout="rank")
+    (_, ptrs, scalars), (_, _, plain) = buf._launcher.launches
+    assert ptrs["assemble0"] == values.data_ptr() and ptrs["assemble1"] == words.data_ptr()
+    assert {k: v for k, v in scalars.items() if k.startswith("assemble")} == {
+        "assemble_rows": 5, "assemble_end0": 96, "assemble_end1": 120, "assemble_stride_t": 1,
+        "assemble_stride_j": 5}
+    assert plain["assemble_rows"] == 0
+
+
+@pytest.mark.parametrize("parts, message", [
+    (lambda: (torch.empty(4, 4, dtype=torch.int32), torch.empty(4, 1)), "values must be .* of 5 rows"),
+    (lambda: (torch.empty(5, 3, dtype=torch.uint8), torch.empty(5, 1)), "a multiple of 4 bytes"),
+    (lambda: (torch.empty(5, 8, dtype=torch.int32)[:, :4], torch.empty(5, 1)),
+     "values must be a contiguous"),
+    (lambda: (torch.empty(5, 4, dtype=torch.int32), torch.empty(5, 1, dtype=torch.float64)),
+     "4-byte elements"),
+    (lambda: (torch.empty(5, 4, dtype=torch.int32), torch.empty(6, 1)), "words must be .* 5 rows"),
+    (lambda: (torch.empty(5, 4, dtype=torch.int32), torch.empty(5, 1, device="meta")), "on meta"),
+    (lambda: (torch.empty(5, 30, dtype=torch.int32), torch.empty(5, 3)), "take 132 bytes of each row"),
+])
+def test_an_assembly_the_kernel_could_not_read_is_refused(buf, parts, message) -> None:
+    x, idx, w = inputs(5)
+    with pytest.raises(ValueError, match=message):
+        buf.launch_dispatch(x, idx, w, layout="rank", assemble=parts())
     assert not buf._launcher.launches

@@ -11,7 +11,7 @@ import gc
 import pytest
 import torch
 
-from cute_ep.deep_ep import Buffer, Config, normal_mode
+from cute_ep.deep_ep import Buffer, Config, normal, normal_mode
 
 
 def _fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +110,9 @@ def test_a_dead_handle_or_an_evicted_buffer_is_never_used(cached):
 def test_the_kernels_buffers_send_the_rows_in_one_launch_without_a_handle(cached):
     """On a buffer that launches (the kernels'), a cached dispatch's rows go out through ``launch_dispatch``
     (no handle kept, no checks: its routing is the cached handle's), which also copies them into the
-    caller's tensors (``deliver``); the combines noted before are forgotten, as every dispatch does."""
+    caller's tensors (``deliver``) and, for FP8 rows, puts them together from the values and scales
+    (``assemble``: no torch copy before it either); the combines noted before are forgotten, as every
+    dispatch does."""
     buf = cached[0]
     calls = []
 
@@ -118,13 +120,28 @@ def test_the_kernels_buffers_send_the_rows_in_one_launch_without_a_handle(cached
         def launch_dispatch(self, *args, **kwargs):
             calls.append((args, kwargs))
 
-    x, ids, w = torch.zeros(3, 2), torch.zeros(3, 1, dtype=torch.int32), torch.zeros(3, 1)
+    h = 256
+    ids, w = torch.zeros(3, 1, dtype=torch.int32), torch.zeros(3, 1)
     into = (3, (torch.empty(3, 2),))
+    plain = normal.RowFormat(torch.bfloat16, h)
+    x = torch.zeros(3, h, dtype=torch.bfloat16)
     buf._combined.add(("some", "buffer"))
-    got = buf._rows_sent_on(Launching(), x, ids, w, into)
+    got = buf._rows_sent_on(Launching(), plain, x, None, ids, w, into)
     assert got is None and not buf._combined
     (args, kwargs), = calls
-    assert args[0] is x and args[1] is ids and args[2] is w and kwargs == {"layout": "rank", "deliver": into}
+    assert args[0].data_ptr() == x.data_ptr() and args[1] is ids and args[2] is w
+    assert kwargs == {"layout": "rank", "deliver": into}
+    calls.clear()
+    fp8 = normal.RowFormat(torch.float8_e4m3fn, h, torch.float32, h // 128)
+    values, scales = _fp8(x.float().add(1).to(torch.bfloat16))
+    buf._rows_sent_on(Launching(), fp8, values, scales, ids, w, into)
+    (args, kwargs), = calls
+    assert args[0].shape == (3, fp8.elems) and args[0].dtype == torch.bfloat16  # written by the launch
+    assert kwargs["assemble"][0] is values and kwargs["assemble"][1] is scales and kwargs["deliver"] is into
+    calls.clear()
+    buf._rows_sent_on(Launching(), fp8, values, scales.double(), ids, w, into)  # converted: packed here
+    (args, kwargs), = calls
+    assert "assemble" not in kwargs and torch.equal(args[0], fp8.pack(values, scales, None, None))
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -140,7 +157,7 @@ def test_a_cached_dispatch_on_the_kernels_returns_the_tensors_it_had_them_delive
     sent = []
 
     class Launching:
-        def launch_dispatch(self, rows, ids, weights, layout, deliver):
+        def launch_dispatch(self, rows, ids, weights, layout, deliver, assemble=None):
             n, parts = deliver
             sent.append((n, parts))
             for part, got in zip(parts, want if fp8 else (want,), strict=True):  # what the kernel would copy

@@ -58,13 +58,13 @@ def compiled_ptx(request, sm90_module):
     return module.dtype, module.ptx
 
 
-def test_targets_sm90_with_thirteen_kernels(compiled_ptx):
+def test_targets_sm90_with_fourteen_kernels(compiled_ptx):
     _, ptx = compiled_ptx
     assert re.search(r"(?m)^\.target sm_90$", ptx)
     kinds = Counter(kind for kind, _ in _entries(ptx))
-    assert sorted(kinds) == ["Combine", "CombineLowLatency", "Deliver", "Dispatch", "DispatchLowLatency",
-                             "Fanout", "Layout", "PartialSum", "RankCombine", "RankDispatch", "RankLayout",
-                             "ReducePush", "StageY"]
+    assert sorted(kinds) == ["Assemble", "Combine", "CombineLowLatency", "Deliver", "Dispatch",
+                             "DispatchLowLatency", "Fanout", "Layout", "PartialSum", "RankCombine",
+                             "RankDispatch", "RankLayout", "ReducePush", "StageY"]
     # The DSL emits an entry point per launch site: the module launches each kernel from one site.
     assert kinds == {kind: 1 for kind in kinds}
 
@@ -171,6 +171,19 @@ def test_delivery_copies_pieces_where_aligned_and_words_elsewhere(compiled_ptx):
     assert ops["st.global.u32"] + ops["st.global.b32"] >= 1, ops
     assert ops["ld.global.u32"] + ops["ld.global.b32"] >= 1, ops
     assert "nvshmem" not in deliver
+
+
+def test_assembly_copies_the_values_as_pieces_and_gathers_the_words(compiled_ptx):
+    """The assembly kernel copies a row's values as 128-bit pieces (ROW_COPY_UNROLL in flight per lane) and
+    gathers the words after them one 4-byte load each (any stride), storing words and the padding's zeros;
+    no NVSHMEM call (it writes this rank's x)."""
+    _, ptx = compiled_ptx
+    assemble = _kernels(ptx)["Assemble"]
+    ops = _ops(assemble)
+    assert ops["st.global.v4.b32"] >= ROW_COPY_UNROLL and ops["ld.global.v4.b32"] >= ROW_COPY_UNROLL, ops
+    assert ops["ld.global.u32"] + ops["ld.global.b32"] >= 1, ops
+    assert ops["st.global.u32"] + ops["st.global.b32"] >= 1, ops
+    assert "nvshmem" not in assemble
 
 
 def test_layout_steps_use_warp_votes(compiled_ptx):

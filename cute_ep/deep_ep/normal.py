@@ -219,6 +219,16 @@ class RowFormat:
             rows[:, self.idx_end : self.idx_end + 4 * self.topk].view(torch.float32).copy_(topk_weights)
         return rows.view(_CARRIER)
 
+    def assembly(self, x: Tensor, scales: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """(values, words) the kernels' dispatch puts its rows of this format together from in its launch
+        (``EpBuffer.launch_dispatch``'s ``assemble``): FP8 values and their scales, as given (the scales any
+        strides); None where ``pack`` makes the rows (no scales, top-k ids, scales of another dtype, x not
+        contiguous or not 4-byte aligned, no rows)."""
+        if (self.scale_dtype is None or self.topk or scales.dtype != self.scale_dtype or not x.shape[0]
+                or not x.is_contiguous() or x.data_ptr() % 4):
+            return None
+        return x, scales
+
     def outputs(self, out_rows: int, device: torch.device) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """New tensors for ``out_rows`` received rows, one per part of the row: (x [out_rows, H] x_dtype,
         scales [out_rows, num_scales] or None, ids and weights [out_rows, 8K] uint8 or None)."""

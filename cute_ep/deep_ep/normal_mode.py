@@ -468,14 +468,14 @@ class _KnownDispatch:
 
 def _cached_rows(mode: NormalMode, buf: Any, fmt: normal.RowFormat, route: _NormalRoute, x: Tensor,
                  scales: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """A cached dispatch's work on ``buf``: x (and its scales) packed into rows of ``fmt``, sent by the
+    """A cached dispatch's work on ``buf``: x (and its scales) put into rows of ``fmt`` and sent by the
     handle's routing (its dispatch kept the per-rank ids and zero weights it was given, its own copy), and
-    the received rows split into new tensors (by the same launch on the kernels' buffers, else by torch):
-    (recv_x, recv_scales or None)."""
+    the received rows split into new tensors (both by the same launch on the kernels' buffers, else by
+    torch): (recv_x, recv_scales or None)."""
     sent = route.dispatch_handle
     rows = min(route.num_recv, mode.group_size * route.max_tokens)
     outputs = recv_x, recv_scales, _ = fmt.outputs(route.num_recv, x.device)
-    received = mode._rows_sent_on(buf, fmt.pack(x, scales, None, None), sent.topk_idx, sent.topk_weights,
+    received = mode._rows_sent_on(buf, fmt, x, scales, sent.topk_idx, sent.topk_weights,
                                   (rows, tuple(t for t in outputs if t is not None)))
     if received is not None:  # the host backends: copied here
         fmt.unpack(received[:rows], route.num_recv, outputs)

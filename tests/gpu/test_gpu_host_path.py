@@ -8,7 +8,8 @@ and combine on a communication stream beside a GEMM.
   synced ``dispatch`` makes one; the sync-free dispatch returns worst-case views with the count on the
   device, eagerly and replayed in a CUDA graph, with the synced call's results.
 - a dispatch copies its received rows into the caller's tensors in its own launch when asked
-  (``deliver``), byte for byte, split into parts.
+  (``deliver``), byte for byte, split into parts; and puts the rows it sends together from values and
+  strided words first (``assemble``).
 - dispatch + combine on their own stream (``stream=``), with ``num_sms`` bounding their SMs, beside
   matrix products on the compute stream: results bit-identical to running alone, and the two together
   take less time than one after the other.
@@ -193,6 +194,31 @@ def test_a_dispatch_delivers_its_rows_into_the_callers_tensors_in_its_launch(run
         buf.launch_dispatch(x, idx, w, layout=layout)  # no delivery: the parts stay as they were
         torch.cuda.synchronize()
         assert all(torch.equal(p, k) for p, k in zip(parts, kept, strict=True))
+        buf.check_ran()
+
+
+@pytest.mark.parametrize("layout", ["expert", "rank"])
+def test_a_dispatch_assembles_its_rows_from_values_and_strided_words_in_its_launch(runtime, layout):
+    """``launch_dispatch(..., assemble=(values, words))``: the same launch writes each row of x as the row of
+    values (400 bytes), its 25 words from a column-major tensor, then zeros (12 bytes), and sends those
+    rows: x and every received row byte for byte as a dispatch of the rows built by torch."""
+    cfg, rank, (x, idx, w) = _setup(runtime, seed=13)
+    idx = idx.to(torch.int32)
+    dev, t = runtime.device, x.shape[0]
+    g = torch.Generator().manual_seed(runtime.seed + 31 * rank)
+    values = torch.randint(-2**31, 2**31 - 1, (t, 100), generator=g, dtype=torch.int32).to(dev)
+    words = torch.randn(25, t, generator=g).to(dev).T  # [t, 25], column-major (DeepEP's FP8 scales)
+    want = torch.cat([values.view(torch.uint8), words.contiguous().view(torch.uint8),
+                      torch.zeros(t, 12, dtype=torch.uint8, device=dev)], dim=1)
+    with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
+        n = buf.dispatch(want.view(cfg.dtype), idx, w, layout=layout).num_recv
+        received = buf.recv_x[:n].clone()
+        rows = torch.full_like(x, float("nan"))  # every byte of it is the launch's to write
+        buf.poison()
+        buf.launch_dispatch(rows, idx, w, layout=layout, assemble=(values, words))
+        torch.cuda.synchronize()
+        assert torch.equal(rows.view(torch.uint8), want)
+        assert torch.equal(buf.recv_x[:n].view(torch.uint8), received.view(torch.uint8))
         buf.check_ran()
 
 
