@@ -10,8 +10,8 @@ end. Why: in torch the same row was an allocation and two copies per call (about
 H200 host), or one ``torch.cat`` whose strided input took 32 us of GPU time where the same bytes
 contiguous took 16 (4096 rows of 7168 FP8 values and 56 scales).
 
-A warp per (row, 4 KiB of its values) for the values, as the delivery kernel copies (kernels/deliver.py);
-then a warp per row gathers its words and zeroes the padding.
+A warp per (row, 4 KiB of its values) for the values (``rows.copy_rows_warps``, as the delivery kernel
+copies); then a warp per row gathers its words and zeroes the padding.
 """
 
 from __future__ import annotations
@@ -19,31 +19,20 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Int32
 
-from cute_ep.kernels.base import EpKernel
+from cute_ep.kernels.base import RowCopyKernel
 from cute_ep.kernels.buffers import EpParams
-from cute_ep.kernels.config import WARP
-from cute_ep.kernels.deliver import CHUNK_BYTES, ROW_COPY_CTAS_PER_SM
 from cute_ep.kernels.naming import profiler_name
-from cute_ep.kernels.rows import copy_bytes_warp, gather_words_warp, row_space
+from cute_ep.kernels.rows import copy_rows_warps, gather_words_warp, row_space
 from cute_ep.kernels.signals import fault_free
 
 
-class AssembleKernel(EpKernel):
+class AssembleKernel(RowCopyKernel):
     """The assembly kernel (see the module docstring); every size is a run-time argument."""
-
-    threads = 512
-
-    def grid_ctas(self, p: EpParams):
-        return p.num_sms * ROW_COPY_CTAS_PER_SM
 
     @cute.kernel
     def kernel(self, p: EpParams):
+        warp, num_warps, lane = self.warps()
         row_bytes = p.hidden * (self.dtype.width // 8)
-        WPC = self.threads // WARP
-        NCTA, _, _ = cute.arch.grid_dim()
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        gwarp, nwarps, lane = bid * WPC + tid // WARP, NCTA * WPC, tid % WARP
         rows = row_space(p.x, row_bytes)
         n = Int32(0)
         if fault_free(p.fault):
@@ -51,22 +40,14 @@ class AssembleKernel(EpKernel):
             if n > p.num_tokens:
                 n = p.num_tokens
         width = p.assemble_end0
-        values = row_space(p.assemble0, width)
-        chunks = (width + CHUNK_BYTES - 1) // CHUNK_BYTES
-        for u in range(gwarp, n * chunks, nwarps):
-            r = u // chunks
-            at = (u - r * chunks) * CHUNK_BYTES
-            size = width - at
-            if size > CHUNK_BYTES:
-                size = CHUNK_BYTES
-            copy_bytes_warp(self.dtype, values.row(r) + at, rows.row(r) + at, size, lane)
+        copy_rows_warps(self.dtype, row_space(p.assemble0, width), rows, n, width, warp, num_warps, lane)
         words = (p.assemble_end1 - width) // 4
         pad = (row_bytes - p.assemble_end1) // 4
         # the words as the caller laid them out: [tokens, words] with its strides
         given = cute.make_tensor(p.assemble1.iterator, cute.make_layout(
             (p.num_tokens, words), stride=(p.assemble_stride_t, p.assemble_stride_j)))
         if words + pad > 0:
-            for r in range(gwarp, n, nwarps):
+            for r in range(warp, n, num_warps):
                 gather_words_warp(given[r, None], rows.row(r) + width, words, pad, lane)
 
 

@@ -1,6 +1,7 @@
 """What the kernels share: ``EpKernel`` (every kernel: compile-time element type, block size, launch
-from the parameter bundle) and ``CombineFamily`` (the pull combine, kernels/combine.py, and both
-phases of the reduced combine, kernels/reduce_push.py and kernels/partial_sum.py).
+from the parameter bundle), ``RowCopyKernel`` (the local row copies around a dispatch) and
+``CombineFamily`` (the pull combine, kernels/combine.py, and both phases of the reduced combine,
+kernels/reduce_push.py and kernels/partial_sum.py).
 
 Each of them gives a warp one item at a time (a token, or a received group) in a persistent grid-stride
 loop, lists the rows to sum in a per-warp routing list in shared memory (row address and weight, in the
@@ -69,6 +70,30 @@ class EpKernel:
     def __call__(self, p: EpParams, stream):
         self.kernel(p).launch(grid=(self.grid_ctas(p), 1, 1), block=(self.threads, 1, 1), stream=stream,
                               **self.launch_hints())
+
+
+class RowCopyKernel(EpKernel):
+    """Base of the local row copies around a dispatch (kernels/assemble.py before it, kernels/deliver.py
+    after it): 512 threads, ``ctas_per_budget_sm`` CTAs per SM of the op's budget; ``warps`` gives a thread
+    its warp's place in the grid."""
+
+    threads = 512
+    # They replace torch copies, which took the whole GPU: with 4 CTAs per SM (96 at a 24-SM budget) the
+    # delivery of 4096 rows of 7168 bf16 took 30.5 us against torch's 27.9 for the same bytes, with 8 29.8
+    # against 27.6 (one H200).
+    ctas_per_budget_sm = 8
+
+    def grid_ctas(self, p: EpParams):
+        return p.num_sms * self.ctas_per_budget_sm
+
+    @cute.jit
+    def warps(self):
+        """(this warp's index in the grid, warps in the grid, lane)."""
+        WPC = self.threads // WARP
+        NCTA, _, _ = cute.arch.grid_dim()
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        return bid * WPC + tid // WARP, NCTA * WPC, tid % WARP
 
 
 class CombineFamily(EpKernel):

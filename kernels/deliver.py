@@ -22,38 +22,20 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Int32
 
-from cute_ep.kernels.base import EpKernel
+from cute_ep.kernels.base import RowCopyKernel
 from cute_ep.kernels.buffers import EpParams
-from cute_ep.kernels.config import WARP
 from cute_ep.kernels.naming import profiler_name
-from cute_ep.kernels.rows import ROW_COPY_UNROLL, copy_bytes_warp, row_space
+from cute_ep.kernels.rows import copy_rows_warps, row_space
 from cute_ep.kernels.signals import fault_free
 
-# Bytes a warp copies per unit of work: one unrolled round of the row copy (ROW_COPY_UNROLL 128-bit pieces a
-# lane), so that the rows' last round does not leave most warps idle (4096 rows are 2.7 a warp of 1536).
-CHUNK_BYTES = ROW_COPY_UNROLL * WARP * 16
-# CTAs of 512 threads per SM of the op's budget for the local row copies around a dispatch (this kernel and
-# kernels/assemble.py; they replace torch copies, which took the whole GPU): with 4, 96 CTAs at a 24-SM
-# budget, 4096 rows of 7168 bf16 took 30.5 us against torch's 27.9 for the same bytes (one H200).
-ROW_COPY_CTAS_PER_SM = 8
 
-
-class DeliverKernel(EpKernel):
+class DeliverKernel(RowCopyKernel):
     """The delivery kernel (see the module docstring); every size is a run-time argument."""
-
-    threads = 512
-
-    def grid_ctas(self, p: EpParams):
-        return p.num_sms * ROW_COPY_CTAS_PER_SM
 
     @cute.kernel
     def kernel(self, p: EpParams):
-        row_bytes = p.hidden * (self.dtype.width // 8)
-        WPC = self.threads // WARP
-        NCTA, _, _ = cute.arch.grid_dim()
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        received = row_space(p.recv_x, row_bytes)
+        warp, num_warps, lane = self.warps()
+        received = row_space(p.recv_x, p.hidden * (self.dtype.width // 8))
         n = Int32(0)
         if fault_free(p.fault):
             n = p.deliver_rows
@@ -64,16 +46,8 @@ class DeliverKernel(EpKernel):
                          (p.deliver2, p.deliver_end2)):
             width = end - begin
             if width > 0:
-                parts = row_space(out, width)
-                chunks = (width + CHUNK_BYTES - 1) // CHUNK_BYTES
-                for u in range(bid * WPC + tid // WARP, n * chunks, NCTA * WPC):
-                    r = u // chunks
-                    at = (u - r * chunks) * CHUNK_BYTES
-                    size = width - at
-                    if size > CHUNK_BYTES:
-                        size = CHUNK_BYTES
-                    copy_bytes_warp(self.dtype, received.row(r) + begin + at, parts.row(r) + at, size,
-                                    tid % WARP)
+                copy_rows_warps(self.dtype, received.from_byte(begin), row_space(out, width), n, width, warp,
+                                num_warps, lane)
             begin = end
 
 

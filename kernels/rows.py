@@ -137,6 +137,28 @@ def copy_bytes_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, 
             dst[i] = src[i]
 
 
+# Bytes a warp copies per unit of ``copy_rows_warps``: one unrolled round of the row copy (ROW_COPY_UNROLL
+# 128-bit pieces a lane), so that the rows' last round does not leave most warps idle (4096 rows are 2.7 a
+# warp of 1536).
+CHUNK_BYTES = ROW_COPY_UNROLL * 32 * 16
+
+
+@cute.jit
+def copy_rows_warps(dtype: cutlass.Constexpr, src: RowSpace, dst: RowSpace, num_rows: Int32, num_bytes: Int32,
+                    warp: Int32, num_warps: Int32, lane: Int32):
+    """Warp ``warp`` of ``num_warps`` (grid-stride) copies its share of bytes [0, ``num_bytes``) (a
+    multiple of 4) of rows [0, ``num_rows``) from ``src`` to ``dst`` (each with its own row stride), a warp
+    per ``CHUNK_BYTES`` of a row (``copy_bytes_warp``)."""
+    chunks = (num_bytes + CHUNK_BYTES - 1) // CHUNK_BYTES
+    for u in range(warp, num_rows * chunks, num_warps):
+        r = u // chunks
+        at = (u - r * chunks) * CHUNK_BYTES
+        size = num_bytes - at
+        if size > CHUNK_BYTES:
+            size = CHUNK_BYTES
+        copy_bytes_warp(dtype, src.row(r) + at, dst.row(r) + at, size, lane)
+
+
 @cute.jit
 def gather_words_warp(src: cute.Tensor, dst_addr: Int64, num_words: Int32, pad_words: Int32, lane: Int32):
     """A warp copies the ``num_words`` 4-byte elements of ``src`` (one row of a tensor, any stride) to

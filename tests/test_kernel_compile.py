@@ -160,30 +160,19 @@ def test_row_copies_are_128_bit(compiled_ptx):
         assert ops["ld.global.v4.b32"] >= unroll, (name, ops)
 
 
-def test_delivery_copies_pieces_where_aligned_and_words_elsewhere(compiled_ptx):
-    """The delivery kernel copies a part of each received row as 128-bit pieces (ROW_COPY_UNROLL in flight
-    per lane) and, for parts whose offset or width is not a multiple of 16 bytes (scales, ids), as 4-byte
-    words; it calls no NVSHMEM function (every row it reads is this rank's)."""
+@pytest.mark.parametrize("kernel", ["Deliver", "Assemble"])
+def test_local_row_copies_move_pieces_where_aligned_and_words_elsewhere(compiled_ptx, kernel):
+    """The delivery kernel (received rows into the caller's tensors) and the assembly kernel (the caller's
+    values and words into the rows a dispatch sends) copy rows as 128-bit pieces (ROW_COPY_UNROLL in flight
+    per lane) and, for parts whose offset or width is not a multiple of 16 bytes (scales, ids) or words at
+    any stride, as 4-byte words; neither calls NVSHMEM (every row they touch is this rank's)."""
     _, ptx = compiled_ptx
-    deliver = _kernels(ptx)["Deliver"]
-    ops = _ops(deliver)
-    assert ops["st.global.v4.b32"] >= ROW_COPY_UNROLL and ops["ld.global.v4.b32"] >= ROW_COPY_UNROLL, ops
-    assert ops["st.global.u32"] + ops["st.global.b32"] >= 1, ops
-    assert ops["ld.global.u32"] + ops["ld.global.b32"] >= 1, ops
-    assert "nvshmem" not in deliver
-
-
-def test_assembly_copies_the_values_as_pieces_and_gathers_the_words(compiled_ptx):
-    """The assembly kernel copies a row's values as 128-bit pieces (ROW_COPY_UNROLL in flight per lane) and
-    gathers the words after them one 4-byte load each (any stride), storing words and the padding's zeros;
-    no NVSHMEM call (it writes this rank's x)."""
-    _, ptx = compiled_ptx
-    assemble = _kernels(ptx)["Assemble"]
-    ops = _ops(assemble)
+    text = _kernels(ptx)[kernel]
+    ops = _ops(text)
     assert ops["st.global.v4.b32"] >= ROW_COPY_UNROLL and ops["ld.global.v4.b32"] >= ROW_COPY_UNROLL, ops
     assert ops["ld.global.u32"] + ops["ld.global.b32"] >= 1, ops
     assert ops["st.global.u32"] + ops["st.global.b32"] >= 1, ops
-    assert "nvshmem" not in assemble
+    assert "nvshmem" not in text
 
 
 def test_layout_steps_use_warp_votes(compiled_ptx):
