@@ -156,7 +156,7 @@ class FreshDispatch:
         rows = min(num_out, world * max_tokens)
         outputs = a.fmt.outputs(num_out, dev)
         delivered = hasattr(buf, "launch_dispatch")  # the kernels copy the rows into outputs, in the launch
-        into = (rows, tuple(t for t in outputs if t is not None)) if delivered else None
+        into = a.fmt.delivery(rows, outputs) if delivered else None
         res = self._dispatch_on(buf, payload, ids, zero_w, "rank", into)
         if delivered:
             recv_x, recv_scales, gidx, gw = outputs[0], outputs[1], *a.fmt.ids_and_weights(outputs[2])

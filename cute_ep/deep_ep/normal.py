@@ -240,6 +240,13 @@ class RowFormat:
             both = torch.empty((out_rows, 8 * self.topk), dtype=torch.uint8, device=device)
         return x, scales, both
 
+    @staticmethod
+    def delivery(rows: int, outputs: tuple[Tensor, Tensor | None, Tensor | None]
+                 ) -> tuple[int, tuple[Tensor, ...]]:
+        """``EpBuffer.launch_dispatch``'s ``deliver`` for ``outputs``: the first ``rows`` received rows into
+        the tensors there are, in row order."""
+        return rows, tuple(t for t in outputs if t is not None)
+
     def ids_and_weights(self, both: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
         """The global ids [N, K] int32 and weights [N, K] fp32 in ``outputs``' third tensor (views)."""
         if both is None:

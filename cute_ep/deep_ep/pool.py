@@ -177,10 +177,10 @@ class BufferPool:
 
     def _dispatch_on(self, buf: Any, x: Tensor, ids: Tensor, weights: Tensor, layout: str,
                      into: tuple[int, tuple[Tensor, ...]] | None = None) -> Any:
-        """A sync-free dispatch on ``buf``; ``into`` (rows, parts): on the kernels' buffers the same launch
+        """A sync-free dispatch on ``buf``; ``into`` (rows, parts), the kernels' buffers only: the same launch
         copies the received rows into the parts (``EpBuffer.launch_dispatch``'s ``deliver``)."""
         self._combined.clear()  # a dispatch orders every rank's earlier combines before later writes
-        if into is not None and hasattr(buf, "launch_dispatch"):
+        if into is not None:
             return buf.dispatch(x, ids, weights, layout=layout, sync=False, deliver=into)
         return buf.dispatch(x, ids, weights, layout=layout, sync=False)
 
