@@ -2,8 +2,7 @@
 
     buf = EpBuffer(runtime, cfg)                    # collective: every rank, same cfg
     res = buf.dispatch(x, topk_idx, topk_weights)   # rows land in res.recv_x, expert-major
-    y = buf.expert_output(res.num_recv)             # write the experts' outputs here (or pass any
-    ...                                             # [num_recv, H] tensor to combine: it is copied)
+    y = buf.expert_output(res.num_recv)             # the experts' outputs go here (or in any [N, H] tensor)
     out = buf.combine(y, res.handle)                # [T, H], top-k weighted sum
     buf.close()
 
@@ -318,8 +317,8 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
                      mirror_seq=mirror_seq, mode=kernel_mode, fp8=fp8, deliver=deliver, assemble=assemble,
                      algo=DISPATCH_ALGORITHMS[algorithm or self.algorithm],
                      # a reduced-combine buffer makes every expert-layout dispatch record the (token, rank)
-                     # groups
-                     **variant(layout, self.cfg.combine_algorithm).scalars)
+                     # groups; the rank layout's dispatch is one for both of its combines
+                     **variant(layout, None if by_rank else self.cfg.combine_algorithm).scalars)
 
     def launch_combine(self, handle: DispatchHandle, out: torch.Tensor, algorithm: str | None = None, *,
                        y: torch.Tensor | None = None, y_slot: torch.Tensor | None = None) -> None:
@@ -329,7 +328,7 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
         Reads the symmetric ``recv_y`` (see ``expert_output``); out [handle.num_tokens, H] cfg.dtype,
         contiguous, on the buffer's device (``ValueError`` otherwise: the kernels write every row).
         algorithm: "pull" or "reduced" (default: ``cfg.combine_algorithm``); see ``combine``. A rank-layout
-        handle's combine has one algorithm (``algorithm`` is ignored).
+        handle's combine has one result: it pushes where ``pushes(handle)`` unless ``algorithm`` is "pull".
         y: the caller's expert outputs, staged into ``recv_y`` by the same launch first, as ``combine``
         stages them (for this buffer's latest dispatch only the rows it received). y_slot [C'] int64,
         contiguous, with y: row j of ``recv_y`` is staged from ``y[y_slot[j]]`` (a gather; y any [N, H]
@@ -351,9 +350,19 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
         if scatter.dtype != torch.int32 or not scatter.is_contiguous() or scatter.device != self.device:
             self.scatter[:t].copy_(scatter.reshape(t, self.cfg.topk))
             scatter = self.scatter
+        if handle.layout == "rank" and algorithm != "pull":  # one result: pushed where it can be
+            algorithm = "reduced" if self.pushes(handle) else "pull"
         self._launch(OP_COMBINE, t, idx=handle.topk_idx, w=handle.topk_weights, out=out, scatter=scatter,
                      y=y, y_rows=y_rows, y_slot=y_slot,
                      **variant(handle.layout, algorithm or self.cfg.combine_algorithm).scalars)
+
+    def pushes(self, handle: DispatchHandle) -> bool:
+        """Whether combine pushes ``handle``'s rows (kernels/rank_push.py, y read where it is) rather than
+        pulling them from ``recv_y`` (a y kept elsewhere copied there first), the same sums: a rank-layout
+        handle of the latest dispatch on a buffer built with ``combine_algorithm="reduced"``."""
+        sent = self._sent
+        return (handle.layout == "rank" and self.cfg.combine_algorithm == "reduced" and sent is not None
+                and handle.topk_idx is sent[0] and handle.topk_weights is sent[1])
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
         """The symmetric [num_recv, H] buffer combine reads; experts writing here save a copy."""
@@ -402,12 +411,11 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
 
     def _staging(self, y: torch.Tensor, handle: DispatchHandle, y_slot: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
-        """How combine gets y into ``recv_y``: (the tensor the module's staging kernel copies from, its
-        ``y_rows``, the ``y_slot`` it gathers by or None), or (None, 0, None) after a copy here. For the
-        latest dispatch's handle the kernel copies as many rows as that dispatch received (the device's
-        count, at most y's rows, or y_slot's): a sync-free dispatch's y covers the worst case, which is
-        mostly rows nobody received. Rows the kernel cannot read with 16-byte accesses (a strided or
-        misaligned y, or y_slot not contiguous int64) are copied here."""
+        """How combine reads y: (the tensor the module's staging kernel, or the push, reads, its ``y_rows``,
+        the ``y_slot`` it gathers by or None), or (None, 0, None) after a copy into ``recv_y`` here. For
+        the latest dispatch's handle the kernels take the rows it received (the device's count, at most
+        y's or y_slot's rows; a sync-free dispatch's y covers the worst case). A y the kernels cannot read
+        in 16-byte pieces (strided, misaligned, or y_slot not contiguous int64) is copied here."""
         rows = y.shape[0] if y_slot is None else y_slot.shape[0]
         if not rows:
             return None, 0, None
@@ -456,20 +464,16 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
                 combine_algo: int = 0, layout: int = 0, y_rows: int = 0, y_slot=None, named=None,
                 phase: int = PHASE_ALL, deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None,
                 assemble: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Enqueue one op of the module on the current stream (absent or empty per-call tensors are
-        replaced by their stand-ins; ``scatter``: the slots to read, default the buffer's own; ``own``:
-        (slots, ids, weights) a dispatch writes into for its handle, see ``_enqueue_dispatch``; ``y`` /
-        ``y_rows`` / ``y_slot``: what combine stages into ``recv_y``, see ``_staging``; ``named``: more
-        call tensors by buffer name; ``phase``: PHASE_* of the low-latency layout, whose receiving half
-        completes the op its sending half counted); ``deliver``: (rows, parts) the dispatch copies its
-        received rows into, ``assemble``: (values, words) it puts x's rows together from first, see
-        ``launch_dispatch``."""
+        """Enqueue one op of the module on the current stream (absent or empty per-call tensors: their
+        stand-ins). ``scatter``: the slots to read (default the buffer's); ``own``: see ``_enqueue_dispatch``;
+        ``y`` / ``y_rows`` / ``y_slot``: see ``_staging``; ``named``: more call tensors by buffer name;
+        ``phase``: PHASE_* of the low-latency layout (its receiving half completes the op its sending half
+        counted); ``deliver``, ``assemble``: see ``launch_dispatch``."""
         own_idx = own_w = None
         if own is not None:
             scatter, own_idx, own_w = own
-        # The stand-ins' addresses first (a dict copy), then the tensors given: most are absent in a call,
-        # and each tensor read costs host time (this loop: 1.6 us instead of 3.7 for a combine's tensors,
-        # 2-core CPU, 2026-11-28).
+        # The stand-ins' addresses, then the tensors given (most are absent; each read costs host time: this
+        # loop 1.6 us instead of 3.7 for a combine's tensors, 2-core CPU, 2026-11-28).
         addrs = dict(self._empty_addr)
         addrs["scatter"] = (self.scatter if scatter is None else scatter).data_ptr()
         for name, tensor in (("x", x), ("topk_idx", idx), ("topk_w", w), ("out", out), ("own_idx", own_idx),
@@ -488,8 +492,8 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
                        fp8=int(fp8), algo=algo, combine_algo=combine_algo, layout=layout,
                        num_tokens=num_tokens, own_routing=int(own is not None), mirror_seq=mirror_seq,
                        y_rows=y_rows, y_gather=int(y_slot is not None), phase=phase, **delivered)
-        if op != OP_COMBINE:  # a layout rewrites the count the staging of a later combine may read
-            self._latest_scatter = None
+        if op != OP_COMBINE:  # a layout rewrites the count a later combine's staging or push reads
+            self._latest_scatter = self._sent = None
         if phase != PHASE_RECEIVE and not torch.cuda.is_current_stream_capturing():  # replays: not counted
             for ran in (OP_LAYOUT, OP_DISPATCH) if op == OP_DISPATCH else (op,):  # OP_DISPATCH: both
                 self._calls[ran] += 1

@@ -1,7 +1,7 @@
 """What the kernels share: ``EpKernel`` (every kernel: compile-time element type, block size, launch
 from the parameter bundle), ``RowCopyKernel`` (the local row copies around a dispatch) and
-``CombineFamily`` (the pull combine, kernels/combine.py, and both phases of the reduced combine,
-kernels/reduce_push.py and kernels/partial_sum.py).
+``CombineFamily`` (the pull combine, kernels/combine.py, both phases of the reduced combine,
+kernels/reduce_push.py and kernels/partial_sum.py, and the rank layout's push, kernels/rank_push.py).
 
 Each of them gives a warp one item at a time (a token, or a received group) in a persistent grid-stride
 loop, lists the rows to sum in a per-warp routing list in shared memory (row address and weight, in the

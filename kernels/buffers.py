@@ -100,6 +100,11 @@ def _not_low_latency(c: Any) -> bool:
     return not c.low_latency
 
 
+def _partial_rows(c: Any) -> bool:
+    """Where a reduced combine runs: the expert layout's partial sums, or the rank layout's pushed rows."""
+    return runs("expert+reduced")(c) or runs("rank+reduced")(c)
+
+
 @dataclass(frozen=True)
 class Buffer:
     """One tensor of the protocol (see the module docstring).
@@ -163,7 +168,8 @@ BUFFERS: tuple[Buffer, ...] = (
            "the dispatch handle's copy of topk_w (written when own_routing is 1)"),
     Buffer("y", lambda s: (s.capacity, s.hidden), ROW, CALL, ("combine",),
            "the caller's expert outputs, in recv_x's row order: combine's staging kernel copies their "
-           "first rows into recv_y (y_rows says how many); with y_gather, any rows y_slot names"),
+           "first rows into recv_y (y_rows says how many; the rank layout's push reads them here); with "
+           "y_gather, any rows y_slot names"),
     Buffer("y_slot", lambda s: (s.capacity,), "int64", CALL, ("dispatch", "combine"),
            "with y_gather: the row of y that row r of recv_y is staged from (a gather); low-latency layout: "
            "at each filled padded slot the pair it holds, (source rank * M + token) * K + k"),
@@ -224,8 +230,8 @@ BUFFERS: tuple[Buffer, ...] = (
     Buffer("stage", lambda s: (s.stage_rows, s.hidden), ROW, SYMMETRIC, ("combine",),
            "staging rows for rows that cross nodes in combine (get_warp / put_warp)"),
     Buffer("partials", lambda s: (s.max_tokens * s.world_size, s.hidden), ROW, SYMMETRIC, ("combine",),
-           "reduced combine: row t * R + r is rank r's partial sum of token t",
-           needed=runs("expert+reduced")),
+           "reduced combine: row t * R + r is rank r's partial sum of token t (rank layout: rank r's row of "
+           "token t, pushed as it is)", needed=_partial_rows),
     Buffer("packed", lambda s: (s.max_tokens, s.fp8_row_bytes), "uint8", SYMMETRIC, ("dispatch",),
            "this rank's tokens as packed FP8 rows (the source of an FP8 dispatch's puts)",
            needed=_fp8_capable),

@@ -20,7 +20,9 @@ batches), so that all warps work; otherwise a part is the whole row.
 Rank layout (``RankCombineKernel``, kernels/rank_combine.py, the same kernel compiled apart so that
 the pull combine carries none of its code): the list holds one row per destination rank of the token (at its
 first pair for that rank), weight 1, in ascending rank: the caller's rows are already weighted and
-reduced, and the sum is the plain fp32 sum in rank order (``reference_combine_rank_layout``).
+reduced, and the sum is the plain fp32 sum in rank order (``reference_combine_rank_layout``). Compiled a
+third time (``RankSumKernel``) it sums the same rows from ``partials``, where the peers pushed them
+(kernels/rank_push.py), after waiting for their pushes instead of the start barrier.
 The last CTA to finish advances epochs[OP_COMBINE] (``CombineFamily.finish``).
 """
 
@@ -44,6 +46,7 @@ class CombineKernel(CombineFamily):
     """The pull combine kernel (see the module docstring); every size is a run-time argument."""
 
     by_rank = False  # compile-time: RankCombineKernel (kernels/rank_combine.py) sums the rank layout
+    pushed = False  # compile-time: RankSumKernel sums the rows peers pushed here (kernels/rank_push.py)
 
     @cute.kernel
     def kernel(self, p: EpParams):
@@ -63,17 +66,20 @@ class CombineKernel(CombineFamily):
         # timeout_ms; one that never arrives is recorded in ``fault`` and nothing is read). Combine's
         # signal row carries 2 * epoch - 1 at the start of call ``epoch`` (the reduced combine also
         # raises 2 * epoch when its partial rows are out).
-        signal_and_wait_peers(p, Int32(SIGNAL_COMBINE), epoch * 2 - 1, Int32(OP_COMBINE), epoch,
-                              Int32(bid == 0))  # CTA 0 signals, every CTA waits
+        if cutlass.const_expr(self.pushed):  # wait only: every peer's push raised 2 * epoch after its rows
+            signal_and_wait_peers(p, Int32(SIGNAL_COMBINE), epoch * 2, Int32(OP_COMBINE), epoch, Int32(0))
+        else:
+            signal_and_wait_peers(p, Int32(SIGNAL_COMBINE), epoch * 2 - 1, Int32(OP_COMBINE), epoch,
+                                  Int32(bid == 0))  # CTA 0 signals, every CTA waits
         work = Int32(0)
         if fault_free(p.fault):
             work = p.num_tokens
 
         recv_y_rows, stage_rows = row_space(recv_y, ROW_BYTES), row_space(p.stage, ROW_BYTES)
-        out_rows = row_space(p.out, ROW_BYTES)
+        out_rows, partial_rows = row_space(p.out, ROW_BYTES), row_space(p.partials, ROW_BYTES)
         my_node = p.rank // L
-        # Split rows across idle warps only when no row needs staging (one node).
-        parts, span = self.row_split(work, NV, NWARPS, Int32(R == L))
+        # Split rows across idle warps only when no row needs staging (one node; pushed rows are here).
+        parts, span = self.row_split(work, NV, NWARPS, Int32(R == L or self.pushed))
 
         for u in range(gwarp, work * parts, NWARPS):
             t, v_begin, v_end = self.part_of(u, parts, span, NV)
@@ -102,13 +108,10 @@ class CombineKernel(CombineFamily):
                 if valid != 0:
                     d = e // El
                     addr = Int64(0)
-                    if d // L != my_node:
-                        srow = gwarp * K + k
-                        nvshmem_cute.get_warp(elem_view(p.stage[srow, None]), elem_view(recv_y[slot, None]),
-                                              d)
-                        addr = stage_rows.row(srow)
+                    if cutlass.const_expr(self.pushed):
+                        addr = partial_rows.row(t * R + d)  # rank d's row of token t, pushed here
                     else:
-                        addr = recv_y_rows.on_peer(d).row(slot)
+                        addr = self.pulled_row(p, recv_y_rows, stage_rows, d, slot, gwarp * K + k, my_node)
                     if lane == 0:
                         my_addr[at] = addr
                         my_weight[at] = weight
@@ -119,6 +122,19 @@ class CombineKernel(CombineFamily):
             cute.arch.sync_warp()
 
         self.finish(p, Int32(DONE_COMBINE), epoch)
+
+    @cute.jit
+    def pulled_row(self, p: EpParams, recv_y_rows, stage_rows, d: Int32, slot: Int32, srow: Int32,
+                   my_node: Int32) -> Int64:
+        """The address of row ``slot`` of rank d's ``recv_y`` for the sum: its peer pointer on this node,
+        else staging row ``srow``, fetched whole with ``get_warp`` (every lane calls it)."""
+        addr = Int64(0)
+        if d // p.local_world_size != my_node:
+            nvshmem_cute.get_warp(elem_view(p.stage[srow, None]), elem_view(p.recv_y[slot, None]), d)
+            addr = stage_rows.row(srow)
+        else:
+            addr = recv_y_rows.on_peer(d).row(slot)
+        return addr
 
 
 profiler_name(CombineKernel.kernel, "combine")

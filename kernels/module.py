@@ -29,12 +29,13 @@ from cute_ep.kernels.layout import LayoutKernel
 from cute_ep.kernels.low_latency_combine import LowLatencyCombineKernel
 from cute_ep.kernels.low_latency_dispatch import LowLatencyDispatchKernel
 from cute_ep.kernels.partial_sum import PartialSumKernel
-from cute_ep.kernels.rank_combine import RankCombineKernel
+from cute_ep.kernels.rank_combine import RankCombineKernel, RankSumKernel
 from cute_ep.kernels.rank_dispatch import RankDispatchKernel
 from cute_ep.kernels.rank_layout import RankLayoutKernel
+from cute_ep.kernels.rank_push import RankPushKernel
 from cute_ep.kernels.reduce_push import ReducePushKernel
 from cute_ep.kernels.stage_y import StageYKernel
-from cute_ep.kernels.variants import COMBINE_STEP, DISPATCH_STEP, LAYOUT_STEP
+from cute_ep.kernels.variants import COMBINE_STEP, DISPATCH_STEP, LAYOUT_STEP, READS_Y
 
 
 class EpModule:
@@ -42,8 +43,9 @@ class EpModule:
     layout and the dispatch (+ fan-out; before them, when ``assemble_rows`` is not 0, the assembly of x's rows
     from the caller's parts; after them, when ``deliver_rows`` is not 0, the delivery of the received rows
     into the caller's tensors), OP_COMBINE the combine (after the staging of the caller's y when
-    ``y_rows`` is not 0); ``scalars.layout`` and ``scalars.combine_algo`` the variant
-    (kernels/variants.py) whose kernels run. Every kernel a variant names is an attribute here."""
+    ``y_rows`` is not 0 and the variant does not read y itself); ``scalars.layout`` and
+    ``scalars.combine_algo`` the variant (kernels/variants.py) whose kernels run. Every kernel a variant
+    names is an attribute here."""
 
     def __init__(self, dtype) -> None:
         self.dtype = dtype
@@ -54,6 +56,8 @@ class EpModule:
         self.fanout = FanoutKernel(dtype)
         self.combine = CombineKernel(dtype)
         self.rank_combine = RankCombineKernel(dtype)
+        self.rank_push = RankPushKernel(dtype)
+        self.rank_sum = RankSumKernel(dtype)
         self.reduce_push = ReducePushKernel(dtype)
         self.partial_sum = PartialSumKernel(dtype)
         self.stage_y = StageYKernel(dtype)
@@ -92,10 +96,16 @@ class EpModule:
                 self.deliver(p, stream)
         if p.op == OP_COMBINE:
             # The combines that read recv_y: the caller's y (when it is not recv_y) is staged there first,
-            # on the device, so a sync-free combine copies only the rows received (the low-latency combine
-            # reads the caller's y itself and passes y_rows 0).
+            # on the device, so a sync-free combine copies only the rows received (variants that read the
+            # caller's y themselves, READS_Y, do not).
             if p.y_rows != 0:
-                self.stage_y(p, stream)
+                staged = Int32(1)
+                for layout, combine in READS_Y:
+                    if p.layout == layout:
+                        if p.combine_algo == combine:
+                            staged = Int32(0)
+                if staged != 0:
+                    self.stage_y(p, stream)
             for (layout, combine), kernels in COMBINE_STEP:
                 if p.layout == layout:
                     if p.combine_algo == combine:

@@ -99,3 +99,19 @@ class RankCombineKernel(CombineKernel):
 
 
 profiler_name(RankCombineKernel.kernel, "rank_combine")
+
+
+class RankSumKernel(RankCombineKernel):
+    """Phase 2 of the rank layout's push combine (variant "rank+reduced"): the rank combine's sum over the
+    rows the token's destination ranks pushed into this rank's ``partials`` (kernels/rank_push.py), row
+    t * R + d from rank d, after every peer's push has raised ``SIGNAL_COMBINE`` to 2 * epoch; the list,
+    order and rounding of the pull, so the same result bit for bit."""
+
+    pushed = True
+
+    @cute.kernel
+    def kernel(self, p: EpParams):
+        self.pull(p)
+
+
+profiler_name(RankSumKernel.kernel, "rank_sum")

@@ -39,10 +39,9 @@ from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_PUSH, SIGNAL_COMBINE, EpParams
 from cute_ep.kernels.config import OP_COMBINE, REDUCED_GRID_FACTOR
 from cute_ep.kernels.naming import profiler_name
-from cute_ep.kernels.ptx import fence_sys
-from cute_ep.kernels.rows import element, row_space, row_view
+from cute_ep.kernels.rows import row_space, row_view
 from cute_ep.kernels.rowsum import weighted_sum_rows
-from cute_ep.kernels.signals import SIGNAL_SET, cta_arrives_last, fault_free, signal_and_wait_peers
+from cute_ep.kernels.signals import cta_arrives_last, fault_free, signal_and_wait_peers, signal_peers
 
 
 class ReducePushKernel(CombineFamily):
@@ -103,7 +102,8 @@ class ReducePushKernel(CombineFamily):
                     row = t * R + rank  # this rank's partial of token t
                     if owner // L == my_node:
                         weighted_sum_rows(dtype, my_addr, my_weight, cnt, v_begin, v_end, lane,
-                                          partial_rows.on_peer(owner).row(row), max_pieces=4)
+                                          partial_rows.on_peer(owner).row(row), max_pieces=4,
+                                          dst_is_local=False)
                     else:
                         weighted_sum_rows(dtype, my_addr, my_weight, cnt, v_begin, v_end, lane, stage_row,
                                           max_pieces=4)
@@ -114,12 +114,7 @@ class ReducePushKernel(CombineFamily):
                     cute.arch.sync_warp()  # the list is rewritten for the next group
 
         if cta_arrives_last(p, Int32(DONE_PUSH), last, tid) != 0:
-            if tid == 0:
-                if fault_free(p.fault):
-                    fence_sys()
-                    my_signal = element(p.signals, (SIGNAL_COMBINE, rank))
-                    for peer in range(R):
-                        nvshmem_cute.signal_op(my_signal, epoch * 2, SIGNAL_SET, peer)
+            signal_peers(p, Int32(SIGNAL_COMBINE), epoch * 2)  # every partial row of this rank is out
 
 
 profiler_name(ReducePushKernel.kernel, "reduce_push")

@@ -13,7 +13,8 @@ split depends on how many rows there are (``SHAPES``): 8 or more rows, 2 pieces 
 pieces of fewer rows (4 x 4, 8 x 2) — with 2 pieces per lane a sum of 2 rows (the rank layout's combine
 and the reduced combine's second phase on 2 ranks) had 4 loads in flight per lane and was latency-bound
 (rank combine 1100 us at 4096 tokens and 24 SMs on 2x H200, DeepEP's 419 us). The order of the sum of
-each element is unchanged (ascending i). A span's last round loads only each lane's pieces below its end.
+each element is unchanged (ascending i). A span's last round loads each lane's pieces below its end, and
+for the others a spare address of this GPU's.
 Loads bypass L1 (``.cg``): rows written by other GPUs, or
 rewritten staging rows, must not be served from a stale L1 line.
 """
@@ -61,22 +62,26 @@ def accumulate_group(
     first: Int32,
     offset: Int64,
     valid: Int32,
+    spare: Int64,
 ):
     """acc[q * V + i] += weight[j] * element i of row j's piece at offset + q * WARP * 16 bytes, for the
-    rows j in [first, first + group) ascending and q < ``pieces`` (those from ``valid`` on hold piece 0's
-    sums, not stored); every load is issued before the first multiply."""
+    rows j in [first, first + group) ascending and q < ``pieces`` (those from ``valid`` on load ``spare``
+    and are not stored); every load is issued before the first multiply."""
     V = VECTOR_BYTES // (dtype.width // 8)
     layout = cute.make_layout(V)
     load = cute.make_copy_atom(
         cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=128, load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL
     )
     frags = [cute.make_rmem_tensor(layout, dtype) for _ in range(group * pieces)]
-    # a piece past ``valid`` loads piece 0 again (no branch: registers written under a branch went to
-    # local memory) and its sum is not stored
-    at = [Int64(Int32(valid > q)) * (q * WARP * VECTOR_BYTES) for q in range(pieces)]
+    # A piece past ``valid`` loads another address (no branch: registers written under a branch went to
+    # local memory) and its sum is not stored: ``spare``, this GPU's memory, where the rows are a peer's
+    # (a second load of the row's own piece crossed NVLink again: 14% more reads for the 128-piece rest of
+    # an H 7168 bf16 row).
+    keep = [Int64(Int32(valid > q)) for q in range(pieces)]
     for j in cutlass.range_constexpr(group):
+        row = rows.row_addr[first + j] + offset
         for q in cutlass.range_constexpr(pieces):
-            src = rows.row_addr[first + j] + offset + at[q]
+            src = spare + keep[q] * (row + Int64(q * WARP * VECTOR_BYTES) - spare)
             cute.copy(load, gmem_tensor(dtype, src, layout, VECTOR_BYTES), frags[j * pieces + q])
     for j in cutlass.range_constexpr(group):
         wj = rows.weight[first + j]
@@ -112,10 +117,11 @@ def sum_pieces(
     offset: Int64,
     valid: Int32,
     dst_addr: Int64,
+    spare: Int64,
 ):
     """The first min(``pieces``, ``valid``) of ``pieces`` pieces (WARP pieces apart, from ``offset``) of the
     weighted sum of the n listed rows, stored to ``dst_addr`` at the same offsets; rows in groups of
-    ``max_group`` (then halves)."""
+    ``max_group`` (then halves); ``spare``: see ``accumulate_group``."""
     V = VECTOR_BYTES // (dtype.width // 8)
     acc = cute.make_rmem_tensor(cute.make_layout(V * pieces), Float32)
     acc.fill(0.0)
@@ -125,7 +131,7 @@ def sum_pieces(
         if cutlass.const_expr(size <= max_group):
             end = done + (rows.n - done) // size * size
             for c in range(done, end, size):
-                accumulate_group(dtype, size, pieces, acc, rows, c, offset, valid)
+                accumulate_group(dtype, size, pieces, acc, rows, c, offset, valid, spare)
             done = end
     for q in cutlass.range_constexpr(pieces):
         res = cute.make_rmem_tensor(cute.make_layout(V), dtype)
@@ -147,15 +153,22 @@ def sum_span(
     span: tuple[Int32, Int32],
     lane: Int32,
     dst_addr: Int64,
+    dst_is_local: cutlass.Constexpr,
 ):
     """Pieces span = [v_begin, v_end) of the sum, ``pieces`` per lane a round; in the last round a lane
-    takes only its pieces below v_end. Why not smaller rounds for the rest: each round waits a memory
-    latency, and a rest of rounds of one piece a lane took two for a part of 56 pieces, where one round of
-    two pieces a lane holds it."""
+    takes only its pieces below v_end, its others loading the spare address (this lane's piece of the
+    destination row when it is this GPU's, else of the first row). Why not smaller rounds for the rest:
+    each round waits a memory latency, and a rest of rounds of one piece a lane took two for a part of 56
+    pieces, where one round of two pieces a lane holds it; the rest in smaller rounds, code of their own,
+    held the rank combine longer (one rank of one H200, 4096 tokens: 183.3 against 174.7 us)."""
     v_begin, v_end = span
     for u in range(v_begin + lane, v_end, pieces * WARP):
         valid = (v_end - u + WARP - 1) // WARP  # this lane's pieces u, u + WARP, ... below v_end
-        sum_pieces(dtype, pieces, max_group, rows, Int64(u * VECTOR_BYTES), valid, dst_addr)
+        offset = Int64(u * VECTOR_BYTES)
+        spare = dst_addr + offset
+        if cutlass.const_expr(not dst_is_local):
+            spare = rows.row_addr[0] + offset
+        sum_pieces(dtype, pieces, max_group, rows, offset, valid, dst_addr, spare)
 
 
 @cute.jit
@@ -169,11 +182,12 @@ def weighted_sum_rows(
     lane: Int32,
     dst_addr: Int64,
     max_pieces: cutlass.Constexpr = 8,
+    dst_is_local: cutlass.Constexpr = True,
 ):
     """Pieces [v_begin, v_end) of dst = sum over i in [0, n) ascending of weight[i] * row_addr[i]'s row
     (fp32, then ``dtype``); ``row_addr``/``weight``: the warp's list (shared memory, written before a
-    ``sync_warp``). n == 0 writes zeros. ``dst_addr`` may be a peer's memory (peer pointer).
-    ``max_pieces``: see ``shapes_upto``."""
+    ``sync_warp``). n == 0 writes zeros. ``dst_addr`` may be a peer's memory (peer pointer): then
+    ``dst_is_local`` False (``sum_span``'s spare loads). ``max_pieces``: see ``shapes_upto``."""
     shapes = shapes_upto(max_pieces)
     taken = Int32(0)
     for shape in cutlass.range_constexpr(len(shapes)):
@@ -182,4 +196,4 @@ def weighted_sum_rows(
             if n >= min_rows:
                 taken = Int32(1)
                 sum_span(dtype, pieces, max_group, RowList(row_addr, weight, n), (v_begin, v_end), lane,
-                         dst_addr)
+                         dst_addr, dst_is_local)

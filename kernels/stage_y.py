@@ -1,7 +1,8 @@
 """Staging kernel: the caller's expert outputs ``y`` into the symmetric ``recv_y`` combine reads.
 
-Launched first in a combine whose ``y_rows`` is not 0 (the caller's y is not ``recv_y`` itself), on the
-same stream, so every row is in place before the combine kernel raises its start signal to the peers.
+Launched first in a combine whose ``y_rows`` is not 0 (the caller's y is not ``recv_y`` itself) and whose
+variant reads ``recv_y`` (kernels/variants.py, ``reads_y``), on the same stream, so every row is in place
+before the combine kernel raises its start signal to the peers.
 Rows [0, n) are copied, a warp per row (grid-stride): n = ``y_rows`` when positive; when negative the
 latest dispatch's ``num_recv``, at most ``-y_rows``. Row r comes from row r of y, or with ``y_gather``
 from row ``y_slot[r]`` (so the low-latency combine reads DeepEP's padded layout, only the rows

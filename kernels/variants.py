@@ -35,6 +35,8 @@ LAYOUT_LOW_LATENCY = 2
 # cute_ep.reference.reference_combine); "reduced" sums a token's rows on each expert rank first
 # (ascending k, rounded to the row dtype) and moves one partial row per (token, rank), summed on the
 # token's rank in the order of each rank's first kept k (cute_ep.reference.reference_combine_reduced).
+# In the rank layout, whose rows are one per (token, rank) already, "pull" reads them from each rank and
+# "reduced" pushes them to the token's rank; both sum them in ascending rank (the same result).
 COMBINE_PULL = 0
 COMBINE_REDUCED = 1
 COMBINE_ALGORITHMS = {"pull": COMBINE_PULL, "reduced": COMBINE_REDUCED}
@@ -51,6 +53,7 @@ class Variant:
     layout_kernels / dispatch_kernels / combine_kernels: ``EpModule`` attributes each step launches, in
               order, on one stream.
     runs:     configuration -> whether buffers built for it can run this variant.
+    reads_y:  its combine reads the caller's y itself (no staging into ``recv_y`` first).
     """
 
     name: str
@@ -60,6 +63,7 @@ class Variant:
     dispatch_kernels: tuple[str, ...]
     combine_kernels: tuple[str, ...]
     runs: Callable[[Any], bool]
+    reads_y: bool = False
 
     @property
     def scalars(self) -> dict[str, int]:
@@ -79,22 +83,27 @@ VARIANTS: tuple[Variant, ...] = (
     # One row per (source rank, token) with its local ids and weights beside it (no expert capacity).
     Variant("rank", LAYOUT_RANK, COMBINE_PULL, ("rank_layout",), ("rank_dispatch",), ("rank_combine",),
             runs=lambda c: c.capacity_factor == 0),
+    # The same rows; the combine pushes each row (the caller's y, read where it is) back into its token's
+    # rank's partial rows, which that rank sums in rank order: the rank combine's result by another way.
+    Variant("rank+reduced", LAYOUT_RANK, COMBINE_REDUCED, ("rank_layout",), ("rank_dispatch",),
+            ("rank_push", "rank_sum"), reads_y=True,
+            runs=lambda c: c.capacity_factor == 0 and c.combine_algorithm == "reduced"),
     # DeepEP's padded layout in one launch each way: the dispatch places it (kernels/low_latency_dispatch.py),
     # the combine pushes the caller's padded rows back and sums them (kernels/low_latency_combine.py).
     Variant("low-latency", LAYOUT_LOW_LATENCY, COMBINE_PULL, (), ("low_latency_dispatch",),
-            ("low_latency_combine",), runs=lambda c: c.low_latency),
+            ("low_latency_combine",), runs=lambda c: c.low_latency, reads_y=True),
 )
 BY_NAME = {v.name: v for v in VARIANTS}
 
 
 def variant(layout: str, combine: str | None = None) -> Variant:
     """The variant of receive layout ``layout`` ("expert" or "rank") with combine algorithm ``combine``
-    ("pull" or "reduced"; ignored by a layout with one combine, required otherwise)."""
+    ("pull" or "reduced"; the rank layout's pull when None)."""
     if layout == "low-latency":
         return BY_NAME[layout]
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
-    if layout in BY_NAME:
+    if layout == "rank" and combine in (None, "pull"):
         return BY_NAME[layout]
     if combine not in COMBINE_ALGORITHMS:
         raise ValueError(f"combine algorithm must be one of {sorted(COMBINE_ALGORITHMS)}, got {combine!r}")
@@ -119,3 +128,5 @@ def _steps(kernels_of: Callable[[Variant], tuple[str, ...]], key: Callable[[Vari
 LAYOUT_STEP = _steps(lambda v: v.layout_kernels, lambda v: v.layout)
 DISPATCH_STEP = _steps(lambda v: v.dispatch_kernels, lambda v: v.layout)
 COMBINE_STEP = _steps(lambda v: v.combine_kernels, lambda v: (v.layout, v.combine))
+# (layout, combine) of the variants whose combine reads the caller's y itself (no staging kernel first)
+READS_Y = tuple((v.layout, v.combine) for v in VARIANTS if v.reads_y)

@@ -72,7 +72,9 @@ and dispatch mode (--modes), with hidden H, top-k K, E experts (defaults: DeepSe
       its group lists, and the dispatch times include that), and per mode one more row "<mode>+reduced"
       times ``launch_combine(..., "reduced")`` on the latest dispatch's handle (the expert ranks' group
       lists belong to it); its moved bytes are rows_off partial rows (one per off-rank (token, rank)
-      group), its algorithmic bandwidth the pull formula's (pairs_off rows), as for NCCL.
+      group), its algorithmic bandwidth the pull formula's (pairs_off rows), as for NCCL. With the rank
+      layout a row "rank+reduced" times its combine pushed (``EpBuffer.pushes``: the latest dispatch's
+      handle) beside the row "rank", pulled (``launch_combine(..., "pull")``), both reading ``recv_y``.
 
     * Link rate (``dispatch_link_gbps``): the mean over ranks of rows_off x the row's bytes, over the
       slowest rank's median dispatch time (bytes that cross the link once per destination rank; no
@@ -447,11 +449,22 @@ def measure(
 
         def rank_combine(i: int) -> None:
             s = sets[i % n]
-            buf.launch_combine(handles[i % n], s.out)
+            buf.launch_combine(handles[i % n], s.out, "pull")
 
         rank_c = br.median(timer.run(rank_combine, args.warmup, args.iters))
         buf.check_ran()
         add_row("rank", "rank", checked, rank_d, nccl_d, 0, rank_c)
+        if "reduced" in args.combine_list:
+            # Pushed (EpBuffer.pushes): the latest dispatch's handle, every row read from recv_y as the
+            # pull reads it, so the two rows time the kernels alone.
+            last, latest = sets[-1], handles[-1]
+
+            def rank_push(i: int, last: bt.InputSet = last) -> None:
+                buf.launch_combine(latest, last.out)
+
+            push_c = br.median(timer.run(rank_push, args.warmup, args.iters))
+            buf.check_ran()
+            add_row("rank+reduced", "rank", checked, rank_d, nccl_d, 0, push_c)
     for mode in args.mode_list if "expert" in args.layout_list else ():
         checked = tokens <= args.validate_max_tokens
         if checked:

@@ -17,7 +17,7 @@ import torch
 import cute_ep.buffer as buffer_module
 from cute_ep.buffer import EpBuffer
 from cute_ep.kernels.buffers import BUFFERS, CALL, HOST, STATUS, buffers_of
-from cute_ep.kernels.config import DISPATCH_ALGORITHMS, MODES, OP_COMBINE, OP_DISPATCH, EpConfig
+from cute_ep.kernels.config import DISPATCH_ALGORITHMS, MODES, OP_COMBINE, OP_DISPATCH, OP_LAYOUT, EpConfig
 from cute_ep.kernels.variants import COMBINE_ALGORITHMS, LAYOUTS
 from cute_ep.status import StatusBlock
 
@@ -144,9 +144,38 @@ def test_combine_hands_over_the_handles_slots_and_a_new_output(buf, layout) -> N
                     "own_w": buf._empty["own_w"].data_ptr(), "y": buf._empty["y"].data_ptr(),
                     "y_slot": buf._empty["y_slot"].data_ptr(), **ll_stand_ins(buf)}
     assert scalars["y_rows"] == 0 and scalars["y_gather"] == 0  # y is recv_y itself: nothing to stage
-    want_algo = COMBINE_ALGORITHMS["reduced" if layout == "expert" else "pull"]
+    # the buffer's reduced combine; in the rank layout the pushed one (the latest dispatch's handle)
+    want_algo = COMBINE_ALGORITHMS["reduced"]
     assert scalars["op"] == OP_COMBINE and scalars["num_tokens"] == 4 and scalars["combine_algo"] == want_algo
     assert scalars["layout"] == LAYOUTS[layout] and buf._calls == [1, 1, 1]
+
+
+def test_a_rank_combine_pushes_only_the_latest_dispatchs_rows_and_pulls_the_rest(buf) -> None:
+    """The rank layout's one result, two ways (EpBuffer.pushes): the latest dispatch's handle pushes the
+    caller's y where it is (combine_algo "reduced", y handed over, nothing staged first on the host); an
+    earlier dispatch's handle, whose source tags the buffer no longer holds, pulls; "pull" forces the pull;
+    a layout-only launch (which rewrites the count) leaves no handle to push; an expert-layout handle never
+    pushes."""
+    x, idx, w = inputs(4)
+    first = buf.dispatch(x, idx, w, sync=False, layout="rank")
+    y = torch.randn(first.recv_x.shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    assert buf.pushes(first.handle)
+    out = torch.empty((4, 64), dtype=torch.bfloat16)
+    buf.launch_combine(first.handle, out, y=y)
+    _, ptrs, scalars = buf._launcher.launches[-1]
+    assert scalars["combine_algo"] == COMBINE_ALGORITHMS["reduced"] and scalars["layout"] == LAYOUTS["rank"]
+    assert ptrs["y"] == y.data_ptr() and scalars["y_rows"] == -y.shape[0]
+    buf.launch_combine(first.handle, out, "pull", y=y)
+    assert buf._launcher.launches[-1][2]["combine_algo"] == COMBINE_ALGORITHMS["pull"]
+    second = buf.dispatch(*inputs(3, seed=1), sync=False, layout="rank")
+    assert not buf.pushes(first.handle) and buf.pushes(second.handle)
+    buf.launch_combine(first.handle, out, y=y)
+    _, ptrs, scalars = buf._launcher.launches[-1]
+    assert scalars["combine_algo"] == COMBINE_ALGORITHMS["pull"] and scalars["y_rows"] == y.shape[0]
+    buf._launch(OP_LAYOUT, 3)  # a layout alone rewrites num_recv and the routing the push would read
+    assert not buf.pushes(second.handle)
+    expert = buf.dispatch(x, idx, w, sync=False)
+    assert not buf.pushes(expert.handle)
 
 
 @pytest.mark.parametrize("layout", ["expert", "rank"])

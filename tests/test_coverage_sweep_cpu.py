@@ -39,7 +39,7 @@ LAUNCH_WORLDS = (1, 2, 4, 8, 16)
 TAMPERED = {
     "row": ("k64-expert-pull-bf16-fp8-h256-e64", "row", 1, "dispatch", "field recv_x differs"),
     "fp8-scale": ("k9-expert-pull-bf16-fp8-h1152-e288", "scale", 0, "dispatch", "field recv_x differs"),
-    "rank-weight": ("k64-rank-bf16-fp8-h256-e64", "weight", 1, "rank dispatch",
+    "rank-weight": ("k64-rank-reduced-bf16-fp8-h256-e64", "weight", 1, "rank dispatch",
                     "field recv_topk_weights differs"),
     "tokens-per-expert": ("k16-expert-reduced-bf16-h1000-e128-hot_first-kernel", "tpe", 0, "layout",
                           "tokens_per_expert[0]"),
@@ -327,9 +327,9 @@ def test_an_invalid_case_is_refused_before_any_buffer():
     with pytest.raises(ValueError, match="not a valid case"):
         sweep.run_case(lambda cfg: made.append(cfg), bad, ctx, cfg=SimpleNamespace())
     assert made == []
-    rank_reduced = sweep.SweepCase(33, "rank", "reduced", torch.bfloat16, 256, 64, (8, 0, 8, 8))
+    rank_pull = sweep.SweepCase(33, "rank", "pull", torch.bfloat16, 256, 64, (8, 0, 8, 8))
     with pytest.raises(ValueError, match="combines of 'rank'"):
-        sweep.run_case(lambda cfg: made.append(cfg), rank_reduced, ctx, cfg=SimpleNamespace())
+        sweep.run_case(lambda cfg: made.append(cfg), rank_pull, ctx, cfg=SimpleNamespace())
 
 
 if __name__ == "__main__":

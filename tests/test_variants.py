@@ -10,6 +10,7 @@ import torch
 from cute_ep.kernels.buffers import BY_NAME as BUFFERS_BY_NAME
 from cute_ep.kernels.config import EpConfig
 from cute_ep.kernels.variants import (
+    BY_NAME,
     COMBINE_PULL,
     COMBINE_REDUCED,
     COMBINE_STEP,
@@ -18,6 +19,7 @@ from cute_ep.kernels.variants import (
     LAYOUT_LOW_LATENCY,
     LAYOUT_RANK,
     LAYOUT_STEP,
+    READS_Y,
     VARIANTS,
     Variant,
     variant,
@@ -43,11 +45,14 @@ def test_each_kernel_has_one_launch_site():
     # The module emits one launch per (step, key): a kernel named under two keys would get two entry points.
     steps = (LAYOUT_STEP, DISPATCH_STEP, COMBINE_STEP)
     sites = [name for step in steps for _, names in step for name in names]
-    assert len(sites) == len(set(sites)) == 11
+    assert len(sites) == len(set(sites)) == 13
     assert dict(COMBINE_STEP) == {(LAYOUT_EXPERT, COMBINE_PULL): ("combine",),
                                   (LAYOUT_EXPERT, COMBINE_REDUCED): ("reduce_push", "partial_sum"),
                                   (LAYOUT_RANK, COMBINE_PULL): ("rank_combine",),
+                                  (LAYOUT_RANK, COMBINE_REDUCED): ("rank_push", "rank_sum"),
                                   (LAYOUT_LOW_LATENCY, COMBINE_PULL): ("low_latency_combine",)}
+    # the combines that read the caller's y themselves (no staging kernel before them)
+    assert set(READS_Y) == {(LAYOUT_RANK, COMBINE_REDUCED), (LAYOUT_LOW_LATENCY, COMBINE_PULL)}
     assert dict(DISPATCH_STEP)[LAYOUT_EXPERT] == ("dispatch", "fanout")  # the fan-out right after
     # the low-latency layout: no layout step (its dispatch counts on the sender), one kernel each way
     assert dict(DISPATCH_STEP)[LAYOUT_LOW_LATENCY] == ("low_latency_dispatch",)
@@ -57,9 +62,11 @@ def test_each_kernel_has_one_launch_site():
 def test_the_host_scalars_select_the_declared_variant():
     assert variant("expert", "pull").scalars == {"layout": LAYOUT_EXPERT, "combine_algo": COMBINE_PULL}
     assert variant("expert", "reduced").scalars == {"layout": LAYOUT_EXPERT, "combine_algo": COMBINE_REDUCED}
-    # the rank layout has one combine: the buffer's combine algorithm does not change its launch
-    assert variant("rank", "reduced") is variant("rank", "pull") is variant("rank")
+    # the rank layout's one result, pulled (the default) or pushed (a reduced buffer's)
+    assert variant("rank", "pull") is variant("rank") is BY_NAME["rank"]
     assert variant("rank").scalars == {"layout": LAYOUT_RANK, "combine_algo": COMBINE_PULL}
+    assert variant("rank", "reduced").scalars == {"layout": LAYOUT_RANK, "combine_algo": COMBINE_REDUCED}
+    assert variant("rank", "reduced").combine_kernels == ("rank_push", "rank_sum")
     for v in VARIANTS:
         key = (v.layout, v.combine)
         assert key in dict(COMBINE_STEP) and dict(COMBINE_STEP)[key] == v.combine_kernels
@@ -92,6 +99,7 @@ def test_buffers_of_one_variant_follow_whether_the_config_runs_it(combine, capac
     assert "expert+pull" in runs
     assert ("expert+reduced" in runs) == (combine == "reduced")
     assert ("rank" in runs) == (capacity_factor == 0)
+    assert ("rank+reduced" in runs) == (capacity_factor == 0 and combine == "reduced")
     for name in ("recv_topk_idx", "recv_topk_w"):
         assert BUFFERS_BY_NAME[name].is_needed(cfg) == ("rank" in runs)
     for name in ("recv_group", "partials"):

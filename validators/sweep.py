@@ -25,7 +25,8 @@ and checks every call on receive buffers poisoned first:
   both on the same handle, the reduced one first, with its partial rows poisoned where it has them);
 - rank layout: every received field, the counts and the handle (``check_rank_dispatch``; FP8 rows as
   packed rows) and the rank combine of the caller's per-row outputs (``rank_caller_rows``,
-  ``check_rank_combine``);
+  ``check_rank_combine``): pulled from ``expert_output`` ("rank"), or on a buffer built for the reduced
+  combine pushed from a tensor of the caller's, the partial rows poisoned first ("reduced");
 - after every call, where the buffer has ``check_ran`` (the GPU buffer): every kernel completed.
 
 Every check is collective and its verdict is reduced over the ranks; the runner never raises between
@@ -87,8 +88,10 @@ ROUTINGS = (*INPUT_ROUTINGS, "hot_set", "hot_first")
 experts (each token in its own order; with K = 1 every token goes to one expert), and "hot_first", every
 token's first choice is the same expert, its other K - 1 drawn uniformly from the rest."""
 
-COMBINES = {"expert": ("pull", "reduced"), "rank": ("rank",)}
-"""The combines of each receive layout: the rank layout has one (its handle takes no algorithm)."""
+COMBINES = {"expert": ("pull", "reduced"), "rank": ("rank", "reduced")}
+"""The buffer's combine of each receive layout. The rank layout has one result (its handle takes no
+algorithm): "rank" pulls it, "reduced" (a buffer built for the reduced combine) pushes it from a y the
+caller keeps in a tensor of its own."""
 
 BF16, FP32 = torch.bfloat16, torch.float32
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -154,7 +157,7 @@ class SweepCase:
     def id(self) -> str:
         """e.g. ``k33-rank-bf16-fp8-h7168-e288`` or ``k64-expert-reduced-bf16-h384-e288-hot_first-kernel``."""
         parts = [f"k{self.topk}", self.layout]
-        if self.layout == "expert":
+        if self.layout == "expert" or self.combine != "rank":
             parts.append(self.combine)
         parts.append(_DTYPE_NAMES[self.dtype])
         if self.fp8:
@@ -207,20 +210,21 @@ CASES: tuple[SweepCase, ...] = (
     _case(1, "rank", "rank", BF16, 8, 64, (40, 0, 64, 9), "hot_set"),
     # 16-byte fp32 rows, 288 experts
     _case(2, "rank", "rank", FP32, 4, 288, (33, 64, 0, 5)),
-    # K = 8 (the last in registers), hidden 2880, decode-sized batch
-    _case(8, "rank", "rank", BF16, 2880, 64, (128, 0, 77, 100)),
+    # K = 8 (the last in registers), hidden 2880 (rows of 5760 bytes: pushed in a 4 KiB part and a rest),
+    # decode-sized batch; the combine pushed
+    _case(8, "rank", "reduced", BF16, 2880, 64, (128, 0, 77, 100)),
     # K = 9 with FP8 (9 scale blocks), 288 experts; the layout in a kernel of its own
     _case(9, "rank", "rank", BF16, 1152, 288, (48, 20, 0, 64), calls=(Call(S, fp8=True), Call(A)),
           fold=False),
     # every token of every rank on the same 16 experts
     _case(16, "rank", "rank", BF16, 256, 128, (64, 0, 31, 50), "hot_set"),
-    # K = 32 with dropped ids
-    _case(32, "rank", "rank", BF16, 512, 64, (36, 8, 0, 64), "dropped"),
+    # K = 32 with dropped ids; the combine pushed
+    _case(32, "rank", "reduced", BF16, 512, 64, (36, 8, 0, 64), "dropped"),
     # K = 33, DeepSeek-sized rows in FP8, 288 experts
     _case(33, "rank", "rank", BF16, 7168, 288, (32, 0, 24, 16), calls=(Call(S, fp8=True), Call(A)),
           coverage=True),
-    # K = E = 64: every token to every rank; FP8 on the second call
-    _case(64, "rank", "rank", BF16, 256, 64, (20, 44, 0, 7), calls=(Call(S), Call(A, fp8=True)),
+    # K = E = 64: every token to every rank; FP8 on the second call; the combine pushed
+    _case(64, "rank", "reduced", BF16, 256, 64, (20, 44, 0, 7), calls=(Call(S), Call(A, fp8=True)),
           coverage=True),
     # K = 64 of 288, fp32 rows in FP8, every token's first choice on one expert
     _case(64, "rank", "rank", FP32, 128, 288, (28, 0, 40, 13), "hot_first",
@@ -254,8 +258,9 @@ def case_config(case: SweepCase, world_size: int, local_world_size: int, num_sms
 
 def combines_of(case: SweepCase) -> tuple[str, ...]:
     """The combines each call of ``case`` runs, in order: a reduced buffer runs "reduced", then "pull"
-    on the same handle; a pull buffer "pull"; the rank layout its own combine ("rank")."""
-    return ("reduced", "pull") if case.combine == "reduced" else (case.combine,)
+    on the same handle; a pull buffer "pull"; the rank layout its one combine ("rank" pulled, "reduced"
+    pushed)."""
+    return ("reduced", "pull") if case.combine == "reduced" and case.layout == "expert" else (case.combine,)
 
 
 def tokens_of(case: SweepCase, rank: int, world_size: int, call: int) -> int:
@@ -477,7 +482,10 @@ def _rank_call(buf: Any, case: SweepCase, call: Call, x: Tensor, idx: Tensor, w:
     state.verdict("rank dispatch", disp)
 
     n = int(res.num_recv)
-    y = buf.expert_output(n)
+    # a pushing combine reads y where the caller keeps it: a tensor of its own; its partial rows poisoned
+    y = torch.empty_like(buf.expert_output(n)) if case.combine == "reduced" else buf.expert_output(n)
+    if case.combine == "reduced" and getattr(buf, "partials", None) is not None:
+        buf.partials.fill_(float("nan"))
 
     def caller_rows() -> Tensor:
         rows = _expert_rows(res, cfg, call.fp8, x.device)
