@@ -172,3 +172,73 @@ def test_a_cached_dispatch_on_the_kernels_returns_the_tensors_it_had_them_delive
     assert torch.equal(out[0].view(torch.uint8), (want[0] if fp8 else want).view(torch.uint8))
     if fp8:
         assert out[1].shape == (route.num_recv, x.shape[1] // 128) and out[1].is_contiguous()
+
+
+def test_a_combine_the_kernels_push_reads_x_where_it_is(cached, monkeypatch):
+    """On a buffer that pushes the handle's rows (``EpBuffer.pushes``: its latest dispatch's, a buffer built
+    for the reduced combine), combine hands x itself to the launch (no copy into the buffer's expert
+    outputs, no fence before it, no check that reads the count back); elsewhere x is copied in first."""
+    buf, handle, x, _ = cached
+    recv_x = buf.dispatch(x, handle=handle)[0]
+    want = buf.combine(recv_x, handle)[0]  # the reference backend's
+    launched, fences = [], []
+
+    class Pushing:
+        def __init__(self, pushes: bool) -> None:
+            self.push = pushes
+
+        def pushes(self, sent):
+            return self.push and sent is handle.cute_ep.dispatch_handle
+
+        def launch_combine(self, sent, out, y):
+            launched.append((sent, out, y))
+            out.copy_(want)
+
+        def expert_output(self, rows):
+            raise AssertionError("a pushing combine copies nothing into the expert outputs")
+
+    monkeypatch.setattr(buf, "_buffer", lambda *args, **kwargs: (("pushing",), Pushing(True)))
+    monkeypatch.setattr(buf, "_fence", lambda key: fences.append(key))
+    out = buf.combine(recv_x, handle)[0]
+    ((sent, given, y),) = launched
+    assert sent is handle.cute_ep.dispatch_handle and given is out and torch.equal(out, want)
+    assert y.data_ptr() == recv_x.data_ptr() and y.shape == recv_x.shape and fences == []
+
+    class Pulling(Pushing):
+        def expert_output(self, rows):
+            self.y = torch.zeros(rows, x.shape[1], dtype=x.dtype)
+            return self.y
+
+        def combine(self, y, sent):
+            assert y is self.y and torch.equal(y[: recv_x.shape[0]], recv_x)  # copied in first
+            return want
+
+    pulling = Pulling(False)
+    monkeypatch.setattr(buf, "_buffer", lambda *args, **kwargs: (("pulling",), pulling))
+    buf._combined.add(("pulling",))
+    assert torch.equal(buf.combine(recv_x, handle)[0], want) and fences == [("pulling",)]
+
+
+def test_the_normal_modes_combine_is_chosen_by_its_variable(monkeypatch):
+    """``CUTE_EP_DEEP_EP_COMBINE``: unset or "pull" builds pull buffers, "push" buffers that hold the rows a
+    combine pushes (``EpConfig.combine_algorithm`` "reduced", which the size hint counts too; the
+    low-latency mode's are not the normal mode's); anything else is refused naming the variable, the value
+    and the choices."""
+    from cute_ep.deep_ep.pool import COMBINE_ENV_VAR, normal_combine_algorithm
+
+    def hints() -> tuple[int, int]:
+        return (Buffer.get_symmetric_bytes_hint(256, 7168, 2),
+                Buffer.get_symmetric_bytes_hint(128, 7168, 2, num_topk=8, num_experts=288, low_latency=True))
+
+    monkeypatch.delenv(COMBINE_ENV_VAR, raising=False)
+    assert normal_combine_algorithm() == "pull"
+    normal, low_latency = hints()
+    monkeypatch.setenv(COMBINE_ENV_VAR, "push")
+    assert normal_combine_algorithm() == "reduced"
+    # the partial rows (M * R rows of H bf16) and the reduced combine's group lists ([C, K] int32, C = M * R)
+    assert hints() == (normal + 256 * 2 * 7168 * 2 + 256 * 2 * 2 * 4, low_latency)
+    monkeypatch.setenv(COMBINE_ENV_VAR, "pull")
+    assert normal_combine_algorithm() == "pull" and hints() == (normal, low_latency)
+    monkeypatch.setenv(COMBINE_ENV_VAR, "reduced")
+    with pytest.raises(ValueError, match=r"COMBINE must be one of \['pull', 'push'\], got 'reduced'"):
+        normal_combine_algorithm()

@@ -277,12 +277,21 @@ class NormalMode(FreshDispatch):
         with _Scope(self, previous_event, async_finish) as scope:
             rows = min(x.shape[0], world * route.max_tokens)
             key, buf = self._buffer(x.shape[1], x.dtype, world, world, route.max_tokens, num_sms=sms)
-            self._fence(key)
-            # y covers the buffer's rank capacity (the rows a sync-free dispatch's views cover); combine
-            # reads only the first ``rows``.
-            y = buf.expert_output(world * route.max_tokens)
-            y[:rows].copy_(x[:rows])
-            out = buf.combine(y, route.dispatch_handle)
+            pushes = getattr(buf, "pushes", None)  # the kernels' buffers
+            if pushes is not None and pushes(route.dispatch_handle):
+                # x read where it is, each row pushed to its token's rank (EpBuffer.pushes): no copy, no
+                # fence (the kernels' start barrier orders the pushes after every peer's last sums), and
+                # no check of x's rows (made above) that would read the count back
+                sent = route.dispatch_handle
+                out = torch.empty((sent.num_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
+                buf.launch_combine(sent, out, y=x[:rows])
+            else:
+                self._fence(key)
+                # y covers the buffer's rank capacity (the rows a sync-free dispatch's views cover); combine
+                # reads only the first ``rows``.
+                y = buf.expert_output(world * route.max_tokens)
+                y[:rows].copy_(x[:rows])
+                out = buf.combine(y, route.dispatch_handle)
             self._combined.add(key)
             if bias_0 is not None or bias_1 is not None:
                 extra = sum(b.float() for b in (bias_0, bias_1) if b is not None)

@@ -18,11 +18,28 @@ from cute_ep.deep_ep.checks import agree
 from cute_ep.deep_ep.lifecycle import BUDGET_ENV_VAR
 from cute_ep.kernels.config import EpConfig
 
-__all__ = ["LOW_LATENCY_SMS_ENV_VAR", "MIN_BUCKET", "BufferPool", "low_latency_grid"]
+__all__ = ["COMBINE_ENV_VAR", "LOW_LATENCY_SMS_ENV_VAR", "MIN_BUCKET", "BufferPool", "low_latency_grid",
+           "normal_combine_algorithm"]
 
 LOW_LATENCY_SMS_ENV_VAR = "CUTE_EP_LOW_LATENCY_SMS"
 """Where set, the SMs of the low-latency mode's kernels as its buffers are built (else DeepEP's low-latency
 grid for the shape: ``low_latency_grid``)."""
+COMBINE_ENV_VAR = "CUTE_EP_DEEP_EP_COMBINE"
+"""The normal mode's combine on the kernels, as its buffers are built: "pull" (default: each token's rows
+read from the ranks that hold them, the caller's x copied into the buffer first) or "push" (each rank's
+rows of x stored into their token's rank and summed there, ``EpBuffer.pushes``; the buffers hold the
+partial rows too). The same result bit for bit."""
+COMBINES = {"pull": "pull", "push": "reduced"}  # the name -> EpConfig.combine_algorithm
+
+
+def normal_combine_algorithm() -> str:
+    """``EpConfig.combine_algorithm`` of the normal mode's buffers: ``COMBINE_ENV_VAR``'s (ValueError for
+    another value)."""
+    name = os.environ.get(COMBINE_ENV_VAR, "").strip() or "pull"
+    if name not in COMBINES:
+        raise ValueError(f"{COMBINE_ENV_VAR} must be one of {sorted(COMBINES)}, got {name!r}; unset it for "
+                         "the pull")
+    return COMBINES[name]
 
 
 def low_latency_grid(num_experts: int, sms: int) -> int:
@@ -64,7 +81,8 @@ class BufferPool:
         def cfg(width: int, dt: torch.dtype, experts: int, topk: int, tokens: int,
                 ll: bool = False) -> EpConfig:
             return EpConfig(world_size=num_ranks, local_world_size=num_ranks, num_experts=experts, topk=topk,
-                            hidden=width, dtype=dt, max_tokens=tokens, low_latency=ll)
+                            hidden=width, dtype=dt, max_tokens=tokens, low_latency=ll,
+                            combine_algorithm="pull" if ll else normal_combine_algorithm())
 
         if low_latency:  # one buffer: an FP8 dispatch quantizes into its packed rows (H % 128 == 0)
             return cfg(hidden, dtype, num_experts, num_topk, num_max_tokens_per_rank, True).symmetric_bytes()
@@ -120,7 +138,9 @@ class BufferPool:
                        num_experts=num_experts, topk=topk, hidden=hidden, dtype=dtype, max_tokens=max_tokens,
                        num_sms=(self._new_buffer_sms(low_latency, num_sms, num_experts)
                                 if self.backend == "cute" else 0),
-                       low_latency=low_latency and self.backend == "cute")
+                       low_latency=low_latency and self.backend == "cute",
+                       # normal mode: with "push", the partial rows a combine pushes into (EpBuffer.pushes)
+                       combine_algorithm="pull" if low_latency else normal_combine_algorithm())
         if self.backend == "cute":
             from cute_ep.buffer import EpBuffer
 
