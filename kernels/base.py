@@ -22,9 +22,9 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass import Float32, Int32, Int64
 
-from cute_ep.kernels.buffers import EpParams
+from cute_ep.kernels.buffers import SIGNAL_COMBINE, EpParams
 from cute_ep.kernels.config import COMBINE_WARPS_PER_CTA, MAX_TOPK, OP_COMBINE, VECTOR_BYTES, WARP
-from cute_ep.kernels.signals import fault_free, last_cta_arrives
+from cute_ep.kernels.signals import fault_free, last_cta_arrives, signal_and_wait_peers
 
 
 class WarpStart(NamedTuple):
@@ -128,6 +128,29 @@ class CombineFamily(EpKernel):
             row_bytes=Int64(p.hidden) * elem_bytes,
             epoch=p.epochs[OP_COMBINE] + Int64(1),
         )
+
+    @cute.jit
+    def start_push(self, p: EpParams, epoch: Int64) -> cute.Tensor:
+        """A pushing phase's start (phase 1 of the reduced combine and of the rank layout's push): the start
+        barrier on ``SIGNAL_COMBINE`` (a peer may still be summing its previous call's rows: CTA 0 raises
+        2 * epoch - 1, every CTA waits), and the shared-memory flag ``cta_arrives_last`` answers in."""
+        bid, _, _ = cute.arch.block_idx()
+        last = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(1), 4)
+        signal_and_wait_peers(p, Int32(SIGNAL_COMBINE), epoch * 2 - 1, Int32(OP_COMBINE), epoch,
+                              Int32(bid == 0))
+        return last
+
+    @cute.jit
+    def given_row(self, p: EpParams, row_bytes: Int64, q) -> Int64:
+        """The address of row q of the caller's y where the caller keeps it: ``y`` when ``y_rows`` is not
+        0, else ``recv_y`` (y is recv_y itself); with ``y_gather`` the row ``y_slot[q]``."""
+        base = p.recv_y.iterator.toint()
+        if p.y_rows != 0:
+            base = p.y.iterator.toint()
+        i = Int64(q)
+        if p.y_gather != 0:
+            i = p.y_slot[q]
+        return base + i * row_bytes
 
     @cute.jit
     def row_split(self, work: Int32, num_pieces: Int32, num_warps: Int32, may_split: Int32):

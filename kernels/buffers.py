@@ -222,9 +222,9 @@ BUFFERS: tuple[Buffer, ...] = (
            "each primary slot's later group members (reduced combine; -1: dropped)",
            needed=runs("expert+reduced")),
     Buffer("counts", lambda s: (s.world_size, s.num_experts + 1 + s.world_size), "int32", SYMMETRIC,
-           ("layout",), "counts[s, e]: pairs source rank s routes to expert e; counts[s, E]: its pairs with "
-           "invalid ids (out of [-1, E), or an expert named twice); counts[s, E + 1 + d]: its tokens bound "
-           "for rank d (rank layout)"),
+           ("layout", "combine"), "counts[s, e]: pairs source rank s routes to expert e; counts[s, E]: its "
+           "pairs with invalid ids (out of [-1, E), or an expert named twice); counts[s, E + 1 + d]: its "
+           "tokens bound for rank d (rank layout; its push combine finds a rank's own rows by them)"),
     Buffer("signals", lambda s: (SIGNAL_ROWS, s.world_size), "uint64", SYMMETRIC,
            ("layout", "dispatch", "combine"), "signals[row, p]: what peer p announced (SIGNAL_* rows)"),
     Buffer("stage", lambda s: (s.stage_rows, s.hidden), ROW, SYMMETRIC, ("combine",),

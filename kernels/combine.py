@@ -22,7 +22,8 @@ the pull combine carries none of its code): the list holds one row per destinati
 first pair for that rank), weight 1, in ascending rank: the caller's rows are already weighted and
 reduced, and the sum is the plain fp32 sum in rank order (``reference_combine_rank_layout``). Compiled a
 third time (``RankSumKernel``) it sums the same rows from ``partials``, where the peers pushed them
-(kernels/rank_push.py), after waiting for their pushes instead of the start barrier.
+(kernels/rank_push.py), and this rank's own from y, after waiting for the pushes instead of the start
+barrier.
 The last CTA to finish advances epochs[OP_COMBINE] (``CombineFamily.finish``).
 """
 
@@ -110,6 +111,8 @@ class CombineKernel(CombineFamily):
                     addr = Int64(0)
                     if cutlass.const_expr(self.pushed):
                         addr = partial_rows.row(t * R + d)  # rank d's row of token t, pushed here
+                        if d == p.rank:  # this rank's own row: in y where the caller keeps it
+                            addr = self.given_row(p, ROW_BYTES, slot)
                     else:
                         addr = self.pulled_row(p, recv_y_rows, stage_rows, d, slot, gwarp * K + k, my_node)
                     if lane == 0:

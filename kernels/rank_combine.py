@@ -104,8 +104,9 @@ profiler_name(RankCombineKernel.kernel, "rank_combine")
 class RankSumKernel(RankCombineKernel):
     """Phase 2 of the rank layout's push combine (variant "rank+reduced"): the rank combine's sum over the
     rows the token's destination ranks pushed into this rank's ``partials`` (kernels/rank_push.py), row
-    t * R + d from rank d, after every peer's push has raised ``SIGNAL_COMBINE`` to 2 * epoch; the list,
-    order and rounding of the pull, so the same result bit for bit."""
+    t * R + d from rank d, and this rank's own row read from y (``given_row``), after every peer's push has
+    raised ``SIGNAL_COMBINE`` to 2 * epoch; the list, order and rounding of the pull, so the same result
+    bit for bit."""
 
     pushed = True
 

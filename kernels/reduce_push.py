@@ -31,17 +31,16 @@ for it). The epoch is advanced by phase 2.
 from __future__ import annotations
 
 import cutlass.cute as cute
-import cutlass.memory
 import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Int32
 
 from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_PUSH, SIGNAL_COMBINE, EpParams
-from cute_ep.kernels.config import OP_COMBINE, REDUCED_GRID_FACTOR
+from cute_ep.kernels.config import REDUCED_GRID_FACTOR
 from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.rows import row_space, row_view
 from cute_ep.kernels.rowsum import weighted_sum_rows
-from cute_ep.kernels.signals import cta_arrives_last, fault_free, signal_and_wait_peers, signal_peers
+from cute_ep.kernels.signals import cta_arrives_last, fault_free, signal_peers
 
 
 class ReducePushKernel(CombineFamily):
@@ -59,11 +58,7 @@ class ReducePushKernel(CombineFamily):
         # my_addr / my_weight: the members of the current group, ascending k
         lane, gwarp, NWARPS, my_addr, my_weight, NV, ROW_BYTES, epoch = self.begin(p)
         tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        last = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(1), 4)  # arrived last
-
-        signal_and_wait_peers(p, Int32(SIGNAL_COMBINE), epoch * 2 - 1, Int32(OP_COMBINE), epoch,
-                              Int32(bid == 0))  # CTA 0 signals, every CTA waits
+        last = self.start_push(p, epoch)  # the start barrier; the flag cta_arrives_last answers in
         work = Int32(0)
         if fault_free(p.fault):
             work = p.num_recv[0]

@@ -28,8 +28,9 @@ class Launching(ReferenceEpBuffer):
         self.dispatch(x, idx, w, mode, fp8=fp8, layout=layout)
 
     def launch_combine(self, handle, out, algorithm=None):  # y: the rows the sync-free views cover
-        rows = self.cfg.rank_capacity if handle.layout == "rank" else self.cfg.capacity
-        out.copy_(self.combine(self.expert_output(rows), handle, algorithm=algorithm))
+        rank = handle.layout == "rank"  # one result, pulled or pushed: the reference takes no algorithm
+        rows = self.cfg.rank_capacity if rank else self.cfg.capacity
+        out.copy_(self.combine(self.expert_output(rows), handle, algorithm=None if rank else algorithm))
 
     def check_ran(self):  # the launches above are synchronous: nothing can be left unrun
         pass

@@ -727,6 +727,23 @@ def test_sweep_times_the_rank_layout_as_its_own_checked_rows(tmp_path):
     assert br.load_json(out_json)["meta"]["config"]["layouts"] == ["expert", "rank"]
 
 
+def test_sweep_times_the_rank_layouts_pushed_combine_beside_its_pull(tmp_path):
+    """--combine pull,reduced with the rank layout: a row "rank+reduced" (the latest dispatch's handle, its
+    combine pushed) after each "rank" row (pulled), on the same dispatch times."""
+    out_json = tmp_path / "r.json"
+    args = ("--hidden", "64", "--topk", "4", "--num-experts", "16", "--tokens", "8,24",
+            "--routing", "uniform", "--iters", "2", "--warmup", "1", "--input-sets", "2",
+            "--validate-max-tokens", "8", "--layouts", "rank", "--combine", "pull,reduced")  # fmt: skip
+    codes, out = _run_sweep(tmp_path, "ok", *args, "--out-json", str(out_json))
+    assert codes == [0, 0, 0, 0], out[-6000:]
+    rows = br.load_json(out_json)["rows"]
+    assert [(r["tokens"], r["mode"], r["layout"]) for r in rows] == [
+        (8, "rank", "rank"), (8, "rank+reduced", "rank"), (24, "rank", "rank"), (24, "rank+reduced", "rank"),
+    ]
+    for pulled, pushed in zip(rows[::2], rows[1::2], strict=True):
+        assert pushed["dispatch_us"] == pulled["dispatch_us"]
+
+
 def test_sweep_aborts_when_the_rank_layout_check_fails(tmp_path):
     out_json = tmp_path / "r.json"
     codes, out = _run_sweep(tmp_path, "corrupt", *SWEEP_ARGS, "--layouts", "rank",

@@ -58,13 +58,13 @@ def compiled_ptx(request, sm90_module):
     return module.dtype, module.ptx
 
 
-def test_targets_sm90_with_fourteen_kernels(compiled_ptx):
+def test_targets_sm90_with_sixteen_kernels(compiled_ptx):
     _, ptx = compiled_ptx
     assert re.search(r"(?m)^\.target sm_90$", ptx)
     kinds = Counter(kind for kind, _ in _entries(ptx))
     assert sorted(kinds) == ["Assemble", "Combine", "CombineLowLatency", "Deliver", "Dispatch",
                              "DispatchLowLatency", "Fanout", "Layout", "PartialSum", "RankCombine",
-                             "RankDispatch", "RankLayout", "ReducePush", "StageY"]
+                             "RankDispatch", "RankLayout", "RankPush", "RankSum", "ReducePush", "StageY"]
     # The DSL emits an entry point per launch site: the module launches each kernel from one site.
     assert kinds == {kind: 1 for kind in kinds}
 
@@ -131,6 +131,20 @@ def test_reduced_combine_pushes_partials_and_signals(compiled_ptx):
     assert "nvshmemx_signal_op" in kernels["ReducePush"]
     assert "nvshmem_quiet" in kernels["ReducePush"] or "transfer_quiet" in kernels["ReducePush"]
     assert "put_warp" not in kernels["PartialSum"]  # phase 2 reads local memory only
+
+
+def test_rank_push_stores_rows_and_signals_and_its_sum_waits_only(compiled_ptx):
+    """The rank layout's pushed combine: phase 1 puts rows to other nodes (put_warp, after the CTA's
+    quiet) and raises the combine signal; phase 2 gets nothing from peers (its rows are here) and signals
+    no one (it waits for the pushes), where the pull combine of the same layout gets other nodes' rows."""
+    dtype, ptx = compiled_ptx
+    kernels = _kernels(ptx)
+    assert re.search(rf"\bnvshmemx_{DTYPES[dtype]}_put_warp\b", kernels["RankPush"])
+    assert "nvshmemx_signal_op" in kernels["RankPush"]
+    assert "nvshmem_quiet" in kernels["RankPush"] or "transfer_quiet" in kernels["RankPush"]
+    assert "get_warp" not in kernels["RankSum"] and "get_warp" in kernels["RankCombine"]
+    assert "nvshmemx_signal_op" not in kernels["RankSum"] and "nvshmemx_signal_op" in kernels["RankCombine"]
+    assert re.search(r"\.minnctapersm 2\b", kernels["RankPush"])
 
 
 def test_kernels_declare_their_ctas_per_sm(compiled_ptx):
