@@ -36,6 +36,7 @@ from cute_ep.gpu_checks import (
     check_kernel_handle,
     check_kernel_layout,
     check_reduced_handle,
+    is_latest_dispatch,
 )
 from cute_ep.input_checks import (
     check_buffer_config,
@@ -360,9 +361,8 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
         """Whether combine pushes ``handle``'s rows (kernels/rank_push.py, y read where it is) rather than
         pulling them from ``recv_y`` (a y kept elsewhere copied there first), the same sums: a rank-layout
         handle of the latest dispatch on a buffer built with ``combine_algorithm="reduced"``."""
-        sent = self._sent
-        return (handle.layout == "rank" and self.cfg.combine_algorithm == "reduced" and sent is not None
-                and handle.topk_idx is sent[0] and handle.topk_weights is sent[1])
+        return (handle.layout == "rank" and self.cfg.combine_algorithm == "reduced"
+                and is_latest_dispatch(handle, self._sent))
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
         """The symmetric [num_recv, H] buffer combine reads; experts writing here save a copy."""

@@ -14,7 +14,8 @@ from cute_ep.api import DispatchHandle
 from cute_ep.input_checks import check_combine_layout, check_layout, resolve_combine_algorithm
 from cute_ep.kernels.config import LAYOUT_SMEM_INTS, EpConfig
 
-__all__ = ["check_gpu_runtime", "check_kernel_handle", "check_kernel_layout", "check_reduced_handle"]
+__all__ = ["check_gpu_runtime", "check_kernel_handle", "check_kernel_layout", "check_reduced_handle",
+           "is_latest_dispatch"]
 
 
 def check_gpu_runtime(runtime: Any) -> None:
@@ -63,6 +64,13 @@ def check_kernel_handle(handle: DispatchHandle) -> None:
         )
 
 
+def is_latest_dispatch(handle: DispatchHandle, sent: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Whether ``handle`` is the buffer's latest dispatch's: its routing tensors are ``sent`` (the ones that
+    dispatch's kernels read; None: no dispatch since the last layout), so what the buffer holds of that
+    dispatch (its count, source tags, group lists) is this handle's."""
+    return sent is not None and handle.topk_idx is sent[0] and handle.topk_weights is sent[1]
+
+
 def check_reduced_handle(cfg: EpConfig, handle: DispatchHandle, algorithm: str | None,
                          sent: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     """The combine's layout and algorithm; an expert-layout reduced combine also needs the handle of the
@@ -71,7 +79,7 @@ def check_reduced_handle(cfg: EpConfig, handle: DispatchHandle, algorithm: str |
         return
     if resolve_combine_algorithm(cfg, algorithm) != "reduced":
         return
-    if sent is None or handle.topk_idx is not sent[0] or handle.topk_weights is not sent[1]:
+    if not is_latest_dispatch(handle, sent):
         raise ValueError(
             "combine algorithm 'reduced' weights rows with the weights the latest dispatch sent: pass "
             "that dispatch's handle unchanged (this one has other ids or weights, or comes from an "
