@@ -99,6 +99,7 @@ class RowCopyKernel(EpKernel):
 class CombineFamily(EpKernel):
     """Base of the combine kernels: warp coordinates, routing list, row split, completion."""
 
+    warps_per_cta = COMBINE_WARPS_PER_CTA
     threads = COMBINE_WARPS_PER_CTA * WARP
     grid_factor = 1  # CTAs launched per num_sms
 
@@ -115,13 +116,14 @@ class CombineFamily(EpKernel):
         NCTA, _, _ = cute.arch.grid_dim()
         warp = tid // WARP
         smem = cutlass.memory.SmemAllocator()
-        row_addr = smem.allocate_tensor(Int64, cute.make_layout(COMBINE_WARPS_PER_CTA * MAX_TOPK), 16)
-        weight = smem.allocate_tensor(Float32, cute.make_layout(COMBINE_WARPS_PER_CTA * MAX_TOPK), 16)
+        WPC = self.warps_per_cta
+        row_addr = smem.allocate_tensor(Int64, cute.make_layout(WPC * MAX_TOPK), 16)
+        weight = smem.allocate_tensor(Float32, cute.make_layout(WPC * MAX_TOPK), 16)
         elem_bytes = self.dtype.width // 8
         return WarpStart(
             lane=tid % WARP,
-            gwarp=bid * COMBINE_WARPS_PER_CTA + warp,
-            num_warps=NCTA * COMBINE_WARPS_PER_CTA,
+            gwarp=bid * WPC + warp,
+            num_warps=NCTA * WPC,
             row_addr=cute.make_tensor(row_addr.iterator + warp * MAX_TOPK, cute.make_layout(MAX_TOPK)),
             weight=cute.make_tensor(weight.iterator + warp * MAX_TOPK, cute.make_layout(MAX_TOPK)),
             pieces=p.hidden // (VECTOR_BYTES // elem_bytes),
