@@ -36,7 +36,7 @@ from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.base import CombineFamily
 from cute_ep.kernels.buffers import DONE_COMBINE, SIGNAL_COMBINE, EpParams
-from cute_ep.kernels.config import OP_COMBINE
+from cute_ep.kernels.config import OP_COMBINE, PULL_COMBINE_WARPS_PER_CTA, WARP
 from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.rows import elem_view, row_space
 from cute_ep.kernels.rowsum import weighted_sum_rows
@@ -48,6 +48,9 @@ class CombineKernel(CombineFamily):
 
     by_rank = False  # compile-time: RankCombineKernel (kernels/rank_combine.py) sums the rank layout
     pushed = False  # compile-time: RankSumKernel sums the rows peers pushed here (kernels/rank_push.py)
+    warps_per_cta = PULL_COMBINE_WARPS_PER_CTA  # twice the other combines': more bytes in flight
+    threads = PULL_COMBINE_WARPS_PER_CTA * WARP
+    ctas_per_sm = 1  # ptxas budgets 65536 / threads = 128 registers, what the sum took at 8 warps
 
     @cute.kernel
     def kernel(self, p: EpParams):

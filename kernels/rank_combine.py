@@ -20,7 +20,7 @@ from cutlass import Int32
 
 from cute_ep.kernels.buffers import EpParams
 from cute_ep.kernels.combine import CombineKernel
-from cute_ep.kernels.config import RANK_COMBINE_WARPS_PER_CTA, WARP
+from cute_ep.kernels.config import WARP
 from cute_ep.kernels.naming import profiler_name
 
 
@@ -28,9 +28,6 @@ class RankCombineKernel(CombineKernel):
     """The rank-layout combine (see the module docstring)."""
 
     by_rank = True
-    warps_per_cta = RANK_COMBINE_WARPS_PER_CTA  # twice the pull's: more bytes in flight (kernels/config.py)
-    threads = RANK_COMBINE_WARPS_PER_CTA * WARP
-    ctas_per_sm = 1  # ptxas budgets 65536 / threads = 128 registers, what the sum took at 8 warps
 
     @cute.kernel
     def kernel(self, p: EpParams):
