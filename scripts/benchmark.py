@@ -460,7 +460,7 @@ def measure(
             last, latest = sets[-1], handles[-1]
 
             def rank_push(i: int, last: bt.InputSet = last) -> None:
-                buf.launch_combine(latest, last.out)
+                buf.launch_combine(latest, last.out, "reduced")
 
             push_c = br.median(timer.run(rank_push, args.warmup, args.iters))
             buf.check_ran()

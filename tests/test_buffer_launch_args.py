@@ -144,32 +144,33 @@ def test_combine_hands_over_the_handles_slots_and_a_new_output(buf, layout) -> N
                     "own_w": buf._empty["own_w"].data_ptr(), "y": buf._empty["y"].data_ptr(),
                     "y_slot": buf._empty["y_slot"].data_ptr(), **ll_stand_ins(buf)}
     assert scalars["y_rows"] == 0 and scalars["y_gather"] == 0  # y is recv_y itself: nothing to stage
-    # the buffer's reduced combine; in the rank layout the pushed one (the latest dispatch's handle)
-    want_algo = COMBINE_ALGORITHMS["reduced"]
+    # the buffer's reduced combine; in the rank layout the pull (the push only where asked for by name)
+    want_algo = COMBINE_ALGORITHMS["reduced" if layout == "expert" else "pull"]
     assert scalars["op"] == OP_COMBINE and scalars["num_tokens"] == 4 and scalars["combine_algo"] == want_algo
     assert scalars["layout"] == LAYOUTS[layout] and buf._calls == [1, 1, 1]
 
 
-def test_a_rank_combine_pushes_only_the_latest_dispatchs_rows_and_pulls_the_rest(buf) -> None:
-    """The rank layout's one result, two ways (EpBuffer.pushes): the latest dispatch's handle pushes the
-    caller's y where it is (combine_algo "reduced", y handed over, nothing staged first on the host); an
-    earlier dispatch's handle, whose source tags the buffer no longer holds, pulls; "pull" forces the pull;
-    a layout-only launch (which rewrites the count) leaves no handle to push; an expert-layout handle never
-    pushes."""
+def test_a_rank_combine_pushes_only_when_asked_and_only_the_latest_dispatchs_rows(buf) -> None:
+    """The rank layout's one result, two ways (EpBuffer.pushes): asked for by name ("reduced"), the latest
+    dispatch's handle pushes the caller's y where it is (combine_algo "reduced", y handed over, nothing
+    staged first on the host); by default, or with "pull", it pulls; an earlier dispatch's handle, whose
+    source tags the buffer no longer holds, pulls even when asked; a layout-only launch (which rewrites the
+    count) leaves no handle to push; an expert-layout handle never pushes."""
     x, idx, w = inputs(4)
     first = buf.dispatch(x, idx, w, sync=False, layout="rank")
     y = torch.randn(first.recv_x.shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     assert buf.pushes(first.handle)
     out = torch.empty((4, 64), dtype=torch.bfloat16)
-    buf.launch_combine(first.handle, out, y=y)
+    buf.launch_combine(first.handle, out, "reduced", y=y)
     _, ptrs, scalars = buf._launcher.launches[-1]
     assert scalars["combine_algo"] == COMBINE_ALGORITHMS["reduced"] and scalars["layout"] == LAYOUTS["rank"]
     assert ptrs["y"] == y.data_ptr() and scalars["y_rows"] == -y.shape[0]
-    buf.launch_combine(first.handle, out, "pull", y=y)
-    assert buf._launcher.launches[-1][2]["combine_algo"] == COMBINE_ALGORITHMS["pull"]
+    for algorithm in (None, "pull"):
+        buf.launch_combine(first.handle, out, algorithm, y=y)
+        assert buf._launcher.launches[-1][2]["combine_algo"] == COMBINE_ALGORITHMS["pull"]
     second = buf.dispatch(*inputs(3, seed=1), sync=False, layout="rank")
     assert not buf.pushes(first.handle) and buf.pushes(second.handle)
-    buf.launch_combine(first.handle, out, y=y)
+    buf.launch_combine(first.handle, out, "reduced", y=y)
     _, ptrs, scalars = buf._launcher.launches[-1]
     assert scalars["combine_algo"] == COMBINE_ALGORITHMS["pull"] and scalars["y_rows"] == y.shape[0]
     buf._launch(OP_LAYOUT, 3)  # a layout alone rewrites num_recv and the routing the push would read

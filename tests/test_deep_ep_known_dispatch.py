@@ -190,7 +190,8 @@ def test_a_combine_the_kernels_push_reads_x_where_it_is(cached, monkeypatch):
         def pushes(self, sent):
             return self.push and sent is handle.cute_ep.dispatch_handle
 
-        def launch_combine(self, sent, out, y):
+        def launch_combine(self, sent, out, algorithm, y):
+            assert algorithm == "reduced"  # the push, asked for by name (the rank layout pulls by default)
             launched.append((sent, out, y))
             out.copy_(want)
 

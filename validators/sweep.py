@@ -91,7 +91,7 @@ token's first choice is the same expert, its other K - 1 drawn uniformly from th
 COMBINES = {"expert": ("pull", "reduced"), "rank": ("rank", "reduced")}
 """The buffer's combine of each receive layout. The rank layout has one result (its handle takes no
 algorithm): "rank" pulls it, "reduced" (a buffer built for the reduced combine) pushes it from a y the
-caller keeps in a tensor of its own."""
+caller keeps in a tensor of its own (``launch_combine(..., "reduced")`` where the buffer has it)."""
 
 BF16, FP32 = torch.bfloat16, torch.float32
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -494,7 +494,11 @@ def _rank_call(buf: Any, case: SweepCase, call: Call, x: Tensor, idx: Tensor, w:
 
     _fill(y, caller_rows, state, "the caller's rows")
     y_given = y.detach().cpu().clone()
-    out = buf.combine(y, res.handle)
+    if case.combine == "reduced" and hasattr(buf, "launch_combine"):  # the push is asked for by name
+        out = torch.empty((res.handle.num_tokens, cfg.hidden), dtype=cfg.dtype, device=x.device)
+        buf.launch_combine(res.handle, out, "reduced", y=y)
+    else:
+        out = buf.combine(y, res.handle)
     comb = check_rank_combine(out, idx, res.handle.scatter, y_given, num_experts=cfg.num_experts,
                               local_world_size=cfg.local_world_size, require_coverage=case.coverage,
                               group=ctx.group)  # fmt: skip

@@ -284,7 +284,7 @@ class NormalMode(FreshDispatch):
                 # no check of x's rows (made above) that would read the count back
                 sent = route.dispatch_handle
                 out = torch.empty((sent.num_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
-                buf.launch_combine(sent, out, y=x[:rows])
+                buf.launch_combine(sent, out, "reduced", y=x[:rows])
             else:
                 self._fence(key)
                 # y covers the buffer's rank capacity (the rows a sync-free dispatch's views cover); combine
