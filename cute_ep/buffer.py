@@ -359,9 +359,9 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
 
     def pushes(self, handle: DispatchHandle) -> bool:
         """Whether ``launch_combine(handle, out, "reduced")`` pushes ``handle``'s rows (kernels/rank_push.py,
-        y read where it is) rather than pulling them from ``recv_y`` (a y kept elsewhere copied there
-        first), the same sums: a rank-layout handle of the latest dispatch on a buffer built with
-        ``combine_algorithm="reduced"``. Not the default: 328.2 us against the pull's 227.6 (results.md)."""
+        y read where it is) instead of pulling them from ``recv_y``, the same sums: a rank-layout handle of
+        the latest dispatch on a buffer built with ``combine_algorithm="reduced"``. Not the default: slower
+        than the pull (2x H200, 4096 tokens, 24 SMs: 328.2 against 227.6 us; docs/results.md)."""
         return (handle.layout == "rank" and self.cfg.combine_algorithm == "reduced"
                 and is_latest_dispatch(handle, self._sent))
 

@@ -482,9 +482,10 @@ def _rank_call(buf: Any, case: SweepCase, call: Call, x: Tensor, idx: Tensor, w:
     state.verdict("rank dispatch", disp)
 
     n = int(res.num_recv)
+    pushed = case.combine == "reduced"
     # a pushing combine reads y where the caller keeps it: a tensor of its own; its partial rows poisoned
-    y = torch.empty_like(buf.expert_output(n)) if case.combine == "reduced" else buf.expert_output(n)
-    if case.combine == "reduced" and getattr(buf, "partials", None) is not None:
+    y = torch.empty_like(buf.expert_output(n)) if pushed else buf.expert_output(n)
+    if pushed and getattr(buf, "partials", None) is not None:
         buf.partials.fill_(float("nan"))
 
     def caller_rows() -> Tensor:
@@ -494,7 +495,7 @@ def _rank_call(buf: Any, case: SweepCase, call: Call, x: Tensor, idx: Tensor, w:
 
     _fill(y, caller_rows, state, "the caller's rows")
     y_given = y.detach().cpu().clone()
-    if case.combine == "reduced" and hasattr(buf, "launch_combine"):  # the push is asked for by name
+    if pushed and hasattr(buf, "launch_combine"):  # the push is asked for by name
         out = torch.empty((res.handle.num_tokens, cfg.hidden), dtype=cfg.dtype, device=x.device)
         buf.launch_combine(res.handle, out, "reduced", y=y)
     else:
