@@ -8,14 +8,14 @@
 
 The public calls are those of ``cute_ep.api.EpBackend`` (argument shapes and dtypes there); the GPU buffer
 adds ``launch_dispatch`` / ``launch_combine`` (no checks, no host sync: capturable in CUDA graphs),
-``fp8_views`` and ``check_faults``.
+``launch_cached_dispatch`` (along the latest dispatch's routing), ``fp8_views`` and ``check_faults``.
 
-Ordering: every call is collective and every rank makes the same sequence of calls. Each dispatch
-starts with the layout kernel's count exchange, and no rank moves rows before every peer's layout
-kernel has started, i.e. before everything a peer enqueued earlier on its stream (its experts
-reading ``recv_x``, its combine reading peers' ``recv_y``) has finished. So calls on one stream per
-rank never overwrite rows still in use. Work on another stream must be ordered before the next
-dispatch by the caller, and the views a dispatch returns are valid until the next dispatch.
+Ordering: every call is collective and every rank makes the same sequence of calls. No rank moves a
+dispatch's rows before every peer has entered that dispatch (its layout's count exchange, or a cached
+dispatch's wait), i.e. before everything a peer enqueued earlier on its stream (its experts reading
+``recv_x``, its combine reading peers' ``recv_y``) has finished: calls on one stream per rank never
+overwrite rows still in use. Work on another stream must be ordered before the next dispatch by the
+caller, and the views a dispatch returns are valid until the next dispatch.
 
 Faults: every wait for a peer is bounded by ``cfg.timeout_s``. A rank whose peer never arrives (it skipped a
 call, died, or runs a different sequence of calls) gets ``PeerTimeout`` naming the peer and the operation
@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from cute_ep.api import BackendBase, DispatchHandle, DispatchResult
+from cute_ep.cached_dispatch import CachedDispatch
 from cute_ep.gpu_checks import (
     check_gpu_runtime,
     check_kernel_handle,
     check_kernel_layout,
     check_reduced_handle,
-    is_latest_dispatch,
 )
 from cute_ep.input_checks import (
     check_buffer_config,
@@ -71,7 +71,7 @@ from cute_ep.streams import on_stream
 __all__ = ["EpBuffer", "check_gpu_runtime"]
 
 
-class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
+class EpBuffer(StatusChecks, LowLatencyLaunches, CachedDispatch, ReceivedViews, BackendBase):
     """Owns one configuration's NVSHMEM symmetric buffers and compiled module (see module docstring).
 
     runtime:  a started ``cute_ep.bootstrap.Runtime`` with backend "nvshmem".
@@ -362,8 +362,7 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
         y read where it is) instead of pulling them from ``recv_y``, the same sums: a rank-layout handle of
         the latest dispatch on a buffer built with ``combine_algorithm="reduced"``. Not the default: slower
         than the pull (2x H200, 4096 tokens, 24 SMs: 328.2 against 227.6 us; docs/results.md)."""
-        return (handle.layout == "rank" and self.cfg.combine_algorithm == "reduced"
-                and is_latest_dispatch(handle, self._sent))
+        return handle.layout == "rank" and self.cfg.combine_algorithm == "reduced" and self.is_latest(handle)
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
         """The symmetric [num_recv, H] buffer combine reads; experts writing here save a copy."""
@@ -464,12 +463,12 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
                 own=None, mirror_seq: int = 0, mode: int = 0, fp8: bool | int = False, algo: int = 0,
                 combine_algo: int = 0, layout: int = 0, y_rows: int = 0, y_slot=None, named=None,
                 phase: int = PHASE_ALL, deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None,
-                assemble: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                assemble: tuple[torch.Tensor, torch.Tensor] | None = None, routed: int = 0) -> None:
         """Enqueue one op of the module on the current stream (absent or empty per-call tensors: their
         stand-ins). ``scatter``: the slots to read (default the buffer's); ``own``: see ``_enqueue_dispatch``;
         ``y`` / ``y_rows`` / ``y_slot``: see ``_staging``; ``named``: more call tensors by buffer name;
         ``phase``: PHASE_* of the low-latency layout (its receiving half completes the op its sending half
-        counted); ``deliver``, ``assemble``: see ``launch_dispatch``."""
+        counted); ``deliver``, ``assemble``: see ``launch_dispatch``; ``routed``: launch_cached_dispatch's."""
         own_idx = own_w = None
         if own is not None:
             scatter, own_idx, own_w = own
@@ -491,8 +490,9 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, ReceivedViews, BackendBase):
             delivered |= assembly_scalars(self.cfg, self.device, num_tokens, assemble, addrs)
         self._launcher(current_stream_handle(self._device_index), addrs, op=op, mode=mode,
                        fp8=int(fp8), algo=algo, combine_algo=combine_algo, layout=layout,
-                       num_tokens=num_tokens, own_routing=int(own is not None), mirror_seq=mirror_seq,
-                       y_rows=y_rows, y_gather=int(y_slot is not None), phase=phase, **delivered)
+                       num_tokens=num_tokens, own_routing=int(own is not None), routed=routed,
+                       mirror_seq=mirror_seq, y_rows=y_rows, y_gather=int(y_slot is not None), phase=phase,
+                       **delivered)
         if op != OP_COMBINE:  # a layout rewrites the count a later combine's staging or push reads
             self._latest_scatter = self._sent = None
         if phase != PHASE_RECEIVE and not torch.cuda.is_current_stream_capturing():  # replays: not counted

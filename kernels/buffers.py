@@ -289,9 +289,9 @@ BY_NAME = {b.name: b for b in BUFFERS}
 
 # Run-time scalars every launch passes: the call's own, then sizes named as EpConfig's attributes.
 CALL_SCALARS = ("op", "mode", "fp8", "algo", "combine_algo", "layout", "rank", "num_tokens", "own_routing",
-                "mirror_seq", "y_rows", "y_gather", "phase", "deliver_rows", "deliver_end0", "deliver_end1",
-                "deliver_end2", "assemble_rows", "assemble_end0", "assemble_end1", "assemble_stride_t",
-                "assemble_stride_j")
+                "routed", "mirror_seq", "y_rows", "y_gather", "phase", "deliver_rows", "deliver_end0",
+                "deliver_end1", "deliver_end2", "assemble_rows", "assemble_end0", "assemble_end1",
+                "assemble_stride_t", "assemble_stride_j")
 SIZE_SCALARS = ("world_size", "local_world_size", "num_experts", "topk", "hidden", "max_tokens", "capacity",
                 "expert_capacity", "stage_rows", "num_sms", "timeout_ms", "layout_in_dispatch")
 SCALARS = CALL_SCALARS + SIZE_SCALARS

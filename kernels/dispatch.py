@@ -40,6 +40,10 @@ no layout kernel; every CTA first runs the layout's steps for its own tokens (ke
 A CTA reads only slots it wrote itself, so no grid-wide wait follows the slots. One launch and one kernel
 boundary less per dispatch.
 
+Routed (``routed`` != 0; ``EpBuffer.launch_cached_dispatch``, DeepEP's cached dispatch): the slots of the
+buffer's latest layout, and its receive counts, are this call's too; no layout runs, only the wait for every
+rank to enter the call (``enter_routed``), and the last CTA advances the layout's epoch as a layout would.
+
 Completion: each thread ``quiet``s its puts and fences its stores; the last CTA to finish (a
 self-resetting arrival counter, ``done[DONE_DISPATCH]``) raises ``signals[SIGNAL_DISPATCH, rank]`` on
 every peer to this call's epoch and waits until every peer has raised its own on this rank
@@ -58,9 +62,9 @@ from cutlass import Int32, Int64
 
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import DONE_DISPATCH, INPUT_FAULT_RANKS, SIGNAL_DISPATCH, EpParams
-from cute_ep.kernels.config import MODE_ATOMIC, OP_DISPATCH, WARP
+from cute_ep.kernels.config import MODE_ATOMIC, OP_DISPATCH, OP_LAYOUT, WARP
 from cute_ep.kernels.dispatch_senders import send_pair, send_token_by_lanes, send_token_by_rank
-from cute_ep.kernels.layout import LayoutKernel, cta_tokens
+from cute_ep.kernels.layout import LayoutKernel, cta_tokens, enter_routed
 from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.ptx import fence_sys, ld_volatile_i32
 from cute_ep.kernels.quantize import quantize_row_warp
@@ -130,10 +134,13 @@ class DispatchKernel(EpKernel):
         epoch = p.epochs[OP_DISPATCH] + Int64(1)
         x_rows = row_space(p.x, Int64(H) * (dtype.width // 8))
         packed_rows = row_space(p.packed, row_bytes)
-        if p.num_tokens <= p.layout_in_dispatch:
-            # The layout runs here, in every CTA for its own tokens, instead of in a kernel of its own (one
-            # launch and one kernel boundary less on the critical path).
-            self.folded_layout.route(p)
+        if p.routed != 0:
+            enter_routed(p)  # the latest layout's slots: only the wait for every rank to enter the call
+        else:
+            if p.num_tokens <= p.layout_in_dispatch:
+                # The layout runs here, in every CTA for its own tokens, instead of in a kernel of its own
+                # (one launch and one kernel boundary less on the critical path).
+                self.folded_layout.route(p)
         # After a fault (a timed-out wait here or in the layout) this buffer moves no more data.
         t_first, t_end = cta_tokens(p.num_tokens, bid, NCTA)
         work = Int32(0)
@@ -187,6 +194,8 @@ class DispatchKernel(EpKernel):
             if tid == 0:
                 if fault_free(p.fault):
                     p.epochs[OP_DISPATCH] = epoch
+                    if p.routed != 0:  # every CTA read the layout epoch in enter_routed by now
+                        p.epochs[OP_LAYOUT] = p.epochs[OP_LAYOUT] + Int64(1)
             if p.mirror_seq != 0:
                 mirror_status(p, self.threads)
 

@@ -68,7 +68,14 @@ from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.ptx import fence_sys, ld_volatile_i32
 from cute_ep.kernels.rows import element, element_addr
 from cute_ep.kernels.scan import exclusive_scan_cta, prefix_at, sum_earlier_ctas
-from cute_ep.kernels.signals import SIGNAL_SET, fault_free, last_cta_arrives, record_fault, wait_signal_ge
+from cute_ep.kernels.signals import (
+    SIGNAL_SET,
+    fault_free,
+    last_cta_arrives,
+    record_fault,
+    signal_and_wait_peers,
+    wait_signal_ge,
+)
 
 
 @cute.jit
@@ -143,6 +150,23 @@ def exchange_counts(p: EpParams, epoch: Int64, tid: Int32, warp: Int32, NT: cutl
                 if arrived == 0:
                     record_fault(p.fault, Int32(OP_LAYOUT), q, epoch)
     cute.arch.sync_threads()
+
+
+@cute.jit
+def enter_routed(p: EpParams):
+    """The layout's part of a routed dispatch (``routed``: the slots and counts of the buffer's latest layout,
+    reused; DeepEP's cached dispatch): no counts, but the rows may land only in receive buffers whose ranks
+    have entered this call (each may still read its rows of the previous one, and a layout's count
+    exchange is what orders that otherwise). CTA 0 raises ``signals[SIGNAL_COUNT, rank]`` on every rank to
+    this call's layout epoch and every CTA waits for every rank's (bounded; a peer that never arrives is
+    recorded as the layout's fault). The dispatch's last CTA advances the layout epoch. Every thread of
+    every CTA calls it; it ends with a CTA barrier."""
+    bid, _, _ = cute.arch.block_idx()
+    epoch = p.epochs[OP_LAYOUT] + Int64(1)
+    raise_signals = Int32(0)
+    if bid == 0:
+        raise_signals = Int32(1)
+    signal_and_wait_peers(p, Int32(SIGNAL_COUNT), epoch, Int32(OP_LAYOUT), epoch, raise_signals)
 
 
 @cute.jit

@@ -40,9 +40,10 @@ from cute_ep.kernels.variants import COMBINE_STEP, DISPATCH_STEP, LAYOUT_STEP, R
 
 class EpModule:
     """Host entry point: ``scalars.op`` selects the launch: OP_LAYOUT the layout alone, OP_DISPATCH the
-    layout and the dispatch (+ fan-out; before them, when ``assemble_rows`` is not 0, the assembly of x's rows
-    from the caller's parts; after them, when ``deliver_rows`` is not 0, the delivery of the received rows
-    into the caller's tensors), OP_COMBINE the combine (after the staging of the caller's y when
+    layout (none when ``routed`` is not 0: the latest layout's slots are reused) and the dispatch (+
+    fan-out; before them, when ``assemble_rows`` is not 0, the assembly of x's rows from the caller's
+    parts; after them, when ``deliver_rows`` is not 0, the delivery of the received rows into the
+    caller's tensors), OP_COMBINE the combine (after the staging of the caller's y when
     ``y_rows`` is not 0 and the variant does not read y itself); ``scalars.layout`` and
     ``scalars.combine_algo`` the variant (kernels/variants.py) whose kernels run. Every kernel a variant
     names is an attribute here."""
@@ -79,8 +80,9 @@ class EpModule:
         if p.op == OP_LAYOUT:
             layout_kernel = Int32(1)
         if p.op == OP_DISPATCH:
-            if p.num_tokens > p.layout_in_dispatch:
-                layout_kernel = Int32(1)
+            if p.routed == 0:  # a routed dispatch sends on the slots of the latest layout: none runs
+                if p.num_tokens > p.layout_in_dispatch:
+                    layout_kernel = Int32(1)
         # Each step launches what the call's variant declares (kernels/variants.py), in order on one
         # stream; the loops run at trace time, so every kernel has one launch site.
         if layout_kernel != 0:

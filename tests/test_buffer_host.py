@@ -128,10 +128,10 @@ def test_launcher_writes_only_what_a_call_changes_into_the_storage():
     (ints1, ptrs1, stream1), (ints2, ptrs2, stream2) = module.runs
     call1, call2 = dict(zip(CALL_SCALARS, ints1, strict=False)), dict(zip(CALL_SCALARS, ints2, strict=False))
     assert call1 == {"op": 2, "mode": 0, "fp8": 0, "algo": 0, "combine_algo": 1, "layout": 0, "rank": 1,
-                     "num_tokens": 9, "own_routing": 0, "mirror_seq": 0, "y_rows": 0, "y_gather": 0,
-                     "phase": 0, "deliver_rows": 0, "deliver_end0": 0, "deliver_end1": 0, "deliver_end2": 0,
-                     "assemble_rows": 0, "assemble_end0": 0, "assemble_end1": 0, "assemble_stride_t": 0,
-                     "assemble_stride_j": 0}
+                     "num_tokens": 9, "own_routing": 0, "routed": 0, "mirror_seq": 0, "y_rows": 0,
+                     "y_gather": 0, "phase": 0, "deliver_rows": 0, "deliver_end0": 0, "deliver_end1": 0,
+                     "deliver_end2": 0, "assemble_rows": 0, "assemble_end0": 0, "assemble_end1": 0,
+                     "assemble_stride_t": 0, "assemble_stride_j": 0}
     assert call2 == {**call1, "op": 1, "mode": 1, "num_tokens": 5}  # what a call does not name stays
     sizes = ints2[len(CALL_SCALARS):]
     assert sizes == [getattr(cfg, n) for n in SIZE_SCALARS]  # the sizes were written once, at build

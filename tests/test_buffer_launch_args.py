@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import cute_ep.buffer as buffer_module
+from cute_ep.api import DispatchHandle
 from cute_ep.buffer import EpBuffer
 from cute_ep.kernels.buffers import BUFFERS, CALL, HOST, STATUS, buffers_of
 from cute_ep.kernels.config import DISPATCH_ALGORITHMS, MODES, OP_COMBINE, OP_DISPATCH, OP_LAYOUT, EpConfig
@@ -91,8 +92,8 @@ def test_a_sync_free_dispatch_hands_over_its_tensors_and_the_handles_storage(buf
     combine_algo = COMBINE_ALGORITHMS["reduced" if layout == "expert" else "pull"]
     assert scalars == {"op": OP_DISPATCH, "mode": MODES["scatter"], "fp8": 0,
                        "algo": DISPATCH_ALGORITHMS["dedup"], "combine_algo": combine_algo,
-                       "layout": LAYOUTS[layout], "num_tokens": 5, "own_routing": 1, "mirror_seq": 0,
-                       "y_rows": 0, "y_gather": 0, "phase": 0, "deliver_rows": 0,
+                       "layout": LAYOUTS[layout], "num_tokens": 5, "own_routing": 1, "routed": 0,
+                       "mirror_seq": 0, "y_rows": 0, "y_gather": 0, "phase": 0, "deliver_rows": 0,
                        "assemble_rows": 0}
     # the handle owns its routing: the layout copies the ids and weights into storage of its own
     assert {h.scatter.data_ptr(), h.topk_idx.data_ptr(), h.topk_weights.data_ptr()}.isdisjoint(
@@ -127,6 +128,60 @@ def test_zero_tokens_launch_with_the_stand_ins(buf) -> None:
         assert ptrs[name] == buf._empty[name].data_ptr(), name
     assert ptrs["scatter"] == buf.scatter.data_ptr()
     assert scalars["num_tokens"] == 0 and scalars["own_routing"] == 0
+
+
+@pytest.mark.parametrize("layout", ["expert", "rank"])
+@pytest.mark.parametrize("synced_first", [False, True])
+def test_a_cached_dispatch_sends_along_the_latest_dispatchs_slots_with_no_layout(buf, layout,
+                                                                                 synced_first) -> None:
+    """launch_cached_dispatch: one launch with ``routed`` 1 (the module runs no layout), the new x, the
+    handle's own slots, ids and weights (nothing copied, MODE_SCATTER), no own routing, the same variant
+    scalars as the handle's dispatch; the handle stays the latest dispatch's (a second cached call works,
+    combines still push), and a count the host read at that dispatch is still known."""
+    x, idx, w = inputs(5)
+    if synced_first:  # a status as the device would give it, read by the host
+        buf.status.read = lambda: {"num_recv": 3, "dropped": torch.zeros(8, dtype=torch.int64), "fault": None}
+        buf._check_ran = lambda *ops: None
+        buf.status.refused_inputs = lambda status: None
+        buf._take_drops = lambda dropped, result: None
+        buf.status.use_mirror = lambda: False
+        res = buf.dispatch(x, idx, w, layout=layout)
+        assert res.num_recv == 3
+    else:
+        res = buf.dispatch(x, idx, w, sync=False, layout=layout)
+    full = buf._launcher.launches[-1]
+    h, known = res.handle, buf._latest_recv
+    x2 = torch.randn(5, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    for _ in range(2):
+        assert buf.launch_cached_dispatch(x2, h) is h and buf.is_latest(h) and buf._latest_recv == known
+        stream, ptrs, scalars = buf._launcher.launches[-1]
+        assert stream == STREAM and ptrs["x"] == x2.data_ptr() and ptrs["scatter"] == h.scatter.data_ptr()
+        assert ptrs["topk_idx"] == h.topk_idx.data_ptr() and ptrs["topk_w"] == h.topk_weights.data_ptr()
+        assert ptrs["own_idx"] == buf._empty["own_idx"].data_ptr()
+        assert scalars == {**full[2], "routed": 1, "own_routing": 0, "mirror_seq": 0}
+    assert buf._calls[:2] == [3, 3]  # each counts a layout too: the kernel advances the layout's epoch
+    if layout == "rank":
+        assert buf.pushes(h)
+
+
+def test_a_cached_dispatch_refuses_what_the_latest_layout_does_not_hold(buf) -> None:
+    """Refused with the fix named: the handle of an earlier dispatch (or after a layout alone), another
+    number of rows than the handle's, a low-latency handle."""
+    x, idx, w = inputs(4)
+    first = buf.dispatch(x, idx, w, sync=False, layout="rank")
+    with pytest.raises(ValueError, match="handle's 4 rows"):
+        buf.launch_cached_dispatch(x[:3], first.handle)
+    buf.dispatch(*inputs(3, seed=1), sync=False, layout="rank")
+    with pytest.raises(ValueError, match="latest dispatch.*dispatch anew"):
+        buf.launch_cached_dispatch(x, first.handle)
+    latest = buf.dispatch(x, idx, w, sync=False).handle
+    buf._launch(OP_LAYOUT, 3)
+    with pytest.raises(ValueError, match="latest dispatch"):
+        buf.launch_cached_dispatch(x, latest)
+    ll = DispatchHandle(latest.topk_idx, latest.topk_weights, latest.scatter, 4, "scatter", "low-latency")
+    with pytest.raises(ValueError, match="expert- or rank-layout handle"):
+        buf.launch_cached_dispatch(x, ll)
+    assert len(buf._launcher.launches) == 4  # nothing launched by the refused calls
 
 
 @pytest.mark.parametrize("layout", ["expert", "rank"])

@@ -11,6 +11,7 @@ import gc
 import pytest
 import torch
 
+from cute_ep.api import DispatchHandle
 from cute_ep.deep_ep import Buffer, Config, normal, normal_mode
 
 
@@ -107,40 +108,53 @@ def test_a_dead_handle_or_an_evicted_buffer_is_never_used(cached):
     assert not buf._known_dispatches
 
 
-def test_the_kernels_buffers_send_the_rows_in_one_launch_without_a_handle(cached):
-    """On a buffer that launches (the kernels'), a cached dispatch's rows go out through ``launch_dispatch``
-    (no handle kept, no checks: its routing is the cached handle's), which also copies them into the
-    caller's tensors (``deliver``) and, for FP8 rows, puts them together from the values and scales
-    (``assemble``: no torch copy before it either); the combines noted before are forgotten, as every
-    dispatch does."""
+@pytest.mark.parametrize("latest", [True, False])
+def test_the_kernels_buffers_send_the_rows_in_one_launch_without_a_handle(cached, latest):
+    """On a buffer that launches (the kernels'), a cached dispatch's rows go out in one launch with no handle
+    kept and no checks (its routing is the cached handle's): ``launch_cached_dispatch`` (no layout) while the
+    handle is the buffer's latest dispatch's, else ``launch_dispatch`` on its ids and weights. The launch also
+    copies them into the caller's tensors (``deliver``) and, for FP8 rows, puts them together from the values
+    and scales (``assemble``: no torch copy before it either); the combines noted before are forgotten, as
+    every dispatch does."""
     buf = cached[0]
     calls = []
 
     class Launching:
+        def is_latest(self, handle):
+            return latest
+
         def launch_dispatch(self, *args, **kwargs):
-            calls.append((args, kwargs))
+            calls.append(("launch_dispatch", args, kwargs))
+
+        def launch_cached_dispatch(self, *args, **kwargs):
+            calls.append(("launch_cached_dispatch", args, kwargs))
 
     h = 256
     ids, w = torch.zeros(3, 1, dtype=torch.int32), torch.zeros(3, 1)
+    sent = DispatchHandle(ids, w, torch.zeros(3, 1, dtype=torch.int32), 3, "scatter", "rank")
     into = (3, (torch.empty(3, 2),))
     plain = normal.RowFormat(torch.bfloat16, h)
     x = torch.zeros(3, h, dtype=torch.bfloat16)
     buf._combined.add(("some", "buffer"))
-    got = buf._rows_sent_on(Launching(), plain, x, None, ids, w, into)
+    got = buf._rows_sent_on(Launching(), plain, x, None, sent, into)
     assert got is None and not buf._combined
-    (args, kwargs), = calls
-    assert args[0].data_ptr() == x.data_ptr() and args[1] is ids and args[2] is w
-    assert kwargs == {"layout": "rank", "deliver": into}
+    (name, args, kwargs), = calls
+    assert args[0].data_ptr() == x.data_ptr()
+    if latest:
+        assert name == "launch_cached_dispatch" and args[1] is sent and kwargs == {"deliver": into}
+    else:
+        assert name == "launch_dispatch" and args[1] is ids and args[2] is w
+        assert kwargs == {"layout": "rank", "deliver": into}
     calls.clear()
     fp8 = normal.RowFormat(torch.float8_e4m3fn, h, torch.float32, h // 128)
     values, scales = _fp8(x.float().add(1).to(torch.bfloat16))
-    buf._rows_sent_on(Launching(), fp8, values, scales, ids, w, into)
-    (args, kwargs), = calls
+    buf._rows_sent_on(Launching(), fp8, values, scales, sent, into)
+    (name, args, kwargs), = calls
     assert args[0].shape == (3, fp8.elems) and args[0].dtype == torch.bfloat16  # written by the launch
     assert kwargs["assemble"][0] is values and kwargs["assemble"][1] is scales and kwargs["deliver"] is into
     calls.clear()
-    buf._rows_sent_on(Launching(), fp8, values, scales.double(), ids, w, into)  # converted: packed here
-    (args, kwargs), = calls
+    buf._rows_sent_on(Launching(), fp8, values, scales.double(), sent, into)  # converted: packed here
+    (name, args, kwargs), = calls
     assert "assemble" not in kwargs and torch.equal(args[0], fp8.pack(values, scales, None, None))
 
 
@@ -157,6 +171,9 @@ def test_a_cached_dispatch_on_the_kernels_returns_the_tensors_it_had_them_delive
     sent = []
 
     class Launching:
+        def is_latest(self, handle):
+            return False
+
         def launch_dispatch(self, rows, ids, weights, layout, deliver, assemble=None):
             n, parts = deliver
             sent.append((n, parts))

@@ -484,7 +484,7 @@ def _cached_rows(mode: NormalMode, buf: Any, fmt: normal.RowFormat, route: _Norm
     sent = route.dispatch_handle
     rows = min(route.num_recv, mode.group_size * route.max_tokens)
     outputs = recv_x, recv_scales, _ = fmt.outputs(route.num_recv, x.device)
-    received = mode._rows_sent_on(buf, fmt, x, scales, sent.topk_idx, sent.topk_weights,
+    received = mode._rows_sent_on(buf, fmt, x, scales, sent,
                                   fmt.delivery(rows, outputs))
     if received is not None:  # the host backends: copied here
         fmt.unpack(received[:rows], route.num_recv, outputs)

@@ -204,26 +204,30 @@ class BufferPool:
             return buf.dispatch(x, ids, weights, layout=layout, sync=False, deliver=into)
         return buf.dispatch(x, ids, weights, layout=layout, sync=False)
 
-    def _rows_sent_on(self, buf: Any, fmt: Any, x: Tensor, scales: Tensor | None, ids: Tensor,
-                      weights: Tensor, into: tuple[int, tuple[Tensor, ...]]) -> Tensor | None:
-        """A rank-layout dispatch of x (and its scales) in rows of ``fmt`` (``normal.RowFormat``) whose handle
-        nobody keeps (a cached dispatch: its routing is the cached handle's, checked before). On the kernels
-        one launch (``EpBuffer.launch_dispatch``: none of ``dispatch()``'s argument checks, handle storage or
-        result views, which only a kept handle needs) that puts the rows together from x and the scales
-        where it can (``fmt.assembly``) and copies the first ``into[0]`` received rows into the parts
-        ``into[1]``: returns None. On the host backends: the received rows, [capacity, W] of the buffer,
-        for the caller to copy."""
+    def _rows_sent_on(self, buf: Any, fmt: Any, x: Tensor, scales: Tensor | None, sent: Any,
+                      into: tuple[int, tuple[Tensor, ...]]) -> Tensor | None:
+        """A rank-layout dispatch of x (and its scales) in rows of ``fmt`` (``normal.RowFormat``) along the
+        routing of ``sent`` (a cached dispatch: the cached handle's ``DispatchHandle``, checked before), with
+        no handle kept. On the kernels one launch that puts the rows together from x and the scales where
+        it can (``fmt.assembly``) and copies the first ``into[0]`` received rows into the parts ``into[1]``:
+        ``EpBuffer.launch_cached_dispatch`` (no layout) while ``sent`` is the buffer's latest dispatch, else
+        ``launch_dispatch`` on its ids and weights (none of ``dispatch()``'s argument checks, handle storage
+        or result views, which only a kept handle needs); returns None. On the host backends: the received
+        rows, [capacity, W] of the buffer, for the caller to copy."""
         self._combined.clear()  # a dispatch orders every rank's earlier combines before later writes
+        ids, weights = sent.topk_idx, sent.topk_weights
         launch = getattr(buf, "launch_dispatch", None)  # the kernels' buffers (the host backends: dispatch)
         if launch is None:
             rows = fmt.pack(x, scales, None, None)
             return buf.dispatch(rows, ids, weights, layout="rank", sync=False).recv_x
         parts = fmt.assembly(x, scales)
-        if parts is None:
-            launch(fmt.pack(x, scales, None, None), ids, weights, layout="rank", deliver=into)
-        else:  # the launch writes the rows
-            rows = torch.empty((x.shape[0], fmt.elems), dtype=torch.bfloat16, device=x.device)
-            launch(rows, ids, weights, layout="rank", deliver=into, assemble=parts)
+        rows = fmt.pack(x, scales, None, None) if parts is None else torch.empty(
+            (x.shape[0], fmt.elems), dtype=torch.bfloat16, device=x.device)  # the launch writes these rows
+        extra = {"deliver": into} if parts is None else {"deliver": into, "assemble": parts}
+        if buf.is_latest(sent):  # the routing's slots and counts are still the buffer's: no layout
+            buf.launch_cached_dispatch(rows, sent, **extra)
+        else:
+            launch(rows, ids, weights, layout="rank", **extra)
         return None
 
     def _fence(self, key: tuple) -> None:

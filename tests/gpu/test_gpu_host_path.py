@@ -7,6 +7,8 @@ and combine on a communication stream beside a GEMM.
 - ``combine`` and ``dispatch(sync=False)`` make no host sync (torch's sync debug mode raises on one), a
   synced ``dispatch`` makes one; the sync-free dispatch returns worst-case views with the count on the
   device, eagerly and replayed in a CUDA graph, with the synced call's results.
+- a cached dispatch (``launch_cached_dispatch``, no layout) receives what a full dispatch of the same rows
+  along the same routing receives, bit for bit, and leaves its counts;
 - a dispatch copies its received rows into the caller's tensors in its own launch when asked
   (``deliver``), byte for byte, split into parts; and puts the rows it sends together from values and
   strided words first (``assemble``).
@@ -17,6 +19,7 @@ and combine on a communication stream beside a GEMM.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 import time
@@ -219,6 +222,51 @@ def test_a_dispatch_assembles_its_rows_from_values_and_strided_words_in_its_laun
         torch.cuda.synchronize()
         assert torch.equal(rows.view(torch.uint8), want)
         assert torch.equal(buf.recv_x[:n].view(torch.uint8), received.view(torch.uint8))
+        buf.check_ran()
+
+
+CACHED_CASES = [("expert", False, True), ("expert", False, False), ("rank", False, True),
+                ("rank", False, False), ("rank", True, True)]  # (layout, fp8, layout folded in)
+
+
+@pytest.mark.parametrize("layout,fp8,fold", CACHED_CASES)
+def test_a_cached_dispatch_sends_new_rows_along_the_latest_routing(runtime, layout, fp8, fold):
+    """``launch_cached_dispatch(x2, handle)`` on the latest dispatch's handle (no layout runs; the layout
+    folded into the dispatch or a kernel of its own otherwise): three calls in a row, from poisoned
+    receive buffers, receive byte for byte what a full dispatch of x2 along the same routing receives (rows,
+    source tags, weights, the rank layout's ids and weights), and leave its counts; a combine on the handle
+    after them sums right."""
+    cfg, rank, (x, idx, w) = _setup(runtime, seed=17)
+    if not fold:
+        cfg = dataclasses.replace(cfg, layout_in_dispatch=0)
+    idx = idx.to(torch.int32)
+    g = torch.Generator().manual_seed(runtime.seed + 53 * rank)
+    x2 = torch.randn(x.shape, generator=g).to(x.dtype).to(runtime.device)
+    names = ("recv_x", "recv_src", "recv_w") + (("recv_topk_idx", "recv_topk_w") if layout == "rank" else ())
+    with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
+        full = buf.dispatch(x2, idx, w, layout=layout, fp8=fp8)
+        n = full.num_recv
+        want = {name: getattr(buf, name)[:n].clone() for name in names}
+        counts = buf.tokens_per_expert.clone()
+        res = buf.dispatch(x, idx, w, layout=layout, fp8=fp8)  # the handle: the same routing, x's rows
+        assert res.num_recv == n
+        buf.poison()
+        for _ in range(3):
+            assert buf.launch_cached_dispatch(x2, res.handle, fp8=fp8) is res.handle
+        torch.cuda.synchronize()
+        for name in names:
+            got = getattr(buf, name)[:n]
+            assert torch.equal(got.view(torch.uint8), want[name].view(torch.uint8)), name
+        assert torch.equal(buf.tokens_per_expert, counts) and int(buf.num_recv[0]) == n
+        buf.check_ran()  # each call advanced the layout's and the dispatch's epochs
+        if not fp8:
+            y = buf.expert_output(n)
+            y.copy_(buf.recv_x[:n])
+            out = buf.combine(y, res.handle)
+            rc = check_combine(out, idx, w, y, local_world_size=cfg.local_world_size,
+                               num_experts=cfg.num_experts, scatter=res.handle.scatter,
+                               require_coverage=False, group=runtime.cpu_group)
+            assert rc.passed, rc.message
         buf.check_ran()
 
 

@@ -1,0 +1,71 @@
+"""A dispatch along the routing of the buffer's latest dispatch (``CachedDispatch``, part of
+``cute_ep.buffer.EpBuffer``): DeepEP's cached dispatch. The rows of a new x go where that dispatch's rows
+went, with no layout: its slots, received counts and source tags hold, so the launch only waits for every
+rank to enter the call before it sends (kernels/dispatch.py, "Routed"). Uses: a second tensor of the same
+tokens, the gradient sent back along a combine's routing, DeepEP's ``dispatch(x, handle=handle)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cute_ep.api import DispatchHandle
+from cute_ep.gpu_checks import is_latest_dispatch
+from cute_ep.kernels.config import DISPATCH_ALGORITHMS, MODES, OP_DISPATCH
+from cute_ep.kernels.variants import variant
+
+__all__ = ["CachedDispatch"]
+
+
+class CachedDispatch:
+    """``launch_cached_dispatch`` of an ``EpBuffer`` (its ``_launch``, ``cfg``, ``algorithm`` and the
+    routing of its latest dispatch, ``_sent``)."""
+
+    _launch: Any
+    _sent: tuple[torch.Tensor, torch.Tensor] | None
+    _latest_scatter: torch.Tensor | None
+    algorithm: str
+    cfg: Any
+
+    def is_latest(self, handle: DispatchHandle) -> bool:
+        """Whether ``handle`` is this buffer's latest dispatch's (no dispatch or layout since): what
+        ``launch_cached_dispatch`` and the expert layout's reduced combine need."""
+        return is_latest_dispatch(handle, self._sent)
+
+    def launch_cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle, fp8: bool | int = False, *,
+                               deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None,
+                               assemble: tuple[torch.Tensor, torch.Tensor] | None = None) -> DispatchHandle:
+        """Enqueue the dispatch of x [T, H] along ``handle``'s routing (one launch of the module, no layout,
+        no host sync: capturable). Collective: every rank passes the handle of its own latest dispatch.
+
+        handle: the latest dispatch's (``is_latest``), of the expert or rank layout, T = handle.num_tokens;
+        its routing tensors unchanged since (the kernels read its slots, ids and weights where they are).
+        x: as ``launch_dispatch`` takes it (contiguous, cfg.dtype; FP8 with ``fp8``); deliver / assemble:
+        as there. The results are where that dispatch left them: ``recv_x`` (or the FP8 views), with the
+        same count, ``tokens_per_expert``, ``recv_src``, ``recv_w`` (the rank layout's ``recv_topk_idx`` /
+        ``recv_topk_w``), now with x's rows. Returns ``handle``, still the latest dispatch's.
+
+        ``ValueError`` for a handle that is not the latest dispatch's (a dispatch or a layout ran since:
+        dispatch anew), of the low-latency layout, or for T rows of x other than the handle's.
+        """
+        if handle.layout not in ("expert", "rank"):
+            raise ValueError(f"launch_cached_dispatch takes an expert- or rank-layout handle, got layout "
+                             f"{handle.layout!r}: dispatch anew")
+        if not self.is_latest(handle):
+            raise ValueError("launch_cached_dispatch needs the handle of this buffer's latest dispatch (its "
+                             "slots and receive counts are that dispatch's on every rank); a dispatch or a "
+                             "layout ran since: dispatch anew")
+        t = x.shape[0] if x.dim() else -1
+        if t != handle.num_tokens:
+            raise ValueError(f"x must have the handle's {handle.num_tokens} rows, got shape {tuple(x.shape)}")
+        by_rank = handle.layout == "rank"
+        sent, latest = self._sent, self._latest_scatter
+        # Slots from the handle (MODE_SCATTER: an atomic-mode dispatch wrote its slots back there).
+        self._launch(OP_DISPATCH, t, x=x, idx=handle.topk_idx, w=handle.topk_weights, scatter=handle.scatter,
+                     mode=MODES["scatter"], fp8=fp8, deliver=deliver, assemble=assemble if t else None,
+                     algo=DISPATCH_ALGORITHMS[self.algorithm], routed=1,
+                     **variant(handle.layout, None if by_rank else self.cfg.combine_algorithm).scalars)
+        self._sent, self._latest_scatter = sent, latest  # still that dispatch's slots and counts
+        return handle
