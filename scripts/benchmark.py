@@ -32,7 +32,10 @@ and dispatch mode (--modes), with hidden H, top-k K, E experts (defaults: DeepSe
     * T <= --validate-max-tokens: first one bit-exact round on input set 0 (dispatch layout, rows,
       weights, tags; a non-identity test expert; combine), checked on every rank; a mismatch aborts.
     * dispatch: CUDA events around ``EpBuffer.launch_dispatch`` (the layout kernel, with its count
-      exchange, AND the dispatch kernel: both are in the dispatch time).
+      exchange, AND the dispatch kernel: both are in the dispatch time). In the rank layout also the
+      cached dispatch (row ``rank+cached``: ``EpBuffer.launch_cached_dispatch`` along the latest dispatch's
+      routing, no layout; DeepEP's cached dispatch is its counterpart), checked first against a full
+      dispatch of the same rows; its combine column repeats the rank row's.
     * combine: after one real dispatch per input set (for its handle), CUDA events around
       ``EpBuffer.launch_combine`` (the kernels read the handle's own [T, K] int32 slots in place). One
       more real combine checks afterwards that every timed launch ran.
@@ -75,6 +78,7 @@ and dispatch mode (--modes), with hidden H, top-k K, E experts (defaults: DeepSe
       group), its algorithmic bandwidth the pull formula's (pairs_off rows), as for NCCL. With the rank
       layout a row "rank+reduced" times its combine pushed (``EpBuffer.pushes``: the latest dispatch's
       handle) beside the row "rank", pulled (``launch_combine(..., "pull")``), both reading ``recv_y``.
+      The row "rank+cached" (every run with the rank layout) is the cached dispatch described above.
 
     * Link rate (``dispatch_link_gbps``): the mean over ranks of rows_off x the row's bytes, over the
       slowest rank's median dispatch time (bytes that cross the link once per destination rank; no
@@ -329,6 +333,29 @@ def checked_rank_round(buf: Any, cfg: Any, runtime: Any, s: bt.InputSet, tag: st
     say(f"{tag} checked: dispatch and combine bit-identical to the reference")
 
 
+def checked_cached_round(buf: Any, runtime: Any, s: bt.InputSet, other: Any, tag: str, say: Any) -> None:
+    """A cached rank-layout dispatch (``launch_cached_dispatch``) of the rows ``other`` along ``s``'s routing
+    receives, byte for byte, what a full dispatch of ``other`` along it does (rows, source tags, local ids
+    and weights), from poisoned receive buffers; raise CheckFailed on every rank otherwise."""
+    import torch
+
+    from cute_ep.tools.cli import all_gather
+
+    names = ("recv_x", "recv_src", "recv_topk_idx", "recv_topk_w")
+    n = buf.dispatch(other, s.idx, s.w, layout="rank").num_recv
+    want = [getattr(buf, name)[:n].clone() for name in names]
+    res = buf.dispatch(s.x, s.idx, s.w, layout="rank")
+    buf.poison()
+    buf.launch_cached_dispatch(other, res.handle)  # on the stream the comparisons below run on
+    bad = [name for name, w in zip(names, want, strict=True)
+           if not torch.equal(getattr(buf, name)[:n].view(torch.uint8), w.view(torch.uint8))]
+    everyone = all_gather(bad, runtime.cpu_group)
+    if any(everyone):
+        raise CheckFailed(f"{tag}: the cached dispatch's {sorted({n for b in everyone for n in b})} differ "
+                          f"from a full dispatch's; not timing it")
+    say(f"{tag} checked: the cached dispatch receives what the full one does")
+
+
 def measure(
     buf: Any,
     cfg: Any,
@@ -465,6 +492,18 @@ def measure(
             push_c = br.median(timer.run(rank_push, args.warmup, args.iters))
             buf.check_ran()
             add_row("rank+reduced", "rank", checked, rank_d, nccl_d, 0, push_c)
+        # DeepEP's cached dispatch's counterpart: the latest dispatch's routing again, no layout.
+        if checked:  # other rows than set -1's own: its x with the tokens' rows rotated
+            tag = f"[{routing} T={tokens} rank cached]"
+            checked_cached_round(buf, runtime, sets[-1], sets[-1].x.roll(1, 0), tag, say)
+        latest = buf.dispatch(sets[-1].x, sets[-1].idx, sets[-1].w, layout="rank").handle
+
+        def rank_cached(i: int) -> None:
+            buf.launch_cached_dispatch(sets[i % n].x, latest)
+
+        cached_d = br.median(timer.run(rank_cached, args.warmup, args.iters))
+        buf.check_ran()
+        add_row("rank+cached", "rank", checked, cached_d, nccl_d, 0, rank_c)
     for mode in args.mode_list if "expert" in args.layout_list else ():
         checked = tokens <= args.validate_max_tokens
         if checked:

@@ -24,7 +24,9 @@ What is timed, per tokens T and variant (one row each):
       offset-aware SwiGLU ("kernel") and with the plain SwiGLU over the whole worst-case buffer
       ("plain"), overlap off (everything on the current stream) and on (dispatch and combine on a
       high-priority communication stream within ``--num-sms`` SMs, the shared expert meanwhile); with
-      --green-context also overlap + the compute confined to a green context of SMs - num_sms.
+      --green-context also overlap + the compute confined to a green context of SMs - num_sms; with
+      --sync also the kernel SwiGLU rows with ``MoELayer(sync=True)`` (one host sync per dispatch, the
+      GEMMs over the rows received instead of the worst-case buffer; rows marked ``sync``).
     * ``a2a``: the same layer on ``A2aEpBuffer`` (NCCL all_to_all_single; one host sync per dispatch).
     * ``deepep`` (forward only; when ``import deep_ep`` works and the world suits its intranode kernels:
       cute_ep/tools/bench_peers.py): the layer's router, DeepEP's layout + dispatch (host sync included),
@@ -103,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--num-sms", type=int, default=24, help="SMs of the communication kernels (EpConfig)")
     p.add_argument("--green-context", action="store_true", help="also time the compute in a green context")
+    p.add_argument("--sync", action="store_true",
+                   help="also time the layer with sync=True (one host sync per dispatch; the experts' GEMMs "
+                        "then run over the rows received instead of the worst-case buffer)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -225,6 +230,8 @@ def row_label(row: dict[str, Any]) -> str:
         parts.append("overlap")
     if row["green_context"]:
         parts.append("green")
+    if row.get("sync") and row["backend"] == "cute":  # older reports have no such field
+        parts.append("sync")
     return " ".join(parts)
 
 
@@ -348,15 +355,17 @@ def build_layer(args: argparse.Namespace, buf: Any, device: Any) -> Any:
 
 
 def variants(args: argparse.Namespace, backend: str, on_gpu: bool) -> list[dict[str, Any]]:
-    """(swiglu, overlap, green_context) of every row of ``backend``."""
+    """(swiglu, overlap, green_context, sync) of every row of ``backend``."""
     if backend == "cute":
-        out = [dict(swiglu=s, overlap=o, green_context=False)
+        out = [dict(swiglu=s, overlap=o, green_context=False, sync=False)
                for s in ("kernel", "plain") for o in (False, True)]
+        if args.sync:
+            out += [dict(swiglu="kernel", overlap=o, green_context=False, sync=True) for o in (False, True)]
         if args.green_context:
-            out.append(dict(swiglu="kernel", overlap=True, green_context=True))
+            out.append(dict(swiglu="kernel", overlap=True, green_context=True, sync=False))
         return out
-    return [dict(swiglu="kernel" if on_gpu else "torch", overlap=False, green_context=False)] + (
-        [] if on_gpu else [dict(swiglu="plain", overlap=False, green_context=False)])
+    return [dict(swiglu="kernel" if on_gpu else "torch", overlap=False, green_context=False, sync=False)] + (
+        [] if on_gpu else [dict(swiglu="plain", overlap=False, green_context=False, sync=False)])
 
 
 def measure_layer(args: argparse.Namespace, runtime: Any, layer: Any, backend: str, tokens: int,
@@ -373,6 +382,7 @@ def measure_layer(args: argparse.Namespace, runtime: Any, layer: Any, backend: s
                     live_rows=None, buffer_rows=layer.cfg.capacity, skipped="no green context")
     layer.swiglu = variant["swiglu"]
     layer.overlap = variant["overlap"]
+    layer.sync = variant["sync"]
     layer.comm_stream = comm if (variant["overlap"] or variant["green_context"]) else None
     layer.gemm_stream = green if variant["green_context"] else None
     x, g = inputs(args, env.rank, tokens, dev, layer.cfg.dtype)
@@ -452,8 +462,8 @@ def deepep_rows(args: argparse.Namespace, runtime: Any, cfg: Any, layer: Any, sa
                                 ranks_per_host=env.physical_local_world_size, dtype=args.dtype,
                                 hidden=cfg.hidden, experts_per_rank=cfg.experts_per_rank, topk=cfg.topk)
     why = bp.first_reason(all_gather_objects(why, runtime.cpu_group))
-    base = dict(backend="deepep", swiglu="kernel", overlap=False, green_context=False, fwd_bwd_us=None,
-                fwd_bwd_us_ranks=None, live_rows=None, buffer_rows=None)
+    base = dict(backend="deepep", swiglu="kernel", overlap=False, green_context=False, sync=True,
+                fwd_bwd_us=None, fwd_bwd_us_ranks=None, live_rows=None, buffer_rows=None)
     if why is not None:
         return [dict(base, tokens=t, forward_us=None, forward_us_ranks=None, skipped=why)
                 for t in args.token_list]

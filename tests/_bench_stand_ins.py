@@ -21,11 +21,15 @@ from cute_ep.tools import bench_peers as bp
 
 
 class Launching(ReferenceEpBuffer):
-    """ReferenceEpBuffer plus the two sync-free launches of EpBuffer (here: synchronous)."""
+    """ReferenceEpBuffer plus the sync-free launches of EpBuffer (here: synchronous)."""
 
     def launch_dispatch(self, x, idx, w, mode="scatter", fp8=False, layout="expert"):
         assert idx.dtype.itemsize == 4  # the script converts topk_idx to int32 once
         self.dispatch(x, idx, w, mode, fp8=fp8, layout=layout)
+
+    def launch_cached_dispatch(self, x, handle):  # the same routing again: the same rows land alike
+        self.dispatch(x, handle.topk_idx, handle.topk_weights, layout=handle.layout)
+        return handle
 
     def launch_combine(self, handle, out, algorithm=None):  # y: the rows the sync-free views cover
         rank = handle.layout == "rank"  # one result, pulled or pushed: the reference takes no algorithm

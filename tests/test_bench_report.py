@@ -720,10 +720,13 @@ def test_sweep_times_the_rank_layout_as_its_own_checked_rows(tmp_path):
     assert codes == [0, 0, 0, 0], out[-6000:]
     rows = br.load_json(out_json)["rows"]
     assert [(r["tokens"], r["mode"], r["layout"], r["checked"]) for r in rows] == [
-        (8, "rank", "rank", True), (8, "scatter", "expert", True),
-        (24, "rank", "rank", False), (24, "scatter", "expert", False),
+        (8, "rank", "rank", True), (8, "rank+cached", "rank", True), (8, "scatter", "expert", True),
+        (24, "rank", "rank", False), (24, "rank+cached", "rank", False), (24, "scatter", "expert", False),
     ]
     assert "[skewed T=8 rank layout] checked: dispatch and combine bit-identical to the reference" in out
+    assert "[skewed T=8 rank cached] checked: the cached dispatch receives what the full one does" in out
+    for full, cached in zip(rows[0::3], rows[1::3], strict=True):  # the cached row repeats the combine
+        assert cached["combine_us"] == full["combine_us"]
     assert br.load_json(out_json)["meta"]["config"]["layouts"] == ["expert", "rank"]
 
 
@@ -738,9 +741,10 @@ def test_sweep_times_the_rank_layouts_pushed_combine_beside_its_pull(tmp_path):
     assert codes == [0, 0, 0, 0], out[-6000:]
     rows = br.load_json(out_json)["rows"]
     assert [(r["tokens"], r["mode"], r["layout"]) for r in rows] == [
-        (8, "rank", "rank"), (8, "rank+reduced", "rank"), (24, "rank", "rank"), (24, "rank+reduced", "rank"),
+        (8, "rank", "rank"), (8, "rank+reduced", "rank"), (8, "rank+cached", "rank"),
+        (24, "rank", "rank"), (24, "rank+reduced", "rank"), (24, "rank+cached", "rank"),
     ]
-    for pulled, pushed in zip(rows[::2], rows[1::2], strict=True):
+    for pulled, pushed in zip(rows[::3], rows[1::3], strict=True):
         assert pushed["dispatch_us"] == pulled["dispatch_us"]
 
 

@@ -88,6 +88,20 @@ def test_bad_arguments_exit_2(argv, message):
     assert_argument_error(run_single(SCRIPT, *argv, timeout=60), message)
 
 
+def test_sync_adds_the_synced_kernel_rows_of_the_kernels_backend(bench):
+    """--sync: the kernel SwiGLU rows again with ``MoELayer(sync=True)`` (overlap off and on), labelled as
+    such; without it, and for the other backends, every row is sync-free."""
+    args = bench.parse_args(["--sync"])
+    rows = bench.variants(args, "cute", True)
+    assert [(r["swiglu"], r["overlap"], r["sync"]) for r in rows if r["sync"]] == [
+        ("kernel", False, True), ("kernel", True, True)]
+    assert bench.row_label(dict(rows[-1], backend="cute")) == "cute kernel overlap sync"
+    assert not any(r["sync"] for r in bench.variants(bench.parse_args([]), "cute", True))
+    assert not any(r["sync"] for r in bench.variants(args, "a2a", True))
+    assert bench.row_label({"backend": "deepep", "swiglu": "kernel", "overlap": False,
+                            "green_context": False, "sync": True}) == "deepep kernel"
+
+
 @pytest.mark.parametrize("path", COMMITTED, ids=[p.name for p in COMMITTED])
 def test_committed_reports_are_valid(bench, path: Path):
     bench.check_report(json.loads(path.read_text()))

@@ -823,7 +823,8 @@ def plot_peers(report: Mapping[str, Any], png_path: str | Path) -> Path:
     """Time vs tokens per rank (log-log) for each SM budget: ours, DeepEP (at its budget) and NCCL.
 
     One row of panels per routing, dispatch on the left and combine on the right. Ours: solid, one
-    colour per budget (one marker per mode; "+reduced" rows only on combine, "+fp8" only on dispatch);
+    colour per budget (one marker per mode; "+reduced" rows only on combine, "+fp8" and "+cached" only on
+    dispatch);
     DeepEP: dashed (and, for dispatch, dotted: + the expert-major permute); NCCL: black dash-dot (it takes
     no SM budget: the first budget's measurement). Rows without the results fields are ignored. Renders
     with the Agg canvas; returns the path written."""
@@ -854,7 +855,8 @@ def plot_peers(report: Mapping[str, Any], png_path: str | Path) -> Path:
                 color = f"C{bi % 10}"
                 at_b = [r for r in mine if r["num_sms"] == b]
                 for mi, mode in enumerate(modes):
-                    if (op == "dispatch" and "+reduced" in mode) or (op == "combine" and "+fp8" in mode):
+                    if (op == "dispatch" and "+reduced" in mode) or (
+                            op == "combine" and ("+fp8" in mode or "+cached" in mode)):
                         continue
                     sel = [r for r in at_b if r.get("mode", "-") == mode]
                     label = f"cute-ep {b} SMs" + (f" ({mode})" if len(modes) > 1 else "")
