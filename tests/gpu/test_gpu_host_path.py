@@ -31,7 +31,7 @@ from cute_ep.buffer import EpBuffer
 from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
 from cute_ep.reference import apply_test_expert
-from cute_ep.validators.checks import check_combine, check_dispatch
+from cute_ep.validators.checks import check_combine, check_dispatch, check_rank_combine
 
 pytestmark = pytest.mark.gpu
 
@@ -263,9 +263,12 @@ def test_a_cached_dispatch_sends_new_rows_along_the_latest_routing(runtime, layo
             y = buf.expert_output(n)
             y.copy_(buf.recv_x[:n])
             out = buf.combine(y, res.handle)
-            rc = check_combine(out, idx, w, y, local_world_size=cfg.local_world_size,
-                               num_experts=cfg.num_experts, scatter=res.handle.scatter,
-                               require_coverage=False, group=runtime.cpu_group)
+            common = dict(local_world_size=cfg.local_world_size, num_experts=cfg.num_experts,
+                          require_coverage=False, group=runtime.cpu_group)
+            if layout == "rank":  # a row per (token, rank): the sum over ranks, no weights
+                rc = check_rank_combine(out, idx, res.handle.scatter, y, **common)
+            else:
+                rc = check_combine(out, idx, w, y, scatter=res.handle.scatter, **common)
             assert rc.passed, rc.message
         buf.check_ran()
 
