@@ -17,7 +17,8 @@ PERF = Path(__file__).resolve().parents[1] / "baselines" / "perf"
 # MoE-layer reports (scripts/moe_layer_bench.py) by test_moe_layer_bench.py, DeepEP's own tests side by side
 # (scripts/deep_ep_tests.py) by test_deep_ep_tests_report.py, the public calls' reports
 # (scripts/public_calls.py) by test_public_calls_script.py.
-OTHER_SCHEMAS = ("_decode", "_echo", "_moe_layer", "_deep_ep_tests", "_public_calls")
+# Launch-cost reports (scripts/launch_cost.py) by test_launch_cost_script.py.
+OTHER_SCHEMAS = ("_decode", "_echo", "_moe_layer", "_deep_ep_tests", "_public_calls", "_launch_cost")
 REPORTS = sorted(p for p in PERF.glob("*.json") if not p.stem.endswith(OTHER_SCHEMAS)
                  and not p.stem.startswith(("echo_", "moe_layer_")))
 
@@ -41,7 +42,10 @@ def test_report_holds_every_configuration_of_its_sweep(path):
         labels += [m for m in cfg["modes"] if "pull" in cfg.get("combines", ["pull"])]
         labels += [f"{m}+reduced" for m in cfg["modes"] if "reduced" in cfg.get("combines", [])]
     if "rank" in layouts:
+        # "rank+reduced": the rank layout's combine pushed; "rank+cached": its cached dispatch. Reports made
+        # before these rows existed have none of them; a report that has one has it everywhere.
         labels.append("rank")
+        labels += [m for m in ("rank+reduced", "rank+cached") if any(r["mode"] == m for r in report["rows"])]
     # A sweep over SM budgets (--num-sms) repeats every configuration per budget; older reports have one
     # budget and may not name it in meta.
     budgets = report["meta"].get("num_sms_budgets") or sorted({r.get("num_sms") for r in report["rows"]})
