@@ -48,7 +48,8 @@ class CachedDispatch:
         ``recv_topk_w``), now with x's rows. Returns ``handle``, still the latest dispatch's.
 
         ``ValueError`` for a handle that is not the latest dispatch's (a dispatch or a layout ran since:
-        dispatch anew), of the low-latency layout, or for T rows of x other than the handle's.
+        dispatch anew), of the low-latency layout, with slots other than [T, K] contiguous int32, or for T
+        rows of x other than the handle's.
         """
         if handle.layout not in ("expert", "rank"):
             raise ValueError(f"launch_cached_dispatch takes an expert- or rank-layout handle, got layout "
@@ -60,6 +61,11 @@ class CachedDispatch:
         t = x.shape[0] if x.dim() else -1
         if t != handle.num_tokens:
             raise ValueError(f"x must have the handle's {handle.num_tokens} rows, got shape {tuple(x.shape)}")
+        slots = handle.scatter  # the kernels read them where they are: [T, K] int32, contiguous
+        if slots.dtype != torch.int32 or not slots.is_contiguous() or slots.numel() != t * self.cfg.topk:
+            raise ValueError(f"the handle's scatter must be the dispatch's [{t}, {self.cfg.topk}] int32 "
+                             f"slots, contiguous; got {slots.dtype} of shape {tuple(slots.shape)}: dispatch "
+                             f"anew")
         by_rank = handle.layout == "rank"
         sent, latest = self._sent, self._latest_scatter
         # Slots from the handle (MODE_SCATTER: an atomic-mode dispatch wrote its slots back there).

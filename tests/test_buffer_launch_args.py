@@ -9,6 +9,7 @@ tensors here); the current stream is stood in for, as there is none on a CPU.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -181,7 +182,11 @@ def test_a_cached_dispatch_refuses_what_the_latest_layout_does_not_hold(buf) -> 
     ll = DispatchHandle(latest.topk_idx, latest.topk_weights, latest.scatter, 4, "scatter", "low-latency")
     with pytest.raises(ValueError, match="expert- or rank-layout handle"):
         buf.launch_cached_dispatch(x, ll)
-    assert len(buf._launcher.launches) == 4  # nothing launched by the refused calls
+    latest = buf.dispatch(x, idx, w, sync=False).handle
+    wide = dataclasses.replace(latest, scatter=latest.scatter.long())
+    with pytest.raises(ValueError, match=r"scatter must be the dispatch's \[4, 2\] int32 slots"):
+        buf.launch_cached_dispatch(x, wide)
+    assert len(buf._launcher.launches) == 5  # nothing launched by the refused calls
 
 
 @pytest.mark.parametrize("layout", ["expert", "rank"])
