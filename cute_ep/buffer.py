@@ -304,19 +304,21 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, CachedDispatch, ReceivedViews, 
                           mode: str, fp8: bool | int, algorithm: str | None, layout: str,
                           own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                           mirror_seq: int = 0, deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None,
-                          assemble: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                          assemble: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          routed: torch.Tensor | None = None) -> None:
         """One launch of the module: the layout (its own kernel, or folded into the dispatch's CTAs up to
         cfg.layout_in_dispatch tokens), the dispatch and the fan-out. The slots go to the buffer's
         ``scatter``, or with ``own`` = (slots, ids, weights), contiguous [T, K] int32 / int32 / fp32
         tensors, to the first, and the layout copies ``topk_idx`` / ``topk_weights`` into the others.
         ``mirror_seq`` (not 0): the dispatch's last CTA mirrors the status block into pinned host memory
-        (``StatusBlock.read_mirror``). ``deliver``, ``assemble``: see ``launch_dispatch``."""
+        (``StatusBlock.read_mirror``). ``deliver``, ``assemble``: see ``launch_dispatch``. ``routed``: the
+        latest layout's [T, K] slots, sent on with no layout (``launch_cached_dispatch``; mode "scatter")."""
         by_rank = layout == "rank"
         # The rank layout's rows have one order: its slots always come from the layout kernel.
         kernel_mode = MODES["scatter" if by_rank else mode]
-        self._launch(OP_DISPATCH, x.shape[0], x=x, idx=topk_idx, w=topk_weights, own=own,
-                     mirror_seq=mirror_seq, mode=kernel_mode, fp8=fp8, deliver=deliver, assemble=assemble,
-                     algo=DISPATCH_ALGORITHMS[algorithm or self.algorithm],
+        self._launch(OP_DISPATCH, x.shape[0], x=x, idx=topk_idx, w=topk_weights, own=own, scatter=routed,
+                     routed=int(routed is not None), mirror_seq=mirror_seq, mode=kernel_mode, deliver=deliver,
+                     fp8=fp8, assemble=assemble, algo=DISPATCH_ALGORITHMS[algorithm or self.algorithm],
                      # a reduced-combine buffer makes every expert-layout dispatch record the (token, rank)
                      # groups; the rank layout's dispatch is one for both of its combines
                      **variant(layout, None if by_rank else self.cfg.combine_algorithm).scalars)
@@ -359,9 +361,8 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, CachedDispatch, ReceivedViews, 
 
     def pushes(self, handle: DispatchHandle) -> bool:
         """Whether ``launch_combine(handle, out, "reduced")`` pushes ``handle``'s rows (kernels/rank_push.py,
-        y read where it is) instead of pulling them from ``recv_y``, the same sums: a rank-layout handle of
-        the latest dispatch on a buffer built with ``combine_algorithm="reduced"``. Not the default: slower
-        than the pull (2x H200, 4096 tokens, 24 SMs: 328.2 against 227.6 us; docs/results.md)."""
+        y read where it is), the pull's sums: a rank-layout handle of the latest dispatch, a "reduced" buffer.
+        Not the default: slower than the pull (2x H200, 4096 tokens, 24 SMs: 328.2 against 227.6 us)."""
         return handle.layout == "rank" and self.cfg.combine_algorithm == "reduced" and self.is_latest(handle)
 
     def expert_output(self, num_recv: int) -> torch.Tensor:
@@ -370,8 +371,7 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, CachedDispatch, ReceivedViews, 
         return self.recv_y[:num_recv]
 
     def _count_reader(self) -> Callable[[], int | None]:
-        """Reads this dispatch's received-row count on the device (a host sync), or None once a later
-        dispatch has overwritten it."""
+        """Reads this dispatch's received-row count on the device (a host sync); None once overwritten."""
         serial = self._dispatches
 
         def read() -> int | None:

@@ -13,20 +13,17 @@ import torch
 
 from cute_ep.api import DispatchHandle
 from cute_ep.gpu_checks import is_latest_dispatch
-from cute_ep.kernels.config import DISPATCH_ALGORITHMS, MODES, OP_DISPATCH
-from cute_ep.kernels.variants import variant
 
 __all__ = ["CachedDispatch"]
 
 
 class CachedDispatch:
-    """``launch_cached_dispatch`` of an ``EpBuffer`` (its ``_launch``, ``cfg``, ``algorithm`` and the
-    routing of its latest dispatch, ``_sent``)."""
+    """``launch_cached_dispatch`` of an ``EpBuffer`` (its ``_enqueue_dispatch``, ``cfg`` and the routing of
+    its latest dispatch, ``_sent``)."""
 
-    _launch: Any
+    _enqueue_dispatch: Any
     _sent: tuple[torch.Tensor, torch.Tensor] | None
     _latest_scatter: torch.Tensor | None
-    algorithm: str
     cfg: Any
 
     def is_latest(self, handle: DispatchHandle) -> bool:
@@ -66,12 +63,9 @@ class CachedDispatch:
             raise ValueError(f"the handle's scatter must be the dispatch's [{t}, {self.cfg.topk}] int32 "
                              f"slots, contiguous; got {slots.dtype} of shape {tuple(slots.shape)}: dispatch "
                              f"anew")
-        by_rank = handle.layout == "rank"
         sent, latest = self._sent, self._latest_scatter
-        # Slots from the handle (MODE_SCATTER: an atomic-mode dispatch wrote its slots back there).
-        self._launch(OP_DISPATCH, t, x=x, idx=handle.topk_idx, w=handle.topk_weights, scatter=handle.scatter,
-                     mode=MODES["scatter"], fp8=fp8, deliver=deliver, assemble=assemble if t else None,
-                     algo=DISPATCH_ALGORITHMS[self.algorithm], routed=1,
-                     **variant(handle.layout, None if by_rank else self.cfg.combine_algorithm).scalars)
+        # The handle's slots in scatter mode (an atomic-mode dispatch wrote its slots back there).
+        self._enqueue_dispatch(x, handle.topk_idx, handle.topk_weights, "scatter", fp8, None, handle.layout,
+                               deliver=deliver, assemble=assemble if t else None, routed=slots)
         self._sent, self._latest_scatter = sent, latest  # still that dispatch's slots and counts
         return handle

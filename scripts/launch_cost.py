@@ -138,8 +138,8 @@ def launches(driver: Driver, func: ctypes.c_void_p, stream: int, kind: str, coun
             extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(blob), 2, ctypes.addressof(size), 0)
             kept = (blob, size, extra)
 
-    def one_launch() -> int:
-        return launch(func, 1, 1, 1, 32, 1, 1, 0, stream, params, extra) if kept else -1
+    def one_launch(kept: tuple = kept) -> int:  # kept: the arrays params / extra point into stay alive
+        return launch(func, 1, 1, 1, 32, 1, 1, 0, stream, params, extra)
 
     return one_launch
 

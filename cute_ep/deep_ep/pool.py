@@ -221,9 +221,11 @@ class BufferPool:
             rows = fmt.pack(x, scales, None, None)
             return buf.dispatch(rows, ids, weights, layout="rank", sync=False).recv_x
         parts = fmt.assembly(x, scales)
-        rows = fmt.pack(x, scales, None, None) if parts is None else torch.empty(
-            (x.shape[0], fmt.elems), dtype=torch.bfloat16, device=x.device)  # the launch writes these rows
-        extra = {"deliver": into} if parts is None else {"deliver": into, "assemble": parts}
+        if parts is None:
+            rows, extra = fmt.pack(x, scales, None, None), {"deliver": into}
+        else:  # the launch writes the rows
+            rows = torch.empty((x.shape[0], fmt.elems), dtype=torch.bfloat16, device=x.device)
+            extra = {"deliver": into, "assemble": parts}
         if buf.is_latest(sent):  # the routing's slots and counts are still the buffer's: no layout
             buf.launch_cached_dispatch(rows, sent, **extra)
         else:

@@ -823,11 +823,10 @@ def plot_peers(report: Mapping[str, Any], png_path: str | Path) -> Path:
     """Time vs tokens per rank (log-log) for each SM budget: ours, DeepEP (at its budget) and NCCL.
 
     One row of panels per routing, dispatch on the left and combine on the right. Ours: solid, one
-    colour per budget (one marker per mode; "+reduced" rows only on combine, "+fp8" and "+cached" only on
-    dispatch);
-    DeepEP: dashed (and, for dispatch, dotted: + the expert-major permute); NCCL: black dash-dot (it takes
-    no SM budget: the first budget's measurement). Rows without the results fields are ignored. Renders
-    with the Agg canvas; returns the path written."""
+    colour per budget (one marker per mode; "+reduced" rows only on combine, "+fp8" and "+cached" only
+    on dispatch); DeepEP: dashed (and, for dispatch, dotted: + the expert-major permute); NCCL: black
+    dash-dot (it takes no SM budget: the first budget's measurement). Rows without the results fields are
+    ignored. Renders with the Agg canvas; returns the path written."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
