@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Float32, Int32
 
 from cute_ep.kernels.config import WARP
 
@@ -50,32 +50,46 @@ def token_regs(token_pairs: cute.Tensor, t: Int32, live: cutlass.Boolean, t_safe
 
 
 @cute.jit
-def rank_bit(bits: Int32, raw: Int32, E: Int32, El: Int32, d0: Int32) -> Int32:
-    """``bits`` with the bit of raw id ``raw``'s rank set (if it names an expert on ranks d0 .. d0 + 31)."""
-    out = bits
+def rank_of(raw: Int32, E: Int32, inv_El: Float32) -> Int32:
+    """The rank owning raw id ``raw``'s expert (ranks own El experts each, in order; ``inv_El``: 1 / El in
+    fp32), or -1 if it names none. Why not ``e // El``: an integer division by a run-time value is some
+    twenty instructions, and these walks run their code once per launch, waiting on its fetch. In fp32
+    (e + 0.5) * inv_El is at least 0.5 / El away from an integer, off by less than E / El * 2^-22, so its
+    truncation is e // El for E < 2^21 (kernels.config.MAX_EXPERTS is 6144; checked for every E, El up to
+    it in tests/test_layout_warps.py)."""
+    d = Int32(-1)
     e = valid_id(raw, E)
     if e >= 0:
-        b = e // El - d0
-        if b >= 0:
-            if b < WARP:
-                out = bits | (Int32(1) << b)
-    return out
+        d = Int32((Float32(e) + Float32(0.5)) * inv_El)
+    return d
 
 
 @cute.jit
-def rank_bits(token_pairs: cute.Tensor, ids, t: Int32, live: cutlass.Boolean, K: Int32, E: Int32, El: Int32,
-              d0: Int32, regs: cutlass.Constexpr) -> Int32:
-    """Bit b set: token t (when ``live``) has an expert on rank d0 + b (0 <= b < 32). ``regs``: its ids
-    are the registers ``ids`` (token_regs), else they are read from ``token_pairs``."""
+def rank_bits(token_pairs: cute.Tensor, dests, t: Int32, live: cutlass.Boolean, K: Int32, E: Int32,
+              inv_El: Float32, d0: Int32, regs: cutlass.Constexpr) -> Int32:
+    """Bit b set: token t (when ``live``) has an expert on rank d0 + b (0 <= b < 32). ``regs``: its ids'
+    ranks are the registers ``dests`` (``lane_token``), else they come from ``token_pairs``."""
     bits = Int32(0)
     if live:
         if cutlass.const_expr(regs):
             for k in cutlass.range_constexpr(TOKEN_REGS):
-                bits = rank_bit(bits, ids[k], E, El, d0)
+                bits = bits | rank_bit(dests[k], d0)
         else:
             for k in range(K):
-                bits = rank_bit(bits, token_pairs[t, k], E, El, d0)
+                bits = bits | rank_bit(rank_of(token_pairs[t, k], E, inv_El), d0)
     return bits
+
+
+@cute.jit
+def rank_bit(d: Int32, d0: Int32) -> Int32:
+    """The bit of rank d in the word of ranks d0 .. d0 + 31 (0 if d is not among them, or -1)."""
+    bit = Int32(0)
+    b = d - d0
+    if d >= 0:
+        if b >= 0:
+            if b < WARP:
+                bit = Int32(1) << b
+    return bit
 
 
 @cute.jit
@@ -116,15 +130,20 @@ def count_pairs(pair_ids: cute.Tensor, token_pairs: cute.Tensor, hist: cute.Tens
 
 @cute.jit
 def lane_token(token_pairs: cute.Tensor, base: Int32, lane: Int32, t_start: Int32, t_end: Int32, K: Int32,
-               regs: cutlass.Constexpr):
+               E: Int32, inv_El: Float32, regs: cutlass.Constexpr):
     """The rank layout's walks take a lane per token, 32 tokens per warp step: the lane's token of the step
-    starting at ``base`` as (t, live: t < t_end, its ids: ``token_regs`` when ``regs``, else None)."""
+    starting at ``base`` as (t, live: t < t_end, ids, dests), with ``regs`` its raw ids (``token_regs``)
+    and each one's rank (``rank_of``, found once per id rather than once per id and rank), else None."""
     t = base + lane
     live = t < t_end
     ids = None
+    dests = None
     if cutlass.const_expr(regs):
         ids = token_regs(token_pairs, t, live, t_start, K)
-    return t, live, ids
+        dests = []
+        for k in cutlass.range_constexpr(TOKEN_REGS):
+            dests.append(rank_of(ids[k], E, inv_El))
+    return t, live, ids, dests
 
 
 @cute.jit
@@ -144,8 +163,9 @@ def count_tokens(token_pairs: cute.Tensor, hist: cute.Tensor, rhist: cute.Tensor
     step. The lane checks its token's ids and counts its pairs per expert; a ballot per destination rank
     counts the step's tokens bound there (``rhist``, lane 0 of the warp keeps the running count).
     ``regs``: K <= TOKEN_REGS, the ids in registers."""
+    inv_El = Float32(1.0) / Float32(El)
     for base in range(t_start, t_end, WARP):  # warp-uniform bounds: every lane votes
-        t, live, ids = lane_token(token_pairs, base, lane, t_start, t_end, K, regs)
+        t, live, ids, dests = lane_token(token_pairs, base, lane, t_start, t_end, K, E, inv_El, regs)
         bad = Int32(0)
         if live:
             if cutlass.const_expr(regs):
@@ -157,20 +177,11 @@ def count_tokens(token_pairs: cute.Tensor, hist: cute.Tensor, rhist: cute.Tensor
         if bad != 0:
             cute.arch.atomic_add(invalid.iterator, bad)
         for d0 in range(0, R, WARP):
-            bits = rank_bits(token_pairs, ids, t, live, K, E, El, d0, regs)
+            bits = rank_bits(token_pairs, dests, t, live, K, E, inv_El, d0, regs)
             for b in range(ranks_in_word(R, d0)):
                 ballot = cute.arch.vote_ballot_sync(((bits >> b) & 1) != 0)
                 if lane == 0:
                     rhist[warp * R + d0 + b] = rhist[warp * R + d0 + b] + cute.arch.popc(ballot)
-
-
-@cute.jit
-def place_pair(token_slots: cute.Tensor, t: Int32, k, raw: Int32, d: Int32, row: Int32, E: Int32, El: Int32):
-    """Pair k of token t takes ``row`` if its raw id ``raw`` names an expert on rank d."""
-    e = valid_id(raw, E)
-    if e >= 0:
-        if e // El == d:
-            token_slots[t, k] = row
 
 
 @cute.jit
@@ -180,15 +191,27 @@ def place_tokens(token_pairs: cute.Tensor, token_slots: cute.Tensor, rhist: cute
     """Step 4 of the rank layout: a lane per token, 32 tokens per step. For each destination rank d, a
     ballot of the step's tokens bound for d: a token's row on d is the warp's running row base
     (``rhist``) plus the tokens of earlier lanes bound for d, and every pair of the token on d takes that
-    row. Pairs with no valid id, and every pair of a refused call, get -1. ``regs`` as in count_tokens."""
+    row. Pairs with no valid id, and every pair of a refused call, get -1. ``regs`` as in count_tokens.
+    Why each id's rank is found once, without an integer division (``lane_token``, ``rank_of``): with a
+    division per id and rank, and -1 written before every slot, this step took 3.4 us for one token on an
+    H200, against 0.4 us for the expert layout's pairs."""
     lt = cute.arch.lanemask_lt()
+    inv_El = Float32(1.0) / Float32(El)
     for base in range(t_start, t_end, WARP):  # warp-uniform bounds: every lane votes
-        t, live, ids = lane_token(token_pairs, base, lane, t_start, t_end, K, regs)
+        t, live, ids, dests = lane_token(token_pairs, base, lane, t_start, t_end, K, E, inv_El, regs)
         if live:
-            for k in range(K):
-                token_slots[t, k] = Int32(-1)
+            if cutlass.const_expr(regs):  # -1 where no rank below will place the pair
+                for k in cutlass.range_constexpr(TOKEN_REGS):
+                    if Int32(k) < K:
+                        if dests[k] < 0:
+                            token_slots[t, k] = Int32(-1)
+                        if not accepted:
+                            token_slots[t, k] = Int32(-1)
+            else:
+                for k in range(K):
+                    token_slots[t, k] = Int32(-1)
         for d0 in range(0, R, WARP):
-            bits = rank_bits(token_pairs, ids, t, live, K, E, El, d0, regs)
+            bits = rank_bits(token_pairs, dests, t, live, K, E, inv_El, d0, regs)
             for b in range(ranks_in_word(R, d0)):
                 d = d0 + b
                 bound = ((bits >> b) & 1) != 0
@@ -199,10 +222,12 @@ def place_tokens(token_pairs: cute.Tensor, token_slots: cute.Tensor, rhist: cute
                         row = row_base + cute.arch.popc(Int32(ballot) & Int32(lt))
                         if cutlass.const_expr(regs):
                             for k in cutlass.range_constexpr(TOKEN_REGS):
-                                place_pair(token_slots, t, k, ids[k], d, row, E, El)
+                                if dests[k] == d:
+                                    token_slots[t, k] = row
                         else:
                             for k in range(K):
-                                place_pair(token_slots, t, k, token_pairs[t, k], d, row, E, El)
+                                if rank_of(token_pairs[t, k], E, inv_El) == d:
+                                    token_slots[t, k] = row
                 cute.arch.sync_warp()  # every lane read the base before lane 0 moves it
                 if lane == 0:
                     rhist[warp * R + d] = row_base + cute.arch.popc(ballot)
