@@ -21,9 +21,7 @@ launch (``route``; kernels/dispatch.py), which then sends the same tokens.
    ``cute_ep.reference.reference_layout`` (the sums over experts come from one CTA-wide prefix scan of
    the column sums) — writes this rank's first slot per expert into ``layout_parts`` and publishes
    (2 * epoch). Meanwhile every other CTA sums the earlier CTAs' counts (its first slot relative to this
-   rank's) and then waits for the leader's offsets; the leader sums its own between sending its count row
-   and waiting for the peers' (on one H200, two ranks sharing it, the sum took 1.1-1.3 us of every
-   dispatch's critical path when it came after the offsets);
+   rank's) and then waits for the leader's offsets;
 4. scatter slots: each warp walks its contiguous part of the CTA's pairs in row-major order, 32 at a time;
    a lane's slot is its warp's running base for the expert plus the number of earlier lanes with the same
    expert (``match_sync``, one instruction), so the order inside an (expert, source) group is the (t, k)
@@ -133,10 +131,11 @@ def wait_for_leader(p: EpParams, value: Int64, epoch: Int64):
 
 
 @cute.jit
-def send_count_row(p: EpParams, epoch: Int64, warp: Int32, NT: cutlass.Constexpr):
-    """The leader's half of the count exchange that sends: this rank's row of ``counts`` into row ``rank``
-    of every peer's, raising ``signals[SIGNAL_COUNT, rank]`` there (a warp per peer). After a fault (an
-    earlier timed-out wait) this buffer exchanges nothing more."""
+def exchange_counts(p: EpParams, epoch: Int64, tid: Int32, warp: Int32, NT: cutlass.Constexpr):
+    """The leader's count exchange (every thread of it calls this; it ends with a CTA barrier): this
+    rank's row of ``counts`` into row ``rank`` of every peer's, raising ``signals[SIGNAL_COUNT, rank]``
+    there, then a bounded wait for every peer's row here (a peer that never arrives is recorded in
+    ``fault``). After a fault (an earlier timed-out wait) this buffer exchanges nothing more."""
     R, rank = p.world_size, p.rank
     my_row = p.counts[rank, None]
     my_signal = element(p.signals, (SIGNAL_COUNT, rank))
@@ -144,14 +143,6 @@ def send_count_row(p: EpParams, epoch: Int64, warp: Int32, NT: cutlass.Constexpr
         for q in range(warp, R, NT // WARP):
             if q != rank:
                 nvshmem_cute.put_signal_warp(my_row, my_row, my_signal, epoch, SIGNAL_SET, q)
-
-
-@cute.jit
-def wait_count_rows(p: EpParams, epoch: Int64, tid: Int32, NT: cutlass.Constexpr):
-    """The count exchange's other half: a bounded wait for every peer's row here (a peer that never
-    arrives is recorded in ``fault``); nothing after a fault. Ends with a CTA barrier."""
-    R, rank = p.world_size, p.rank
-    if fault_free(p.fault):
         for q in range(tid, R, NT):
             if q != rank:
                 arrived = wait_signal_ge(element_addr(p.signals, (SIGNAL_COUNT, q)), epoch,
@@ -259,23 +250,24 @@ class LayoutKernel(EpKernel):
         # 2. the CTA's count row; the last CTA to arrive leads
         self.publish_counts(p, hist, rhist, flags, NW, epoch)
 
-        # 3. the last CTA to arrive (the leader: every CTA's counts are in) announced that in ``layout_done``
-        # (2 * epoch - 1); it sends its count row, sums its warps' first slots relative to this rank's first
-        # per column (``relative_warp_bases``, colsum its scratch) while the peers' rows travel, then waits
-        # for them and publishes the offsets (2 * epoch). The other CTAs wait for the first value, sum
-        # theirs, and wait for the second. Columns: experts (per-warp counts in hist, parts' columns 0 ..
-        # E - 1), or in the rank layout destination ranks (rhist, parts' columns E + 1 .. E + R).
+        # 3. the last CTA to arrive (the leader: every CTA's counts are in) announces that in ``layout_done``
+        # (2 * epoch - 1), then runs the count exchange and the offsets and publishes them (2 * epoch). The
+        # other CTAs wait for the first value, sum the earlier CTAs' counts while the leader exchanges, and
+        # wait for the second.
+        leader = flags[2] != 0
+        if leader:
+            self.exchange_and_offsets(p, epoch, colsum, scan, flags)
+        else:
+            wait_for_leader(p, epoch * 2 - Int64(1), epoch)
+        # The columns slots are placed by: experts (per-warp counts in hist, parts' columns 0 .. E - 1), or in
+        # the rank layout destination ranks (rhist, parts' columns E + 1 .. E + R).
         base_of, col0, ncol = hist, Int32(0), E
         if cutlass.const_expr(by_rank):
             base_of, col0, ncol = rhist, E + 1, R
-        leader = flags[2] != 0
-        if leader:
-            self.send_counts(p, epoch)
-            relative_warp_bases(parts, base_of, col0, ncol, NW, bid, colsum, tid, NT)
-            self.offsets(p, epoch, colsum, scan, flags)
-        else:
-            wait_for_leader(p, epoch * 2 - Int64(1), epoch)
-            relative_warp_bases(parts, base_of, col0, ncol, NW, bid, colsum, tid, NT)
+        # Each CTA's warps' first slots (rows) relative to this rank's first one per column (colsum: the
+        # leader is done with it by now).
+        relative_warp_bases(parts, base_of, col0, ncol, NW, bid, colsum, tid, NT)
+        if not leader:
             wait_for_leader(p, epoch * 2, epoch)
         cute.arch.sync_threads()
         if tid == 0:
@@ -389,38 +381,30 @@ class LayoutKernel(EpKernel):
         cute.arch.sync_threads()
 
     @cute.jit
-    def send_counts(self, p: EpParams, epoch: Int64):
-        """Step 3 in the leader (the last CTA to arrive; every thread of it calls this), first half: this
-        rank's count row from the totals (every CTA fenced its adds before it arrived; the totals row is
-        zeroed for the next launch), put into row ``rank`` of every peer's ``counts`` (``send_count_row``).
-        Ends with a CTA barrier."""
-        E, R, rank = p.num_experts, p.world_size, p.rank
-        NT = self.threads
-        parts = p.layout_parts
-        TOTALS = p.num_sms
-        tid, _, _ = cute.arch.thread_idx()
-        for col in range(tid, E + 1 + R, NT):
-            at = element_addr(parts, (TOTALS, col))
-            p.counts[rank, col] = ld_volatile_i32(at)
-            parts[TOTALS, col] = Int32(0)
-        cute.arch.sync_threads()
-        send_count_row(p, epoch, tid // WARP, NT)
-        cute.arch.sync_threads()
-
-    @cute.jit
-    def offsets(self, p: EpParams, epoch: Int64, colsum: cute.Tensor, scan: cute.Tensor, flags: cute.Tensor):
-        """Step 3 in the leader, second half (every thread of it calls this): the wait for every peer's count
-        row (``wait_count_rows``), the verdict on the inputs, the offsets, and each column's first slot (row)
-        of this rank in ``layout_parts[BASES]``; then ``layout_done``."""
+    def exchange_and_offsets(self, p: EpParams, epoch: Int64, colsum: cute.Tensor, scan: cute.Tensor,
+                             flags: cute.Tensor):
+        """Step 3 in the leader (the last CTA to arrive; every thread of it calls this): this rank's count
+        row from the totals, the exchange with every peer, the verdict on the inputs, the offsets, and
+        each column's first slot (row) of this rank in ``layout_parts[BASES]``; then ``layout_done``."""
         R, E, El, rank = p.world_size, p.num_experts, p.experts_per_rank, p.rank
         NT = self.threads
         by_rank = self.by_rank
         counts = p.counts
         parts = p.layout_parts
+        TOTALS = p.num_sms
         BASES = p.num_sms + 1
         tid, _, _ = cute.arch.thread_idx()
+        warp = tid // WARP
 
-        wait_count_rows(p, epoch, tid, NT)
+        # This rank's count row: the CTAs' sums (every CTA fenced its adds before it arrived). The totals
+        # row is zeroed for the next launch.
+        for col in range(tid, E + 1 + R, NT):
+            at = element_addr(parts, (TOTALS, col))
+            counts[rank, col] = ld_volatile_i32(at)
+            parts[TOTALS, col] = Int32(0)
+        cute.arch.sync_threads()
+
+        exchange_counts(p, epoch, tid, warp, NT)
         # The verdict on the inputs: every rank's invalid pairs arrived with its count row, so every rank
         # refuses the call alike (the host raises; the kernels move no data; the epochs still advance).
         if tid == 0:
