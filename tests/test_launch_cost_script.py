@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _launch import REPO, import_script, run_single
+from _launch import REPO, assert_argument_error, import_script, run_single
 
 SCRIPT = REPO / "scripts" / "launch_cost.py"
 COMMITTED = sorted((REPO / "baselines" / "perf").glob("*_launch_cost.json"))
@@ -42,15 +42,14 @@ def test_each_kernel_takes_the_parameters_it_is_named_for(lc, kind, count, param
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--params", "0"], "every count must be in [1, 512]"),
-    (["--params", "a,b"], "comma-separated integers"),
+    (["--params", "0"], "argument --params: every count must be in [1, 512]"),
+    (["--params", "a,b"], "argument --params: expected comma-separated integers"),
     (["--struct-bytes", "12"], "--struct-bytes must be a multiple of 8"),
     (["--burst", "1000"], "--burst must be in [1, 512]"),
     (["--rounds", "0"], "--rounds must be >= 1"),
 ])
 def test_bad_arguments_exit_2_naming_the_constraint(argv, message):
-    proc = run_single(SCRIPT, *argv, timeout=60)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert_argument_error(run_single(SCRIPT, *argv, timeout=60), message)
 
 
 def test_without_a_gpu_it_says_so_and_exits_1():

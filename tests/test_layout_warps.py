@@ -10,10 +10,11 @@ import numpy as np
 from cute_ep.kernels.config import MAX_EXPERTS
 
 
-def rank_by_reciprocal(e: np.ndarray, experts_per_rank: int) -> np.ndarray:
-    """The kernel's arithmetic, step by step in fp32: (e + 0.5) times the rounded reciprocal, truncated."""
+def rank_by_reciprocal(e: np.ndarray, experts_per_rank: int, offset: float = 0.5) -> np.ndarray:
+    """The kernel's arithmetic, step by step in fp32: (e + offset) times the rounded reciprocal, truncated
+    (the kernel's offset is 0.5)."""
     inv = np.float32(1.0) / np.float32(experts_per_rank)
-    shifted = e.astype(np.float32) + np.float32(0.5)
+    shifted = e.astype(np.float32) + np.float32(offset)
     return (shifted * inv).astype(np.float32).astype(np.int64)
 
 
@@ -27,8 +28,6 @@ def test_reciprocal_rank_equals_integer_division_for_every_accepted_expert_count
 def test_the_half_offset_is_what_makes_it_exact() -> None:
     """Without the 0.5 some exact multiples round below their quotient, so the check above can fail."""
     ids = np.arange(MAX_EXPERTS, dtype=np.int64)
-    wrong = 0
-    for el in range(1, MAX_EXPERTS + 1):
-        inv = np.float32(1.0) / np.float32(el)
-        wrong += int(((ids.astype(np.float32) * inv).astype(np.float32).astype(np.int64) != ids // el).sum())
+    wrong = sum(int((rank_by_reciprocal(ids, el, offset=0.0) != ids // el).sum())
+                for el in range(1, MAX_EXPERTS + 1))
     assert wrong > 0
