@@ -369,3 +369,12 @@ def test_the_local_warm_up_step_runs_every_local_part_and_leaves_no_gradient(buf
     assert calls == [[(2, layer.cfg.hidden), *params]]
     assert len(params) == 5  # router, w_gate_up, w_down and the shared expert's two
     assert all(p.grad is None for p in layer.parameters())
+
+
+def test_receive_bound_is_the_tokens_times_k_up_to_the_capacity():
+    """A world of one (no group): this rank's tokens times K, never above the capacity."""
+    from cute_ep.moe_layer import receive_bound
+
+    assert receive_bound(5, 3, 100) == 15
+    assert receive_bound(50, 3, 100) == 100
+    assert receive_bound(0, 8, 64) == 0

@@ -71,3 +71,15 @@ def test_the_backends_agree(ranks):
     """The all-to-all backend's layer gives the reference backend's output and gradients, bit for bit."""
     for res in ranks:
         assert _case(res, "bf16-softmax")["digest"] == _case(res, "bf16-softmax-a2a")["digest"]
+
+
+def test_inference_gemms_run_over_the_receive_bound_with_the_autograd_output(ranks):
+    """The no_grad forward after a sync-free dispatch runs the experts over receive_bound rows (the
+    ranks' tokens times K, the same on every rank and below the capacity here, where one rank has no
+    tokens), and gives the autograd forward's output bit for bit."""
+    found = [res["inference"] for res in ranks]
+    total = sum(f["tokens"] for f in found)
+    for r, f in enumerate(found):
+        assert f["equal"], (r, f)
+        assert f["bound"] == min(total * 2, f["capacity"]) < f["capacity"], (r, f)  # BASE: top-2
+        assert f["gemm_rows"] == [f["bound"]], (r, f)

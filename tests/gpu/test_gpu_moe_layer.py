@@ -146,16 +146,28 @@ def test_forward_and_backward_make_no_host_sync(runtime, overlap):
         assert torch.isfinite(out).all() and torch.isfinite(xg.grad).all()
 
 
+# A worst-case buffer of 2048 rows per expert at 2 ranks: torch's grouped GEMM takes its 128x256 tiles
+# over it (the autograd forward) and its 64x128 tiles over the rows the ranks' tokens can fill (the
+# inference forward's receive bound).
+BIG_BUFFER = with_case(DEEPSEEK, name="bf16-deepseek-big-buffer", max_tokens=2048)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["one-stream", "overlap"])
-def test_inference_equals_the_autograd_forward_without_a_host_sync(runtime, overlap):
-    """Under no_grad the layer runs the buffer's own calls (no copy of the worst-case receive buffer):
-    the output equals the autograd forward's bit for bit, and no call syncs the host."""
+@pytest.mark.parametrize("case", [DEEPSEEK, BIG_BUFFER], ids=["deepseek", "big-buffer"])
+def test_inference_equals_the_autograd_forward_without_a_host_sync(runtime, case, overlap):
+    """Under no_grad the layer runs the buffer's own calls (no copy of the worst-case receive buffer) and
+    its GEMMs over the receive bound: the output equals the autograd forward's (GEMMs over the whole
+    buffer) bit for bit, and no call syncs the host."""
     env, dev = runtime.env, runtime.device
-    case = _fresh(runtime, DEEPSEEK)
+    case = _fresh(runtime, case)
     x, _ = (t.to(dev) for t in case_inputs(case, env.rank))
-    with _ep(runtime)(case.config(env.world_size, env.local_world_size)) as buf:
+    cfg = case.config(env.world_size, env.local_world_size)
+    with _ep(runtime)(cfg) as buf:
         layer = _layer(runtime, buf, case, overlap=overlap)
         trained = layer(x).detach()
+        gemm_rows = []
+        experts = layer.experts
+        layer.experts = lambda rows, offs: (gemm_rows.append(rows.shape[0]), experts(rows, offs))[1]
         with torch.no_grad():
             layer(x)  # the inference path's first step
             torch.cuda.synchronize()
@@ -166,6 +178,8 @@ def test_inference_equals_the_autograd_forward_without_a_host_sync(runtime, over
                 torch.cuda.set_sync_debug_mode(0)
         buf.check_ran()
         assert torch.equal(inferred, trained)
+        tokens = sum(case.tokens_of(r) for r in range(env.world_size))
+        assert gemm_rows == [min(tokens * case.topk, cfg.capacity)] * 2, (gemm_rows, cfg.capacity)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["one-stream", "overlap"])
