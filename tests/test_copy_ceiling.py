@@ -24,6 +24,16 @@ def test_bad_arguments_exit_2_naming_the_value(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("world, argv, message", [
+    ("1", ["--peers-only"], "--peers-only needs a world of 2 or more ranks (launch with torchrun"),
+    ("2", ["--timeout", "0"], "--timeout must be > 0, got 0.0"),
+])
+def test_world_arguments_exit_2(world, argv, message, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    assert cc.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_copy_kernels_compile_for_sm90():
     import cutlass
     import cutlass.cute as cute
