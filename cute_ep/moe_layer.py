@@ -537,6 +537,8 @@ class MoELayer(nn.Module):
         if self.sync or not isinstance(getattr(self.buffer, "recv_y", None), Tensor):
             return None
         group = getattr(getattr(self.buffer, "runtime", None), "cpu_group", None)
+        if group is None and self.cfg.world_size > 1:
+            return None  # the other ranks' counts cannot be summed here
         return receive_bound(x.shape[0], self.cfg.topk, self.cfg.capacity, group)
 
     def extra_repr(self) -> str:

@@ -378,3 +378,22 @@ def test_receive_bound_is_the_tokens_times_k_up_to_the_capacity():
     assert receive_bound(5, 3, 100) == 15
     assert receive_bound(50, 3, 100) == 100
     assert receive_bound(0, 8, 64) == 0
+
+
+def test_no_receive_bound_where_the_other_ranks_counts_cannot_be_summed():
+    """A world of two without a CPU group to sum the counts on, or a synchronizing layer: no bound (the
+    GEMMs then run over the dispatch's views); a world of one: this rank's tokens times K."""
+    from types import SimpleNamespace
+
+    from cute_ep.moe_layer import MoELayer
+
+    x = torch.zeros(3, 4)
+    buf = SimpleNamespace(recv_y=torch.zeros(1, 4), runtime=None)
+
+    def layer(world: int, sync: bool = False) -> SimpleNamespace:
+        cfg = SimpleNamespace(world_size=world, topk=2, capacity=10)
+        return SimpleNamespace(sync=sync, buffer=buf, cfg=cfg)
+
+    assert MoELayer._receive_bound(layer(2), x) is None
+    assert MoELayer._receive_bound(layer(1, sync=True), x) is None
+    assert MoELayer._receive_bound(layer(1), x) == 6
