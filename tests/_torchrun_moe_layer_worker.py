@@ -24,6 +24,7 @@ from cute_ep.validators.moe_checks import (
     global_weights,
     layer_check,
     make_layer,
+    record_expert_rows,
     with_case,
 )
 
@@ -58,9 +59,7 @@ def inference(rt: Runtime, case: MoECase) -> dict:
     with ReferenceEpBuffer(rt, cfg) as buf:
         layer = make_layer(buf, case, global_weights(case, env.world_size), cpu)
         trained = layer(x).detach()
-        gemm_rows = []  # the rows the experts' GEMMs ran over in the inference forward
-        experts = layer.experts
-        layer.experts = lambda rows, offs: (gemm_rows.append(rows.shape[0]), experts(rows, offs))[1]
+        gemm_rows = record_expert_rows(layer)  # the rows the experts' GEMMs ran over in the inference forward
         with torch.no_grad():
             inferred = layer(x)
     return {"equal": bool(torch.equal(inferred, trained)), "tokens": x.shape[0], "capacity": cfg.capacity,

@@ -60,6 +60,7 @@ __all__ = [
     "layer_results",
     "make_layer",
     "received_rows",
+    "record_expert_rows",
     "with_case",
 ]
 
@@ -161,6 +162,20 @@ def make_layer(buf: Any, case: MoECase, weights: dict[str, torch.Tensor | None],
                      swiglu=case.swiglu, sync=case.sync, device=device, **layer_kw)  # fmt: skip
     layer.load_global_weights(**{k: (None if v is None else v.to(device)) for k, v in weights.items()})
     return layer
+
+
+def record_expert_rows(layer: MoELayer) -> list[int]:
+    """From now on ``layer`` notes how many rows each call of its experts' GEMMs runs over (its own
+    ``experts`` still does the work); returns the list the counts are appended to."""
+    seen: list[int] = []
+    experts = layer.experts
+
+    def noted(rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        seen.append(rows.shape[0])
+        return experts(rows, offs)
+
+    layer.experts = noted
+    return seen
 
 
 def dense_moe(xs: Sequence[torch.Tensor], routers: Sequence[torch.Tensor], w_gate_up: torch.Tensor,
