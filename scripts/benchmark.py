@@ -8,7 +8,8 @@ To run (one process per GPU; keep NVLink multicast off, as on the H100 / H200 te
     # a quick look: fewer sizes, one routing
     torchrun --nproc-per-node 2 scripts/benchmark.py --tokens 512,4096 --routing uniform --iters 20
 
-    # FP8 dispatch as well (rows "scatter+fp8": packed e4m3 rows, NCCL moving the same packed rows)
+    # FP8 dispatch as well (rows "scatter+fp8", "rank+fp8": packed e4m3 rows, NCCL moving the same packed
+    # rows, DeepEP's FP8 dispatch with --peers deepep)
     torchrun --nproc-per-node 2 scripts/benchmark.py --tokens 128,4096 --routing uniform --fp8
 
     # the reduced combine as well (rows "scatter+reduced")
@@ -67,10 +68,13 @@ and dispatch mode (--modes), with hidden H, top-k K, E experts (defaults: DeepSe
       its weight, source tag and from-slot; combine pairs_off * H*b), means over ranks, and their
       percentage of the 450 GB/s NVLink4 line rate; NCCL GB/s with the algorithmic formula; ratio =
       NCCL time / our time (> 1: faster than NCCL).
-    * --fp8: per mode, one more row "<mode>+fp8": dispatch with ``fp8=True`` (quantized in the kernel)
-      against NCCL moving the same rows packed the same way (cfg.fp8_row_bytes each: e4m3 values plus
-      fp32 scales, quantized outside the timed region); moved bytes and NCCL's rate use the packed
-      size, the algorithmic bandwidth the input dtype's rows; combine is the mode's own (unchanged).
+    * --fp8: per mode, one more row "<mode>+fp8" (and "rank+fp8" with the rank layout): dispatch with
+      ``fp8=True`` (quantized in the kernel, checked byte for byte) against NCCL moving the same rows
+      packed the same way (cfg.fp8_row_bytes each: e4m3 values plus fp32 scales, quantized outside the
+      timed region) and DeepEP's dispatches of FP8 input (its e4m3 values and per-128-column scales,
+      quantized outside the timed region as cute_ep.fp8 quantizes: cached, full, with the permute;
+      checked to receive those bytes); moved bytes and NCCL's rate use the packed size, the algorithmic
+      bandwidth the input dtype's rows; combine is the mode's own (unchanged).
     * --combine pull,reduced: the buffer is built for the reduced combine (so every dispatch also records
       its group lists, and the dispatch times include that), and per mode one more row "<mode>+reduced"
       times ``launch_combine(..., "reduced")`` on the latest dispatch's handle (the expert ranks' group
@@ -333,6 +337,21 @@ def checked_rank_round(buf: Any, cfg: Any, runtime: Any, s: bt.InputSet, tag: st
     say(f"{tag} checked: dispatch and combine bit-identical to the reference")
 
 
+def checked_rank_fp8(buf: Any, cfg: Any, runtime: Any, s: bt.InputSet, tag: str, say: Any) -> None:
+    """One FP8 rank-layout dispatch on ``s`` from poisoned buffers, its packed rows checked byte for byte
+    against every sender's rows quantized by ``cute_ep.fp8`` (``check_rank_dispatch(fp8=True)``); raise
+    CheckFailed on every rank otherwise."""
+    from cute_ep.validators.checks import check_rank_dispatch
+
+    buf.poison()
+    res = buf.dispatch(s.x, s.idx, s.w, layout="rank", fp8=True)
+    raise_if_failed([("rank FP8 dispatch", check_rank_dispatch(
+        res, s.x, s.idx, s.w, max_tokens=cfg.max_tokens, num_experts=cfg.num_experts,
+        local_world_size=cfg.local_world_size, require_coverage=False, fp8=True, group=runtime.cpu_group,
+    ))], tag, runtime.cpu_group, say)  # fmt: skip
+    say(f"{tag} checked: the packed FP8 rows bit-identical to the reference")
+
+
 def checked_cached_round(buf: Any, runtime: Any, s: bt.InputSet, other: Any, tag: str, say: Any) -> None:
     """A cached rank-layout dispatch (``launch_cached_dispatch``) of the rows ``other`` along ``s``'s routing
     receives, byte for byte, what a full dispatch of ``other`` along it does (rows, source tags, local ids
@@ -445,18 +464,20 @@ def measure(
             nccl_combine_us=[p[5] for p in per_rank] if nccl else None,
             dispatch_row_bytes=d_row, reduced_combine=label.endswith("+reduced"),
         ).to_dict()  # fmt: skip
-        # DeepEP is timed with bf16 rows: an FP8 row has no DeepEP counterpart here.
-        fp8_row = label.endswith("+fp8")
-        dep_times = None if fp8_row or deepep_per_rank[0] is None else deepep_per_rank
-        dep_why = deepep_skipped
-        if fp8_row and not dep_why:
-            dep_why = "not timed for FP8 rows (DeepEP is timed with bf16 rows)"
+        # An FP8 row beside DeepEP's FP8 dispatches (and its bf16 combine); a bf16 row beside its bf16 ones.
+        dep_times = dep_why = None
+        if deepep_per_rank[0] is None:
+            dep_why = deepep_skipped
+        elif label.endswith("+fp8"):
+            dep_times = [bp.fp8_peer_times(m) for m in deepep_per_rank]
+        else:
+            dep_times = [m[: len(bp.DEEPEP_TIMES)] for m in deepep_per_rank]
         row.update(bp.peer_fields(
             num_sms=cfg.num_sms, layout=layout, row_bytes=d_row or cfg.row_bytes,
             rows_off=row["rows_off"], dispatch_us=row["dispatch_us_per_rank"],
             combine_us=row["combine_us_per_rank"], nccl_dispatch_us=row["nccl_dispatch_us_per_rank"],
             deepep_num_sms=bp.deepep_num_sms(cfg.num_sms) or None, deepep_us=dep_times,
-            deepep_skipped=None if dep_times is not None else dep_why,
+            deepep_skipped=dep_why,
         ))  # fmt: skip
         rows.append(row)
         say(br.format_row(row))
@@ -504,6 +525,17 @@ def measure(
         cached_d = br.median(timer.run(rank_cached, args.warmup, args.iters))
         buf.check_ran()
         add_row("rank+cached", "rank", checked, cached_d, nccl_d, 0, rank_c)
+        if args.fp8:
+            if checked:
+                checked_rank_fp8(buf, cfg, runtime, sets[0], f"[{routing} T={tokens} rank+fp8]", say)
+
+            def rank_fp8_dispatch(i: int) -> None:
+                s = sets[i % n]
+                buf.launch_dispatch(s.x, s.idx, s.w, layout="rank", fp8=True)
+
+            fp8_d = br.median(timer.run(rank_fp8_dispatch, args.warmup, args.iters))
+            buf.dispatch(sets[0].x, sets[0].idx, sets[0].w, layout="rank", fp8=True)  # raises if one did not
+            add_row("rank+fp8", "rank", checked, fp8_d, nccl_fp8_dispatch(), cfg.fp8_row_bytes, rank_c)
     for mode in args.mode_list if "expert" in args.layout_list else ():
         checked = tokens <= args.validate_max_tokens
         if checked:
@@ -592,7 +624,8 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
             timing=(
                 "same timer, same input sets; dispatch = cached handle; full_dispatch = layout + dispatch "
                 "(host sync included); dispatch_permute = cached dispatch + torch expert-major permute; "
-                "combine = sum of the received rows (no weights)"
+                "combine = sum of the received rows (no weights); a +fp8 row's dispatches take DeepEP's FP8 "
+                "input (e4m3 values and column-major fp32 scales, quantized before timing)"
             ),
         ),
         "config": {

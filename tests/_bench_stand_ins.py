@@ -65,12 +65,14 @@ class Buffer:
     """DeepEP's intranode semantics, slowly, over the group's all_gather_object.
 
     ``made``: the SM count of every Buffer made, in order. ``short_on_rank0``: rank 0's dispatch receives
-    a row too few (output the benchmark must refuse to time).
+    a row too few (output the benchmark must refuse to time); ``fp8_scales_off_on_rank0``: rank 0's FP8
+    dispatch receives wrong scales. x may be DeepEP's FP8 pair (values, scales).
     """
 
     num_sms = 20
     made = []
     short_on_rank0 = False
+    fp8_scales_off_on_rank0 = False  # rank 0's FP8 receive: scales doubled (wrong output again)
 
     @staticmethod
     def set_num_sms(n):
@@ -117,18 +119,22 @@ class Buffer:
         in_rank = handle[0] if cached else is_token_in_rank
         el = handle[2] if cached else num_tokens_per_expert.numel() // self.world
         rows, ids, ws, src = [], [], [], []
-        for s, (xs, ins, idx, w) in enumerate(self._gather((x, in_rank, topk_idx, topk_weights))):
+        fp8 = isinstance(x, tuple)  # DeepEP's FP8 pair; e4m3 does not pickle: it travels as bytes
+        sent = (x[0].view(torch.uint8), x[1]) if fp8 else x
+        for s, (xs, ins, idx, w) in enumerate(self._gather((sent, in_rank, topk_idx, topk_weights))):
             toks = torch.nonzero(ins[:, self.rank]).view(-1)
-            rows.append(xs[toks])
+            rows.append((xs[0][toks].view(x[0].dtype), xs[1][toks]) if fp8 else xs[toks])
             src += [(s, int(t)) for t in toks]
             if idx is not None:
                 loc = idx[toks] - self.rank * el
                 mine = (idx[toks] >= 0) & (loc >= 0) & (loc < el)
                 ids.append(torch.where(mine, loc, torch.full_like(loc, -1)))
                 ws.append(torch.where(mine, w[toks], torch.zeros_like(w[toks])))
-        recv_x = torch.cat(rows)
+        recv_x = tuple(map(torch.cat, zip(*rows, strict=True))) if fp8 else torch.cat(rows)
         if Buffer.short_on_rank0 and self.rank == 0:
             recv_x = recv_x[1:]
+        if Buffer.fp8_scales_off_on_rank0 and self.rank == 0 and isinstance(recv_x, tuple):
+            recv_x = (recv_x[0], recv_x[1] * 2)
         if cached:
             return recv_x, None, None, None, None, None
         recv_idx = torch.cat(ids)

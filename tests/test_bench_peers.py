@@ -558,6 +558,7 @@ from cute_ep.bootstrap.runtime import Runtime
 KIND = sys.argv[1]
 sys.modules["deep_ep"] = None  # this machine's deep_ep (if any) must not decide the test
 Buffer.short_on_rank0 = KIND == "deepep_wrong"  # a row short: the benchmark must refuse to time it
+Buffer.fp8_scales_off_on_rank0 = KIND == "deepep_fp8_wrong"
 
 args = bm.build_parser().parse_args(sys.argv[2:])
 bm.validate_args(args)
@@ -645,3 +646,49 @@ def test_sweep_refuses_to_time_wrong_deepep_output_and_goes_on(tmp_path):
         assert r["nccl_us"] is None and r["nccl_dispatch_us"] is None and r["dispatch_ratio"] is None
         assert br.format_row(r).split()[-4:] == ["-", "-", "-", "-"]
     assert "[uniform T=8 num_sms=132] DeepEP skipped: rank 0: DeepEP dispatch received" in out
+
+
+FP8 = ("--hidden", "128", "--topk", "2", "--num-experts", "8", "--tokens", "8", "--routing", "uniform",
+       "--modes", "scatter", "--iters", "2", "--warmup", "0", "--input-sets", "2",
+       "--validate-max-tokens", "8", "--layouts", "expert,rank", "--fp8", "--peers", "deepep")  # fmt: skip
+
+
+def test_sweep_times_deepeps_fp8_dispatch_beside_our_fp8_rows(tmp_path):
+    _, out, results = _sweep(tmp_path, "deepep", *FP8)
+    rows = results["rows"]
+    assert [r["mode"] for r in rows] == ["rank", "rank+cached", "rank+fp8", "scatter", "scatter+fp8"]
+    assert all(r["checked"] for r in rows)
+    assert "[uniform T=8 rank+fp8] checked: the packed FP8 rows bit-identical to the reference" in out
+    for r in rows:
+        assert r["deepep_skipped"] is None, r["deepep_skipped"]
+        for n in bp.DEEPEP_TIMES:  # StepTimer, 2 iterations: rank r's median is 10 (r + 1) + 0.5
+            assert r[f"deepep_{n}_us_per_rank"] == [10.5, 20.5]
+    assert [r["dispatch_row_bytes"] for r in rows] == [0, 0, 144, 0, 144]
+    assert "FP8 input" in results["meta"]["deepep"]["timing"]
+
+
+def test_sweep_refuses_to_time_deepeps_fp8_dispatch_when_it_receives_other_bytes(tmp_path):
+    _, out, results = _sweep(tmp_path, "deepep_fp8_wrong", *FP8)
+    for r in results["rows"]:
+        assert r["deepep_dispatch_us"] is None and r["dispatch_us"] == 20.5
+        assert r["deepep_skipped"] == ("rank 0: DeepEP's FP8 dispatch did not receive the sent rows' e4m3 "
+                                       "values and scales"), r["deepep_skipped"]
+
+
+def test_fp8_peer_times_takes_the_fp8_dispatches_and_the_combine():
+    medians = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]  # DEEPEP_TIMES, then DEEPEP_FP8_TIMES
+    assert bp.fp8_peer_times(medians) == [5.0, 6.0, 7.0, 4.0]
+    assert bp.fp8_peer_times(medians[:4]) is None and bp.fp8_peer_times(None) is None
+
+
+def test_expert_major_permute_moves_fp8_values_and_scales_alike():
+    import torch
+
+    q = torch.arange(12, dtype=torch.float32).view(3, 4).to(torch.float8_e4m3fn)
+    scales = torch.tensor([[1.0], [2.0], [3.0]])
+    idx = torch.tensor([[1, -1], [0, 1], [-1, 0]])
+    w = torch.tensor([[0.5, 0.0], [0.25, 0.75], [0.0, 1.0]])
+    (rows_q, rows_s), weights, src = bp.expert_major_permute((q, scales), idx, w, 4)
+    assert src.tolist() == [1, 2, 0, 1]  # expert 0: tokens 1, 2; expert 1: tokens 0, 1
+    assert torch.equal(rows_q.view(torch.uint8), q.view(torch.uint8)[src])
+    assert rows_s.view(-1).tolist() == [2.0, 3.0, 1.0, 2.0] and weights.tolist() == [0.25, 1.0, 0.5, 0.75]

@@ -626,7 +626,17 @@ args = bm.build_parser().parse_args(sys.argv[2:])
 bm.validate_args(args)
 env = DistEnv.from_environ(local_world_size=args.local_world_size)
 cfg = config_from_args(args, env, max_tokens=max(args.token_list))  # the script's own config
-buffer = Corrupting if sys.argv[1] == "corrupt" else Launching
+
+
+class CorruptingFp8(Launching):
+    def dispatch(self, *a, **k):
+        res = super().dispatch(*a, **k)
+        if k.get("fp8") and self.rank == 1 and res.num_recv:
+            self.recv_fp8[0, 0] ^= 1  # one bit of the first packed row's first value (the reference's rows)
+        return res
+
+
+buffer = {"corrupt": Corrupting, "corrupt_fp8": CorruptingFp8}.get(sys.argv[1], Launching)
 with Runtime(env, backend="gloo") as rt:
     code = bm.sweep(args, cfg, rt, Printer(env.rank), make_buffer=buffer, make_timer=StepTimer)
 sys.exit(code)
@@ -709,6 +719,30 @@ def test_sweep_with_fp8_adds_a_checked_packed_row_per_mode(tmp_path):
     assert [r["dispatch_row_bytes"] for r in rows] == [0, 144, 0, 144]  # 128 B of e4m3 + 4 B scale, padded
     assert all(r["checked"] for r in rows)
     assert rows[1]["combine_us"] == rows[0]["combine_us"]  # combine is the mode's own
+
+
+FP8_RANK = ("--hidden", "128", "--topk", "2", "--num-experts", "8", "--tokens", "8", "--routing", "uniform",
+            "--modes", "scatter", "--iters", "2", "--warmup", "0", "--input-sets", "2",
+            "--validate-max-tokens", "8", "--fp8", "--layouts", "rank")  # fmt: skip
+
+
+def test_sweep_with_fp8_adds_a_checked_rank_fp8_row(tmp_path):
+    out_json = tmp_path / "r.json"
+    codes, out = _run_sweep(tmp_path, "ok", *FP8_RANK, "--out-json", str(out_json), world=2)
+    assert codes == [0, 0], out[-6000:]
+    rows = br.load_json(out_json)["rows"]
+    assert [(r["mode"], r["layout"], r["dispatch_row_bytes"]) for r in rows] == [
+        ("rank", "rank", 0), ("rank+cached", "rank", 0), ("rank+fp8", "rank", 144)]
+    assert rows[2]["checked"] and rows[2]["combine_us"] == rows[0]["combine_us"]
+    assert "[uniform T=8 rank+fp8] checked: the packed FP8 rows bit-identical to the reference" in out
+
+
+def test_sweep_aborts_when_the_rank_fp8_check_fails(tmp_path):
+    out_json = tmp_path / "r.json"
+    codes, out = _run_sweep(tmp_path, "corrupt_fp8", *FP8_RANK, "--out-json", str(out_json), world=2)
+    assert codes == [1, 1], out[-6000:]
+    assert "[uniform T=8 rank+fp8] rank FP8 dispatch: FAIL" in out
+    assert not out_json.exists()
 
 
 def test_sweep_times_the_rank_layout_as_its_own_checked_rows(tmp_path):

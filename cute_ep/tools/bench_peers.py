@@ -68,6 +68,8 @@ __all__ = [
     "DEEPEP_MAX_HIDDEN_BF16",
     "DEEPEP_MAX_LOCAL_EXPERTS",
     "DEEPEP_TIMES",
+    "DEEPEP_FP8_TIMES",
+    "fp8_peer_times",
     "DEEPEP_WORLD_SIZES",
     "FULL_GPU_SMS",
     "LAYOUTS",
@@ -123,6 +125,10 @@ DEEPEP_MAX_HIDDEN_BF16 = 8176  # dispatch stages half a row + an 8-byte mbarrier
 DEEPEP_MAX_TOPK = 128  # its buffer size hint assumes at most 128 top-k entries per token
 DEEPEP_TIMES = ("dispatch", "full_dispatch", "dispatch_permute", "combine")
 """DeepEP's timed calls, in the order of a rank's medians (row fields ``deepep_<name>_us``)."""
+DEEPEP_FP8_TIMES = ("fp8_dispatch", "fp8_full_dispatch", "fp8_dispatch_permute")
+"""With FP8 rows as well (benchmark.py --fp8), the same three dispatches of DeepEP's FP8 input (e4m3 values
+and per-128-column fp32 scales, quantized before the timed calls), after ``DEEPEP_TIMES`` in a rank's
+medians; an FP8 row's ``deepep_<name>_us`` fields are these (its combine: the bf16 one)."""
 
 PERF_META_FIELDS = ("world_size", "device", "hidden", "topk", "num_experts", "dtype")
 PERF_ROW_FIELDS = (
@@ -459,7 +465,8 @@ def check_deepep_combine(x: Any, combined: Any, dest_count: Any, rtol: float = 2
 def expert_major_permute(recv_x: Any, recv_topk_idx: Any, recv_topk_weights: Any, num_pairs: int) -> tuple:
     """DeepEP's rank-major receive into our expert-major layout, without a host sync.
 
-    recv_x [N, H], recv_topk_idx [N, K] int (local expert ids, -1 elsewhere), recv_topk_weights [N, K]
+    recv_x [N, H] (or DeepEP's FP8 pair: values [N, H] and scales [N, H / 128], each permuted alike),
+    recv_topk_idx [N, K] int (local expert ids, -1 elsewhere), recv_topk_weights [N, K]
     fp32; num_pairs P = the number of ids >= 0 (host-known: the sum of DeepEP's per-expert list).
     Returns (rows [P, H], weights [P] fp32, source row [P] int64): one row per (received token, local
     expert), local experts in order, and inside one expert the received order (source rank, then token:
@@ -471,7 +478,10 @@ def expert_major_permute(recv_x: Any, recv_topk_idx: Any, recv_topk_weights: Any
     keys = keys.masked_fill(keys < 0, torch.iinfo(keys.dtype).max)  # dropped ids sort last, then cut
     order = torch.sort(keys, stable=True).indices[:num_pairs]
     rows = torch.div(order, k, rounding_mode="floor")
-    return recv_x.index_select(0, rows), recv_topk_weights.reshape(-1).index_select(0, order), rows
+    # DeepEP's FP8 receive is (values, scales): both follow the same rows
+    moved = (tuple(p.index_select(0, rows) for p in recv_x) if isinstance(recv_x, tuple)
+             else recv_x.index_select(0, rows))
+    return moved, recv_topk_weights.reshape(-1).index_select(0, order), rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -528,7 +538,8 @@ class DeepEpBudget:
         return DeepEpDispatch(recv_x, recv_idx, recv_w, counts, handle, sum(counts))
 
     def dispatch_cached(self, x: Any, handle: Any) -> Any:
-        """Dispatch x [T, H] with a cached handle (no layout, no host sync); returns recv_x [N, H]."""
+        """Dispatch x [T, H] with a cached handle (no layout, no host sync); returns recv_x [N, H]. x may
+        be DeepEP's FP8 pair (e4m3 values [T, H], fp32 scales [T, H / 128]); recv_x is then such a pair."""
         return self.buffer.dispatch(x, handle=handle, config=self.dispatch_config)[0]
 
     def dispatch_permute(self, x: Any, made: DeepEpDispatch) -> tuple:
@@ -618,6 +629,17 @@ def _times(name: str, vals: Sequence[float]) -> list[float]:
     if not out or any(not (v > 0 and math.isfinite(v)) for v in out):
         raise BenchReportError(f"{name} must be non-empty positive finite times, got {out}")
     return out
+
+
+def fp8_peer_times(medians: Sequence[float] | None) -> list[float] | None:
+    """A rank's DeepEP medians for an FP8 row, in ``DEEPEP_TIMES`` order: its FP8 dispatches (cached,
+    full, with the permute) and its combine, from ``medians`` in ``DEEPEP_TIMES + DEEPEP_FP8_TIMES``
+    order. None when DeepEP was skipped or its FP8 calls were not timed (only ``DEEPEP_TIMES`` given)."""
+    if medians is None or len(medians) != len(DEEPEP_TIMES) + len(DEEPEP_FP8_TIMES):
+        return None
+    fp8 = dict(zip(DEEPEP_FP8_TIMES, medians[len(DEEPEP_TIMES):], strict=True))
+    return [fp8["fp8_dispatch"], fp8["fp8_full_dispatch"], fp8["fp8_dispatch_permute"],
+            medians[DEEPEP_TIMES.index("combine")]]
 
 
 def peer_fields(
@@ -795,7 +817,8 @@ PEER_TABLE_NOTE = (
     "us, slowest rank's median; ours d/c: our dispatch / combine at the row's SM budget (sms); link: "
     "distinct off-rank rows x row bytes / dispatch time (GB/s); dep: DeepEP at its budget (dep sms): "
     "d = cached-handle dispatch, full = layout + dispatch, +perm = dispatch + torch expert-major permute, "
-    "c = combine; nccl: all_to_all_single of the dispatch rows"
+    "c = combine (an FP8 row's d, full and +perm: DeepEP's with FP8 input); nccl: all_to_all_single of the "
+    "dispatch rows"
 )
 
 
@@ -824,7 +847,8 @@ def plot_peers(report: Mapping[str, Any], png_path: str | Path) -> Path:
 
     One row of panels per routing, dispatch on the left and combine on the right. Ours: solid, one
     colour per budget (one marker per mode; "+reduced" rows only on combine, "+fp8" and "+cached" only
-    on dispatch); DeepEP: dashed (and, for dispatch, dotted: + the expert-major permute); NCCL: black
+    on dispatch); DeepEP: dashed (and, for dispatch, dotted: + the expert-major permute; stars: its FP8
+    dispatch, where FP8 rows hold it); NCCL: black
     dash-dot (it takes no SM budget: the first budget's measurement). Rows without the results fields are
     ignored. Renders with the Agg canvas; returns the path written."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -860,14 +884,19 @@ def plot_peers(report: Mapping[str, Any], png_path: str | Path) -> Path:
                     sel = [r for r in at_b if r.get("mode", "-") == mode]
                     label = f"cute-ep {b} SMs" + (f" ({mode})" if len(modes) > 1 else "")
                     line(ax, sel, f"{op}_us", color=color, marker=markers[mi % len(markers)], label=label)
-                # DeepEP's numbers are the same on every mode row of one (routing, T, budget)
-                first = list({r["tokens"]: r for r in reversed(at_b)}.values())
+                # DeepEP's numbers are the same on every bf16 mode row of one (routing, T, budget); an FP8
+                # row holds its FP8 dispatches
+                fp8_rows = [r for r in at_b if "+fp8" in r.get("mode", "-")]
+                first = list({r["tokens"]: r for r in reversed(at_b) if r not in fp8_rows}.values())
                 dep_sms = next((r["deepep_num_sms"] for r in first if r.get("deepep_num_sms")), "?")
                 line(ax, first, f"deepep_{op}_us", color=color, linestyle="--", marker="s",
                      markerfacecolor="none", label=f"DeepEP {dep_sms} SMs")  # fmt: skip
                 if op == "dispatch":
                     line(ax, first, "deepep_dispatch_permute_us", color=color, linestyle=":", marker="x",
                          label=f"DeepEP {dep_sms} SMs + permute")  # fmt: skip
+                    fp8_first = list({r["tokens"]: r for r in reversed(fp8_rows)}.values())
+                    line(ax, fp8_first, "deepep_dispatch_us", color=color, linestyle="--", marker="*",
+                         label=f"DeepEP {dep_sms} SMs FP8")  # fmt: skip
             nccl_rows = list({r["tokens"]: r for r in reversed(mine) if r["num_sms"] == budgets[0]}.values())
             line(ax, nccl_rows, "nccl_us" if op == "dispatch" else "nccl_combine_us", color="black",
                  linestyle="-.", marker="s", markerfacecolor="none", label="NCCL all_to_all")  # fmt: skip

@@ -204,6 +204,7 @@ class InputSet:
         self.deepep_per_expert: list[int] = []  # [El] of them per local expert
         self.idx64: Any = None  # topk_idx as int64, DeepEP's dtype (made when DeepEP runs)
         self.deepep: Any = None  # bench_peers.DeepEpDispatch of this set at the current budget
+        self.deepep_fp8: Any = None  # (e4m3 values, fp32 scales): DeepEP's FP8 input (with --fp8)
         # This rank's rows grouped by destination rank, (t, k) row-major inside a destination.
         flat = self.idx.to(torch.int64).view(-1)
         pair = torch.nonzero(flat >= 0).view(-1)
@@ -360,15 +361,17 @@ def open_budget(
 
 def measure_deepep(dep: Any, sets: list[InputSet], runtime: Any, timer: Any,
                    args: argparse.Namespace) -> tuple[list[float] | None, str | None]:  # fmt: skip
-    """This rank's medians (us, in bench_peers.DEEPEP_TIMES order) of DeepEP on ``sets``, or (None, why
-    not); the verdict is the same on every rank.
+    """This rank's medians (us, in bench_peers.DEEPEP_TIMES order, then DEEPEP_FP8_TIMES with
+    ``args.fp8``) of DeepEP on ``sets``, or (None, why not); the verdict is the same on every rank.
 
     dep: a bench_peers.DeepEpBudget; sets: the input sets after :func:`exchange_splits`; timer: a
-    :class:`Timer` (or a stand-in with its ``run``); args: the parsed arguments (``warmup``, ``iters``).
+    :class:`Timer` (or a stand-in with its ``run``); args: the parsed arguments (``warmup``, ``iters``,
+    ``fp8`` if present).
 
     First, untimed, per set: a full dispatch (its handle, rows and routing are what the timed calls
     reuse), checked (rows received, rows per local expert, the cached dispatch repeats it bit for bit,
-    combine(dispatch(x)) = x times the token's destination ranks). Then the four timed calls."""
+    combine(dispatch(x)) = x times the token's destination ranks), and with ``fp8`` the FP8 input and its
+    check (:func:`_deepep_fp8_inputs`). Then the four timed calls (seven with ``fp8``)."""
     import torch
 
     n = len(sets)
@@ -391,14 +394,22 @@ def measure_deepep(dep: Any, sets: list[InputSet], runtime: Any, timer: Any,
     except Exception as exc:  # the same call on every rank: a host-side refusal is the same everywhere
         why = f"DeepEP call failed ({type(exc).__name__}: {exc})"
     why = agree(runtime, why)
+    names = bp.DEEPEP_TIMES
+    if getattr(args, "fp8", False) and not why:
+        names += bp.DEEPEP_FP8_TIMES
+        why = agree(runtime, _deepep_fp8_inputs(dep, sets))
     steps = {
         "dispatch": lambda i: dep.dispatch_cached(sets[i % n].x, sets[i % n].deepep.handle),
         "full_dispatch": lambda i: dep.dispatch_full(sets[i % n].x, sets[i % n].idx64, sets[i % n].w),
         "dispatch_permute": lambda i: dep.dispatch_permute(sets[i % n].x, sets[i % n].deepep),
         "combine": lambda i: dep.combine(sets[i % n].deepep.recv_x, sets[i % n].deepep.handle),
+        "fp8_dispatch": lambda i: dep.dispatch_cached(sets[i % n].deepep_fp8, sets[i % n].deepep.handle),
+        "fp8_full_dispatch": lambda i: dep.dispatch_full(sets[i % n].deepep_fp8, sets[i % n].idx64,
+                                                         sets[i % n].w),
+        "fp8_dispatch_permute": lambda i: dep.dispatch_permute(sets[i % n].deepep_fp8, sets[i % n].deepep),
     }
     medians: list[float] = []
-    for name in bp.DEEPEP_TIMES:
+    for name in names:
         if why:
             break
         err = None
@@ -408,5 +419,30 @@ def measure_deepep(dep: Any, sets: list[InputSet], runtime: Any, timer: Any,
             err = f"DeepEP {name} failed while timed ({type(exc).__name__}: {exc})"
         why = agree(runtime, err)
     for s in sets:
-        s.deepep = None  # its received rows: up to R * T rows of H per set
+        s.deepep = s.deepep_fp8 = None  # its received rows: up to R * T rows of H per set
     return (None, why) if why else (medians, None)
+
+
+def _deepep_fp8_inputs(dep: Any, sets: list[InputSet]) -> str | None:
+    """Each set's rows as DeepEP's FP8 input (``s.deepep_fp8``: e4m3 values [T, H] and fp32 scales
+    [T, H / 128], column-major as DeepEP's test passes them), quantized by ``cute_ep.fp8`` as our kernels
+    quantize, outside the timed calls; then one cached FP8 dispatch per set, checked: it must receive the
+    rows its bf16 dispatch received, quantized alike, bit for bit. None, or why not (this rank's)."""
+    import torch
+
+    from cute_ep.fp8 import quantize_fp8
+
+    for s in sets:
+        q, scales = quantize_fp8(s.x)
+        s.deepep_fp8 = (q, scales.T.contiguous().T)
+    why = None
+    try:
+        for s in sets:  # every rank makes the same collective calls whatever its checks say
+            got_q, got_scales = dep.dispatch_cached(s.deepep_fp8, s.deepep.handle)
+            want_q, want_scales = quantize_fp8(s.deepep.recv_x)  # row-wise: the received rows' own
+            if not (torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+                    and torch.equal(got_scales, want_scales)):
+                why = why or "DeepEP's FP8 dispatch did not receive the sent rows' e4m3 values and scales"
+    except Exception as exc:  # the same call on every rank
+        why = f"DeepEP FP8 dispatch failed ({type(exc).__name__}: {exc})"
+    return why
