@@ -117,6 +117,19 @@ def cta_tokens(num_tokens: Int32, cta: Int32, ncta: Int32):
 
 
 @cute.jit
+def absolute_warp_bases(parts: cute.Tensor, BASES: Int32, base_of: cute.Tensor, col0: Int32, ncol: Int32,
+                        NW: Int32, tid: Int32, NT: cutlass.Constexpr):
+    """Every histogram warp's first slot per column, relative to this rank's first (``base_of``), made
+    absolute with the leader's bases (row ``BASES`` of ``parts``, columns col0 ...); ends with a CTA
+    barrier."""
+    for col in range(tid, ncol, NT):
+        first = ld_volatile_i32(element_addr(parts, (BASES, col0 + col)))
+        for w in range(NW):
+            base_of[w * ncol + col] = base_of[w * ncol + col] + first
+    cute.arch.sync_threads()
+
+
+@cute.jit
 def wait_for_leader(p: EpParams, value: Int64, epoch: Int64):
     """Thread 0 waits until ``layout_done`` reaches ``value`` (the leader's announcements), then a CTA
     barrier. The leader always gets there, within its own bounded waits for the peers' counts (one
@@ -193,6 +206,10 @@ class LayoutKernel(EpKernel):
 
     by_rank = False  # compile-time: the rank layout's variant (kernels/rank_layout.py) is compiled apart
     threads = LAYOUT_THREADS
+    # Compile-time: work for a CTA while it waits for the leader's offsets, ``ahead(p, value, t_first,
+    # t_end, warp, lane) -> Int32`` until ``layout_done`` reaches value, its result returned by ``route``
+    # (a dispatch with the layout folded in casts its FP8 rows there: DispatchKernel.cast_ahead).
+    ahead = None
 
     @cute.kernel
     def kernel(self, p: EpParams):
@@ -200,8 +217,8 @@ class LayoutKernel(EpKernel):
 
     @cute.jit
     def route(self, p: EpParams):
-        """Steps 1-4 of the module docstring, by every thread of every CTA of the launch; each CTA counts
-        and places the tokens ``cta_tokens`` gives it. Ends with a CTA barrier after the CTA's slots."""
+        """Steps 1-4 of the module docstring, by every thread of every CTA; each CTA counts and places the
+        tokens ``cta_tokens`` gives it, ends with a CTA barrier, returns ``ahead``'s result (else 0)."""
         R, E, K, El = p.world_size, p.num_experts, p.topk, p.experts_per_rank
         NT = self.threads
         by_rank = self.by_rank
@@ -267,7 +284,10 @@ class LayoutKernel(EpKernel):
         # Each CTA's warps' first slots (rows) relative to this rank's first one per column (colsum: the
         # leader is done with it by now).
         relative_warp_bases(parts, base_of, col0, ncol, NW, bid, colsum, tid, NT)
+        got_ahead = Int32(0)
         if not leader:
+            if cutlass.const_expr(self.ahead is not None):
+                got_ahead = self.ahead(p, epoch * 2, t_first, t_end, warp, lane)
             wait_for_leader(p, epoch * 2, epoch)
         cute.arch.sync_threads()
         if tid == 0:
@@ -277,11 +297,7 @@ class LayoutKernel(EpKernel):
         refused = flags[1] != 0
 
         # 3c. the absolute bases: this rank's first slot of each expert (first row on each destination rank)
-        for col in range(tid, ncol, NT):
-            first = ld_volatile_i32(element_addr(parts, (BASES, col0 + col)))
-            for w in range(NW):
-                base_of[w * ncol + col] = base_of[w * ncol + col] + first
-        cute.arch.sync_threads()
+        absolute_warp_bases(parts, BASES, base_of, col0, ncol, NW, tid, NT)
 
         # 4. scatter slots: a lane per pair (expert layout) or per token (rank layout, ``place_tokens``)
         if cutlass.const_expr(by_rank):
@@ -298,6 +314,7 @@ class LayoutKernel(EpKernel):
             if tid == 0:
                 if fault_free(p.fault):  # a timed-out call does not count as run
                     p.epochs[OP_LAYOUT] = epoch
+        return got_ahead
 
     @cute.jit
     def shared_counts(self, E: Int32, R: Int32, NW: Int32, per_warp: Int32, tid: Int32):
