@@ -645,6 +645,7 @@ def make_meta(args: argparse.Namespace, cfg: Any, runtime: Any) -> dict[str, Any
             "modes": args.mode_list,
             "combines": args.combine_list,
             "layouts": args.layout_list,
+            "fp8": bool(args.fp8),
             "iters": args.iters,
             "warmup": args.warmup,
             "input_sets": args.input_sets,

@@ -469,13 +469,16 @@ PEERS_BASELINE = REPO / "baselines" / "perf" / "h200x2_vs_deepep.json"
 def check_peers_baseline(report: dict) -> None:
     """What the committed 2x H200 report must hold: a valid results object from 2
     ranks with a row per (tokens, num_sms, layout) for tokens 4096 and 8192, num_sms 24 and the full GPU,
-    both layouts, and DeepEP measured in each at its budget for ours (128 for the full GPU)."""
+    both layouts, an FP8 row per (tokens, layout) at 24 SMs, and DeepEP measured in each at its budget for
+    ours (128 for the full GPU)."""
     bp.check_perf_json(report)
     assert report["meta"]["world_size"] == 2, report["meta"]["world_size"]
     rows = report["rows"]
     have = {(r["tokens"], r["num_sms"], r["layout"]) for r in rows}
     want = {(t, s, lay) for t in (4096, 8192) for s in (24, bp.FULL_GPU_SMS) for lay in ("rank", "expert")}
     assert want <= have, sorted(want - have)
+    fp8 = {(r["tokens"], r["layout"]) for r in rows if r["mode"].endswith("+fp8") and r["num_sms"] == 24}
+    assert {(t, lay) for t in (4096, 8192) for lay in ("rank", "expert")} <= fp8, sorted(fp8)
     for r in rows:
         assert r["deepep_skipped"] is None, (r["tokens"], r["num_sms"], r["deepep_skipped"])
         assert r["deepep_num_sms"] == bp.deepep_num_sms(r["num_sms"]), r
@@ -499,6 +502,9 @@ def test_the_peers_baseline_check_can_fail():
     one = {**report, "meta": {**report["meta"], "world_size": 1}}
     with pytest.raises(AssertionError):
         check_peers_baseline(one)
+    no_fp8 = {**report, "rows": [r for r in report["rows"] if not r["mode"].endswith("+fp8")]}
+    with pytest.raises(AssertionError, match="4096"):
+        check_peers_baseline(no_fp8)
     skipped = {**report, "rows": [{**report["rows"][0], "deepep_skipped": "x", "deepep_dispatch_us": None,
                                    "deepep_combine_us": None, "deepep_full_dispatch_us": None,
                                    "deepep_dispatch_permute_us": None}, *report["rows"][1:]]}  # fmt: skip

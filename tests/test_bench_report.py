@@ -734,6 +734,7 @@ def test_sweep_with_fp8_adds_a_checked_rank_fp8_row(tmp_path):
     assert [(r["mode"], r["layout"], r["dispatch_row_bytes"]) for r in rows] == [
         ("rank", "rank", 0), ("rank+cached", "rank", 0), ("rank+fp8", "rank", 144)]
     assert rows[2]["checked"] and rows[2]["combine_us"] == rows[0]["combine_us"]
+    assert br.load_json(out_json)["meta"]["config"]["fp8"] is True
     assert "[uniform T=8 rank+fp8] checked: the packed FP8 rows bit-identical to the reference" in out
 
 

@@ -46,6 +46,11 @@ def test_report_holds_every_configuration_of_its_sweep(path):
         # before these rows existed have none of them; a report that has one has it everywhere.
         labels.append("rank")
         labels += [m for m in ("rank+reduced", "rank+cached") if any(r["mode"] == m for r in report["rows"])]
+    # --fp8 (config "fp8"; reports from before it was recorded were made without it): per layout's mode, a
+    # row "<mode>+fp8" more.
+    if cfg.get("fp8"):
+        labels += [f"{m}+fp8" for m in cfg["modes"] if "expert" in layouts]
+        labels += ["rank+fp8"] if "rank" in layouts else []
     # A sweep over SM budgets (--num-sms) repeats every configuration per budget; older reports have one
     # budget and may not name it in meta.
     budgets = report["meta"].get("num_sms_budgets") or sorted({r.get("num_sms") for r in report["rows"]})
