@@ -58,12 +58,12 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import DONE_DISPATCH, INPUT_FAULT_RANKS, SIGNAL_DISPATCH, EpParams
-from cute_ep.kernels.config import MODE_ATOMIC, OP_DISPATCH, OP_LAYOUT, WARP
-from cute_ep.kernels.dispatch_senders import send_pair, send_token_by_lanes, send_token_by_rank
+from cute_ep.kernels.config import MODE_ATOMIC, MODE_SCATTER, OP_DISPATCH, OP_LAYOUT, WARP
+from cute_ep.kernels.dispatch_senders import pair_in_lane, send_pair, send_token_by_lanes, send_token_by_rank
 from cute_ep.kernels.layout import LayoutKernel, cta_tokens, enter_routed
 from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.ptx import fence_sys, ld_acquire_u64, ld_volatile_i32
@@ -207,6 +207,13 @@ class DispatchKernel(EpKernel):
                 k_begin = u % K
                 k_end = k_begin + 1
             src_addr = x_rows.row(t)
+            # K <= 32: the token's pairs in lanes, loaded before an FP8 cast so that their loads overlap it
+            e, slot, w, d = Int32(-1), Int32(-1), Float32(0.0), Int32(-1)
+            if K <= WARP:
+                if cutlass.const_expr(by_rank):
+                    e, slot, w, d = pair_in_lane(p, t, lane, Int32(MODE_SCATTER))  # one order in this layout
+                else:
+                    e, slot, w, d = pair_in_lane(p, t, lane, mode)
             if p.fp8 != 0:
                 # Quantize once per token; every destination gets the same packed bytes.
                 dst = packed_rows.row(t)
@@ -217,10 +224,11 @@ class DispatchKernel(EpKernel):
             k_stop = k_end
             if K <= WARP:
                 # a token's pairs in lanes, loaded once (the per-pair loop below then only for K > 32)
+                pair = (e, slot, w, d)
                 if cutlass.const_expr(by_rank):
-                    send_token_by_rank(dtype, p, t, k_begin, k_end, src_addr, row_bytes, lane)
+                    send_token_by_rank(dtype, p, t, k_begin, k_end, pair, src_addr, row_bytes, lane)
                 else:
-                    send_token_by_lanes(dtype, p, t, k_begin, k_end, src_addr, row_bytes, lane)
+                    send_token_by_lanes(dtype, p, t, k_begin, k_end, pair, src_addr, row_bytes, lane)
                 k_stop = k_begin
             for k in range(k_begin, k_stop):
                 send_pair(dtype, p, t, k, src_addr, row_bytes, lane, by_rank)

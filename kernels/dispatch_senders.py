@@ -11,7 +11,7 @@ import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.buffers import EpParams
-from cute_ep.kernels.config import ALGO_DEDUP, MODE_ATOMIC, MODE_SCATTER, VECTOR_BYTES, WARP
+from cute_ep.kernels.config import ALGO_DEDUP, MODE_ATOMIC, VECTOR_BYTES, WARP
 from cute_ep.kernels.rows import RowSpace, copy_row_to_lanes, element, row_space, row_view
 from cute_ep.kernels.signals import stored_to
 
@@ -109,17 +109,17 @@ def pair_in_lane(p: EpParams, t: Int32, lane: Int32, mode: Int32):
 
 
 @cute.jit
-def send_token_by_lanes(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin: Int32, k_end: Int32,
+def send_token_by_lanes(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin: Int32, k_end: Int32, pair,
                         src_addr: Int64, row_bytes: Int32, lane: Int32):
-    """Expert layout with K <= 32: lane j holds the token's pair j (expert, slot, weight: loaded once, and
-    in atomic mode every pair's slot taken at once, the token's experts being distinct). Each pair's
+    """Expert layout with K <= 32: lane j holds the token's pair j (``pair``: ``pair_in_lane``, loaded
+    once, and in atomic mode every pair's slot taken at once, the token's experts being distinct). Each pair's
     group (the token's pairs bound for its rank) is one ``match_sync``; its primary (the group's first
-    kept pair) the lowest bit of the group's kept lanes. Of the pairs [k_begin, k_end), the row goes in
-    one copy to every pair that receives it (all kept pairs, or under dedup the primaries and the pairs of
-    this rank), and each kept pair's lane writes its weight, source tag and from-slot; with ``groups`` the
-    later members enter their primary's list."""
+    kept pair) the lowest bit of the group's kept lanes. Of the pairs [k_begin, k_end), each kept pair's
+    lane writes its weight, source tag and from-slot (with ``groups`` the later members enter their
+    primary's list), then the row goes in one copy to every pair that receives it (all kept pairs, or
+    under dedup the primaries and the pairs of this rank)."""
     K, M, rank = p.topk, p.max_tokens, p.rank
-    e, slot, w, d = pair_in_lane(p, t, lane, p.mode)
+    e, slot, w, d = pair
     lt = Int32(cute.arch.lanemask_lt())
     valid = Int32(cute.arch.vote_ballot_sync(d >= 0))
     kept = Int32(cute.arch.vote_ballot_sync(slot >= 0))
@@ -141,7 +141,7 @@ def send_token_by_lanes(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin
                 if g != lane:
                     receives = Int32(0)
     sends = Int32(cute.arch.vote_ballot_sync(receives * mine != 0))
-    send_row_to_lanes(dtype, p, src_addr, d, slot, sends, row_bytes, lane)
+    # The pair records before the row: the row's copy then needs only d and slot in registers.
     if mine != 0:
         if slot >= 0:
             from_slot = Int32(-1)
@@ -160,16 +160,18 @@ def send_token_by_lanes(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin
                     # group's pairs in [g, lane).
                     m = cute.arch.popc(group & lt & ~((Int32(1) << g) - Int32(1)))
                     nvshmem_cute.p(element(p.recv_group, (slot_g, m)), slot, d)
+    send_row_to_lanes(dtype, p, src_addr, d, slot, sends, row_bytes, lane)
 
 
 @cute.jit
-def send_token_by_rank(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin: Int32, k_end: Int32,
+def send_token_by_rank(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin: Int32, k_end: Int32, pair,
                        src_addr: Int64, row_bytes: Int32, lane: Int32):
-    """Rank layout with K <= 32: lane j holds the token's pair j (its rank and its row there, loaded once);
-    the primaries (a rank's first pair, ``match_sync``) among pairs [k_begin, k_end) each send the row
-    and, from lanes j < K, the token's ids and weights masked to that rank's experts."""
+    """Rank layout with K <= 32: lane j holds the token's pair j (``pair``: ``pair_in_lane`` in scatter
+    mode, one order in this layout: its rank and its row there, loaded once);
+    the primaries (a rank's first pair, ``match_sync``) among pairs [k_begin, k_end) each send, from lanes
+    j < K, the token's ids and weights masked to that rank's experts, and the row."""
     K, El = p.topk, p.experts_per_rank
-    e, slot, w, d = pair_in_lane(p, t, lane, Int32(MODE_SCATTER))  # one order in this layout
+    e, slot, w, d = pair
     same = Int32(cute.arch.match_sync(cute.arch.FULL_MASK, d))  # lanes bound for the same rank
     lead = Int32(0)
     if d >= 0:
@@ -179,10 +181,11 @@ def send_token_by_rank(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin:
                     if lane < k_end:
                         lead = Int32(1)
     sends = Int32(cute.arch.vote_ballot_sync(lead != 0))
-    send_row_to_lanes(dtype, p, src_addr, d, slot, sends, row_bytes, lane)  # one load for every rank
+    # The records before the row: the row's copy then needs only d and slot in registers.
+    left = sends
     for _ in range(cute.arch.popc(sends)):
-        j = Int32(cute.arch.clz(cute.arch.brev(sends)))  # the lowest primary left
-        sends = sends & (sends - 1)
+        j = Int32(cute.arch.clz(cute.arch.brev(left)))  # the lowest primary left
+        left = left & (left - 1)
         dj = cute.arch.shuffle_sync(d, j)
         row = cute.arch.shuffle_sync(slot, j)
         if lane < K:
@@ -195,6 +198,7 @@ def send_token_by_rank(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin:
             nvshmem_cute.p(element(p.recv_topk_w, (row, lane)), wj, dj)
         if lane == 0:
             nvshmem_cute.p(element(p.recv_src, row), p.rank * p.max_tokens + t, dj)
+    send_row_to_lanes(dtype, p, src_addr, d, slot, sends, row_bytes, lane)  # one load for every rank
 
 
 @cute.jit

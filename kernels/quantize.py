@@ -16,7 +16,9 @@ scale = amax * fp32(1 / 448); with its ``round_scale``, FP8_SCALE_POWER_OF_TWO: 
 ceil(log2(amax * fp32(1 / 448))) read from the product's bits, and inv = 2^-e.
 
 Lanes: a lane holds one 128-bit piece (8 elements of a 16-bit type, 4 of fp32), so a block spans 16
-or 32 lanes and a warp step covers 2 or 1 blocks; the block's amax is a butterfly max over its lanes.
+or 32 lanes and a warp step covers 2 or 1 blocks; the block's amax is a butterfly max over its lanes. A warp
+loads several steps at once (a round); the round's block scales are computed by one lane each and passed to
+the block's lanes by a shuffle.
 """
 
 from __future__ import annotations
@@ -90,25 +92,35 @@ def quantize_blocks_warp(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: In
             block = b0 + u * BPS + lane // LPB
             if block < end:
                 cute.autovec_copy(src[None, block * LPB + sub], frags[u])  # this lane's V elements
+        # Each step's block amax (a butterfly over the block's lanes); then lane ``sub`` = u of each block's
+        # lanes takes step u's and computes its scale, so one pair of divisions serves the round's blocks.
+        # Why: an IEEE division is a sequence of instructions, and the warp ran two for every step.
+        amax = Float32(0.0)
         for u in cutlass.range_constexpr(unroll):
-            block = b0 + u * BPS + lane // LPB
-            piece = block * LPB + sub
             vals = frags[u].load().to(Float32)
             a = Float32(0.0)
             for i in cutlass.range_constexpr(V):
                 a = abs_max(a, vals[i])
             for i in cutlass.range_constexpr(len(OFFSETS)):
                 a = max_f32(a, cute.arch.shuffle_sync_bfly(a, OFFSETS[i]))
-            scale, inv = block_scale(a, rule)
+            if sub == u:
+                amax = a
+        scale, inv_held = block_scale(amax, rule)
+        if sub < unroll:
+            block = b0 + sub * BPS + lane // LPB
+            if block < end:
+                scales[block] = scale
+        for u in cutlass.range_constexpr(unroll):
+            block = b0 + u * BPS + lane // LPB
+            inv = cute.arch.shuffle_sync(inv_held, lane - sub + u)  # step u's, from lane u of the block
+            vals = frags[u].load().to(Float32)
             words = cute.make_rmem_tensor(cute.make_layout(V // 4), Int32)
             for w in cutlass.range_constexpr(V // 4):
                 b01 = cvt_e4m3x2(mul_rn(vals[4 * w], inv), mul_rn(vals[4 * w + 1], inv))
                 b23 = cvt_e4m3x2(mul_rn(vals[4 * w + 2], inv), mul_rn(vals[4 * w + 3], inv))
                 words[w] = b01 | (b23 << 16)
             if block < end:
-                cute.autovec_copy(words, q_words[None, piece])  # one 64-bit (bf16/fp16) or 32-bit store
-                if sub == 0:
-                    scales[block] = scale
+                cute.autovec_copy(words, q_words[None, block * LPB + sub])  # one 64- or 32-bit store
     # Zero padding after the scales (fewer than 16 bytes, one word per lane).
     pad_words = (row_bytes - hidden - 4 * nblocks) // 4
     if pad != 0:
