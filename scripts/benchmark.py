@@ -534,7 +534,7 @@ def measure(
                 buf.launch_dispatch(s.x, s.idx, s.w, layout="rank", fp8=True)
 
             fp8_d = br.median(timer.run(rank_fp8_dispatch, args.warmup, args.iters))
-            buf.dispatch(sets[0].x, sets[0].idx, sets[0].w, layout="rank", fp8=True)  # raises if one did not
+            buf.check_ran()
             add_row("rank+fp8", "rank", checked, fp8_d, nccl_fp8_dispatch(), cfg.fp8_row_bytes, rank_c)
     for mode in args.mode_list if "expert" in args.layout_list else ():
         checked = tokens <= args.validate_max_tokens

@@ -637,9 +637,8 @@ def fp8_peer_times(medians: Sequence[float] | None) -> list[float] | None:
     order. None when DeepEP was skipped or its FP8 calls were not timed (only ``DEEPEP_TIMES`` given)."""
     if medians is None or len(medians) != len(DEEPEP_TIMES) + len(DEEPEP_FP8_TIMES):
         return None
-    fp8 = dict(zip(DEEPEP_FP8_TIMES, medians[len(DEEPEP_TIMES):], strict=True))
-    return [fp8["fp8_dispatch"], fp8["fp8_full_dispatch"], fp8["fp8_dispatch_permute"],
-            medians[DEEPEP_TIMES.index("combine")]]
+    named = dict(zip(DEEPEP_TIMES + DEEPEP_FP8_TIMES, medians, strict=True))
+    return [named.get(f"fp8_{name}", named[name]) for name in DEEPEP_TIMES]  # the combine has no FP8 form
 
 
 def peer_fields(
