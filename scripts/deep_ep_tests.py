@@ -68,10 +68,6 @@ LINES = (
     ("low_latency", "combine recv (return_recv_hook)",
      rf"\| Combine send/recv time: {_NUM} \+ {_NUM} us", 2, 1.0, "slowest rank"),
 )
-# What a cute_ep value of a line means where it is not what DeepEP's means (kept in the report beside it).
-_HOOK_NOTE = ("cute_ep's return_recv_hook does nothing (the data is complete when the call returns): the "
-              "profiler's two kernels per period are two calls' whole kernels, not a send / receive split")
-CUTE_EP_NOTES = {name: _HOOK_NOTE for _, name, *_ in LINES if name.endswith("(return_recv_hook)")}
 # test_intranode.py prints "[testing] Running with ... ..." and then " passed" on the same line per check.
 _CHECK = re.compile(r"^\[testing\] Running with .*\.\.\.( passed)?")
 
@@ -114,8 +110,6 @@ def build_report(runs: dict[str, dict[str, dict]], *, gpu: str, num_gpus: int, c
         if values["deep_ep"] and values["cute_ep"] is not None:
             ratio = round(values["cute_ep"] / values["deep_ep"], 3)
         line = {"test": test, "line": name, "unit": "us", "how": how, **values, "ratio": ratio}
-        if name in CUTE_EP_NOTES and values["cute_ep"] is not None:
-            line["cute_ep_note"] = CUTE_EP_NOTES[name]
         lines.append(line)
     return {
         "what": "DeepEP's own tests/test_intranode.py and tests/test_low_latency.py, unchanged, run on "

@@ -320,7 +320,9 @@ def test_layout_kernel_matches_torch(runtime, buffers, id_dtype: torch.dtype) ->
     rank, world = runtime.env.rank, runtime.env.world_size
     g = torch.Generator().manual_seed(runtime.seed * 1000 + 7 * rank + (id_dtype == torch.int32))
     big = 2**40 if id_dtype == torch.int64 else 2**31 - 1
-    cases = [(0, 8, 256), (1, 1, 1), (4096, 8, 256), (333, 9, 288), (128, 64, 64), (50, 33, 300)]
+    # (3000, 7, 70): more tokens than the kernel's threads, and not a multiple of them
+    cases = [(0, 8, 256), (1, 1, 1), (4096, 8, 256), (333, 9, 288), (128, 64, 64), (50, 33, 300),
+             (3000, 7, 70)]
     for i, (tokens, topk, per) in enumerate(cases):
         experts = world * -(-per // world)
         idx = torch.rand(tokens, experts, generator=g).topk(topk, dim=1).indices  # distinct experts
@@ -340,7 +342,8 @@ def test_layout_kernel_matches_torch(runtime, buffers, id_dtype: torch.dtype) ->
     # The kernel's grid has a CTA per 8 ranks and per 32 experts: rank counts other than this world's, with
     # partial slices of both (the kernel called directly, as get_dispatch_layout calls it).
     layout = shared_token_layout()
-    for n, k, ranks, per_rank in [(1000, 8, 3, 11), (517, 6, 9, 4), (2048, 8, 64, 5), (64, 3, 17, 1)]:
+    for n, k, ranks, per_rank in [(1000, 8, 3, 11), (517, 6, 9, 4), (2048, 8, 64, 5), (64, 3, 17, 1),
+                                  (5000, 5, 12, 3)]:
         e = ranks * per_rank
         ids = torch.rand(n, e, generator=g).topk(k, dim=1).indices
         ids[torch.rand(n, k, generator=g) < 0.1] = -1
@@ -357,6 +360,31 @@ def test_layout_kernel_matches_torch(runtime, buffers, id_dtype: torch.dtype) ->
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_layout_calls_of_one_shape_each_return_their_own_tensors(runtime, buffers) -> None:
+    """get_dispatch_layout four times on fresh ids of one shape, every result kept: from the third call on
+    the outputs were made during the call before (cute_ep.spare). After all four, each call's three tensors
+    hold its own layout, bit for bit against the torch form, and share no memory with another call's."""
+    from cute_ep.deep_ep import normal
+
+    kern, _ = buffers
+    world = runtime.env.world_size
+    g = torch.Generator().manual_seed(runtime.seed * 1000 + 31 * runtime.env.rank + 3)
+    experts = world * 32
+    kept = []
+    for _ in range(4):
+        idx = torch.rand(512, experts, generator=g).topk(8, dim=1).indices
+        idx[torch.rand(512, 8, generator=g) < 0.1] = -1
+        per_rank, _, per_expert, in_rank, _ = kern.get_dispatch_layout(idx.to(runtime.device), experts)
+        kept.append((idx, (per_rank, per_expert, in_rank)))
+    addresses = [t.data_ptr() for _, got in kept for t in got]
+    assert len(set(addresses)) == len(addresses)
+    for i, (idx, got) in enumerate(kept):
+        want = normal.dispatch_layout(idx, experts, world)
+        for name, a, b in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"), got, want,
+                              strict=True):
+            assert_same(f"{name} of call {i}", a, b)
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -7,6 +7,8 @@ and combine on a communication stream beside a GEMM.
 - ``combine`` and ``dispatch(sync=False)`` make no host sync (torch's sync debug mode raises on one), a
   synced ``dispatch`` makes one; the sync-free dispatch returns worst-case views with the count on the
   device, eagerly and replayed in a CUDA graph, with the synced call's results.
+- calls of one size each keep their own results (no later call writes into a handle's routing or a
+  combine's output);
 - a cached dispatch (``launch_cached_dispatch``, no layout) receives what a full dispatch of the same rows
   along the same routing receives, bit for bit, and leaves its counts;
 - a dispatch copies its received rows into the caller's tensors in its own launch when asked
@@ -128,6 +130,39 @@ def test_combine_and_sync_free_dispatch_make_no_host_sync(runtime):
                            num_experts=cfg.num_experts, scatter=res.handle.scatter, require_coverage=False,
                            group=runtime.cpu_group)
         assert rc.passed, rc.message
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_results_of_calls_of_one_size_stay_the_callers(runtime, sync):
+    """dispatch() + combine() four times on fresh inputs of one size, every result kept: each round is
+    checked when it returns; after all four, every round's combine output and its handle's ids, weights and
+    slots are as they were (no later call wrote into them) and share no memory."""
+    cfg, rank, _ = _setup(runtime, seed=11)
+    dev, g = runtime.device, runtime.cpu_group
+    with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
+        kept = []
+        for i in range(4):
+            x, idx, w = (t.to(dev) for t in make_inputs(rank, cfg.max_tokens, cfg.hidden, cfg.num_experts,
+                                                         cfg.topk, cfg.dtype, runtime.seed + 300 + i,
+                                                         routing="uniform"))
+            res = buf.dispatch(x, idx, w, sync=sync)
+            n = res.num_recv if sync else int(res.recv_count)
+            y = buf.expert_output(res.num_recv)
+            y.copy_(res.recv_x)
+            out = buf.combine(y, res.handle)
+            rc = check_combine(out, idx, w, y[:n], local_world_size=cfg.local_world_size,
+                               num_experts=cfg.num_experts, scatter=res.handle.scatter,
+                               require_coverage=False, group=g)
+            assert rc.passed, f"round {i}: {rc.message}"
+            h = res.handle
+            kept.append((out, out.clone(), h, h.scatter.clone(), idx.to(torch.int32), w))
+        for i, (out, out_then, h, slots_then, idx, w) in enumerate(kept):
+            assert torch.equal(out, out_then), f"round {i}: combine output written by a later call"
+            assert torch.equal(h.topk_idx, idx) and torch.equal(h.topk_weights, w), f"round {i}: routing"
+            assert torch.equal(h.scatter, slots_then), f"round {i}: slots written by a later call"
+        owned = [t.data_ptr() for out, _, h, *_ in kept for t in (out, h.scatter)]
+        assert len(set(owned)) == len(owned)
+        buf.check_ran()
 
 
 def test_sync_free_dispatch_eagerly_and_in_a_graph(runtime):
