@@ -24,10 +24,12 @@
 #
 # Prints rank 0's pytest output for each launch, every rank's failures as they happen, and a summary line
 # per launch (every rank's pytest result, each distinct one once with its number of ranks, failures
-# first); exits non-zero if any launch failed. The other ranks' pytest reports go to
-# $GPU_TEST_LOG_DIR/<launch>/rank<R>.log (default /tmp/cute_ep_gpu_tests). A test that hangs ends itself
-# after GPU_TEST_WATCHDOG_S seconds (default 120; compile time not counted), printing the rank, the test and
-# every thread's stack (tests/gpu/conftest.py); GPU_TEST_TIMEOUT (default 900 s) bounds a whole launch.
+# first, then the failed tests by name); exits non-zero if any launch failed. The other ranks' pytest
+# reports go to $GPU_TEST_LOG_DIR/<launch>/rank<R>.log (default /tmp/cute_ep_gpu_tests), and the launch's
+# whole output, rank 0's report in it, to launch.log beside them (kept where the console's copy is lost).
+# A test that hangs ends itself after GPU_TEST_WATCHDOG_S seconds (default 120; compile time not
+# counted), printing the rank, the test and every thread's stack (tests/gpu/conftest.py); GPU_TEST_TIMEOUT
+# (default 900 s) bounds a whole launch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ngpu=$(nvidia-smi -L | wc -l)
@@ -64,8 +66,9 @@ launch() {  # launch NAME NPROC LOCAL_WORLD_SIZE GPUS_USED
   fi
   port=$((port + 1))
   local log logs
-  log=$(mktemp)
   logs="${GPU_TEST_LOG_DIR:-/tmp/cute_ep_gpu_tests}/${name// /_}"
+  mkdir -p "$logs"
+  log="$logs/launch.log"
   # No --local-ranks-filter: ranks other than 0 write their pytest report to $logs, and print only their
   # failures and watchdog reports (tests/gpu/conftest.py).
   env CUTE_EP_GPUS_PER_HOST=$gpus CUTE_EP_LOCAL_WORLD_SIZE=$lws GPU_TEST_LOG_DIR="$logs" GPU_TEST_SEED=$seed \
@@ -82,9 +85,12 @@ launch() {  # launch NAME NPROC LOCAL_WORLD_SIZE GPUS_USED
     | awk '{n=$1; sub(/^ *[0-9]+ /, ""); bad=($0 ~ /failed|error/) ? 0 : 1
             printf "%d\t%s (%d rank%s)\n", bad, $0, n, (n == 1 ? "" : "s")}' \
     | sort -s -k1,1n | cut -f2 | paste -sd ';' | sed 's/;/; /g')
-  summary+=("$name (seed $seed): rc=$rc ${results:-no pytest summary (see the log above)}")
+  local failed  # rank 0's "FAILED <test id> - <why>" and the others' "[rank R] FAILED <test id> (<when>):"
+  failed=$(grep -oE "^(\[rank [0-9]+\] )?FAILED [^ ]+" "$log" | sed -E 's/^.*FAILED //' | sort -u \
+    | paste -sd ';' | sed 's/;/, /g')
+  results=${results:-no pytest summary (see the log above)}
+  summary+=("$name (seed $seed): rc=$rc $results${failed:+; failed: $failed}")
   ((rc == 0)) || status=1
-  rm -f "$log"
   # A shared launch that failed may have left the MPS server refusing new clients ("CUDA-capable
   # device(s) is/are busy or unavailable" at the next launch's first CUDA call, seen on H100 and H200):
   # a daemon this script started is stopped, and the next shared launch starts a fresh one.

@@ -216,6 +216,9 @@ def _launches(tmp_path, gpus: int, **environ: str
         # FAIL_LWS: the launches of that local world size fail, as a launch with a failed test ends
         "if [ \"$CUTE_EP_LOCAL_WORLD_SIZE\" = \"$FAIL_LWS\" ]; then\n"
         "  echo '3 passed in 2.9s'; echo 'E1127 torch/distributed/elastic: failed (exitcode: 1)'\n"
+        "  echo 'FAILED tests/gpu/test_a.py::test_b[x] - AssertionError: no'\n"
+        "  echo '[rank 2] FAILED tests/gpu/test_a.py::test_b[x] (call):'\n"
+        "  echo '[rank 3] FAILED tests/gpu/test_c.py::test_d (setup):'\n"
         "  echo '1 failed, 2 passed in 3.0s'; echo '3 passed in 3.1s'\n"
         "  echo '  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html'\n"
         "  exit 1\nfi\n"
@@ -229,7 +232,7 @@ def _launches(tmp_path, gpus: int, **environ: str
         (repo / "scripts" / name).write_text((REPO / "scripts" / name).read_text())
     (repo / "scripts" / "mps.sh").write_text(f"#!/bin/sh\necho \"mps $1\" >> {log}\necho 'mps: started'\n")
     env = {k: v for k, v in os.environ.items() if k not in ("GPU_TEST_SEED", "FAIL_LWS")}
-    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", **environ)
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", GPU_TEST_LOG_DIR=str(tmp_path / "logs"), **environ)
     proc = subprocess.run(["bash", str(repo / "scripts" / "run_gpu_tests.sh")], capture_output=True,
                           text=True, timeout=60, env=env)
     assert proc.returncode == (1 if "FAIL_LWS" in environ else 0), proc.stdout + proc.stderr
@@ -269,14 +272,19 @@ def test_a_failed_shared_launch_restarts_mps_and_its_summary_has_every_ranks_res
     """After a shared launch fails, the MPS daemon the script started is stopped and the next shared launch
     starts a fresh one (a failed launch can leave the server refusing clients); the summary line holds
     every rank's pytest result (each distinct one once, failures first, timing dropped), not torchrun's
-    failure lines: a test that fails on one rank only shows."""
+    failure lines: a test that fails on one rank only shows; then the failed tests by name, every rank's,
+    each once; the launch's output is kept in its log folder."""
     proc, calls, launches = _launches(tmp_path, 1, FAIL_LWS="4")
     names = [c.split()[0] if not c.startswith("launch") else "launch LWS=" + c.split()[2][4:] for c in calls]
     assert names == ["launch LWS=1", "mps", "launch LWS=2", "launch LWS=4", "mps", "mps", "launch LWS=2",
                      "launch LWS=8", "mps"], calls
     assert [c for c in calls if c.startswith("mps")] == ["mps start", "mps stop", "mps start", "mps stop"]
-    want = r"^4 ranks on one GPU \(seed \d+\): rc=1 1 failed, 2 passed \(1 rank\); 3 passed \(2 ranks\)$"
+    want = (r"^4 ranks on one GPU \(seed \d+\): rc=1 1 failed, 2 passed \(1 rank\); 3 passed \(2 ranks\); "
+            r"failed: tests/gpu/test_a\.py::test_b\[x\], tests/gpu/test_c\.py::test_d$")
     assert re.search(want, proc.stdout, re.M), proc.stdout
+    # the launch's whole output stays beside the other ranks' reports (rank 0's report is in it)
+    kept = (tmp_path / "logs" / "4_ranks_on_one_GPU" / "launch.log").read_text()
+    assert "FAILED tests/gpu/test_a.py::test_b[x] - AssertionError: no" in kept
     assert re.search(r"^2 ranks on one GPU \(seed \d+\): rc=0 3 passed \(1 rank\)$", proc.stdout, re.M)
 
 
