@@ -54,7 +54,6 @@ class SpareOutputs:
         return self._make(key)
 
     def refill(self, key: Hashable, nbytes: int) -> None:
-        ready = self._set is not None and self._key == key  # kept while a capture took none
-        if self._last == key and not ready and nbytes <= SPARE_MAX_BYTES and not self._capturing():
+        if self._last == key and nbytes <= SPARE_MAX_BYTES and not self._capturing():
             self._key, self._set = key, self._make(key)
         self._last = key
