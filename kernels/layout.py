@@ -43,13 +43,15 @@ column of this rank summed over the sources. Step 4 gives each (token, destinati
 lanes in the rank's ballot), and every pair of the token bound for that rank takes it. With a lane per
 pair and the token's earlier pairs found by global loads this kernel took 301 us at 4096 tokens on 2x
 H200, 229 us with shuffles (the expert layout's: 79 us).
-Expert counts and tokens_per_expert are as in the expert layout (that layout has no expert capacity).
+Expert counts and tokens_per_expert are as in the expert layout (that layout has no expert capacity); its
+leader writes no expert-major slot bases (send_offsets, cursor, send_limit stay the expert layout's).
 
-Outputs (device): scatter [T*K] int32 (-1: id -1 or dropped), send_offsets [E] and cursor [E] int32
-(first slot of this rank's rows for each expert; cursor is the atomic-mode allocator), send_limit [E]
-int32 (end of each expert's kept slots), dropped [E] int32 (accumulated), tokens_per_expert [E/R] and
-num_recv [1] int32 (rows this rank receives), input_fault [2] int32, epochs[OP_LAYOUT] advanced by one;
-with own_routing, own_idx / own_w [T, K]: copies of topk_idx / topk_w (the dispatch handle's).
+Outputs (device): scatter [T*K] int32 (-1: id -1 or dropped); in the expert layout send_offsets [E] and
+cursor [E] int32 (first slot of this rank's rows for each expert; cursor is the atomic-mode allocator),
+send_limit [E] int32 (end of each expert's kept slots); dropped [E] int32 (accumulated),
+tokens_per_expert [E/R] and num_recv [1] int32 (rows this rank receives), input_fault [2] int32,
+epochs[OP_LAYOUT] advanced by one; with own_routing, own_idx / own_w [T, K]: copies of topk_idx / topk_w
+(the dispatch handle's).
 """
 
 from __future__ import annotations
@@ -403,13 +405,11 @@ class LayoutKernel(EpKernel):
         """Step 3 in the leader (the last CTA to arrive; every thread of it calls this): this rank's count
         row from the totals, the exchange with every peer, the verdict on the inputs, the offsets, and
         each column's first slot (row) of this rank in ``layout_parts[BASES]``; then ``layout_done``."""
-        R, E, El, rank = p.world_size, p.num_experts, p.experts_per_rank, p.rank
+        R, E, rank = p.world_size, p.num_experts, p.rank
         NT = self.threads
-        by_rank = self.by_rank
         counts = p.counts
         parts = p.layout_parts
         TOTALS = p.num_sms
-        BASES = p.num_sms + 1
         tid, _, _ = cute.arch.thread_idx()
         warp = tid // WARP
 
@@ -429,8 +429,26 @@ class LayoutKernel(EpKernel):
         cute.arch.sync_threads()
         accepted = flags[1] == 0
 
-        # Offsets. Each column sum over sources (count[s][e], written by peers: volatile loads) is read once,
-        # in parallel, into shared memory; the walks below then run over shared memory. Capacity: expert e
+        if cutlass.const_expr(self.by_rank):
+            self.rank_offsets(p, accepted, tid)
+        else:
+            self.expert_offsets(p, colsum, scan, accepted, tid)
+        cute.arch.sync_threads()
+        if tid == 0:
+            fence_sys()  # everything above, before the release the other CTAs wait for
+            p.layout_done[0] = epoch * 2
+
+    @cute.jit
+    def expert_offsets(self, p: EpParams, colsum: cute.Tensor, scan: cute.Tensor, accepted, tid: Int32):
+        """Step 3's offsets in the expert layout (the leader, every thread, after the exchange): the
+        expert-major slots' bases, capacity limits and drops, tokens_per_expert and num_recv."""
+        R, E, El, rank = p.world_size, p.num_experts, p.experts_per_rank, p.rank
+        NT = self.threads
+        counts = p.counts
+        parts = p.layout_parts
+        BASES = p.num_sms + 1
+        # Each column sum over sources (count[s][e], written by peers: volatile loads) is read once, in
+        # parallel, into shared memory; the walks below then run over shared memory. Capacity: expert e
         # keeps its first expert_capacity rows (sources in rank order); the column sum is clamped, and every
         # rank counts the same drops (all ranks see all counts).
         live = fault_free(p.fault)
@@ -473,23 +491,38 @@ class LayoutKernel(EpKernel):
         if tid == 0:
             tot_all = Int32(0)
             if accepted:
-                if cutlass.const_expr(by_rank):  # one row per (source, token) bound for this rank
-                    for s in range(R):
-                        tot_all = tot_all + ld_volatile_i32(element_addr(counts, (s, E + 1 + rank)))
-                else:
-                    tot_all = prefix_at(colsum, total, (rank + 1) * El, E) - colsum[rank * El]
+                tot_all = prefix_at(colsum, total, (rank + 1) * El, E) - colsum[rank * El]
             p.num_recv[0] = tot_all
-        if cutlass.const_expr(by_rank):
-            # This rank's first row on each destination d: the rows of lower source ranks come first.
-            for d in range(tid, R, NT):
-                run = Int32(0)
-                for s in range(rank):
-                    run = run + ld_volatile_i32(element_addr(counts, (s, E + 1 + d)))
-                parts[BASES, E + 1 + d] = run
-        cute.arch.sync_threads()
-        if tid == 0:
-            fence_sys()  # everything above, before the release the other CTAs wait for
-            p.layout_done[0] = epoch * 2
 
+    @cute.jit
+    def rank_offsets(self, p: EpParams, accepted, tid: Int32):
+        """Step 3's offsets in the rank layout (the leader, every thread, after the exchange): this rank's
+        first row on each destination (``layout_parts[BASES]``'s rank columns), tokens_per_expert and
+        num_recv. Why no expert-major scan here: the rank layout's rows are placed by destination rank
+        alone, and it has no expert capacity (checked on the host), so a local expert's rows are its column
+        summed over the sources; the expert layout's slot bases (send_offsets, cursor, send_limit) are not
+        written, and the other CTAs wait for the leader that much less."""
+        R, E, El, rank = p.world_size, p.num_experts, p.experts_per_rank, p.rank
+        NT = self.threads
+        counts = p.counts
+        BASES = p.num_sms + 1
+        for le in range(tid, El, NT):
+            rows = Int32(0)  # a refused call receives nothing
+            if accepted:
+                for s in range(R):
+                    rows = rows + ld_volatile_i32(element_addr(counts, (s, rank * El + le)))
+            p.tokens_per_expert[le] = rows
+        if tid == 0:
+            tot_all = Int32(0)
+            if accepted:  # one row per (source, token) bound for this rank
+                for s in range(R):
+                    tot_all = tot_all + ld_volatile_i32(element_addr(counts, (s, E + 1 + rank)))
+            p.num_recv[0] = tot_all
+        # This rank's first row on each destination d: the rows of lower source ranks come first.
+        for d in range(tid, R, NT):
+            run = Int32(0)
+            for s in range(rank):
+                run = run + ld_volatile_i32(element_addr(counts, (s, E + 1 + d)))
+            p.layout_parts[BASES, E + 1 + d] = run
 
 profiler_name(LayoutKernel.kernel, "layout")

@@ -82,7 +82,10 @@ and dispatch mode (--modes), with hidden H, top-k K, E experts (defaults: DeepSe
       group), its algorithmic bandwidth the pull formula's (pairs_off rows), as for NCCL. With the rank
       layout a row "rank+reduced" times its combine pushed (``EpBuffer.pushes``: the latest dispatch's
       handle) beside the row "rank", pulled (``launch_combine(..., "pull")``), both reading ``recv_y``.
-      The row "rank+cached" (every run with the rank layout) is the cached dispatch described above.
+      The row "rank+cached" (every run with the rank layout) is the cached dispatch described above;
+      with --fp8 the row "rank+fp8+cached" is its FP8 form (``fp8=True`` along the latest FP8 dispatch's
+      routing, checked first against a full FP8 dispatch of the same rows, packed rows byte for byte),
+      beside DeepEP's cached FP8 dispatch.
 
     * Link rate (``dispatch_link_gbps``): the mean over ranks of rows_off x the row's bytes, over the
       slowest rank's median dispatch time (bytes that cross the link once per destination rank; no
@@ -352,22 +355,27 @@ def checked_rank_fp8(buf: Any, cfg: Any, runtime: Any, s: bt.InputSet, tag: str,
     say(f"{tag} checked: the packed FP8 rows bit-identical to the reference")
 
 
-def checked_cached_round(buf: Any, runtime: Any, s: bt.InputSet, other: Any, tag: str, say: Any) -> None:
+def checked_cached_round(buf: Any, runtime: Any, s: bt.InputSet, other: Any, tag: str, say: Any,
+                         fp8: bool = False) -> None:
     """A cached rank-layout dispatch (``launch_cached_dispatch``) of the rows ``other`` along ``s``'s routing
     receives, byte for byte, what a full dispatch of ``other`` along it does (rows, source tags, local ids
-    and weights), from poisoned receive buffers; raise CheckFailed on every rank otherwise."""
+    and weights; with ``fp8`` the packed FP8 rows), from poisoned receive buffers; raise CheckFailed on
+    every rank otherwise."""
     import torch
 
     from cute_ep.tools.cli import all_gather
 
-    names = ("recv_x", "recv_src", "recv_topk_idx", "recv_topk_w")
-    n = buf.dispatch(other, s.idx, s.w, layout="rank").num_recv
-    want = [getattr(buf, name)[:n].clone() for name in names]
-    res = buf.dispatch(s.x, s.idx, s.w, layout="rank")
+    def received(n: int) -> dict[str, Any]:
+        rows = {"fp8 rows": buf.fp8_packed_rows(n)} if fp8 else {"recv_x": buf.recv_x[:n]}
+        return rows | {name: getattr(buf, name)[:n] for name in ("recv_src", "recv_topk_idx", "recv_topk_w")}
+
+    n = buf.dispatch(other, s.idx, s.w, layout="rank", fp8=fp8).num_recv
+    want = {name: t.clone() for name, t in received(n).items()}
+    res = buf.dispatch(s.x, s.idx, s.w, layout="rank", fp8=fp8)
     buf.poison()
-    buf.launch_cached_dispatch(other, res.handle)  # on the stream the comparisons below run on
-    bad = [name for name, w in zip(names, want, strict=True)
-           if not torch.equal(getattr(buf, name)[:n].view(torch.uint8), w.view(torch.uint8))]
+    buf.launch_cached_dispatch(other, res.handle, fp8=fp8)  # on the stream the comparisons below run on
+    bad = [name for name, got in received(n).items()
+           if not torch.equal(got.view(torch.uint8), want[name].view(torch.uint8))]
     everyone = all_gather(bad, runtime.cpu_group)
     if any(everyone):
         raise CheckFailed(f"{tag}: the cached dispatch's {sorted({n for b in everyone for n in b})} differ "
@@ -468,7 +476,7 @@ def measure(
         dep_times = dep_why = None
         if deepep_per_rank[0] is None:
             dep_why = deepep_skipped
-        elif label.endswith("+fp8"):
+        elif "+fp8" in label:
             dep_times = [bp.fp8_peer_times(m) for m in deepep_per_rank]
         else:
             dep_times = [m[: len(bp.DEEPEP_TIMES)] for m in deepep_per_rank]
@@ -536,6 +544,19 @@ def measure(
             fp8_d = br.median(timer.run(rank_fp8_dispatch, args.warmup, args.iters))
             buf.check_ran()
             add_row("rank+fp8", "rank", checked, fp8_d, nccl_fp8_dispatch(), cfg.fp8_row_bytes, rank_c)
+            # DeepEP's cached FP8 dispatch's counterpart: FP8 rows along the latest FP8 dispatch's routing.
+            if checked:
+                tag = f"[{routing} T={tokens} rank+fp8+cached]"
+                checked_cached_round(buf, runtime, sets[-1], sets[-1].x.roll(1, 0), tag, say, fp8=True)
+            latest = buf.dispatch(sets[-1].x, sets[-1].idx, sets[-1].w, layout="rank", fp8=True).handle
+
+            def rank_fp8_cached(i: int) -> None:
+                buf.launch_cached_dispatch(sets[i % n].x, latest, fp8=True)
+
+            fp8_cached_d = br.median(timer.run(rank_fp8_cached, args.warmup, args.iters))
+            buf.check_ran()
+            add_row("rank+fp8+cached", "rank", checked, fp8_cached_d, nccl_fp8_dispatch(), cfg.fp8_row_bytes,
+                    rank_c)
     for mode in args.mode_list if "expert" in args.layout_list else ():
         checked = tokens <= args.validate_max_tokens
         if checked:

@@ -27,9 +27,12 @@ class Launching(ReferenceEpBuffer):
         assert idx.dtype.itemsize == 4  # the script converts topk_idx to int32 once
         self.dispatch(x, idx, w, mode, fp8=fp8, layout=layout)
 
-    def launch_cached_dispatch(self, x, handle):  # the same routing again: the same rows land alike
-        self.dispatch(x, handle.topk_idx, handle.topk_weights, layout=handle.layout)
+    def launch_cached_dispatch(self, x, handle, fp8=False):  # the same routing again: the rows land alike
+        self.dispatch(x, handle.topk_idx, handle.topk_weights, fp8=fp8, layout=handle.layout)
         return handle
+
+    def fp8_packed_rows(self, num_recv):  # EpBuffer's name for the packed FP8 receive rows
+        return self._fp8_rows(num_recv)
 
     def launch_combine(self, handle, out, algorithm=None):  # y: the rows the sync-free views cover
         rank = handle.layout == "rank"  # one result, pulled or pushed: the reference takes no algorithm

@@ -662,14 +662,17 @@ FP8 = ("--hidden", "128", "--topk", "2", "--num-experts", "8", "--tokens", "8", 
 def test_sweep_times_deepeps_fp8_dispatch_beside_our_fp8_rows(tmp_path):
     _, out, results = _sweep(tmp_path, "deepep", *FP8)
     rows = results["rows"]
-    assert [r["mode"] for r in rows] == ["rank", "rank+cached", "rank+fp8", "scatter", "scatter+fp8"]
+    assert [r["mode"] for r in rows] == ["rank", "rank+cached", "rank+fp8", "rank+fp8+cached", "scatter",
+                                         "scatter+fp8"]
     assert all(r["checked"] for r in rows)
     assert "[uniform T=8 rank+fp8] checked: the packed FP8 rows bit-identical to the reference" in out
+    # the cached FP8 row stands beside DeepEP's FP8 dispatches, as the full FP8 row does
+    assert rows[3]["deepep_dispatch_us_per_rank"] == rows[2]["deepep_dispatch_us_per_rank"]
     for r in rows:
         assert r["deepep_skipped"] is None, r["deepep_skipped"]
         for n in bp.DEEPEP_TIMES:  # StepTimer, 2 iterations: rank r's median is 10 (r + 1) + 0.5
             assert r[f"deepep_{n}_us_per_rank"] == [10.5, 20.5]
-    assert [r["dispatch_row_bytes"] for r in rows] == [0, 0, 144, 0, 144]
+    assert [r["dispatch_row_bytes"] for r in rows] == [0, 0, 144, 144, 0, 144]
     assert "FP8 input" in results["meta"]["deepep"]["timing"]
 
 

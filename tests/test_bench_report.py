@@ -732,10 +732,12 @@ def test_sweep_with_fp8_adds_a_checked_rank_fp8_row(tmp_path):
     assert codes == [0, 0], out[-6000:]
     rows = br.load_json(out_json)["rows"]
     assert [(r["mode"], r["layout"], r["dispatch_row_bytes"]) for r in rows] == [
-        ("rank", "rank", 0), ("rank+cached", "rank", 0), ("rank+fp8", "rank", 144)]
-    assert rows[2]["checked"] and rows[2]["combine_us"] == rows[0]["combine_us"]
+        ("rank", "rank", 0), ("rank+cached", "rank", 0), ("rank+fp8", "rank", 144),
+        ("rank+fp8+cached", "rank", 144)]
+    assert all(r["checked"] and r["combine_us"] == rows[0]["combine_us"] for r in rows[2:])
     assert br.load_json(out_json)["meta"]["config"]["fp8"] is True
     assert "[uniform T=8 rank+fp8] checked: the packed FP8 rows bit-identical to the reference" in out
+    assert "[uniform T=8 rank+fp8+cached] checked: the cached dispatch receives what the full one does" in out
 
 
 def test_sweep_aborts_when_the_rank_fp8_check_fails(tmp_path):
