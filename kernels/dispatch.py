@@ -42,7 +42,8 @@ boundary less per dispatch.
 
 Routed (``routed`` != 0; ``EpBuffer.launch_cached_dispatch``, DeepEP's cached dispatch): the slots of the
 buffer's latest layout, and its receive counts, are this call's too; no layout runs, only the wait for every
-rank to enter the call (``enter_routed``), and the last CTA advances the layout's epoch as a layout would.
+rank to enter the call (``announce_entry``, ``await_entry``; an FP8 dispatch casts its first tokens during
+it), and the last CTA advances the layout's epoch as a layout would.
 
 Completion: each thread ``quiet``s its puts and fences its stores; the last CTA to finish (a
 self-resetting arrival counter, ``done[DONE_DISPATCH]``) raises ``signals[SIGNAL_DISPATCH, rank]`` on
@@ -61,16 +62,16 @@ import cutlass.memory
 from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.base import EpKernel
-from cute_ep.kernels.buffers import DONE_DISPATCH, INPUT_FAULT_RANKS, SIGNAL_DISPATCH, EpParams
+from cute_ep.kernels.buffers import DONE_DISPATCH, INPUT_FAULT_RANKS, SIGNAL_COUNT, SIGNAL_DISPATCH, EpParams
 from cute_ep.kernels.config import MODE_ATOMIC, MODE_SCATTER, OP_DISPATCH, OP_LAYOUT, WARP
 from cute_ep.kernels.dispatch_senders import pair_in_lane, send_pair, send_token_by_lanes, send_token_by_rank
-from cute_ep.kernels.layout import LayoutKernel, cta_tokens, enter_routed
+from cute_ep.kernels.layout import LayoutKernel, announce_entry, await_entry, cta_tokens
 from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.ptx import fence_sys, ld_acquire_u64, ld_volatile_i32
 from cute_ep.kernels.quantize import quantize_row_warp
 from cute_ep.kernels.rank_layout import RankLayoutKernel
 from cute_ep.kernels.rows import element_addr, row_space
-from cute_ep.kernels.signals import cta_arrives_last, fault_free, signal_and_wait_peers
+from cute_ep.kernels.signals import cta_arrives_last, every_rank_at, fault_free, signal_and_wait_peers
 
 # Warp steps of a token's FP8 cast loaded before the first is cast: a warp alone on a 7168-bf16 row
 # otherwise waits a load latency for each of its 28 steps. EP2 (2x H200), 24 SMs, 4096 tokens: the FP8 rank
@@ -121,10 +122,12 @@ class DispatchKernel(EpKernel):
 
     @cute.jit
     def cast_ahead(self, p: EpParams, ready: Int64, t_first: Int32, t_end: Int32, warp: Int32, lane: Int32):
-        """FP8, by every warp of a CTA waiting for the leader's offsets (the layout folded in): the warp's
-        tokens cast into ``packed`` in the order the send loop takes them until ``layout_done`` reaches
-        ``ready``; returns how many (the send loop casts the rest). Why: the SMs idle in that wait (7-25
-        us at EP2); EP2, 24 SMs, 4096 / 8192 tokens: 195.0 / 354.5 us without, 192.8 / 353.4 with."""
+        """FP8, by every warp of a CTA that waits: the warp's tokens cast into ``packed`` in the order the
+        send loop takes them until the wait is over, i.e. ``layout_done`` reaches ``ready`` (the layout
+        folded in: the leader's offsets) or, in a routed dispatch, every rank's entry signal does
+        (``await_entry``); returns how many (the send loop casts the rest). Why: the SMs idle in those
+        waits (7-25 us for the offsets at EP2); EP2, 24 SMs, 4096 / 8192 tokens: 195.0 / 354.5 us without,
+        192.8 / 353.4 with."""
         dtype = p.x.element_type
         WPC = self.threads // WARP
         x_rows = row_space(p.x, Int64(p.hidden) * (dtype.width // 8))
@@ -136,8 +139,11 @@ class DispatchKernel(EpKernel):
         while u < t_end - t_first:
             waiting = Int32(0)
             if lane == 0:
-                if ld_acquire_u64(element_addr(p.layout_done, 0)) < ready:
-                    waiting = Int32(1)
+                if p.routed != 0:
+                    waiting = Int32(1) - every_rank_at(p, Int32(SIGNAL_COUNT), ready)
+                else:
+                    if ld_acquire_u64(element_addr(p.layout_done, 0)) < ready:
+                        waiting = Int32(1)
             if cute.arch.shuffle_sync(waiting, 0) != 0:  # the warp's one answer
                 t = t_first + u
                 quantize_row_warp(dtype, x_rows.row(t), packed_rows.row(t), p.hidden, p.fp8_row_bytes, lane,
@@ -170,16 +176,20 @@ class DispatchKernel(EpKernel):
         epoch = p.epochs[OP_DISPATCH] + Int64(1)
         x_rows = row_space(p.x, Int64(H) * (dtype.width // 8))
         packed_rows = row_space(p.packed, row_bytes)
-        cast_ahead = Int32(0)  # FP8: this warp's first tokens cast while the layout waited (cast_ahead)
+        t_first, t_end = cta_tokens(p.num_tokens, bid, NCTA)
+        cast_ahead = Int32(0)  # FP8: this warp's first tokens cast while the CTA waited (cast_ahead)
         if p.routed != 0:
-            enter_routed(p)  # the latest layout's slots: only the wait for every rank to enter the call
+            # The latest layout's slots: only the wait for every rank to enter the call, while which an FP8
+            # dispatch's warps cast their first tokens.
+            entry = announce_entry(p)
+            cast_ahead = self.cast_ahead(p, entry, t_first, t_end, warp, lane)
+            await_entry(p, entry)
         else:
             if p.num_tokens <= p.layout_in_dispatch:
                 # The layout runs here, in every CTA for its own tokens, instead of in a kernel of its own
                 # (one launch and one kernel boundary less on the critical path).
                 cast_ahead = self.folded_layout.route(p)
         # After a fault (a timed-out wait here or in the layout) this buffer moves no more data.
-        t_first, t_end = cta_tokens(p.num_tokens, bid, NCTA)
         work = Int32(0)
         if fault_free(p.fault):
             # the layout refused invalid inputs (on any rank); written in this launch when folded in
@@ -240,7 +250,7 @@ class DispatchKernel(EpKernel):
             if tid == 0:
                 if fault_free(p.fault):
                     p.epochs[OP_DISPATCH] = epoch
-                    if p.routed != 0:  # every CTA read the layout epoch in enter_routed by now
+                    if p.routed != 0:  # every CTA read the layout epoch in announce_entry by now
                         p.epochs[OP_LAYOUT] = p.epochs[OP_LAYOUT] + Int64(1)
             if p.mirror_seq != 0:
                 mirror_status(p, self.threads)

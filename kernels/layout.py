@@ -76,6 +76,7 @@ from cute_ep.kernels.signals import (
     last_cta_arrives,
     record_fault,
     signal_and_wait_peers,
+    signal_peers,
     wait_signal_ge,
 )
 
@@ -168,20 +169,26 @@ def exchange_counts(p: EpParams, epoch: Int64, tid: Int32, warp: Int32, NT: cutl
 
 
 @cute.jit
-def enter_routed(p: EpParams):
+def announce_entry(p: EpParams) -> Int64:
     """The layout's part of a routed dispatch (``routed``: the slots and counts of the buffer's latest layout,
-    reused; DeepEP's cached dispatch): no counts, but the rows may land only in receive buffers whose ranks
-    have entered this call (each may still read its rows of the previous one, and a layout's count
-    exchange is what orders that otherwise). CTA 0 raises ``signals[SIGNAL_COUNT, rank]`` on every rank to
-    this call's layout epoch and every CTA waits for every rank's (bounded; a peer that never arrives is
-    recorded as the layout's fault). The dispatch's last CTA advances the layout epoch. Every thread of
-    every CTA calls it; it ends with a CTA barrier."""
+    reused; DeepEP's cached dispatch), first half: no counts, but the rows may land only in receive buffers
+    whose ranks have entered this call (each may still read its rows of the previous one, and a layout's
+    count exchange is what orders that otherwise). CTA 0 raises ``signals[SIGNAL_COUNT, rank]`` on every
+    rank to this call's layout epoch, which it returns (every CTA gets it); ``await_entry`` is the second
+    half. The dispatch's last CTA advances the layout epoch. Every thread of every CTA calls it."""
     bid, _, _ = cute.arch.block_idx()
     epoch = p.epochs[OP_LAYOUT] + Int64(1)
-    raise_signals = Int32(0)
     if bid == 0:
-        raise_signals = Int32(1)
-    signal_and_wait_peers(p, Int32(SIGNAL_COUNT), epoch, Int32(OP_LAYOUT), epoch, raise_signals)
+        signal_peers(p, Int32(SIGNAL_COUNT), epoch)
+    return epoch
+
+
+@cute.jit
+def await_entry(p: EpParams, epoch: Int64):
+    """A routed dispatch's second half (``announce_entry``): every CTA waits until every rank has entered
+    the call (bounded; a peer that never arrives is recorded as the layout's fault). Every thread of every
+    CTA calls it; it ends with a CTA barrier."""
+    signal_and_wait_peers(p, Int32(SIGNAL_COUNT), epoch, Int32(OP_LAYOUT), epoch, Int32(0))
 
 
 @cute.jit

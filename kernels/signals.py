@@ -100,6 +100,16 @@ def signal_and_wait_peers(p, row: Int32, value: Int64, op: Int32, epoch: Int64, 
 
 
 @cute.jit
+def every_rank_at(p, row: Int32, value: Int64) -> Int32:
+    """One thread, one look (no wait): 1 if ``signals[row, q] >= value`` for every rank q, else 0."""
+    at = Int32(1)
+    for q in range(p.world_size):
+        if ld_acquire_u64(element_addr(p.signals, (row, q))) < value:
+            at = Int32(0)
+    return at
+
+
+@cute.jit
 def signal_peers(p, row: Int32, value: Int64):
     """This CTA's first R threads SET ``signals[row, rank]`` on every peer to ``value``, each after a system
     fence (this rank's earlier writes are visible first); nothing once a fault is recorded."""
