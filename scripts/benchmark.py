@@ -521,17 +521,22 @@ def measure(
             push_c = br.median(timer.run(rank_push, args.warmup, args.iters))
             buf.check_ran()
             add_row("rank+reduced", "rank", checked, rank_d, nccl_d, 0, push_c)
-        # DeepEP's cached dispatch's counterpart: the latest dispatch's routing again, no layout.
-        if checked:  # other rows than set -1's own: its x with the tokens' rows rotated
-            tag = f"[{routing} T={tokens} rank cached]"
-            checked_cached_round(buf, runtime, sets[-1], sets[-1].x.roll(1, 0), tag, say)
-        latest = buf.dispatch(sets[-1].x, sets[-1].idx, sets[-1].w, layout="rank").handle
 
-        def rank_cached(i: int) -> None:
-            buf.launch_cached_dispatch(sets[i % n].x, latest)
+        def cached_dispatch(tag: str, fp8: bool) -> float:
+            """DeepEP's cached dispatch's counterpart (with ``fp8`` its cached FP8 dispatch's): the latest
+            dispatch's routing again, no layout, checked first; its median time."""
+            if checked:  # other rows than set -1's own: its x with the tokens' rows rotated
+                checked_cached_round(buf, runtime, sets[-1], sets[-1].x.roll(1, 0), tag, say, fp8=fp8)
+            latest = buf.dispatch(sets[-1].x, sets[-1].idx, sets[-1].w, layout="rank", fp8=fp8).handle
 
-        cached_d = br.median(timer.run(rank_cached, args.warmup, args.iters))
-        buf.check_ran()
+            def rank_cached(i: int) -> None:
+                buf.launch_cached_dispatch(sets[i % n].x, latest, fp8=fp8)
+
+            cached_d = br.median(timer.run(rank_cached, args.warmup, args.iters))
+            buf.check_ran()
+            return cached_d
+
+        cached_d = cached_dispatch(f"[{routing} T={tokens} rank cached]", False)
         add_row("rank+cached", "rank", checked, cached_d, nccl_d, 0, rank_c)
         if args.fp8:
             if checked:
@@ -544,17 +549,7 @@ def measure(
             fp8_d = br.median(timer.run(rank_fp8_dispatch, args.warmup, args.iters))
             buf.check_ran()
             add_row("rank+fp8", "rank", checked, fp8_d, nccl_fp8_dispatch(), cfg.fp8_row_bytes, rank_c)
-            # DeepEP's cached FP8 dispatch's counterpart: FP8 rows along the latest FP8 dispatch's routing.
-            if checked:
-                tag = f"[{routing} T={tokens} rank+fp8+cached]"
-                checked_cached_round(buf, runtime, sets[-1], sets[-1].x.roll(1, 0), tag, say, fp8=True)
-            latest = buf.dispatch(sets[-1].x, sets[-1].idx, sets[-1].w, layout="rank", fp8=True).handle
-
-            def rank_fp8_cached(i: int) -> None:
-                buf.launch_cached_dispatch(sets[i % n].x, latest, fp8=True)
-
-            fp8_cached_d = br.median(timer.run(rank_fp8_cached, args.warmup, args.iters))
-            buf.check_ran()
+            fp8_cached_d = cached_dispatch(f"[{routing} T={tokens} rank+fp8+cached]", True)
             add_row("rank+fp8+cached", "rank", checked, fp8_cached_d, nccl_fp8_dispatch(), cfg.fp8_row_bytes,
                     rank_c)
     for mode in args.mode_list if "expert" in args.layout_list else ():

@@ -52,7 +52,7 @@ def test_report_holds_every_configuration_of_its_sweep(path):
         labels += [f"{m}+fp8" for m in cfg["modes"] if "expert" in layouts]
         labels += ["rank+fp8"] if "rank" in layouts else []
         # "rank+fp8+cached": the rank layout's cached FP8 dispatch (reports before it have none).
-        labels += [m for m in ("rank+fp8+cached",) if any(r["mode"] == m for r in report["rows"])]
+        labels += ["rank+fp8+cached"] if any(r["mode"] == "rank+fp8+cached" for r in report["rows"]) else []
     # A sweep over SM budgets (--num-sms) repeats every configuration per budget; older reports have one
     # budget and may not name it in meta.
     budgets = report["meta"].get("num_sms_budgets") or sorted({r.get("num_sms") for r in report["rows"]})
