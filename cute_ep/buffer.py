@@ -55,14 +55,13 @@ from cute_ep.kernels.config import (
     OP_COMBINE,
     OP_DISPATCH,
     OP_LAYOUT,
-    PHASE_ALL,
-    PHASE_RECEIVE,
     ConfigError,
     EpConfig,
 )
 from cute_ep.kernels.variants import variant
-from cute_ep.launcher import assembly_scalars, current_stream_handle, delivery_scalars
+from cute_ep.launcher import current_stream_handle, storage_addresses
 from cute_ep.low_latency_launches import LowLatencyLaunches
+from cute_ep.module_launch import ModuleLaunch
 from cute_ep.received_views import ReceivedViews
 from cute_ep.status import StatusBlock
 from cute_ep.status_checks import StatusChecks
@@ -71,7 +70,7 @@ from cute_ep.streams import on_stream
 __all__ = ["EpBuffer", "check_gpu_runtime"]
 
 
-class EpBuffer(StatusChecks, LowLatencyLaunches, CachedDispatch, ReceivedViews, BackendBase):
+class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, ReceivedViews, BackendBase):
     """Owns one configuration's NVSHMEM symmetric buffers and compiled module (see module docstring).
 
     runtime:  a started ``cute_ep.bootstrap.Runtime`` with backend "nvshmem".
@@ -183,10 +182,10 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, CachedDispatch, ReceivedViews, 
         Host syncs: one wait for the status (sizes, faults, refused inputs, drops), which the dispatch's
         last CTA writes into pinned host memory (no copy, no stream sync; the expert layout's fan-out may
         still run on the stream when the call returns); none with sync=False. Its views (recv_x, ...) are
-        then the same tensors in every such call of a layout and format (views of the buffer's memory,
-        made once: resize or restride them in place and the next results see it).
-        The ids' values are checked on the device; a refused call raises ``ValueError`` on every rank
-        (this rank's own inputs named as before, else the rank that passed invalid ones).
+        the same tensors in every call of a layout, format and count (views of the buffer's memory, made
+        once: resize or restride them in place and the next such results see it). The ids' values are
+        checked on the device; a refused call raises ``ValueError`` on every rank (this rank's own inputs
+        named as before, else the rank that passed invalid ones).
         """
         self._check_open()
         check_kernel_layout(self.cfg, layout, mode, fp8)
@@ -195,35 +194,34 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, CachedDispatch, ReceivedViews, 
         x, idx, w = check_dispatch_inputs(self.cfg, self.device, x, topk_idx, topk_weights, values=False)
         t, c = x.shape[0], self.cfg
         by_rank = layout == "rank"
-        # Host work is ordered around the one wait for the status: before the launch only what the kernels
-        # write into (the handle's storage), then the handle while they run; after the wait, only the views
-        # whose length is the count. A tensor operation costs 1.4-5 us of host time on the H200 test host (a
-        # torch.cat of three 20-37 us, a copy_ 15-19 us), so the calls below are counted.
+        # Host work is ordered around the launch and the one wait for the status: before the launch only what
+        # the kernels write into, the handle while they run, after the wait the count's views. A tensor op
+        # costs 1.4-5 us of host time on an H200 host, so the calls below are counted.
         with on_stream(self.device, stream, previous_event, x, idx, w) as on:
             # The handle owns its routing (a caller editing its tensors later cannot change combine): one
             # [3, T, K] int32 block; the layout writes the slots into its first plane and copies the ids
-            # and weights into the others.
+            # and weights into the others (the launch takes their addresses, the views follow it).
             owned = torch.empty((3, t, c.topk), dtype=torch.int32, device=self.device)
-            scatter, idx_own, w_bits = owned.unbind(0)
-            w_own = w_bits.view(torch.float32)
+            first, plane = owned.data_ptr(), t * c.topk * 4
             # A synced call's status: the dispatch's last CTA writes it into pinned host memory, which the
             # host polls (no copy, no stream sync); ``read()`` when that is off or did not happen.
             seq = self.status.next_seq() if sync and self.status.use_mirror() else 0
             self._enqueue_dispatch(x, idx, w, mode, fp8, algorithm, layout,
-                                   own=(scatter, idx_own, w_own) if t else None, mirror_seq=seq,
-                                   deliver=deliver)
+                                   own=(first, first + plane, first + 2 * plane) if t else None,
+                                   mirror_seq=seq, deliver=deliver)
             event = on.record_event() if stream is not None else None
-            handle = DispatchHandle(idx_own, w_own, scatter, t, mode, layout)
+            scatter, idx_own, w_bits = owned.unbind(0)
+            handle = DispatchHandle(idx_own, w_bits.view(torch.float32), scatter, t, mode, layout)
             self._sent = (handle.topk_idx, handle.topk_weights)
             self._latest_scatter = scatter  # device's num_recv is this dispatch's (combine's staging)
-            status = None
-            if seq:
-                status = self.status.read_mirror(seq, current_stream_handle(self._device_index))
-            if sync and status is None:
+            status = num_recv = None
+            if seq and self.status.wait_mirror(seq, current_stream_handle(self._device_index)):
+                num_recv = self.status.quiet_count(self._calls, OP_LAYOUT, OP_DISPATCH, OP_COMBINE)
+                status = None if num_recv is not None else self.status.mirrored()  # checked below
+            elif sync:
                 status = self.status.read()
         if stream is not None:  # made on ``stream``, used on the caller's
             owned.record_stream(torch.cuda.current_stream(self.device))
-        num_recv = c.rank_capacity if by_rank else c.capacity
         if status is not None:
             self._check_ran(status, OP_LAYOUT, OP_DISPATCH, OP_COMBINE)
             refused = self.status.refused_inputs(status)
@@ -234,13 +232,13 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, CachedDispatch, ReceivedViews, 
         # What combine's y must hold for this handle (check_combine_input): the count; without sync the
         # whole capacity, or as many rows as the count on the device says (read only for such a y).
         self._dispatches += 1
-        self._latest_recv = num_recv if status is not None else None
-        note_dispatch_rows(handle, num_recv if status is not None else self._count_reader())
-        recv_x, recv_w, recv_src, recv_scales, *per_k = self._received(num_recv, by_rank, bool(fp8),
-                                                                       keep=status is None)
+        self._latest_recv = num_recv
+        note_dispatch_rows(handle, self._count_reader() if num_recv is None else num_recv)
+        rows = num_recv if num_recv is not None else c.rank_capacity if by_rank else c.capacity
+        recv_x, recv_w, recv_src, scales, *per_k = self._received(rows, by_rank, bool(fp8))
         # tokens_per_expert and the count are the buffer's own (views valid until the next dispatch).
-        result = DispatchResult(recv_x, recv_w, recv_src, self.tokens_per_expert, num_recv, handle,
-                                recv_scales, self.num_recv, event, *per_k)
+        result = DispatchResult(recv_x, recv_w, recv_src, self.tokens_per_expert, rows, handle,
+                                scales, self.num_recv, event, *per_k)
         if status is not None:
             self._take_drops(status["dropped"], result)
         return result
@@ -275,7 +273,8 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, CachedDispatch, ReceivedViews, 
         """
         t = x.shape[0]
         self._enqueue_dispatch(x, topk_idx, topk_weights, mode, fp8, algorithm, layout,
-                               own=own if t else None, deliver=deliver, assemble=assemble if t else None)
+                               own=storage_addresses(own) if t and own is not None else None, deliver=deliver,
+                               assemble=assemble if t else None)
         slots, ids, weights = own if own is not None else (self.scatter[:t], topk_idx, topk_weights)
         handle = DispatchHandle(ids, weights, slots, t, mode, layout)
         self._note_launched_dispatch(handle)
@@ -302,14 +301,14 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, CachedDispatch, ReceivedViews, 
 
     def _enqueue_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                           mode: str, fp8: bool | int, algorithm: str | None, layout: str,
-                          own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                          own: tuple[int, int, int] | None = None,
                           mirror_seq: int = 0, deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None,
                           assemble: tuple[torch.Tensor, torch.Tensor] | None = None,
                           routed: torch.Tensor | None = None) -> None:
         """One launch of the module: the layout (its own kernel, or folded into the dispatch's CTAs up to
         cfg.layout_in_dispatch tokens), the dispatch and the fan-out. The slots go to the buffer's
-        ``scatter``, or with ``own`` = (slots, ids, weights), contiguous [T, K] int32 / int32 / fp32
-        tensors, to the first, and the layout copies ``topk_idx`` / ``topk_weights`` into the others.
+        ``scatter``, or with ``own`` = addresses of contiguous [T, K] (slots int32, ids int32, weights fp32)
+        to the first, and the layout copies ``topk_idx`` / ``topk_weights`` into the others.
         ``mirror_seq`` (not 0): the dispatch's last CTA mirrors the status block into pinned host memory
         (``StatusBlock.read_mirror``). ``deliver``, ``assemble``: see ``launch_dispatch``. ``routed``: the
         latest layout's [T, K] slots, sent on with no layout (``launch_cached_dispatch``; mode "scatter")."""
@@ -458,43 +457,3 @@ class EpBuffer(StatusChecks, LowLatencyLaunches, CachedDispatch, ReceivedViews, 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this EpBuffer is closed")
-
-    def _launch(self, op: int, num_tokens: int, *, x=None, idx=None, w=None, out=None, scatter=None, y=None,
-                own=None, mirror_seq: int = 0, mode: int = 0, fp8: bool | int = False, algo: int = 0,
-                combine_algo: int = 0, layout: int = 0, y_rows: int = 0, y_slot=None, named=None,
-                phase: int = PHASE_ALL, deliver: tuple[int, tuple[torch.Tensor, ...]] | None = None,
-                assemble: tuple[torch.Tensor, torch.Tensor] | None = None, routed: int = 0) -> None:
-        """Enqueue one op of the module on the current stream (absent or empty per-call tensors: their
-        stand-ins). ``scatter``: the slots to read (default the buffer's); ``own``: see ``_enqueue_dispatch``;
-        ``y`` / ``y_rows`` / ``y_slot``: see ``_staging``; ``named``: more call tensors by buffer name;
-        ``phase``: PHASE_* of the low-latency layout (its receiving half completes the op its sending half
-        counted); ``deliver``, ``assemble``: see ``launch_dispatch``; ``routed``: launch_cached_dispatch's."""
-        own_idx = own_w = None
-        if own is not None:
-            scatter, own_idx, own_w = own
-        # The stand-ins' addresses, then the tensors given (most are absent; each read costs host time: this
-        # loop 1.6 us instead of 3.7 for a combine's tensors, 2-core CPU, 2026-11-28).
-        addrs = dict(self._empty_addr)
-        addrs["scatter"] = (self.scatter if scatter is None else scatter).data_ptr()
-        for name, tensor in (("x", x), ("topk_idx", idx), ("topk_w", w), ("out", out), ("own_idx", own_idx),
-                             ("own_w", own_w), ("y", y), ("y_slot", y_slot), *(named or {}).items()):
-            if tensor is not None and tensor.numel():
-                addr = addrs[name] = tensor.data_ptr()
-                if addr % self._align[name]:
-                    raise ValueError(f"{name} must be {self._align[name]}-byte aligned, got address "
-                                     f"{addr:#x}")
-        delivered = {"deliver_rows": 0, "assemble_rows": 0}
-        if deliver is not None and deliver[0] > 0:
-            delivered |= delivery_scalars(self.cfg, self.device, deliver, addrs)
-        if assemble is not None:
-            delivered |= assembly_scalars(self.cfg, self.device, num_tokens, assemble, addrs)
-        self._launcher(current_stream_handle(self._device_index), addrs, op=op, mode=mode,
-                       fp8=int(fp8), algo=algo, combine_algo=combine_algo, layout=layout,
-                       num_tokens=num_tokens, own_routing=int(own is not None), routed=routed,
-                       mirror_seq=mirror_seq, y_rows=y_rows, y_gather=int(y_slot is not None), phase=phase,
-                       **delivered)
-        if op != OP_COMBINE:  # a layout rewrites the count a later combine's staging or push reads
-            self._latest_scatter = self._sent = None
-        if phase != PHASE_RECEIVE and not torch.cuda.is_current_stream_capturing():  # replays: not counted
-            for ran in (OP_LAYOUT, OP_DISPATCH) if op == OP_DISPATCH else (op,):  # OP_DISPATCH: both
-                self._calls[ran] += 1

@@ -223,6 +223,11 @@ def current_stream_handle(device_index: int) -> int:
     return raw(device_index)
 
 
+def storage_addresses(own: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[int, int, int]:
+    """The device addresses of a dispatch handle's own (slots, ids, weights), as a launch takes them."""
+    return own[0].data_ptr(), own[1].data_ptr(), own[2].data_ptr()
+
+
 def delivery_scalars(cfg, device: torch.device, deliver: tuple[int, tuple[torch.Tensor, ...]],
                      addrs: dict[str, int]) -> dict[str, int]:
     """The launch scalars of a dispatch that copies its first ``rows`` received rows into ``parts``

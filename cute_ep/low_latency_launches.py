@@ -15,6 +15,7 @@ from cute_ep.api import DispatchHandle
 from cute_ep.input_checks import check_combine_out
 from cute_ep.kernels.config import OP_COMBINE, OP_DISPATCH, PHASE_ALL, PHASE_RECEIVE
 from cute_ep.kernels.variants import variant
+from cute_ep.launcher import storage_addresses
 
 __all__ = ["LowLatencyLaunches"]
 
@@ -47,8 +48,9 @@ class LowLatencyLaunches:
         (``FP8_SCALE_*``) the kernel quantizes by. Returns the handle its combine takes (the receiving half
         returns the same handle and notes nothing)."""
         t = x.shape[0]
-        self._launch(OP_DISPATCH, t, x=x, idx=topk_idx, w=topk_weights, own=own if t else None, named=padded,
-                     fp8=fp8, phase=phase, **variant("low-latency").scalars)
+        self._launch(OP_DISPATCH, t, x=x, idx=topk_idx, w=topk_weights,
+                     own=storage_addresses(own) if t else None, named=padded, fp8=fp8, phase=phase,
+                     **variant("low-latency").scalars)
         handle = DispatchHandle(own[1], own[2], own[0], t, "scatter", "low-latency")
         if phase != PHASE_RECEIVE:
             self._note_launched_dispatch(handle)

@@ -7,29 +7,35 @@ from __future__ import annotations
 
 import torch
 
+KEPT_VIEWS = 64  # row counts whose views (up to five tensors each) a buffer keeps
+
 
 class ReceivedViews:
     """``EpBuffer``'s views of its receive buffers (``recv_x``, ``recv_w``, ``recv_src``, ``recv_topk_idx``,
     ``recv_topk_w``; ``cfg``, ``_check_num_recv``)."""
 
     _fp8_rows: torch.Tensor | None = None  # fp8_packed_rows() of the whole capacity, made once
-    _views: dict[tuple, tuple] | None = None  # _received's views of sync-free dispatches, made once
+    _views: dict[tuple, tuple] | None = None  # _received's views by (rows, layout, format), made once
 
-    def _received(self, n: int, by_rank: bool, fp8: bool, keep: bool) -> tuple:
+    def _received(self, n: int, by_rank: bool, fp8: bool) -> tuple:
         """The views of a dispatch's result, first n rows: (recv_x, recv_w, recv_src, fp8 scales, the rank
-        layout's per-k ids and weights), None where the call has none. ``keep``: a sync-free call's n is a
-        capacity, so its views are made once and handed to every such call (the slices cost 6-7 us of host
-        time per call on an H200 host, 2026-11-28)."""
+        layout's per-k ids and weights), None where the call has none. Made once per row count, layout and
+        format and handed to every such call, for the latest ``KEPT_VIEWS`` of them: a sync-free call's n
+        is always its capacity, and a decode step's counts repeat (the slices cost 7-9 us of host time
+        per synced dispatch on an H200 host, 2026-11-30)."""
         if self._views is None:
             self._views = {}
-        got = self._views.get((n, by_rank, fp8)) if keep else None
+        # Views made in inference mode are marked so (in-place ops on them fail outside it): kept apart.
+        key = (n, by_rank, fp8, torch.is_inference_mode_enabled())
+        got = self._views.get(key)
         if got is None:
             recv_x, scales = self.fp8_views(n) if fp8 else (self.recv_x[:n], None)  # either layout's n fits
             # The rank layout's weights are per (row, k); the expert layout's per row.
             per_k = (self.recv_topk_idx[:n], self.recv_topk_w[:n]) if by_rank else (None, None)
             got = (recv_x, None if by_rank else self.recv_w[:n], self.recv_src[:n], scales, *per_k)
-            if keep:
-                self._views[(n, by_rank, fp8)] = got
+            if len(self._views) >= KEPT_VIEWS:  # the oldest goes first
+                del self._views[next(iter(self._views))]
+            self._views[key] = got
         return got
 
     def fp8_packed_rows(self, num_recv: int | None = None) -> torch.Tensor:

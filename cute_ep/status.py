@@ -107,6 +107,15 @@ class StatusBlock:
         self._mirror_words = self.mirror.numpy()
         self.mirror_ok = False
         self._seq = 0
+        # Live numpy views of the mirror's members, made once: a synced dispatch with nothing to report
+        # reads its count through them (``quiet_count``) without decoding the whole block.
+        m, at = self._mirror_words, self._slices
+        self._at_fault = at["fault"].start + FAULT_COUNT
+        self._at_refused = at["input_fault"].start + INPUT_FAULT_RANKS
+        self._at_num_recv = at["num_recv"].start
+        self._mirror_epochs = m[at["epochs"]].view(np.int64)
+        # Only an expert capacity below the worst case drops rows (capacity_factor > 0).
+        self._mirror_dropped = m[at["dropped"]] if cfg.capacity_factor > 0 else None
         if self.words.is_cuda:
             from cute_ep.bootstrap.cuda_driver import driver
 
@@ -147,17 +156,46 @@ class StatusBlock:
 
     def read_mirror(self, seq: int, stream: int) -> dict[str, Any] | None:
         """``read()``'s dict from the mirror once the dispatch launched with ``mirror_seq = seq`` on
-        ``stream`` has written it: the host polls the mirror's last word (no copy, no stream sync), and
-        every 256 polls asks the driver whether the stream is done. None when the stream finished without
-        that write (the dispatch kernel did not run to its end): the caller then reads the block itself,
-        which names what happened. A failed launch raises ``CudaDriverError``."""
+        ``stream`` has written it (``wait_mirror``); None when the stream finished without that write
+        (the dispatch kernel did not run to its end): the caller then reads the block itself, which names
+        what happened."""
+        return self.mirrored() if self.wait_mirror(seq, stream) else None
+
+    def mirrored(self) -> dict[str, Any]:
+        """``read()``'s dict from the mirror as it is (after ``wait_mirror``)."""
+        return self._decode(self._mirror_words[:len(self._host_words)])
+
+    def wait_mirror(self, seq: int, stream: int) -> bool:
+        """Wait until the dispatch launched with ``mirror_seq = seq`` on ``stream`` has written the mirror:
+        the host polls its last word (no copy, no stream sync), and every 256 polls asks the driver whether
+        the stream is done. False when it finished without that write. A failed launch raises
+        ``CudaDriverError``."""
         m, w = self._mirror_words, len(self._host_words)
         polls = 0
         while m[w] != seq:
             polls += 1
             if polls % 256 == 0 and self._driver.finished(stream) and m[w] != seq:
+                return False
+        return True
+
+    def quiet_count(self, launches: list[int], *ops: int) -> int | None:
+        """After ``wait_mirror``: the mirrored num_recv when the block has nothing to report (no wait timed
+        out, every rank's ids accepted, no row dropped, each operation of ``ops`` at or past its launches
+        ``launches[op]``, which are raised to the epochs as ``check_ran`` raises them); else None, and the
+        caller decodes the block (``mirrored``) to raise what it says. A handful of word reads where the
+        decode and its checks ran after every synced dispatch's kernels (with them, and the handle's views
+        made before the launch, 16-18 us more host time per call on an H200 host, 2026-11-30)."""
+        m, epochs = self._mirror_words, self._mirror_epochs
+        if m[self._at_fault] or m[self._at_refused]:
+            return None
+        if self._mirror_dropped is not None and self._mirror_dropped.any():
+            return None
+        for op in ops:
+            if epochs[op] < launches[op]:
                 return None
-        return self._decode(m[:w])
+        for op in ops:
+            launches[op] = int(epochs[op])
+        return int(m[self._at_num_recv])
 
     def _decode(self, host: np.ndarray) -> dict[str, Any]:
         at = self._slices  # decoded now: the next read overwrites the copy

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import cute_ep.buffer as buffer_module
+import cute_ep.module_launch as module_launch
 from cute_ep.api import DispatchHandle
 from cute_ep.buffer import EpBuffer
 from cute_ep.kernels.buffers import BUFFERS, CALL, HOST, STATUS, buffers_of
@@ -38,7 +39,8 @@ class Recorder:
 
 @pytest.fixture()
 def buf(monkeypatch) -> EpBuffer:
-    monkeypatch.setattr(buffer_module, "current_stream_handle", lambda index: STREAM)
+    for module in (buffer_module, module_launch):  # the launch's stream, and the synced dispatch's wait
+        monkeypatch.setattr(module, "current_stream_handle", lambda index: STREAM)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     cfg = EpConfig(world_size=2, local_world_size=2, num_experts=8, topk=2, hidden=64, dtype=torch.bfloat16,
                    max_tokens=16, combine_algorithm="reduced")
@@ -69,6 +71,16 @@ def ll_stand_ins(buf) -> dict[str, int]:
     names = ("ll_x", "ll_src_info", "ll_count", "ll_range", "ll_scales", "ll_stats", "deliver0", "deliver1",
              "deliver2", "assemble0", "assemble1")
     return {n: buf._empty[n].data_ptr() for n in names}
+
+
+def ll_padded() -> dict[str, torch.Tensor]:
+    """The padded layout's tensors of the fixture's config (4 local experts, 2 * 16 slots each)."""
+    el, slots = 4, 2 * 16
+    return {"ll_x": torch.zeros(el * slots, 64, dtype=torch.bfloat16),
+            "ll_src_info": torch.zeros(el * slots, dtype=torch.int32),
+            "ll_count": torch.zeros(el, dtype=torch.int32), "ll_range": torch.zeros(el, 2, dtype=torch.int64),
+            "ll_stats": torch.zeros(el, dtype=torch.int32),
+            "y_slot": torch.zeros(el * slots, dtype=torch.int64)}
 
 
 def inputs(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -109,6 +121,87 @@ def test_a_sync_free_dispatch_hands_over_its_tensors_and_the_handles_storage(buf
     assert again.recv_weights is res.recv_weights and again.recv_topk_idx is res.recv_topk_idx
     other = buf.dispatch(x, idx, w, sync=False, layout="expert" if layout == "rank" else "rank")
     assert other.recv_x is not res.recv_x and (other.recv_weights is None) == (layout == "expert")
+
+
+class Mirroring(Recorder):
+    """A ``Recorder`` that, for a launch with ``mirror_seq``, writes the status mirror as the dispatch's
+    last CTA would: every epoch at its launches (the host counts this launch after it returns), the
+    count, whatever ``extra`` says (word index -> value), then the sequence number last."""
+
+    def __init__(self, buf, num_recv: int, extra: dict[int, int] | None = None) -> None:
+        super().__init__()
+        self.buf, self.num_recv, self.extra = buf, num_recv, extra or {}
+
+    def __call__(self, stream: int, pointers: dict[str, int], **scalars: int) -> None:
+        super().__call__(stream, pointers, **scalars)
+        st, calls = self.buf.status, self.buf._calls
+        m, at = st._mirror_words, st._slices
+        m[:] = 0
+        m[at["epochs"]].view("int64")[:] = [calls[0] + 1, calls[1] + 1, calls[2]]
+        m[at["num_recv"].start] = self.num_recv
+        for word, value in self.extra.items():
+            m[word] = value
+        m[-1] = scalars["mirror_seq"]
+
+
+@pytest.mark.parametrize("layout", ["expert", "rank"])
+def test_a_synced_dispatch_reads_its_count_from_the_mirror_and_reports_what_it_holds(buf, layout) -> None:
+    """With nothing to report, the count is read from the mirror's words in place (``quiet_count``); a
+    fault or a refusal in the mirror goes through the whole block's checks and raises as before."""
+    from cute_ep.kernels.buffers import FAULT_COUNT, INPUT_FAULT_FIRST, INPUT_FAULT_RANKS
+    from cute_ep.status import PeerTimeout
+
+    buf.status.use_mirror = lambda: True  # as on a GPU whose driver mapped the mirror
+    buf.status.mirrored = _counted(buf.status.mirrored)
+    at = buf.status._slices
+    buf._launcher = Mirroring(buf, num_recv=3)
+    x, idx, w = inputs(5)
+    res = buf.dispatch(x, idx, w, layout=layout)
+    (_, _, scalars), = buf._launcher.launches
+    assert scalars["mirror_seq"] == buf.status._seq != 0
+    assert res.num_recv == 3 and res.recv_x.shape == (3, 64) and buf._latest_recv == 3
+    assert buf.status.mirrored.calls == 0  # the quiet path: no decode of the block
+    buf._launcher = Mirroring(buf, num_recv=3, extra={at["fault"].start + FAULT_COUNT: 1})
+    with pytest.raises(PeerTimeout):
+        buf.dispatch(x, idx, w, layout=layout)
+    assert buf.status.mirrored.calls == 1
+    buf._launcher = Mirroring(buf, num_recv=3, extra={at["input_fault"].start + INPUT_FAULT_RANKS: 1,
+                                                      at["input_fault"].start + INPUT_FAULT_FIRST: 1})
+    with pytest.raises(ValueError, match="rank 1 passed invalid topk_idx"):
+        buf.dispatch(x, idx, w, layout=layout)
+
+
+def test_a_synced_dispatch_hands_over_the_views_of_its_count_made_once(buf, monkeypatch) -> None:
+    """Views are made once per row count (and layout, format, inference mode), for the latest KEPT_VIEWS
+    counts: a decode step's repeated counts skip the slicing."""
+    import cute_ep.received_views as received_views
+
+    monkeypatch.setattr(received_views, "KEPT_VIEWS", 4)
+    buf.status.use_mirror = lambda: True
+    x, idx, w = inputs(5)
+
+    def synced(count: int):
+        buf._launcher = Mirroring(buf, num_recv=count)
+        return buf.dispatch(x, idx, w, layout="rank")
+
+    first, other, again = synced(3), synced(4), synced(3)
+    assert again.recv_x is first.recv_x and again.recv_topk_weights is first.recv_topk_weights
+    assert other.recv_x is not first.recv_x and other.recv_x.shape == (4, 64)
+    with torch.inference_mode():
+        inferred = synced(3)
+    assert inferred.recv_x is not first.recv_x and not torch.is_inference(first.recv_x)
+    for count in (5, 6, 7):  # 3 was the oldest: it goes
+        assert synced(count).recv_src.shape == (count,)
+    assert len(buf._views) == 4 and synced(3).recv_x is not first.recv_x
+
+
+def _counted(fn):
+    def counted(*args):
+        counted.calls += 1
+        return fn(*args)
+
+    counted.calls = 0
+    return counted
 
 
 def test_int64_ids_reach_the_kernels_as_clamped_int32(buf) -> None:
@@ -313,13 +406,7 @@ def test_low_latency_launches_hand_over_the_padded_tensors_and_the_phase(buf, sp
 
     x, idx, w = inputs(5)
     own = tuple(torch.zeros(5, 2, dtype=d) for d in (torch.int32, torch.int32, torch.float32))
-    el, slots = 4, 2 * 16
-    padded = {"ll_x": torch.zeros(el * slots, 64, dtype=torch.bfloat16),
-              "ll_src_info": torch.zeros(el * slots, dtype=torch.int32),
-              "ll_count": torch.zeros(el, dtype=torch.int32),
-              "ll_range": torch.zeros(el, 2, dtype=torch.int64),
-              "ll_stats": torch.zeros(el, dtype=torch.int32),
-              "y_slot": torch.zeros(el * slots, dtype=torch.int64)}
+    padded = ll_padded()
     phases = (PHASE_SEND, PHASE_RECEIVE) if split else (PHASE_ALL,)
     for phase in phases:
         handle = buf.launch_low_latency_dispatch(x, idx, w, own, padded, fp8=3, phase=phase)

@@ -136,3 +136,26 @@ def test_status_mirror_is_read_once_its_sequence_number_lands():
     assert block.read_mirror(3, stream=0)["num_recv"] == 41
     block._driver = _Stream(after=2)  # finished without the write: the caller reads the block itself
     assert block.read_mirror(4, stream=0) is None and block._driver.queries == 2
+
+
+def test_quiet_count_reads_the_count_only_when_the_mirror_has_nothing_to_report():
+    from cute_ep.kernels.buffers import FAULT_COUNT, INPUT_FAULT_RANKS
+
+    for factor in (0, 0.5):  # drops are looked at only where an expert capacity can drop rows
+        block = StatusBlock(host_config(capacity_factor=factor), CPU)
+        m, at = block._mirror_words, block._slices
+        epochs = m[at["epochs"]].view("int64")
+        epochs[:] = [4, 4, 2]
+        m[at["num_recv"].start] = 11
+        launches = [3, 3, 2]
+        assert block.quiet_count(launches, 0, 1, 2) == 11
+        assert launches == [4, 4, 2]  # raised to the epochs (graph replays the host did not count)
+        assert block.quiet_count([5, 4, 2], 0, 1, 2) is None  # a layout that did not run
+        m[at["dropped"].start + 1] = 2
+        assert (block.quiet_count([4, 4, 2], 0, 1, 2) is None) == (factor > 0)
+        m[at["dropped"].start + 1] = 0
+        for word in (at["fault"].start + FAULT_COUNT, at["input_fault"].start + INPUT_FAULT_RANKS):
+            m[word] = 1
+            assert block.quiet_count([4, 4, 2], 0, 1, 2) is None
+            m[word] = 0
+        assert block.quiet_count([4, 4, 2], 0, 1, 2) == 11
