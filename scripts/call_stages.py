@@ -36,7 +36,7 @@ from typing import Any
 from cute_ep.tools import bench_peers as bp
 from cute_ep.tools import bench_report as br
 from cute_ep.tools import bench_timing as bt
-from cute_ep.tools.usage import EXIT_USAGE, UsageError, checked_args
+from cute_ep.tools.usage import UsageError
 
 EXIT_OK = 0
 CALLS = ("dispatch()", "dispatch(sync=False)", "combine()")
@@ -149,31 +149,35 @@ def the_call(buf: Any, s: Any, layout: str, name: str) -> Callable[[], Any]:
     return lambda: buf.dispatch(s.x, s.idx, s.w, layout=layout, sync=sync)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = checked_args(build_parser(), validate_args, argv)
-    if args is None:
-        return EXIT_USAGE
+CONFIG_FLAGS = {"num_experts": "--num-experts", "topk": "--topk", "hidden": "--hidden",
+                "max_tokens": "--tokens", "num_sms": "--num-sms", "timeout_s": "--timeout-s"}
+
+
+def make_config(args: argparse.Namespace, env: Any) -> Any:
+    """The run's EpConfig, once this machine is known to have a CUDA GPU."""
     import torch
 
-    from cute_ep.bootstrap.dist_env import DistEnv
-    from cute_ep.bootstrap.runtime import Runtime
     from cute_ep.kernels.config import EpConfig
-    from cute_ep.tools.cli import Printer, report_setup_error, require_cuda, run_guarded, setup_errors
+    from cute_ep.tools.cli import require_cuda
 
-    try:
-        env = DistEnv.from_environ()
-        require_cuda("scripts/call_stages.py (it times EpBuffer's calls on the GPU)", bt.CPU_WAY_OUT)
-        cfg = EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
-                       num_experts=args.num_experts, topk=args.topk, hidden=args.hidden, dtype=torch.bfloat16,
-                       max_tokens=max(args.token_list), num_sms=args.num_sms, timeout_s=args.timeout_s)
-    except setup_errors() as exc:
-        return report_setup_error(exc)
+    require_cuda("scripts/call_stages.py (it times EpBuffer's calls on the GPU)", bt.CPU_WAY_OUT)
+    return EpConfig(world_size=env.world_size, local_world_size=env.local_world_size,
+                    num_experts=args.num_experts, topk=args.topk, hidden=args.hidden, dtype=torch.bfloat16,
+                    max_tokens=max(args.token_list), num_sms=args.num_sms, timeout_s=args.timeout_s)
 
-    def body(args: argparse.Namespace, env: Any, cfg: Any) -> int:
-        with Runtime(env, symmetric_bytes=cfg.symmetric_bytes()) as rt:
-            return stages_report(args, cfg, rt, Printer(env.rank))
 
-    return run_guarded(body, args, env, cfg)
+def main(argv: list[str] | None = None) -> int:
+    from cute_ep.tools.cli import script_main
+
+    return script_main(argv, build_parser, validate_args, make_config, run, CONFIG_FLAGS)
+
+
+def run(args: argparse.Namespace, env: Any, cfg: Any) -> int:
+    from cute_ep.bootstrap.runtime import Runtime
+    from cute_ep.tools.cli import Printer
+
+    with Runtime(env, symmetric_bytes=cfg.symmetric_bytes()) as rt:
+        return stages_report(args, cfg, rt, Printer(env.rank))
 
 
 def stages_report(args: argparse.Namespace, cfg: Any, runtime: Any, say: Callable[..., None]) -> int:
