@@ -184,7 +184,7 @@ class StatusBlock:
         ``launches[op]``, which are raised to the epochs as ``check_ran`` raises them); else None, and the
         caller decodes the block (``mirrored``) to raise what it says. A handful of word reads where the
         decode and its checks ran after every synced dispatch's kernels (with them, and the handle's views
-        made before the launch, 16-18 us more host time per call on an H200 host, 2026-11-30)."""
+        made before the launch, 15-19 us more host time per call on an H200 host, 2026-11-30)."""
         m, epochs = self._mirror_words, self._mirror_epochs
         if m[self._at_fault] or m[self._at_refused]:
             return None
