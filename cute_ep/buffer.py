@@ -310,7 +310,7 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
         ``scatter``, or with ``own`` = addresses of contiguous [T, K] (slots int32, ids int32, weights fp32)
         to the first, and the layout copies ``topk_idx`` / ``topk_weights`` into the others.
         ``mirror_seq`` (not 0): the dispatch's last CTA mirrors the status block into pinned host memory
-        (``StatusBlock.read_mirror``). ``deliver``, ``assemble``: see ``launch_dispatch``. ``routed``: the
+        (``StatusBlock.wait_mirror``). ``deliver``, ``assemble``: see ``launch_dispatch``. ``routed``: the
         latest layout's [T, K] slots, sent on with no layout (``launch_cached_dispatch``; mode "scatter")."""
         by_rank = layout == "rank"
         # The rank layout's rows have one order: its slots always come from the layout kernel.

@@ -224,8 +224,13 @@ def current_stream_handle(device_index: int) -> int:
 
 
 def storage_addresses(own: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[int, int, int]:
-    """The device addresses of a dispatch handle's own (slots, ids, weights), as a launch takes them."""
-    return own[0].data_ptr(), own[1].data_ptr(), own[2].data_ptr()
+    """The device addresses of a dispatch handle's own (slots, ids, weights), as a launch takes them;
+    ``ValueError`` for ids or weights the kernels could not read as 4-byte words."""
+    slots, ids, weights = (t.data_ptr() for t in own)
+    for name, addr in (("own_idx", ids), ("own_w", weights)):
+        if addr % 4:
+            raise ValueError(f"{name} must be 4-byte aligned, got address {addr:#x}")
+    return slots, ids, weights
 
 
 def delivery_scalars(cfg, device: torch.device, deliver: tuple[int, tuple[torch.Tensor, ...]],

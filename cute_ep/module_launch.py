@@ -46,7 +46,7 @@ class ModuleLaunch:
         addrs = dict(self._empty_addr)
         if own is None:
             addrs["scatter"] = (self.scatter if scatter is None else scatter).data_ptr()
-        else:  # int32 / fp32 storage: 4-byte aligned as every torch tensor of those dtypes is
+        else:  # addresses, checked where they came from (``storage_addresses``, or dispatch's own block)
             addrs["scatter"], addrs["own_idx"], addrs["own_w"] = own
         for name, tensor in (("x", x), ("topk_idx", idx), ("topk_w", w), ("out", out), ("y", y),
                              ("y_slot", y_slot), *(named or {}).items()):

@@ -154,13 +154,6 @@ class StatusBlock:
         return (self.mirror_ok and not torch.cuda.get_sync_debug_mode()
                 and not torch.cuda.is_current_stream_capturing())
 
-    def read_mirror(self, seq: int, stream: int) -> dict[str, Any] | None:
-        """``read()``'s dict from the mirror once the dispatch launched with ``mirror_seq = seq`` on
-        ``stream`` has written it (``wait_mirror``); None when the stream finished without that write
-        (the dispatch kernel did not run to its end): the caller then reads the block itself, which names
-        what happened."""
-        return self.mirrored() if self.wait_mirror(seq, stream) else None
-
     def mirrored(self) -> dict[str, Any]:
         """``read()``'s dict from the mirror as it is (after ``wait_mirror``)."""
         return self._decode(self._mirror_words[:len(self._host_words)])
@@ -168,7 +161,8 @@ class StatusBlock:
     def wait_mirror(self, seq: int, stream: int) -> bool:
         """Wait until the dispatch launched with ``mirror_seq = seq`` on ``stream`` has written the mirror:
         the host polls its last word (no copy, no stream sync), and every 256 polls asks the driver whether
-        the stream is done. False when it finished without that write. A failed launch raises
+        the stream is done. False when it finished without that write (the dispatch kernel did not run to its
+        end): the caller then reads the block itself, which names what happened. A failed launch raises
         ``CudaDriverError``."""
         m, w = self._mirror_words, len(self._host_words)
         polls = 0

@@ -40,8 +40,7 @@ from cute_ep.tools.usage import UsageError
 
 EXIT_OK = 0
 CALLS = ("dispatch()", "dispatch(sync=False)", "combine()")
-# The stamps a call may leave, in the order a call leaves them, and the stages between them.
-STAMPS = ("start", "launch", "launched", "wait", "waited", "views", "viewed", "end")
+# The stages between a call's stamps (``stage_times``), in the order a call passes them.
 STAGES = ("before the launch", "the launch", "launch to wait", "the wait", "to the views", "launch to views",
           "the views", "after them", "after the launch")
 
@@ -78,8 +77,8 @@ def validate_args(args: argparse.Namespace) -> None:
 
 
 def stage_times(stamps: Mapping[str, float]) -> dict[str, float]:
-    """One call's stages (us) from its stamps (seconds; ``STAMPS``: "start", "launch", "launched" and
-    "end" always, "wait" / "waited" for a synced dispatch, "views" / "viewed" for a dispatch)."""
+    """One call's stages (us) from its stamps (seconds: "start", "launch", "launched" and "end" always,
+    "wait" / "waited" for a synced dispatch, "views" / "viewed" for a dispatch)."""
     s = stamps
     out = {"before the launch": s["launch"] - s["start"], "the launch": s["launched"] - s["launch"]}
     if "wait" in s:

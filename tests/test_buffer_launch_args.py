@@ -214,6 +214,20 @@ def test_int64_ids_reach_the_kernels_as_clamped_int32(buf) -> None:
     assert res.handle.topk_idx.dtype == torch.int32
 
 
+def test_a_callers_own_routing_storage_must_be_4_byte_aligned(buf) -> None:
+    """launch_dispatch(own=...): the ids' and weights' storage is read as 4-byte words; a misaligned one is
+    refused before anything launches."""
+    x, idx, w = inputs(3)
+    slots = torch.zeros(3, 2, dtype=torch.int32)
+    for at in (1, 2):
+        own = [slots, torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)]
+        own[at] = SimpleNamespace(data_ptr=lambda: 0x1002)  # no torch tensor of these dtypes sits there
+        name = ("own_idx", "own_w")[at - 1]
+        with pytest.raises(ValueError, match=f"{name} must be 4-byte aligned, got address 0x1002"):
+            buf.launch_dispatch(x, idx, w, own=tuple(own))
+    assert buf._launcher.launches == []
+
+
 def test_zero_tokens_launch_with_the_stand_ins(buf) -> None:
     x, idx, w = inputs(0)
     buf.dispatch(x, idx, w, sync=False, layout="rank")

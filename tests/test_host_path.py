@@ -124,7 +124,8 @@ def test_status_mirror_is_read_once_its_sequence_number_lands():
     mirror[where["dropped"][0] + 1] = 5
     mirror[w] = 2
     block._driver = _Stream(after=10**9)
-    status = block.read_mirror(2, stream=0)
+    assert block.wait_mirror(2, stream=0)
+    status = block.mirrored()
     assert status["num_recv"] == 37 and status["dropped"].tolist()[:2] == [0, 5]
     assert block._driver.queries == 0  # the word was there: no stream query
 
@@ -133,9 +134,9 @@ def test_status_mirror_is_read_once_its_sequence_number_lands():
         mirror[w] = 3
 
     block._driver = _Stream(after=3, write=land)  # the write lands as the stream finishes: still read
-    assert block.read_mirror(3, stream=0)["num_recv"] == 41
+    assert block.wait_mirror(3, stream=0) and block.mirrored()["num_recv"] == 41
     block._driver = _Stream(after=2)  # finished without the write: the caller reads the block itself
-    assert block.read_mirror(4, stream=0) is None and block._driver.queries == 2
+    assert block.wait_mirror(4, stream=0) is False and block._driver.queries == 2
 
 
 def test_quiet_count_reads_the_count_only_when_the_mirror_has_nothing_to_report():
