@@ -137,10 +137,11 @@ class EpBackend(Protocol):
             algorithm: the dispatch primitive ("dedup", "per_pair", "put_warp"; None: the buffer's).
                 Primitives differ only in how rows travel, never in the result.
             sync: True: read the received row count back to the host (``num_recv`` exact; errors and
-                capacity drops raise here). False: no host sync at all (usable in CUDA graphs):
-                the views cover ``cfg.capacity`` rows, ``recv_count`` holds the count on the device,
-                and errors or drops raise at the next host-visible check (``check_capacity``, or the
-                GPU buffer's ``check_ran``). In the rank layout the views cover ``cfg.rank_capacity``
+                capacity drops known by then raise here; the GPU buffer returns once the count is known, its
+                rows may still be moving: the stream orders their later use). False: no host sync at all
+                (usable in CUDA graphs): the views cover ``cfg.capacity`` rows, ``recv_count`` holds the count
+                on the device, and errors or drops raise at the next host-visible check (``check_capacity``,
+                or the GPU buffer's ``check_ran``). In the rank layout the views cover ``cfg.rank_capacity``
                 rows.
             layout: "expert" (expert-major rows, one per (token, k)) or "rank" (one row per (token,
                 destination rank), DeepEP's; needs ``cfg.capacity_factor == 0``; with ``fp8`` its

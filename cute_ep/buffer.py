@@ -179,9 +179,11 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
         ``previous_event``, the current stream waits for it first. deliver: the received rows also copied
         into the caller's tensors by the same launch (``launch_dispatch``'s).
 
-        Host syncs: one wait for the status (sizes, faults, refused inputs, drops), which the dispatch's
-        last CTA writes into pinned host memory (no copy, no stream sync; the expert layout's fan-out may
-        still run on the stream when the call returns); none with sync=False. Its views (recv_x, ...) are
+        Host syncs: one wait for the status (sizes, faults, refused inputs, drops), which the layout's
+        leader writes into pinned host memory once the count is known (no copy, no stream sync); the rows
+        may still be moving when the call returns, and the stream orders every later use of them. A peer
+        that times out after that raises at the next check, as after sync=False, which waits for nothing.
+        Its views (recv_x, ...) are
         the same tensors in every call of a layout, format and count (views of the buffer's memory, made
         once: resize or restride them in place and the next such results see it). The ids' values are
         checked on the device; a refused call raises ``ValueError`` on every rank (this rank's own inputs
@@ -203,8 +205,9 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
             # and weights into the others (the launch takes their addresses, the views follow it).
             owned = torch.empty((3, t, c.topk), dtype=torch.int32, device=self.device)
             first, plane = owned.data_ptr(), t * c.topk * 4
-            # A synced call's status: the dispatch's last CTA writes it into pinned host memory, which the
-            # host polls (no copy, no stream sync); ``read()`` when that is off or did not happen.
+            # A synced call's status: the layout's leader writes it into pinned host memory once the count
+            # is known, which the host polls (no copy, no stream sync); ``read()`` when that is off or did
+            # not happen.
             seq = self.status.next_seq() if sync and self.status.use_mirror() else 0
             self._enqueue_dispatch(x, idx, w, mode, fp8, algorithm, layout,
                                    own=(first, first + plane, first + 2 * plane) if t else None,
@@ -214,16 +217,19 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
             handle = DispatchHandle(idx_own, w_bits.view(torch.float32), scatter, t, mode, layout)
             self._sent = (handle.topk_idx, handle.topk_weights)
             self._latest_scatter = scatter  # device's num_recv is this dispatch's (combine's staging)
-            status = num_recv = None
+            status = num_recv = running = None
             if seq and self.status.wait_mirror(seq, current_stream_handle(self._device_index)):
-                num_recv = self.status.quiet_count(self._calls, OP_LAYOUT, OP_DISPATCH, OP_COMBINE)
+                # mirrored by the layout's leader: this dispatch's rows may still be moving
+                running = OP_DISPATCH
+                num_recv = self.status.quiet_count(self._calls, OP_LAYOUT, OP_DISPATCH, OP_COMBINE,
+                                                   running=running)
                 status = None if num_recv is not None else self.status.mirrored()  # checked below
             elif sync:
                 status = self.status.read()
         if stream is not None:  # made on ``stream``, used on the caller's
             owned.record_stream(torch.cuda.current_stream(self.device))
         if status is not None:
-            self._check_ran(status, OP_LAYOUT, OP_DISPATCH, OP_COMBINE)
+            self._check_ran(status, OP_LAYOUT, OP_DISPATCH, OP_COMBINE, running=running)
             refused = self.status.refused_inputs(status)
             if refused is not None:
                 check_topk_values(c, topk_idx)  # this rank's own inputs: the message names them
@@ -309,9 +315,10 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
         cfg.layout_in_dispatch tokens), the dispatch and the fan-out. The slots go to the buffer's
         ``scatter``, or with ``own`` = addresses of contiguous [T, K] (slots int32, ids int32, weights fp32)
         to the first, and the layout copies ``topk_idx`` / ``topk_weights`` into the others.
-        ``mirror_seq`` (not 0): the dispatch's last CTA mirrors the status block into pinned host memory
-        (``StatusBlock.wait_mirror``). ``deliver``, ``assemble``: see ``launch_dispatch``. ``routed``: the
-        latest layout's [T, K] slots, sent on with no layout (``launch_cached_dispatch``; mode "scatter")."""
+        ``mirror_seq`` (not 0): the layout's leader mirrors the status block into pinned host memory once the
+        count is known (``StatusBlock.wait_mirror``). ``deliver``, ``assemble``: see ``launch_dispatch``.
+        ``routed``: the latest layout's [T, K] slots, sent on with no layout (``launch_cached_dispatch``; mode
+        "scatter")."""
         by_rank = layout == "rank"
         # The rank layout's rows have one order: its slots always come from the layout kernel.
         kernel_mode = MODES["scatter" if by_rank else mode]

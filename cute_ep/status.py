@@ -1,10 +1,10 @@
 """What a call reports: the exceptions every backend raises, and the GPU buffer's status block.
 
 The status block is every value the host reads after a kernel call (the ``STATUS`` buffers of
-``kernels.buffers.BUFFERS``: epochs, fault record, num_recv, drop counts) in one int32 tensor, so that
-one device-to-host copy (one sync) reads them all; a synced dispatch reads the copy its last CTA writes
-into pinned host memory instead (the status mirror: no copy, no sync). Importing this module imports no
-GPU library.
+``kernels.buffers.BUFFERS``: epochs, fault record, num_recv, drop counts) in one int32 tensor, so that one
+device-to-host copy (one sync) reads them all; a synced dispatch reads the copy its layout's leader writes
+into pinned host memory instead, once the count is known (the status mirror: no copy, no sync). Importing this
+module imports no GPU library.
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ class StatusBlock:
         # read on a 2-core CPU machine, the numpy equivalent ~3 us.
         self._slices = {name: slice(first, first + count) for name, (first, count) in self.where.items()}
         self._copy = _raw_copy(self.words, self._host) if self.words.is_cuda else None
-        # The mirror a dispatch's last CTA writes (kernels/dispatch.py, mirror_status): the block, then the
-        # call's sequence number in the last word. Pinned memory is the device's at the same address
+        # The mirror a synced dispatch's layout leader writes (kernels/layout.py, mirror_status): the block,
+        # then the call's sequence number in the last word. Pinned memory is the device's at the same address
         # (unified addressing); ``mirror_ok`` says the driver confirmed that.
         self.mirror = torch.zeros(words + 1, dtype=torch.int32, pin_memory=self.words.is_cuda)
         self._mirror_words = self.mirror.numpy()
@@ -159,10 +159,11 @@ class StatusBlock:
         return self._decode(self._mirror_words[:len(self._host_words)])
 
     def wait_mirror(self, seq: int, stream: int) -> bool:
-        """Wait until the dispatch launched with ``mirror_seq = seq`` on ``stream`` has written the mirror:
-        the host polls its last word (no copy, no stream sync), and every 256 polls asks the driver whether
-        the stream is done. False when it finished without that write (the dispatch kernel did not run to its
-        end): the caller then reads the block itself, which names what happened. A failed launch raises
+        """Wait until the dispatch launched with ``mirror_seq = seq`` on ``stream`` has written the mirror
+        (its layout's leader does, once the count is known; its rows may still be moving): the host polls
+        the mirror's last word (no copy, no stream sync), and every 256 polls asks the driver whether the
+        stream is done. False when it finished without that write (the layout did not run to its end):
+        the caller then reads the block itself, which names what happened. A failed launch raises
         ``CudaDriverError``."""
         m, w = self._mirror_words, len(self._host_words)
         polls = 0
@@ -172,10 +173,11 @@ class StatusBlock:
                 return False
         return True
 
-    def quiet_count(self, launches: list[int], *ops: int) -> int | None:
+    def quiet_count(self, launches: list[int], *ops: int, running: int | None = None) -> int | None:
         """After ``wait_mirror``: the mirrored num_recv when the block has nothing to report (no wait timed
         out, every rank's ids accepted, no row dropped, each operation of ``ops`` at or past its launches
-        ``launches[op]``, which are raised to the epochs as ``check_ran`` raises them); else None, and the
+        ``launches[op]``, which are raised to the epochs as ``check_ran`` raises them; ``running``: the
+        operation still running when the block was mirrored, one launch behind); else None, and the
         caller decodes the block (``mirrored``) to raise what it says. A handful of word reads where the
         decode and its checks ran after every synced dispatch's kernels (with them, and the handle's views
         made before the launch, 15-19 us more host time per call on an H200 host, 2026-11-30)."""
@@ -185,10 +187,10 @@ class StatusBlock:
         if self._mirror_dropped is not None and self._mirror_dropped.any():
             return None
         for op in ops:
-            if epochs[op] < launches[op]:
+            if epochs[op] + (op == running) < launches[op]:
                 return None
         for op in ops:
-            launches[op] = int(epochs[op])
+            launches[op] = int(epochs[op]) + (op == running)
         return int(m[self._at_num_recv])
 
     def _decode(self, host: np.ndarray) -> dict[str, Any]:
@@ -224,12 +226,14 @@ class StatusBlock:
         return (f"rank {first}{more} passed invalid topk_idx (ids must be in [-1, num_experts), no expert "
                 f"twice in a token); the call moved no data")
 
-    def check_ran(self, rank: int, status: dict[str, Any], launches: list[int], *ops: int) -> None:
+    def check_ran(self, rank: int, status: dict[str, Any], launches: list[int], *ops: int,
+                  running: int | None = None) -> None:
         """Raise ``PeerTimeout`` for a recorded fault, or ``KernelDidNotRun`` when an operation's epoch lags
-        behind its launches counted by the host (``launches[op]``). An epoch may be ahead: replays of a
-        CUDA graph run kernels the host never counts; ``launches`` is then raised to match."""
+        behind its launches counted by the host (``launches[op]``; ``running``: an operation whose latest
+        launch was still running when ``status`` was taken, its epoch one behind). An epoch may be ahead:
+        replays of a CUDA graph run kernels the host never counts; ``launches`` is then raised to match."""
         self.check_faults(rank, status)
-        got = status["epochs"]
+        got = [epoch + (op == running) for op, epoch in enumerate(status["epochs"])]
         for op in ops:
             launches[op] = max(launches[op], got[op])
         for op in ops:

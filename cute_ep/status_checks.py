@@ -69,7 +69,7 @@ class StatusChecks:
             return
         self._drops += counts
 
-    def _check_ran(self, status: dict[str, Any], *ops: int) -> None:
+    def _check_ran(self, status: dict[str, Any], *ops: int, running: int | None = None) -> None:
         """Raise if a kernel timed out (``PeerTimeout``) or did not run: its epoch must equal the number
-        of launches so far."""
-        self.status.check_ran(self.rank, status, self._calls, *ops)
+        of launches so far (``running``: see ``StatusBlock.check_ran``)."""
+        self.status.check_ran(self.rank, status, self._calls, *ops, running=running)

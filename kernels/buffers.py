@@ -279,9 +279,10 @@ BUFFERS: tuple[Buffer, ...] = (
     Buffer("input_fault", lambda s: (INPUT_FAULT_WORDS,), "int32", STATUS, ("layout", "dispatch"),
            "the latest layout's refusal: ranks whose topk_idx was invalid, the lowest of them (-1: none)"),
     # -- pinned host memory -----------------------------------------------------------------------
-    Buffer("status_mirror", lambda s: (s.status_words + 1,), "int32", HOST, ("dispatch",),
-           "the status block as a dispatch's last CTA saw it (written when mirror_seq is not 0), then "
-           "mirror_seq: the host polls that word instead of copying the block and syncing"),
+    Buffer("status_mirror", lambda s: (s.status_words + 1,), "int32", HOST, ("layout",),
+           "the status block as the layout's leader saw it once the count was known (written when "
+           "mirror_seq is not 0), then mirror_seq: the host polls that word instead of copying the block "
+           "and syncing"),
 )
 
 BUFFER_NAMES = tuple(b.name for b in BUFFERS)

@@ -51,7 +51,8 @@ every peer to this call's epoch and waits until every peer has raised its own on
 (``signal_and_wait_peers``: at most ``timeout_ms`` per peer; a peer that never arrives is recorded in
 ``fault`` and the epoch is not advanced). So when the kernel ends
 with its epoch advanced, this rank's receive buffer is complete, and everything later on the stream
-may read it.
+may read it. A synced dispatch's host does not wait for that: the layout's leader mirrors the status to it
+(kernels/layout.py, ``mirror_status``) once the count is known, while the rows still move.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from cute_ep.kernels.config import MODE_ATOMIC, MODE_SCATTER, OP_DISPATCH, OP_LA
 from cute_ep.kernels.dispatch_senders import pair_in_lane, send_pair, send_token_by_lanes, send_token_by_rank
 from cute_ep.kernels.layout import LayoutKernel, announce_entry, await_entry, cta_tokens
 from cute_ep.kernels.naming import profiler_name
-from cute_ep.kernels.ptx import fence_sys, ld_acquire_u64, ld_volatile_i32
+from cute_ep.kernels.ptx import ld_acquire_u64, ld_volatile_i32
 from cute_ep.kernels.quantize import quantize_row_warp
 from cute_ep.kernels.rank_layout import RankLayoutKernel
 from cute_ep.kernels.rows import element_addr, row_space
@@ -77,25 +78,6 @@ from cute_ep.kernels.signals import cta_arrives_last, every_rank_at, fault_free,
 # otherwise waits a load latency for each of its 28 steps. EP2 (2x H200), 24 SMs, 4096 tokens: the FP8 rank
 # dispatch took 287.9 us a step at a time (the bf16 one 233.0), 195.0 with 7; 10 or 14 spill in ptxas.
 QUANTIZE_UNROLL = 7
-
-
-@cute.jit
-def mirror_status(p: EpParams, NT: cutlass.Constexpr):
-    """The dispatch's last CTA (every thread; NT of them), after the call's status is final: the status
-    block into ``status_mirror`` (pinned host memory), then ``mirror_seq`` into its last word. The host
-    polls that word instead of copying the block and syncing the stream (a driver copy and a stream sync
-    cost it 14 us on an idle H200). The status words were written by other CTAs: volatile loads."""
-    tid, _, _ = cute.arch.thread_idx()
-    W = p.status_words
-    words = cute.make_tensor(cute.recast_ptr(p.epochs.iterator, dtype=Int32), cute.make_layout(W))
-    mirror = p.status_mirror
-    cute.arch.sync_threads()  # thread 0's epoch, above
-    for i in range(tid, W, NT):
-        mirror[i] = ld_volatile_i32(element_addr(words, i))
-    fence_sys()  # each thread's words before the barrier, and so before thread 0's flag
-    cute.arch.sync_threads()
-    if tid == 0:
-        mirror[W] = p.mirror_seq
 
 
 class DispatchKernel(EpKernel):
@@ -252,8 +234,6 @@ class DispatchKernel(EpKernel):
                     p.epochs[OP_DISPATCH] = epoch
                     if p.routed != 0:  # every CTA read the layout epoch in announce_entry by now
                         p.epochs[OP_LAYOUT] = p.epochs[OP_LAYOUT] + Int64(1)
-            if p.mirror_seq != 0:
-                mirror_status(p, self.threads)
 
 
 profiler_name(DispatchKernel.kernel, "dispatch")

@@ -51,7 +51,9 @@ cursor [E] int32 (first slot of this rank's rows for each expert; cursor is the 
 send_limit [E] int32 (end of each expert's kept slots); dropped [E] int32 (accumulated),
 tokens_per_expert [E/R] and num_recv [1] int32 (rows this rank receives), input_fault [2] int32,
 epochs[OP_LAYOUT] advanced by one; with own_routing, own_idx / own_w [T, K]: copies of topk_idx / topk_w
-(the dispatch handle's).
+(the dispatch handle's). Host: with ``mirror_seq`` (a synced dispatch), the leader's last step copies the
+status block into pinned host memory (``mirror_status``): the host has the count, the verdict and the
+drops while the dispatch's rows still move.
 """
 
 from __future__ import annotations
@@ -207,6 +209,40 @@ def input_verdict(p: EpParams, flags: cute.Tensor):
     p.input_fault[INPUT_FAULT_FIRST] = first
 
 
+@cute.jit
+def mirror_status(p: EpParams, lane: Int32):
+    """A synced dispatch's status for the host (``mirror_seq`` not 0), by one warp of the layout's leader
+    once this call's count, verdict, drops and layout epoch are final: the status block into
+    ``status_mirror`` (pinned host memory), then ``mirror_seq`` into its last word, which the host polls
+    (``StatusBlock.wait_mirror``; no copy, no stream sync). Why here and not after the dispatch: the host
+    returns while the rows still move, as it would after DeepEP's count notification; the stream orders
+    every later read of them. The mirrored dispatch epoch is the previous call's. Other CTAs may write
+    fault words: volatile loads."""
+    W = p.status_words
+    words = cute.make_tensor(cute.recast_ptr(p.epochs.iterator, dtype=Int32), cute.make_layout(W))
+    mirror = p.status_mirror
+    cute.arch.sync_warp()  # lane 0's layout epoch, above, before the lanes read it
+    for i in range(lane, W, WARP):
+        mirror[i] = ld_volatile_i32(element_addr(words, i))
+    fence_sys()  # each lane's words before the warp barrier, and so before lane 0's flag
+    cute.arch.sync_warp()
+    if lane == 0:
+        mirror[W] = p.mirror_seq
+
+
+@cute.jit
+def leader_done(p: EpParams, epoch: Int64, tid: Int32):
+    """The leader, every thread, after its slots: the layout's epoch advanced (a timed-out call does not
+    count as run), then for a synced dispatch the status mirrored to the host by warp 0
+    (``mirror_status``); the other warps go on to send (a layout folded into the dispatch)."""
+    if tid == 0:
+        if fault_free(p.fault):
+            p.epochs[OP_LAYOUT] = epoch
+    if p.mirror_seq != 0:
+        if tid < WARP:
+            mirror_status(p, tid)
+
+
 class LayoutKernel(EpKernel):
     """The layout kernel (see the module docstring); every size is a run-time argument.
 
@@ -320,9 +356,7 @@ class LayoutKernel(EpKernel):
         cute.arch.sync_threads()  # the CTA's slots, before its warps send them (dispatch, layout folded in)
 
         if leader:
-            if tid == 0:
-                if fault_free(p.fault):  # a timed-out call does not count as run
-                    p.epochs[OP_LAYOUT] = epoch
+            leader_done(p, epoch, tid)
         return got_ahead
 
     @cute.jit

@@ -9,8 +9,8 @@ To run (one process per GPU; keep NVLink multicast off, as on the H100 / H200 te
 What is timed: for each tokens value and layout (DeepSeek-V3 shapes by default, uniform routing, input seed
 0, one EpBuffer) and each call, ``--iters`` calls after ``--warmup``, the device synchronized before each.
 ``time.perf_counter`` stamps the call's start and end and three of its steps: the launch of the compiled
-module (``EpBuffer._launcher``), a synced dispatch's wait for the status its last CTA mirrors into host
-memory (``StatusBlock.wait_mirror``) and the making of the result's views (``EpBuffer._received``). The
+module (``EpBuffer._launcher``), a synced dispatch's wait for the status its layout's leader mirrors into
+host memory (``StatusBlock.wait_mirror``) and the making of the result's views (``EpBuffer._received``). The
 stages are the gaps between the stamps:
     * before the launch: the argument checks, the handle's storage, what the launch is given;
     * the launch: the module's host function and the driver's launch;

@@ -9,8 +9,8 @@ For each SM budget (one EpBuffer each, H 7168, K 8, E 256, bf16 by default), tok
 receive layout, the three variants run in turn, ``--iters`` times each (interleaved, so that this host's
 drift from run to run falls on all three alike), each timed from an idle GPU until
 ``torch.cuda.synchronize()`` returns:
-    * ``mirror``: ``dispatch()`` as built: the dispatch's last CTA writes the status block into pinned
-      host memory and the host polls it (``StatusBlock.wait_mirror``);
+    * ``mirror``: ``dispatch()`` as built: the layout's leader writes the status block into pinned
+      host memory once the count is known and the host polls it (``StatusBlock.wait_mirror``);
     * ``plain read``: ``dispatch()`` with the mirror turned off for the call: a device-to-host copy of the
       block and a stream sync (``StatusBlock.read``);
     * ``sync=False``: ``dispatch(sync=False)`` (no status in the call; the outer sync waits instead).

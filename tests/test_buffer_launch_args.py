@@ -124,20 +124,22 @@ def test_a_sync_free_dispatch_hands_over_its_tensors_and_the_handles_storage(buf
 
 
 class Mirroring(Recorder):
-    """A ``Recorder`` that, for a launch with ``mirror_seq``, writes the status mirror as the dispatch's
-    last CTA would: every epoch at its launches (the host counts this launch after it returns), the
-    count, whatever ``extra`` says (word index -> value), then the sequence number last."""
+    """A ``Recorder`` that, for a launch with ``mirror_seq``, writes the status mirror as the layout's
+    leader would: the layout's epoch at its launches (the host counts this launch after it returns), the
+    dispatch's one behind (this launch's still runs; ``dispatch_behind`` more: dispatches that did not
+    run), the count, whatever ``extra`` says (word index -> value), then the sequence number last."""
 
-    def __init__(self, buf, num_recv: int, extra: dict[int, int] | None = None) -> None:
+    def __init__(self, buf, num_recv: int, extra: dict[int, int] | None = None, dispatch_behind: int = 0
+                 ) -> None:  # fmt: skip
         super().__init__()
-        self.buf, self.num_recv, self.extra = buf, num_recv, extra or {}
+        self.buf, self.num_recv, self.extra, self.behind = buf, num_recv, extra or {}, dispatch_behind
 
     def __call__(self, stream: int, pointers: dict[str, int], **scalars: int) -> None:
         super().__call__(stream, pointers, **scalars)
         st, calls = self.buf.status, self.buf._calls
         m, at = st._mirror_words, st._slices
         m[:] = 0
-        m[at["epochs"]].view("int64")[:] = [calls[0] + 1, calls[1] + 1, calls[2]]
+        m[at["epochs"]].view("int64")[:] = [calls[0] + 1, calls[1] - self.behind, calls[2]]
         m[at["num_recv"].start] = self.num_recv
         for word, value in self.extra.items():
             m[word] = value
@@ -169,6 +171,24 @@ def test_a_synced_dispatch_reads_its_count_from_the_mirror_and_reports_what_it_h
                                                       at["input_fault"].start + INPUT_FAULT_FIRST: 1})
     with pytest.raises(ValueError, match="rank 1 passed invalid topk_idx"):
         buf.dispatch(x, idx, w, layout=layout)
+
+
+def test_a_synced_dispatch_returns_while_its_rows_move_and_still_finds_a_dispatch_that_did_not_run(buf):
+    """The mirror is the layout leader's: the call's own dispatch epoch is one behind and that is quiet;
+    an earlier dispatch that never ran (two behind) raises ``KernelDidNotRun``."""
+    from cute_ep.status import KernelDidNotRun
+
+    buf.status.use_mirror = lambda: True
+    buf.status.mirrored = _counted(buf.status.mirrored)
+    x, idx, w = inputs(5)
+    for _ in range(3):  # each launch's mirror holds its dispatch one behind: every call quiet
+        buf._launcher = Mirroring(buf, num_recv=4)
+        assert buf.dispatch(x, idx, w, layout="rank").num_recv == 4
+    assert buf.status.mirrored.calls == 0 and buf._calls[OP_DISPATCH] == 3
+    buf._launcher = Mirroring(buf, num_recv=4, dispatch_behind=1)
+    with pytest.raises(KernelDidNotRun, match="dispatch kernel did not complete"):
+        buf.dispatch(x, idx, w, layout="rank")
+    assert buf.status.mirrored.calls == 1
 
 
 def test_a_synced_dispatch_hands_over_the_views_of_its_count_made_once(buf, monkeypatch) -> None:
@@ -249,7 +269,7 @@ def test_a_cached_dispatch_sends_along_the_latest_dispatchs_slots_with_no_layout
     x, idx, w = inputs(5)
     if synced_first:  # a status as the device would give it, read by the host
         buf.status.read = lambda: {"num_recv": 3, "dropped": torch.zeros(8, dtype=torch.int64), "fault": None}
-        buf._check_ran = lambda *ops: None
+        buf._check_ran = lambda *ops, running=None: None
         buf.status.refused_inputs = lambda status: None
         buf._take_drops = lambda dropped, result: None
         buf.status.use_mirror = lambda: False

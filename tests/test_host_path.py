@@ -160,3 +160,22 @@ def test_quiet_count_reads_the_count_only_when_the_mirror_has_nothing_to_report(
             assert block.quiet_count([4, 4, 2], 0, 1, 2) is None
             m[word] = 0
         assert block.quiet_count([4, 4, 2], 0, 1, 2) == 11
+        # mirrored while the dispatch (op 1) ran: its epoch one behind is its launches
+        launches = [4, 5, 2]
+        assert block.quiet_count(launches, 0, 1, 2, running=1) == 11 and launches == [4, 5, 2]
+        assert block.quiet_count([4, 6, 2], 0, 1, 2, running=1) is None  # an earlier one did not run
+        assert block.quiet_count([4, 5, 2], 0, 1, 2) is None  # not running: one behind is missing
+
+
+def test_check_ran_takes_a_running_operation_one_launch_behind():
+    from cute_ep.status import KernelDidNotRun
+
+    block = StatusBlock(host_config(), CPU)
+    status = {"epochs": [4, 4, 2], "fault": [0] * len(block.read()["fault"])}
+    launches = [4, 5, 2]
+    block.check_ran(0, status, launches, 0, 1, 2, running=1)
+    assert launches == [4, 5, 2]
+    with pytest.raises(KernelDidNotRun, match="dispatch kernel did not complete"):
+        block.check_ran(0, status, [4, 5, 2], 0, 1, 2)
+    with pytest.raises(KernelDidNotRun):
+        block.check_ran(0, status, [4, 6, 2], 0, 1, 2, running=1)

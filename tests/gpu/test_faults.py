@@ -57,8 +57,9 @@ def test_a_rank_that_skips_a_step_is_named(runtime, skipped):
             if rank == skipper:
                 buf._launch(OP_LAYOUT, x.shape[0], idx=idx)
                 torch.cuda.synchronize()
-            else:
-                _expect_timeout(lambda: buf.dispatch(x, idx, w), "dispatch", skipper)
+            else:  # a synced dispatch returns once the count is known (the layout ran on every rank): the
+                # dispatch's own wait times out on the device and the next host-visible check raises
+                _expect_timeout(lambda: (buf.dispatch(x, idx, w), buf.check_faults()), "dispatch", skipper)
         else:  # everyone dispatches; the skipper never combines (either combine algorithm)
             res = buf.dispatch(x, idx, w)
             if rank != skipper:
