@@ -6,6 +6,7 @@ To run:
     python scripts/copy_ceiling.py --rows 4096 --hidden 7168 --num-sms 24,132 --copies 1,2,8
     torchrun --nproc-per-node 2 scripts/copy_ceiling.py --copies 2            # a copy here, one on the peer
     torchrun --nproc-per-node 2 scripts/copy_ceiling.py --copies 1 --peers-only   # the link alone
+    torchrun --nproc-per-node 2 scripts/copy_ceiling.py --copies 1 --pull         # reads over the link
 
 Every mode moves ``--rows`` rows of ``--hidden`` elements, each to ``--copies`` destination rows (1: a
 plain copy; 2: the rank layout's row to two ranks; 8: the expert layout's token to its 8 slots), with
@@ -14,7 +15,9 @@ In a world of one every copy lands on this GPU. Launched with torchrun (a world 
 one node, NVSHMEM peer pointers) every rank copies at once, after a barrier on the GPU, and copy c of a
 row goes to rank (rank + c) % W (with --peers-only (rank + 1 + c) % W: nothing to this rank while
 --copies < W); the line then also gives the bytes each rank wrote into other ranks' memory per second
-("off-rank"), the rate the dispatch's NVLink traffic is held to. Modes:
+("off-rank"), the rate the dispatch's NVLink traffic is held to. With --pull every rank instead reads the
+rows of rank (rank + 1) % W through its peer pointer into its own memory (one copy per row), as the pull
+combines read their rows: the line gives the bytes read from the peer per second. Modes:
     * ``regs4`` / ``regs8``: a warp per row, 128-bit loads into registers, 4 or 8 per lane in flight,
       each piece stored to every destination (``kernels.rows.copy_row_to_lanes``, what dispatch does;
       16 warps per CTA);
@@ -26,7 +29,8 @@ that waits more than --timeout seconds for the GPU (a peer that never reached th
 exits 1.
 
 Constraints: a CUDA GPU of sm_90 or newer; --hidden * element size a multiple of 16 bytes and at most
-``STAGE_BYTES``; --rows, --iters >= 1; --peers-only needs a world of 2 or more. Exit status: 0 done and
+``STAGE_BYTES``; --rows, --iters >= 1; --peers-only and --pull need a world of 2 or more, --pull one
+copy and not --peers-only. Exit status: 0 done and
 every copy right, 1 a wrong copy or a run-time error, 2 bad arguments.
 """
 
@@ -55,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers-only", action="store_true",
                    help="with torchrun: copy c goes to rank (rank + 1 + c) %% world "
                         "(none here while copies < world)")
+    p.add_argument("--pull", action="store_true",
+                   help="with torchrun: each rank reads rank (rank + 1) %% world's rows into its own memory "
+                        "(--copies 1)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a rank waits for the GPU before it exits")
     return p
@@ -89,6 +96,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace | None:
         (args.peers_only and world_size() < 2,
          "--peers-only needs a world of 2 or more ranks (launch with torchrun --nproc-per-node 2 or more), "
          f"got WORLD_SIZE={world_size()}"),
+        (args.pull and (world_size() < 2 or args.peers_only or args.copy_list != [1]),
+         "--pull needs a world of 2 or more ranks, --copies 1 and no --peers-only (each rank reads the next "
+         f"rank's rows once), got WORLD_SIZE={world_size()}, --copies {args.copies}"
+         f"{', --peers-only' if args.peers_only else ''}"),
         (args.timeout <= 0, f"--timeout must be > 0, got {args.timeout}"),
         (min(args.sms) < 1 or min(args.copy_list) < 1 or max(args.copy_list) > 32,
          f"--num-sms values must be >= 1 and --copies in [1, 32], got {args.sms} and {args.copy_list}"),
@@ -244,7 +255,8 @@ def source_rows(args: argparse.Namespace, rank: int):
 class Places:
     """Where copy c of this rank's rows lands: block ``rank * max_copies + c`` of the receive rows of rank
     ``(rank + shift + c) % world`` (a world of one: this GPU's rows; else NVSHMEM symmetric rows reached
-    through peer pointers)."""
+    through peer pointers). With ``args.pull``: this rank's block of its own receive rows, copied from the
+    rows of rank ``(rank + 1) % world`` (``source``)."""
 
     def __init__(self, args: argparse.Namespace, rank: int, world: int, dtype) -> None:
         import torch
@@ -262,7 +274,12 @@ class Places:
         self.bytes_per_block = args.rows * args.hidden * self.recv.element_size()
 
     def target(self, sender: int, c: int) -> int:
-        return (sender + self.shift + c) % self.world
+        return sender if self.args.pull else (sender + self.shift + c) % self.world
+
+    @property
+    def source(self) -> int:
+        """The rank whose rows this rank's copies hold: the next one when pulling, else this one."""
+        return (self.rank + 1) % self.world if self.args.pull else self.rank
 
     def bases(self, copies: int):
         """int64 [copies]: the address of each copy's first row."""
@@ -281,7 +298,9 @@ class Places:
         return torch.tensor(addrs, dtype=torch.int64, device="cuda")
 
     def off_rank(self, copies: int) -> int:
-        """Copies of a row this rank writes into other ranks' memory."""
+        """Copies of a row this rank writes into (or with ``pull`` reads from) other ranks' memory."""
+        if self.args.pull:
+            return copies
         return sum(self.target(self.rank, c) != self.rank for c in range(copies))
 
     def right(self, copies: int) -> bool:
@@ -296,23 +315,24 @@ class Places:
             for c in range(copies):
                 if self.target(sender, c) != self.rank:
                     continue
-                want = source_rows(self.args, sender) if want is None else want
+                want = source_rows(self.args, (sender + 1) % self.world if self.args.pull else sender) \
+                    if want is None else want
                 block = (sender * self.max_copies + c) * rows
                 ok = ok and torch.equal(self.recv[block: block + rows].view(bits), want.view(bits))
         return ok
 
 
-def measure(compiled, src, places: Places, copies: int, ncta: int, args: argparse.Namespace, row_bytes: int,
-            meet) -> tuple[float, bool]:
-    """(median us, right): ``args.iters`` timed launches, every rank's after a barrier on the GPU, then
-    every destination row against its source."""
+def measure(compiled, src: int, places: Places, copies: int, ncta: int, args: argparse.Namespace,
+            row_bytes: int, meet) -> tuple[float, bool]:
+    """(median us, right): ``args.iters`` timed launches from the rows at address ``src``, every rank's after
+    a barrier on the GPU, then every destination row against its source."""
     import torch
     from cutlass import Int32, Int64
 
     bases = places.bases(copies)
 
     def run() -> None:
-        compiled(Int64(src.data_ptr()), Int64(bases.data_ptr()), Int32(args.rows), Int32(copies),
+        compiled(Int64(src), Int64(bases.data_ptr()), Int32(args.rows), Int32(copies),
                  Int32(row_bytes), Int32(ncta))
 
     places.recv.fill_(float("nan"))
@@ -350,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
     env = DistEnv.from_environ()
     row_bytes = args.hidden * DTYPES[args.dtype]
-    heap = env.world_size * max(args.copy_list) * args.rows * row_bytes
+    heap = (env.world_size * max(args.copy_list) + int(args.pull)) * args.rows * row_bytes
     with Runtime(env, symmetric_bytes=heap) as rt:
         return run(args, rt)
 
@@ -385,9 +405,18 @@ def run(args: argparse.Namespace, rt) -> int:
     row_bytes = args.hidden * DTYPES[args.dtype]
     src = source_rows(args, rank)
     places = Places(args, rank, world, src.dtype)
+    src_addr, shared_src = src.data_ptr(), None
+    if args.pull:  # the rows in symmetric memory, read by the previous rank through its peer pointer
+        import nvshmem.core as nvshmem
+
+        shared_src = nvshmem.tensor(tuple(src.shape), dtype=src.dtype)
+        shared_src.copy_(src)
+        src_addr = nvshmem.get_peer_tensor(shared_src, places.source).data_ptr()
     kernels = make_kernels(cdtype[args.dtype])
     say = print if rank == 0 else (lambda *a, **k: None)
     where = "" if world == 1 else f", {world} ranks (copy c to rank + {places.shift} + c)"
+    if args.pull:
+        where = f", {world} ranks (each reads rank + 1's rows)"
     say(f"copy ceiling: {torch.cuda.get_device_name()}{where}, {args.rows} rows x {row_bytes} B; slowest "
         f"rank's median of {args.iters} (us) and bytes written per second", flush=True)
     ok = True
@@ -395,13 +424,14 @@ def run(args: argparse.Namespace, rt) -> int:
         compiled = cute.compile(kernels[mode], Int64(0), Int64(0), Int32(1), Int32(1), Int32(16), Int32(1))
         for ncta in args.sms:
             for copies in args.copy_list:
-                us, right = measure(compiled, src, places, copies, ncta, args, row_bytes, meet)
+                us, right = measure(compiled, src_addr, places, copies, ncta, args, row_bytes, meet)
                 seen = gather((us, right))
                 us = max(u for u, _ in seen)
                 ok = ok and all(r for _, r in seen)
                 gbs = args.rows * copies * row_bytes / us / 1e3
                 off_gbs = args.rows * places.off_rank(copies) * row_bytes / us / 1e3
-                off = "" if world == 1 else f"  {off_gbs:7.1f} off-rank"
+                link = "read from the peer" if args.pull else "off-rank"
+                off = "" if world == 1 else f"  {off_gbs:7.1f} {link}"
                 wrong = [r for r, (_, good) in enumerate(seen) if not good]
                 say(f"  {mode:6s} num_sms {ncta:4d} copies {copies:2d}: {us:9.1f} us  {gbs:7.1f} GB/s "
                     f"written{off}{f'  WRONG on ranks {wrong}' if wrong else ''}", flush=True)
@@ -410,6 +440,8 @@ def run(args: argparse.Namespace, rt) -> int:
 
         meet("the end")
         nvshmem.free_tensor(places.recv)
+        if shared_src is not None:
+            nvshmem.free_tensor(shared_src)
     say("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -27,6 +27,9 @@ def test_bad_arguments_exit_2_naming_the_value(argv, message, capsys):
 @pytest.mark.parametrize("world, argv, message", [
     ("1", ["--peers-only"], "--peers-only needs a world of 2 or more ranks (launch with torchrun"),
     ("2", ["--timeout", "0"], "--timeout must be > 0, got 0.0"),
+    ("1", ["--pull", "--copies", "1"], "--pull needs a world of 2 or more ranks, --copies 1 and no"),
+    ("2", ["--pull", "--copies", "1,2"], "got WORLD_SIZE=2, --copies 1,2"),
+    ("2", ["--pull", "--copies", "1", "--peers-only"], "--copies 1, --peers-only"),
 ])
 def test_world_arguments_exit_2(world, argv, message, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", world)
