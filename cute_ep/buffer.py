@@ -179,13 +179,12 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
         ``previous_event``, the current stream waits for it first. deliver: the received rows also copied
         into the caller's tensors by the same launch (``launch_dispatch``'s).
 
-        Host syncs: one wait for the status (sizes, faults, refused inputs, drops), which the layout's
-        leader writes into pinned host memory once the count is known (no copy, no stream sync); the rows
-        may still be moving when the call returns, and the stream orders every later use of them. A peer
-        that times out after that raises at the next check, as after sync=False, which waits for nothing.
-        Its views (recv_x, ...) are
-        the same tensors in every call of a layout, format and count (views of the buffer's memory, made
-        once: resize or restride them in place and the next such results see it). The ids' values are
+        Host syncs: one wait for the status (sizes, faults, refused inputs, drops), which the layout's leader
+        writes into pinned host memory once the count is known (no copy, no stream sync); the rows may still
+        be moving when the call returns, and the stream orders every later use of them. A peer that times out
+        after that raises at the next check, as after sync=False, which waits for nothing. Its views (recv_x,
+        ...) are the same tensors in every call of a layout, format and count (views of the buffer's memory,
+        made once: resize or restride them in place and the next such results see it). The ids' values are
         checked on the device; a refused call raises ``ValueError`` on every rank (this rank's own inputs
         named as before, else the rank that passed invalid ones).
         """
