@@ -256,7 +256,7 @@ class Places:
     """Where copy c of this rank's rows lands: block ``rank * max_copies + c`` of the receive rows of rank
     ``(rank + shift + c) % world`` (a world of one: this GPU's rows; else NVSHMEM symmetric rows reached
     through peer pointers). With ``args.pull``: this rank's block of its own receive rows, copied from the
-    rows of rank ``(rank + 1) % world`` (``source``)."""
+    rows of rank ``(rank + 1) % world`` (``source_of``)."""
 
     def __init__(self, args: argparse.Namespace, rank: int, world: int, dtype) -> None:
         import torch
@@ -276,10 +276,9 @@ class Places:
     def target(self, sender: int, c: int) -> int:
         return sender if self.args.pull else (sender + self.shift + c) % self.world
 
-    @property
-    def source(self) -> int:
-        """The rank whose rows this rank's copies hold: the next one when pulling, else this one."""
-        return (self.rank + 1) % self.world if self.args.pull else self.rank
+    def source_of(self, sender: int) -> int:
+        """The rank whose rows ``sender``'s copies hold: the next one when pulling, else ``sender``."""
+        return (sender + 1) % self.world if self.args.pull else sender
 
     def bases(self, copies: int):
         """int64 [copies]: the address of each copy's first row."""
@@ -315,8 +314,7 @@ class Places:
             for c in range(copies):
                 if self.target(sender, c) != self.rank:
                     continue
-                want = source_rows(self.args, (sender + 1) % self.world if self.args.pull else sender) \
-                    if want is None else want
+                want = source_rows(self.args, self.source_of(sender)) if want is None else want
                 block = (sender * self.max_copies + c) * rows
                 ok = ok and torch.equal(self.recv[block: block + rows].view(bits), want.view(bits))
         return ok
@@ -411,7 +409,7 @@ def run(args: argparse.Namespace, rt) -> int:
 
         shared_src = nvshmem.tensor(tuple(src.shape), dtype=src.dtype)
         shared_src.copy_(src)
-        src_addr = nvshmem.get_peer_tensor(shared_src, places.source).data_ptr()
+        src_addr = nvshmem.get_peer_tensor(shared_src, places.source_of(rank)).data_ptr()
     kernels = make_kernels(cdtype[args.dtype])
     say = print if rank == 0 else (lambda *a, **k: None)
     where = "" if world == 1 else f", {world} ranks (copy c to rank + {places.shift} + c)"
