@@ -179,7 +179,7 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
         ``previous_event``, the current stream waits for it first. deliver: the received rows also copied
         into the caller's tensors by the same launch (``launch_dispatch``'s).
 
-        Host syncs: one wait for the status (sizes, faults, refused inputs, drops), which the layout's leader
+        Host syncs: one wait for the status (sizes, faults, refused inputs, drops), which the layout kernel
         writes into pinned host memory once the count is known (no copy, no stream sync); the rows may still
         be moving when the call returns, and the stream orders every later use of them. A peer that times out
         after that raises at the next check, as after sync=False, which waits for nothing. Its views (recv_x,
@@ -204,7 +204,7 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
             # and weights into the others (the launch takes their addresses, the views follow it).
             owned = torch.empty((3, t, c.topk), dtype=torch.int32, device=self.device)
             first, plane = owned.data_ptr(), t * c.topk * 4
-            # A synced call's status: the layout's leader writes it into pinned host memory once the count
+            # A synced call's status: the layout kernel writes it into pinned host memory once the count
             # is known, which the host polls (no copy, no stream sync); ``read()`` when that is off or did
             # not happen.
             seq = self.status.next_seq() if sync and self.status.use_mirror() else 0
@@ -218,7 +218,7 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
             self._latest_scatter = scatter  # device's num_recv is this dispatch's (combine's staging)
             status = num_recv = running = None
             if seq and self.status.wait_mirror(seq, current_stream_handle(self._device_index)):
-                # mirrored by the layout's leader: this dispatch's rows may still be moving
+                # mirrored by the layout kernel: this dispatch's rows may still be moving
                 running = OP_DISPATCH
                 num_recv = self.status.quiet_count(self._calls, OP_LAYOUT, OP_DISPATCH, OP_COMBINE,
                                                    running=running)
@@ -314,7 +314,7 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
         cfg.layout_in_dispatch tokens), the dispatch and the fan-out. The slots go to the buffer's
         ``scatter``, or with ``own`` = addresses of contiguous [T, K] (slots int32, ids int32, weights fp32)
         to the first, and the layout copies ``topk_idx`` / ``topk_weights`` into the others.
-        ``mirror_seq`` (not 0): the layout's leader mirrors the status block into pinned host memory once the
+        ``mirror_seq`` (not 0): the layout kernel mirrors the status block into pinned host memory once the
         count is known (``StatusBlock.wait_mirror``). ``deliver``, ``assemble``: see ``launch_dispatch``.
         ``routed``: the latest layout's [T, K] slots, sent on with no layout (``launch_cached_dispatch``; mode
         "scatter")."""

@@ -2,7 +2,7 @@
 
 The status block is every value the host reads after a kernel call (the ``STATUS`` buffers of
 ``kernels.buffers.BUFFERS``: epochs, fault record, num_recv, drop counts) in one int32 tensor, so that one
-device-to-host copy (one sync) reads them all; a synced dispatch reads the copy its layout's leader writes
+device-to-host copy (one sync) reads them all; a synced dispatch reads the copy its layout kernel writes
 into pinned host memory instead, once the count is known (the status mirror: no copy, no sync). Importing this
 module imports no GPU library.
 """
@@ -100,7 +100,7 @@ class StatusBlock:
         # read on a 2-core CPU machine, the numpy equivalent ~3 us.
         self._slices = {name: slice(first, first + count) for name, (first, count) in self.where.items()}
         self._copy = _raw_copy(self.words, self._host) if self.words.is_cuda else None
-        # The mirror a synced dispatch's layout leader writes (kernels/layout.py, mirror_status): the block,
+        # The mirror a synced dispatch's layout kernel writes (kernels/layout.py, mirror_status): the block,
         # then the call's sequence number in the last word. Pinned memory is the device's at the same address
         # (unified addressing); ``mirror_ok`` says the driver confirmed that.
         self.mirror = torch.zeros(words + 1, dtype=torch.int32, pin_memory=self.words.is_cuda)
@@ -160,7 +160,7 @@ class StatusBlock:
 
     def wait_mirror(self, seq: int, stream: int) -> bool:
         """Wait until the dispatch launched with ``mirror_seq = seq`` on ``stream`` has written the mirror
-        (its layout's leader does, once the count is known; its rows may still be moving): the host polls
+        (its layout kernel does, once the count is known; its rows may still be moving): the host polls
         the mirror's last word (no copy, no stream sync), and every 256 polls asks the driver whether the
         stream is done. False when it finished without that write (the layout did not run to its end):
         the caller then reads the block itself, which names what happened. A failed launch raises

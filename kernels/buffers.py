@@ -225,6 +225,11 @@ BUFFERS: tuple[Buffer, ...] = (
            ("layout", "combine"), "counts[s, e]: pairs source rank s routes to expert e; counts[s, E]: its "
            "pairs with invalid ids (out of [-1, E), or an expert named twice); counts[s, E + 1 + d]: its "
            "tokens bound for rank d (rank layout; its push combine finds a rank's own rows by them)"),
+    Buffer("layout_words", lambda s: (2, s.world_size, s.layout_ctas, s.world_size + 1), "uint64",
+           SYMMETRIC, ("layout", "dispatch"), "rank layout: [epoch % 2, s, c, d] = (epoch << 32) | the "
+           "tokens CTA c of source rank s sends to rank d (d = R: its invalid pairs), written by that CTA on "
+           "every rank",
+           needed=runs("rank")),
     Buffer("signals", lambda s: (SIGNAL_ROWS, s.world_size), "uint64", SYMMETRIC,
            ("layout", "dispatch", "combine"), "signals[row, p]: what peer p announced (SIGNAL_* rows)"),
     Buffer("stage", lambda s: (s.stage_rows, s.hidden), ROW, SYMMETRIC, ("combine",),
@@ -280,9 +285,9 @@ BUFFERS: tuple[Buffer, ...] = (
            "the latest layout's refusal: ranks whose topk_idx was invalid, the lowest of them (-1: none)"),
     # -- pinned host memory -----------------------------------------------------------------------
     Buffer("status_mirror", lambda s: (s.status_words + 1,), "int32", HOST, ("layout",),
-           "the status block as the layout's leader saw it once the count was known (written when "
-           "mirror_seq is not 0), then mirror_seq: the host polls that word instead of copying the block "
-           "and syncing"),
+           "the status block as the layout's leader (rank layout: CTA 0) saw it once the count was known "
+           "(written when mirror_seq is not 0), then mirror_seq: the host polls that word instead of copying "
+           "the block and syncing"),
 )
 
 BUFFER_NAMES = tuple(b.name for b in BUFFERS)
@@ -322,6 +327,11 @@ class _Sizes:
     @property
     def status_words(self):
         return status_words(self)
+
+    @property
+    def layout_ctas(self):
+        """CTAs of a layout launch (on the device num_sms is always this buffer's own)."""
+        return self.num_sms
 
 
 class Scalars(_Sizes, namedtuple("Scalars", SCALARS)):

@@ -354,6 +354,12 @@ class EpConfig:
         return (self.num_sms or MAX_SMS_PER_GPU) * max(COMBINE_WARPS_PER_CTA, PULL_COMBINE_WARPS_PER_CTA)
 
     @property
+    def layout_ctas(self) -> int:
+        """CTAs of a layout launch (the rank layout's ``layout_words`` has a row per CTA): num_sms, or before
+        num_sms 0 becomes this rank's share of its GPU, the most any GPU has."""
+        return self.num_sms or MAX_SMS_PER_GPU
+
+    @property
     def stage_rows(self) -> int:
         """Rows of the combine staging buffer, only when other nodes exist: one per (pull-combine warp, k),
         and at least one per warp of the reduced combine's larger grid."""

@@ -36,7 +36,7 @@ found with one ``match_sync``; a lane per k with group votes of global loads bef
 
 Layout folded in (``num_tokens <= layout_in_dispatch``, either receive layout): the module launches
 no layout kernel; every CTA first runs the layout's steps for its own tokens (kernels/layout.py,
-``LayoutKernel.route``: counts, the leader's count exchange and offsets, slots), then sends those tokens.
+``LayoutKernel.route``: counts, the count exchange and offsets, slots), then sends those tokens.
 A CTA reads only slots it wrote itself, so no grid-wide wait follows the slots. One launch and one kernel
 boundary less per dispatch.
 
@@ -97,6 +97,7 @@ class DispatchKernel(EpKernel):
         # dispatch's CTAs cast rows while they wait there for the leader.
         self.folded_layout = (RankLayoutKernel if self.by_rank else LayoutKernel)(dtype)
         self.folded_layout.ahead = self.cast_ahead
+        self.folded_layout.sends_after = True
 
     @cute.kernel
     def kernel(self, p: EpParams):
@@ -107,25 +108,33 @@ class DispatchKernel(EpKernel):
         """FP8, by every warp of a CTA that waits: the warp's tokens cast into ``packed`` in the order the
         send loop takes them until the wait is over, i.e. ``layout_done`` reaches ``ready`` (the layout
         folded in: the leader's offsets) or, in a routed dispatch, every rank's entry signal does
-        (``await_entry``); returns how many (the send loop casts the rest). Why: the SMs idle in those
-        waits (7-25 us for the offsets at EP2); EP2, 24 SMs, 4096 / 8192 tokens: 195.0 / 354.5 us without,
-        192.8 / 353.4 with."""
+        (``await_entry``); with ``ready`` < 0 (the rank layout, while its CTAs' counts travel) one token a
+        warp. Returns how many (the send loop casts the rest). Why: the SMs idle in those waits (7-25 us
+        for the offsets at EP2); EP2, 24 SMs, 4096 / 8192 tokens: 195.0 / 354.5 us without, 192.8 / 353.4
+        with."""
         dtype = p.x.element_type
         WPC = self.threads // WARP
         x_rows = row_space(p.x, Int64(p.hidden) * (dtype.width // 8))
         packed_rows = row_space(p.packed, p.fp8_row_bytes)
         cast = Int32(0)
         u = warp
+        n = t_end - t_first
+        if ready < Int64(0):
+            if n > warp + 1:
+                n = warp + 1  # one token a warp, no flag to look at
         if p.fp8 == 0:
-            u = t_end - t_first  # nothing to cast
-        while u < t_end - t_first:
+            u = n  # nothing to cast
+        while u < n:
             waiting = Int32(0)
             if lane == 0:
-                if p.routed != 0:
-                    waiting = Int32(1) - every_rank_at(p, Int32(SIGNAL_COUNT), ready)
+                if ready < Int64(0):
+                    waiting = Int32(1)
                 else:
-                    if ld_acquire_u64(element_addr(p.layout_done, 0)) < ready:
-                        waiting = Int32(1)
+                    if p.routed != 0:
+                        waiting = Int32(1) - every_rank_at(p, Int32(SIGNAL_COUNT), ready)
+                    else:
+                        if ld_acquire_u64(element_addr(p.layout_done, 0)) < ready:
+                            waiting = Int32(1)
             if cute.arch.shuffle_sync(waiting, 0) != 0:  # the warp's one answer
                 t = t_first + u
                 quantize_row_warp(dtype, x_rows.row(t), packed_rows.row(t), p.hidden, p.fp8_row_bytes, lane,
@@ -133,7 +142,7 @@ class DispatchKernel(EpKernel):
                 cast = cast + 1
                 u = u + WPC
             else:
-                u = t_end - t_first
+                u = n
         return cast
 
     @cute.jit
@@ -160,6 +169,8 @@ class DispatchKernel(EpKernel):
         packed_rows = row_space(p.packed, row_bytes)
         t_first, t_end = cta_tokens(p.num_tokens, bid, NCTA)
         cast_ahead = Int32(0)  # FP8: this warp's first tokens cast while the CTA waited (cast_ahead)
+        # the folded layout's leader (1), its epoch and verdict, for its ``finish`` after the sends
+        lead, layout_epoch, accepted = Int32(0), Int64(0), Int32(0)
         if p.routed != 0:
             # The latest layout's slots: only the wait for every rank to enter the call, while which an FP8
             # dispatch's warps cast their first tokens.
@@ -170,7 +181,7 @@ class DispatchKernel(EpKernel):
             if p.num_tokens <= p.layout_in_dispatch:
                 # The layout runs here, in every CTA for its own tokens, instead of in a kernel of its own
                 # (one launch and one kernel boundary less on the critical path).
-                cast_ahead = self.folded_layout.route(p)
+                cast_ahead, lead, layout_epoch, accepted = self.folded_layout.route(p)
         # After a fault (a timed-out wait here or in the layout) this buffer moves no more data.
         work = Int32(0)
         if fault_free(p.fault):
@@ -224,6 +235,8 @@ class DispatchKernel(EpKernel):
                 k_stop = k_begin
             for k in range(k_begin, k_stop):
                 send_pair(dtype, p, t, k, src_addr, row_bytes, lane, by_rank)
+        if lead != 0:
+            self.folded_layout.finish(p, layout_epoch, accepted, tid)
         # The last CTA to finish announces every CTA's rows to the peers, then waits for theirs.
         smem = cutlass.memory.SmemAllocator()
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)

@@ -9,8 +9,9 @@ launch (``route``; kernels/dispatch.py), which then sends the same tokens.
    rank learns that some rank's inputs were invalid and refuses the call alike: ``input_fault`` names how
    many ranks and the lowest, nothing is received, no slot is given, and the dispatch kernel moves no
    data; the epochs still advance, so the buffer stays usable and the host raises;
-2. each CTA writes its count row into its row of ``layout_parts`` and adds it into the totals row there,
-   then arrives (``done[DONE_LAYOUT]``); the last CTA to arrive is the leader. It announces in
+2. (the expert layout; the rank layout's steps 2 and 3 are below) each CTA writes its count row into its
+   row of ``layout_parts`` and adds it into the totals row there, then arrives (``done[DONE_LAYOUT]``);
+   the last CTA to arrive is the leader. It announces in
    ``layout_done`` that every CTA's counts are in (2 * epoch - 1), puts the rank's count row into row
    ``rank`` of every peer's symmetric ``counts[R, E + 1 + R]`` with ``put_signal_warp`` (raising
    ``signals[SIGNAL_COUNT, rank]`` there) and waits until every peer's row has arrived (signal >= this
@@ -37,21 +38,27 @@ every count, so every rank counts the same; the host reads and resets it).
 Rank layout (``RankLayoutKernel``, kernels/rank_layout.py: this kernel compiled with ``by_rank``;
 DeepEP's receive layout: one row per (source rank, token) bound for a rank): a lane per token instead of
 per pair, 32 tokens per warp step. Step 1 also counts, per warp, the tokens bound for each rank (a ballot
-per rank over the step's tokens); they travel in columns E + 1 + d of the count row; num_recv is the
-column of this rank summed over the sources. Step 4 gives each (token, destination rank) a row there
+per rank over the step's tokens). Steps 2 and 3 (``RankLayoutKernel.meet``): every CTA puts its tokens
+per destination rank and its invalid pairs, tagged with the epoch, into ``layout_words`` on every rank and
+waits for every CTA's; from them it has its first row on each destination, the verdict and num_recv (the
+column of this rank summed over the sources), with no leader in between. The count row still travels, its
+columns E + 1 + d holding the tokens per destination rank, for tokens_per_expert and the push combine.
+Step 4 gives each (token, destination rank) a row there
 (lower source ranks first, then this rank's tokens in order: the warp's running base plus the earlier
 lanes in the rank's ballot), and every pair of the token bound for that rank takes it. With a lane per
 pair and the token's earlier pairs found by global loads this kernel took 301 us at 4096 tokens on 2x
 H200, 229 us with shuffles (the expert layout's: 79 us).
-Expert counts and tokens_per_expert are as in the expert layout (that layout has no expert capacity); its
-leader writes no expert-major slot bases (send_offsets, cursor, send_limit stay the expert layout's).
+tokens_per_expert is a local expert's column of the count rows summed over the sources (that layout has
+no expert capacity); no expert-major slot bases are written (send_offsets, cursor, send_limit stay the
+expert layout's).
 
 Outputs (device): scatter [T*K] int32 (-1: id -1 or dropped); in the expert layout send_offsets [E] and
 cursor [E] int32 (first slot of this rank's rows for each expert; cursor is the atomic-mode allocator),
 send_limit [E] int32 (end of each expert's kept slots); dropped [E] int32 (accumulated),
 tokens_per_expert [E/R] and num_recv [1] int32 (rows this rank receives), input_fault [2] int32,
 epochs[OP_LAYOUT] advanced by one; with own_routing, own_idx / own_w [T, K]: copies of topk_idx / topk_w
-(the dispatch handle's). Host: with ``mirror_seq`` (a synced dispatch), the leader's last step copies the
+(the dispatch handle's). Host: with ``mirror_seq`` (a synced dispatch), the leader's last step (the rank
+layout: CTA 0's, once the words are in) copies the
 status block into pinned host memory (``mirror_status``): the host has the count, the verdict and the
 drops while the dispatch's rows still move.
 """
@@ -151,9 +158,16 @@ def wait_for_leader(p: EpParams, value: Int64, epoch: Int64):
 @cute.jit
 def exchange_counts(p: EpParams, epoch: Int64, tid: Int32, warp: Int32, NT: cutlass.Constexpr):
     """The leader's count exchange (every thread of it calls this; it ends with a CTA barrier): this
-    rank's row of ``counts`` into row ``rank`` of every peer's, raising ``signals[SIGNAL_COUNT, rank]``
-    there, then a bounded wait for every peer's row here (a peer that never arrives is recorded in
-    ``fault``). After a fault (an earlier timed-out wait) this buffer exchanges nothing more."""
+    rank's row of ``counts`` to every peer (``put_count_row``), then a bounded wait for every peer's row
+    here (``await_count_rows``)."""
+    put_count_row(p, epoch, warp, NT)
+    await_count_rows(p, epoch, tid, NT)
+
+
+@cute.jit
+def put_count_row(p: EpParams, epoch: Int64, warp: Int32, NT: cutlass.Constexpr):
+    """Every warp of the leader: this rank's row of ``counts`` into row ``rank`` of every peer's, raising
+    ``signals[SIGNAL_COUNT, rank]`` there. After a fault (an earlier timed-out wait) nothing is sent."""
     R, rank = p.world_size, p.rank
     my_row = p.counts[rank, None]
     my_signal = element(p.signals, (SIGNAL_COUNT, rank))
@@ -161,6 +175,14 @@ def exchange_counts(p: EpParams, epoch: Int64, tid: Int32, warp: Int32, NT: cutl
         for q in range(warp, R, NT // WARP):
             if q != rank:
                 nvshmem_cute.put_signal_warp(my_row, my_row, my_signal, epoch, SIGNAL_SET, q)
+
+
+@cute.jit
+def await_count_rows(p: EpParams, epoch: Int64, tid: Int32, NT: cutlass.Constexpr):
+    """Every thread of the leader: a bounded wait for every peer's count row here (a peer that never
+    arrives is recorded in ``fault``; after a fault nothing is awaited); ends with a CTA barrier."""
+    R, rank = p.world_size, p.rank
+    if fault_free(p.fault):
         for q in range(tid, R, NT):
             if q != rank:
                 arrived = wait_signal_ge(element_addr(p.signals, (SIGNAL_COUNT, q)), epoch,
@@ -212,12 +234,12 @@ def input_verdict(p: EpParams, flags: cute.Tensor):
 @cute.jit
 def mirror_status(p: EpParams, lane: Int32):
     """A synced dispatch's status for the host (``mirror_seq`` not 0), by one warp of the layout's leader
-    once this call's count, verdict, drops and layout epoch are final: the status block into
-    ``status_mirror`` (pinned host memory), then ``mirror_seq`` into its last word, which the host polls
-    (``StatusBlock.wait_mirror``; no copy, no stream sync). Why here and not after the dispatch: the host
-    returns while the rows still move, as it would after DeepEP's count notification; the stream orders
-    every later read of them. The mirrored dispatch epoch is the previous call's. Other CTAs may write
-    fault words: volatile loads."""
+    (the rank layout: of CTA 0) once this call's count, verdict, drops and layout epoch are final: the
+    status block into ``status_mirror`` (pinned host memory), then ``mirror_seq`` into its last word,
+    which the host polls (``StatusBlock.wait_mirror``; no copy, no stream sync). Why here and not after
+    the dispatch: the host returns while the rows still move, as it would after DeepEP's count
+    notification; the stream orders every later read of them. The mirrored dispatch epoch is the previous
+    call's. Other CTAs may write fault words: volatile loads."""
     W = p.status_words
     words = cute.make_tensor(cute.recast_ptr(p.epochs.iterator, dtype=Int32), cute.make_layout(W))
     mirror = p.status_mirror
@@ -232,9 +254,10 @@ def mirror_status(p: EpParams, lane: Int32):
 
 @cute.jit
 def leader_done(p: EpParams, epoch: Int64, tid: Int32):
-    """The leader, every thread, after its slots: the layout's epoch advanced (a timed-out call does not
-    count as run), then for a synced dispatch the status mirrored to the host by warp 0
-    (``mirror_status``); the other warps go on to send (a layout folded into the dispatch)."""
+    """The leader (the rank layout: CTA 0, once every CTA's words are in), every thread: the layout's epoch
+    advanced (a timed-out call does not count as run), then for a synced dispatch the status mirrored to
+    the host by warp 0 (``mirror_status``); the other warps go on to send (a layout folded into the
+    dispatch)."""
     if tid == 0:
         if fault_free(p.fault):
             p.epochs[OP_LAYOUT] = epoch
@@ -251,6 +274,9 @@ class LayoutKernel(EpKernel):
 
     by_rank = False  # compile-time: the rank layout's variant (kernels/rank_layout.py) is compiled apart
     threads = LAYOUT_THREADS
+    # Compile-time: the CTA sends its tokens after ``route`` (a dispatch with the layout folded in), and
+    # calls ``finish`` after them: the rank layout's leader then awaits the peers' count rows there.
+    sends_after = False
     # Compile-time: work for a CTA while it waits for the leader's offsets, ``ahead(p, value, t_first,
     # t_end, warp, lane) -> Int32`` until ``layout_done`` reaches value, its result returned by ``route``
     # (a dispatch with the layout folded in casts its FP8 rows there: DispatchKernel.cast_ahead).
@@ -263,12 +289,12 @@ class LayoutKernel(EpKernel):
     @cute.jit
     def route(self, p: EpParams):
         """Steps 1-4 of the module docstring, by every thread of every CTA; each CTA counts and places the
-        tokens ``cta_tokens`` gives it, ends with a CTA barrier, returns ``ahead``'s result (else 0)."""
+        tokens ``cta_tokens`` gives it, ends with a CTA barrier. Returns (``ahead``'s result (else 0), 1 in
+        the leader (else 0), the layout epoch, 1 if the call's inputs were accepted (else 0)): what
+        ``finish`` takes."""
         R, E, K, El = p.world_size, p.num_experts, p.topk, p.experts_per_rank
         NT = self.threads
         by_rank = self.by_rank
-        parts = p.layout_parts  # [num_sms + 2, E + 1 + R]: each CTA's count row, the totals, the bases
-        BASES = p.num_sms + 1  # the row of this rank's first slot (row) per column, from the leader
         num_pairs = p.num_tokens * K
         pair_ids = cute.make_tensor(p.topk_idx.iterator, cute.make_layout(num_pairs))
         pair_slots = cute.make_tensor(p.scatter.iterator, cute.make_layout(num_pairs))
@@ -309,40 +335,12 @@ class LayoutKernel(EpKernel):
         else:
             count_pairs(pair_ids, p.topk_idx, hist, flags, start, end, warp, lane, E, K)
         cute.arch.sync_threads()
-        # 2. the CTA's count row; the last CTA to arrive leads
-        self.publish_counts(p, hist, rhist, flags, NW, epoch)
-
-        # 3. the last CTA to arrive (the leader: every CTA's counts are in) announces that in ``layout_done``
-        # (2 * epoch - 1), then runs the count exchange and the offsets and publishes them (2 * epoch). The
-        # other CTAs wait for the first value, sum the earlier CTAs' counts while the leader exchanges, and
-        # wait for the second.
-        leader = flags[2] != 0
-        if leader:
-            self.exchange_and_offsets(p, epoch, colsum, scan, flags)
-        else:
-            wait_for_leader(p, epoch * 2 - Int64(1), epoch)
-        # The columns slots are placed by: experts (per-warp counts in hist, parts' columns 0 .. E - 1), or in
-        # the rank layout destination ranks (rhist, parts' columns E + 1 .. E + R).
-        base_of, col0, ncol = hist, Int32(0), E
-        if cutlass.const_expr(by_rank):
-            base_of, col0, ncol = rhist, E + 1, R
-        # Each CTA's warps' first slots (rows) relative to this rank's first one per column (colsum: the
-        # leader is done with it by now).
-        relative_warp_bases(parts, base_of, col0, ncol, NW, bid, colsum, tid, NT)
-        got_ahead = Int32(0)
-        if not leader:
-            if cutlass.const_expr(self.ahead is not None):
-                got_ahead = self.ahead(p, epoch * 2, t_first, t_end, warp, lane)
-            wait_for_leader(p, epoch * 2, epoch)
-        cute.arch.sync_threads()
-        if tid == 0:
-            flags[1] = ld_volatile_i32(element_addr(p.input_fault, INPUT_FAULT_RANKS))
-        cute.arch.sync_threads()
+        # 2.-3. the counts met: the verdict on the inputs in flags[1], each histogram warp's first slot (row)
+        # per column made absolute in place (``meet``; the rank layout's in kernels/rank_layout.py)
+        leader, got_ahead = self.meet(p, hist, colsum, rhist, flags, scan, NW, epoch, t_first, t_end, warp,
+                                      lane)
         accepted = flags[1] == 0
         refused = flags[1] != 0
-
-        # 3c. the absolute bases: this rank's first slot of each expert (first row on each destination rank)
-        absolute_warp_bases(parts, BASES, base_of, col0, ncol, NW, tid, NT)
 
         # 4. scatter slots: a lane per pair (expert layout) or per token (rank layout, ``place_tokens``)
         if cutlass.const_expr(by_rank):
@@ -354,10 +352,60 @@ class LayoutKernel(EpKernel):
         else:
             place_pairs(pair_ids, pair_slots, hist, p.send_limit, start, end, warp, lane, E, refused)
         cute.arch.sync_threads()  # the CTA's slots, before its warps send them (dispatch, layout folded in)
+        lead, ok = Int32(0), Int32(0)
+        if leader:
+            lead = Int32(1)
+        if accepted:
+            ok = Int32(1)
+        self.after_place(p, leader, epoch, ok, tid)
+        return got_ahead, lead, epoch, ok
 
+    @cute.jit
+    def meet(self, p: EpParams, hist: cute.Tensor, colsum: cute.Tensor, rhist: cute.Tensor,
+             flags: cute.Tensor, scan: cute.Tensor, NW: Int32, epoch: Int64, t_first: Int32, t_end: Int32,
+             warp: Int32, lane: Int32):
+        """Steps 2 and 3 of the expert layout, by every thread of every CTA: the CTA's count row published
+        (the last CTA to arrive leads); the leader announces that in ``layout_done`` (2 * epoch - 1), runs
+        the count exchange and the offsets and publishes them (2 * epoch); the other CTAs wait for the first
+        value, sum the earlier CTAs' counts while the leader exchanges, and wait for the second (casting
+        ``ahead`` meanwhile). Ends with the verdict in flags[1] and each histogram warp's first slot per
+        expert absolute in ``hist``; returns (this CTA leads, ``ahead``'s result)."""
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        E = p.num_experts
+        parts = p.layout_parts  # [num_sms + 2, E + 1 + R]: each CTA's count row, the totals, the bases
+        self.publish_counts(p, hist, rhist, flags, NW, epoch)
+        leader = flags[2] != 0
+        if leader:
+            self.exchange_and_offsets(p, epoch, colsum, scan, flags)
+        else:
+            wait_for_leader(p, epoch * 2 - Int64(1), epoch)
+        # Each CTA's warps' first slots relative to this rank's first one per expert (colsum: the leader is
+        # done with it by now).
+        relative_warp_bases(parts, hist, Int32(0), E, NW, bid, colsum, tid, self.threads)
+        got_ahead = Int32(0)
+        if not leader:
+            if cutlass.const_expr(self.ahead is not None):
+                got_ahead = self.ahead(p, epoch * 2, t_first, t_end, warp, lane)
+            wait_for_leader(p, epoch * 2, epoch)
+        cute.arch.sync_threads()
+        if tid == 0:
+            flags[1] = ld_volatile_i32(element_addr(p.input_fault, INPUT_FAULT_RANKS))
+        # 3c. the absolute bases: this rank's first slot of each expert (ends with a CTA barrier)
+        absolute_warp_bases(parts, p.num_sms + 1, hist, Int32(0), E, NW, tid, self.threads)
+        return leader, got_ahead
+
+    @cute.jit
+    def after_place(self, p: EpParams, leader, epoch: Int64, accepted: Int32, tid: Int32):
+        """The leader, every thread, once its CTA's slots are placed: the layout's epoch, the status mirror
+        (``leader_done``)."""
         if leader:
             leader_done(p, epoch, tid)
-        return got_ahead
+
+    @cute.jit
+    def finish(self, p: EpParams, epoch: Int64, accepted: Int32, tid: Int32):
+        """The leader, every thread, after its CTA's sends (``sends_after``): nothing left in this layout."""
+        pass
 
     @cute.jit
     def shared_counts(self, E: Int32, R: Int32, NW: Int32, per_warp: Int32, tid: Int32):
@@ -443,41 +491,34 @@ class LayoutKernel(EpKernel):
     @cute.jit
     def exchange_and_offsets(self, p: EpParams, epoch: Int64, colsum: cute.Tensor, scan: cute.Tensor,
                              flags: cute.Tensor):
-        """Step 3 in the leader (the last CTA to arrive; every thread of it calls this): this rank's count
-        row from the totals, the exchange with every peer, the verdict on the inputs, the offsets, and
-        each column's first slot (row) of this rank in ``layout_parts[BASES]``; then ``layout_done``."""
-        R, E, rank = p.world_size, p.num_experts, p.rank
-        NT = self.threads
-        counts = p.counts
-        parts = p.layout_parts
-        TOTALS = p.num_sms
+        """Step 3 in the expert layout's leader (the last CTA to arrive; every thread of it calls this):
+        this rank's count row from the totals, the exchange with every peer, the verdict on the inputs, the
+        offsets, and each expert's first slot of this rank in ``layout_parts[BASES]``; then
+        ``layout_done``."""
         tid, _, _ = cute.arch.thread_idx()
-        warp = tid // WARP
-
-        # This rank's count row: the CTAs' sums (every CTA fenced its adds before it arrived). The totals
-        # row is zeroed for the next launch.
-        for col in range(tid, E + 1 + R, NT):
-            at = element_addr(parts, (TOTALS, col))
-            counts[rank, col] = ld_volatile_i32(at)
-            parts[TOTALS, col] = Int32(0)
-        cute.arch.sync_threads()
-
-        exchange_counts(p, epoch, tid, warp, NT)
+        self.count_row_from_totals(p, tid)
+        exchange_counts(p, epoch, tid, tid // WARP, self.threads)
         # The verdict on the inputs: every rank's invalid pairs arrived with its count row, so every rank
         # refuses the call alike (the host raises; the kernels move no data; the epochs still advance).
         if tid == 0:
             input_verdict(p, flags)
         cute.arch.sync_threads()
-        accepted = flags[1] == 0
-
-        if cutlass.const_expr(self.by_rank):
-            self.rank_offsets(p, accepted, tid)
-        else:
-            self.expert_offsets(p, colsum, scan, accepted, tid)
+        self.expert_offsets(p, colsum, scan, flags[1] == 0, tid)
         cute.arch.sync_threads()
         if tid == 0:
             fence_sys()  # everything above, before the release the other CTAs wait for
             p.layout_done[0] = epoch * 2
+
+    @cute.jit
+    def count_row_from_totals(self, p: EpParams, tid: Int32):
+        """The leader, every thread: this rank's row of ``counts`` from the CTAs' sums in the totals row of
+        ``layout_parts`` (every CTA fenced its adds before it arrived), which is zeroed for the next launch;
+        ends with a CTA barrier."""
+        TOTALS = p.num_sms
+        for col in range(tid, p.num_experts + 1 + p.world_size, self.threads):
+            p.counts[p.rank, col] = ld_volatile_i32(element_addr(p.layout_parts, (TOTALS, col)))
+            p.layout_parts[TOTALS, col] = Int32(0)
+        cute.arch.sync_threads()
 
     @cute.jit
     def expert_offsets(self, p: EpParams, colsum: cute.Tensor, scan: cute.Tensor, accepted, tid: Int32):
@@ -535,35 +576,5 @@ class LayoutKernel(EpKernel):
                 tot_all = prefix_at(colsum, total, (rank + 1) * El, E) - colsum[rank * El]
             p.num_recv[0] = tot_all
 
-    @cute.jit
-    def rank_offsets(self, p: EpParams, accepted, tid: Int32):
-        """Step 3's offsets in the rank layout (the leader, every thread, after the exchange): this rank's
-        first row on each destination (``layout_parts[BASES]``'s rank columns), tokens_per_expert and
-        num_recv. Why no expert-major scan here: the rank layout's rows are placed by destination rank
-        alone, and it has no expert capacity (checked on the host), so a local expert's rows are its column
-        summed over the sources; the expert layout's slot bases (send_offsets, cursor, send_limit) are not
-        written, and the other CTAs wait for the leader that much less."""
-        R, E, El, rank = p.world_size, p.num_experts, p.experts_per_rank, p.rank
-        NT = self.threads
-        counts = p.counts
-        BASES = p.num_sms + 1
-        for le in range(tid, El, NT):
-            rows = Int32(0)  # a refused call receives nothing
-            if accepted:
-                for s in range(R):
-                    rows = rows + ld_volatile_i32(element_addr(counts, (s, rank * El + le)))
-            p.tokens_per_expert[le] = rows
-        if tid == 0:
-            tot_all = Int32(0)
-            if accepted:  # one row per (source, token) bound for this rank
-                for s in range(R):
-                    tot_all = tot_all + ld_volatile_i32(element_addr(counts, (s, E + 1 + rank)))
-            p.num_recv[0] = tot_all
-        # This rank's first row on each destination d: the rows of lower source ranks come first.
-        for d in range(tid, R, NT):
-            run = Int32(0)
-            for s in range(rank):
-                run = run + ld_volatile_i32(element_addr(counts, (s, E + 1 + d)))
-            p.layout_parts[BASES, E + 1 + d] = run
 
 profiler_name(LayoutKernel.kernel, "layout")

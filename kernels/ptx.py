@@ -88,6 +88,16 @@ def ld_volatile_i32(addr: Int64, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def ld_volatile_i64(addr: Int64, *, loc=None, ip=None) -> Int64:
+    """64-bit volatile global load from a raw address: as ``ld_volatile_i32``, and unlike an acquire load
+    it does not hold back the loads after it (a thread's loads of a row of words stay in flight together)."""
+    return Int64(
+        _asm(T.i64(), [Int64(addr).ir_value(loc=loc, ip=ip)],
+             "ld.volatile.global.b64 $0, [$1];", "=l,l", side_effects=True)
+    )
+
+
+@dsl_user_op
 def fence_sys(*, loc=None, ip=None) -> None:
     """Order this thread's earlier writes before its later ones for every observer in the system."""
     _asm(None, [], "fence.sc.sys;", "", side_effects=True)

@@ -40,8 +40,11 @@ def _expected_symmetric_bytes(c: EpConfig) -> int:
     exchange = c.world_size * (c.num_experts + 1 + c.world_size) * 4 + 3 * c.world_size * 8
     stage = c.stage_rows * c.row_bytes
     packed = c.max_tokens * packed_fp8_row_bytes(c.hidden) if c.hidden % 128 == 0 else 0
-    # the rank layout's local ids and weights per (source rank, token), without expert capacity only
-    by_rank = 2 * c.world_size * c.max_tokens * c.topk * 4 if c.capacity_factor == 0 else 0
+    # the rank layout's local ids and weights per (source rank, token), and its CTAs' count words (two
+    # parities, per source rank and CTA: tokens per destination rank and invalid pairs), without expert
+    # capacity only
+    words = 2 * c.world_size * (c.num_sms or 160) * (c.world_size + 1) * 8
+    by_rank = 2 * c.world_size * c.max_tokens * c.topk * 4 + words if c.capacity_factor == 0 else 0
     reduced = 0
     if c.combine_algorithm == "reduced":  # partial rows + each receive slot's group list
         reduced = c.max_tokens * c.world_size * c.row_bytes + c.capacity * c.topk * 4
@@ -50,7 +53,7 @@ def _expected_symmetric_bytes(c: EpConfig) -> int:
 
 @pytest.mark.parametrize("change", [{}, {"combine_algorithm": "reduced"}, {"hidden": 200},
                                     {"dtype": torch.float32, "local_world_size": 4},
-                                    {"capacity_factor": 1.0}])
+                                    {"capacity_factor": 1.0}, {"num_sms": 24}])
 def test_symmetric_bytes_add_up(change):
     cfg = EpConfig(**{**BASE, **change})
     assert cfg.symmetric_bytes() == symmetric_bytes(cfg) == _expected_symmetric_bytes(cfg)
@@ -66,7 +69,8 @@ def test_every_buffer_is_declared_once_and_completely():
 
 
 def test_shapes_serve_the_host_config_and_the_device_scalars():
-    cfg = EpConfig(**{**BASE, "combine_algorithm": "reduced"})
+    # num_sms as EpBuffer allocates with it: 0 (this rank's share) is resolved before any allocation
+    cfg = EpConfig(**{**BASE, "combine_algorithm": "reduced", "num_sms": 24})
     assert all(hasattr(cfg, n) for n in SIZE_SCALARS)  # the kernels' sizes are EpConfig's attributes
     scalars = Scalars(*([0] * (len(SCALARS) - len(SIZE_SCALARS))), *(getattr(cfg, n) for n in SIZE_SCALARS))
     assert scalars.experts_per_rank == cfg.experts_per_rank and scalars.fp8_row_bytes == cfg.fp8_row_bytes
@@ -133,14 +137,15 @@ class _Sym:
 
 SYMBOLS = dict(num_tokens="T", hidden="H", topk="K", capacity="C", world_size="R", num_experts="E",
                stage_rows="stage_rows", max_tokens="M", fp8_row_bytes="fp8_row_bytes", experts_per_rank="E/R",
-               rank_capacity="R * M", num_sms="num_sms", status_words="S", fp8_scales="H / 128")
+               rank_capacity="R * M", num_sms="num_sms", status_words="S", fp8_scales="H / 128",
+               layout_ctas="num_sms")
 CONDITIONS = {"recv_group": 'only with `combine_algorithm="reduced"`',
               "partials": 'only with `combine_algorithm="reduced"`', "packed": "only when H % 128 == 0",
               "recv_topk_idx": "only with `capacity_factor == 0`",
               "recv_topk_w": "only with `capacity_factor == 0`", "recv_x": "not with `low_latency`",
               "ll_rows": "only with `low_latency`", "ll_index": "only with `low_latency`",
               "ll_signals": "only with `low_latency`", "recv_y": "not with `low_latency`",
-              "ll_comb": "only with `low_latency`"}
+              "ll_comb": "only with `low_latency`", "layout_words": "only with `capacity_factor == 0`"}
 
 
 def design_doc_table() -> str:
