@@ -110,8 +110,16 @@ def relative_warp_bases(parts: cute.Tensor, base_of: cute.Tensor, col0: Int32, n
     count in ``base_of[w * ncol + col]``: the earlier CTAs' counts of the column (``parts``' columns col0
     on, summed into ``colsum``), then the CTA's earlier warps'."""
     sum_earlier_ctas(parts, col0, ncol, bid, colsum, NT)
+    warp_bases(colsum, base_of, ncol, NW, tid, NT)
+
+
+@cute.jit
+def warp_bases(first: cute.Tensor, base_of: cute.Tensor, ncol: Int32, NW: Int32, tid: Int32,
+               NT: cutlass.Constexpr):
+    """Each histogram warp's count per column in ``base_of[w * ncol + col]`` replaced by its first slot
+    (row): ``first[col]`` (the CTA's first) plus the CTA's earlier warps' counts."""
     for col in range(tid, ncol, NT):
-        run = colsum[col]
+        run = first[col]
         for w in range(NW):
             c = base_of[w * ncol + col]
             base_of[w * ncol + col] = run
@@ -216,19 +224,27 @@ def await_entry(p: EpParams, epoch: Int64):
 
 
 @cute.jit
-def input_verdict(p: EpParams, flags: cute.Tensor):
-    """One thread: how many ranks sent invalid pairs (column E of their count rows) and the lowest, into
-    ``flags[1]`` and ``input_fault``."""
+def input_verdict(p: EpParams, flags: cute.Tensor, invalid: cute.Tensor, col: Int32,
+                  peers_wrote: cutlass.Constexpr):
+    """One thread: how many ranks sent invalid pairs (``invalid[s, col]``, source s's; with ``peers_wrote``
+    in memory peers wrote, read with volatile loads) and the lowest, into ``flags[1]`` and
+    ``input_fault``; returns how many."""
     ranks = Int32(0)
     first = Int32(-1)
     for s in range(p.world_size):
-        if ld_volatile_i32(element_addr(p.counts, (s, p.num_experts))) != 0:
+        n = Int32(0)
+        if cutlass.const_expr(peers_wrote):
+            n = ld_volatile_i32(element_addr(invalid, (s, col)))
+        else:
+            n = invalid[s, col]
+        if n != 0:
             if ranks == 0:
                 first = s
             ranks = ranks + 1
     flags[1] = ranks
     p.input_fault[INPUT_FAULT_RANKS] = ranks
     p.input_fault[INPUT_FAULT_FIRST] = first
+    return ranks
 
 
 @cute.jit
@@ -501,7 +517,7 @@ class LayoutKernel(EpKernel):
         # The verdict on the inputs: every rank's invalid pairs arrived with its count row, so every rank
         # refuses the call alike (the host raises; the kernels move no data; the epochs still advance).
         if tid == 0:
-            input_verdict(p, flags)
+            input_verdict(p, flags, p.counts, p.num_experts, True)  # column E: a source's invalid pairs
         cute.arch.sync_threads()
         self.expert_offsets(p, colsum, scan, flags[1] == 0, tid)
         cute.arch.sync_threads()
