@@ -159,7 +159,6 @@ class DispatchKernel(EpKernel):
         row_bytes = H * (dtype.width // 8)
         if p.fp8 != 0:
             row_bytes = p.fp8_row_bytes
-
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp = tid // WARP
@@ -169,8 +168,7 @@ class DispatchKernel(EpKernel):
         packed_rows = row_space(p.packed, row_bytes)
         t_first, t_end = cta_tokens(p.num_tokens, bid, NCTA)
         cast_ahead = Int32(0)  # FP8: this warp's first tokens cast while the CTA waited (cast_ahead)
-        # the folded layout's leader (1), its epoch and verdict, for its ``finish`` after the sends
-        lead, layout_epoch, accepted = Int32(0), Int64(0), Int32(0)
+        lead, layout_epoch, accepted = Int32(0), Int64(0), Int32(0)  # the folded layout's, for its finish
         if p.routed != 0:
             # The latest layout's slots: only the wait for every rank to enter the call, while which an FP8
             # dispatch's warps cast their first tokens.
@@ -188,7 +186,6 @@ class DispatchKernel(EpKernel):
             # the layout refused invalid inputs (on any rank); written in this launch when folded in
             if ld_volatile_i32(element_addr(p.input_fault, INPUT_FAULT_RANKS)) == 0:
                 work = t_end - t_first
-
         # Fewer tokens than warps (decode): a warp per (token, k) pair instead of per token, so that all
         # warps work. Only in scatter mode without FP8: there a pair needs nothing an earlier pair of
         # its token computes (slots are precomputed; atomic mode allocates them in k order, and FP8
