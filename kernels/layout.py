@@ -11,12 +11,12 @@ launch (``route``; kernels/dispatch.py), which then sends the same tokens.
    data; the epochs still advance, so the buffer stays usable and the host raises;
 2. (the expert layout; the rank layout's steps 2 and 3 are below) each CTA writes its count row into its
    row of ``layout_parts`` and adds it into the totals row there, then arrives (``done[DONE_LAYOUT]``);
-   the last CTA to arrive is the leader. It announces in
-   ``layout_done`` that every CTA's counts are in (2 * epoch - 1), puts the rank's count row into row
-   ``rank`` of every peer's symmetric ``counts[R, E + 1 + R]`` with ``put_signal_warp`` (raising
-   ``signals[SIGNAL_COUNT, rank]`` there) and waits until every peer's row has arrived (signal >= this
-   call's epoch), at most ``timeout_ms`` per peer: a peer that never arrives is recorded in ``fault``
-   (kernels.signals) and the call does not advance its epoch, so the host raises instead of hanging;
+   the last CTA to arrive is the leader. It announces in ``layout_done`` that every CTA's counts are in
+   (2 * epoch - 1), puts the rank's count row into row ``rank`` of every peer's symmetric
+   ``counts[R, E + 1 + R]`` with ``put_signal_warp`` (raising ``signals[SIGNAL_COUNT, rank]`` there)
+   and waits until every peer's row has arrived (signal >= this call's epoch), at most ``timeout_ms``
+   per peer: a peer that never arrives is recorded in ``fault`` (kernels.signals) and the call does not
+   advance its epoch, so the host raises instead of hanging;
 3. the leader computes the expert-major offsets: the slot range of (dst rank d, local expert l, source s)
    starts at the sum of count[s'][d*El + l'] over (l', s') before (l, s) in l-major order — identical to
    ``cute_ep.reference.reference_layout`` (the sums over experts come from one CTA-wide prefix scan of
@@ -43,11 +43,10 @@ per destination rank and its invalid pairs, tagged with the epoch, into ``layout
 waits for every CTA's; from them it has its first row on each destination, the verdict and num_recv (the
 column of this rank summed over the sources), with no leader in between. The count row still travels, its
 columns E + 1 + d holding the tokens per destination rank, for tokens_per_expert and the push combine.
-Step 4 gives each (token, destination rank) a row there
-(lower source ranks first, then this rank's tokens in order: the warp's running base plus the earlier
-lanes in the rank's ballot), and every pair of the token bound for that rank takes it. With a lane per
-pair and the token's earlier pairs found by global loads this kernel took 301 us at 4096 tokens on 2x
-H200, 229 us with shuffles (the expert layout's: 79 us).
+Step 4 gives each (token, destination rank) a row there (lower source ranks first, then this rank's tokens
+in order: the warp's running base plus the earlier lanes in the rank's ballot), and every pair of the token
+bound for that rank takes it. With a lane per pair and the token's earlier pairs found by global loads
+this kernel took 301 us at 4096 tokens on 2x H200, 229 us with shuffles (the expert layout's: 79 us).
 tokens_per_expert is a local expert's column of the count rows summed over the sources (that layout has
 no expert capacity); no expert-major slot bases are written (send_offsets, cursor, send_limit stay the
 expert layout's).
@@ -58,9 +57,9 @@ send_limit [E] int32 (end of each expert's kept slots); dropped [E] int32 (accum
 tokens_per_expert [E/R] and num_recv [1] int32 (rows this rank receives), input_fault [2] int32,
 epochs[OP_LAYOUT] advanced by one; with own_routing, own_idx / own_w [T, K]: copies of topk_idx / topk_w
 (the dispatch handle's). Host: with ``mirror_seq`` (a synced dispatch), the leader's last step (the rank
-layout: CTA 0's, once the words are in) copies the
-status block into pinned host memory (``mirror_status``): the host has the count, the verdict and the
-drops while the dispatch's rows still move.
+layout: CTA 0's, once the words are in) copies the status block into pinned host memory
+(``mirror_status``): the host has the count, the verdict and the drops while the dispatch's rows still
+move.
 """
 
 from __future__ import annotations
@@ -104,13 +103,13 @@ def copy_own_routing(p: EpParams, pair_ids: cute.Tensor, first: Int32, end: Int3
 
 
 @cute.jit
-def relative_warp_bases(parts: cute.Tensor, base_of: cute.Tensor, col0: Int32, ncol: Int32, NW: Int32,
-                        bid: Int32, colsum: cute.Tensor, tid: Int32, NT: cutlass.Constexpr):
-    """Each histogram warp's first slot (row) per column, relative to this rank's first one, replacing its
-    count in ``base_of[w * ncol + col]``: the earlier CTAs' counts of the column (``parts``' columns col0
-    on, summed into ``colsum``), then the CTA's earlier warps'."""
-    sum_earlier_ctas(parts, col0, ncol, bid, colsum, NT)
-    warp_bases(colsum, base_of, ncol, NW, tid, NT)
+def relative_warp_bases(parts: cute.Tensor, base_of: cute.Tensor, E: Int32, NW: Int32, bid: Int32,
+                        colsum: cute.Tensor, tid: Int32, NT: cutlass.Constexpr):
+    """The expert layout: each histogram warp's first slot per expert, relative to this rank's first one,
+    replacing its count in ``base_of[w * E + e]``: the earlier CTAs' counts of the expert (``parts``' first
+    E columns, summed into ``colsum``), then the CTA's earlier warps'."""
+    sum_earlier_ctas(parts, Int32(0), E, bid, colsum, NT)
+    warp_bases(colsum, base_of, E, NW, tid, NT)
 
 
 @cute.jit
@@ -137,15 +136,15 @@ def cta_tokens(num_tokens: Int32, cta: Int32, ncta: Int32):
 
 
 @cute.jit
-def absolute_warp_bases(parts: cute.Tensor, BASES: Int32, base_of: cute.Tensor, col0: Int32, ncol: Int32,
-                        NW: Int32, tid: Int32, NT: cutlass.Constexpr):
-    """Every histogram warp's first slot per column, relative to this rank's first (``base_of``), made
-    absolute with the leader's bases (row ``BASES`` of ``parts``, columns col0 ...); ends with a CTA
+def absolute_warp_bases(parts: cute.Tensor, BASES: Int32, base_of: cute.Tensor, E: Int32, NW: Int32,
+                        tid: Int32, NT: cutlass.Constexpr):
+    """The expert layout: every histogram warp's first slot per expert, relative to this rank's first
+    (``base_of``), made absolute with the leader's bases (row ``BASES`` of ``parts``); ends with a CTA
     barrier."""
-    for col in range(tid, ncol, NT):
-        first = ld_volatile_i32(element_addr(parts, (BASES, col0 + col)))
+    for e in range(tid, E, NT):
+        first = ld_volatile_i32(element_addr(parts, (BASES, e)))
         for w in range(NW):
-            base_of[w * ncol + col] = base_of[w * ncol + col] + first
+            base_of[w * E + e] = base_of[w * E + e] + first
     cute.arch.sync_threads()
 
 
@@ -398,7 +397,7 @@ class LayoutKernel(EpKernel):
             wait_for_leader(p, epoch * 2 - Int64(1), epoch)
         # Each CTA's warps' first slots relative to this rank's first one per expert (colsum: the leader is
         # done with it by now).
-        relative_warp_bases(parts, hist, Int32(0), E, NW, bid, colsum, tid, self.threads)
+        relative_warp_bases(parts, hist, E, NW, bid, colsum, tid, self.threads)
         got_ahead = Int32(0)
         if not leader:
             if cutlass.const_expr(self.ahead is not None):
@@ -408,7 +407,7 @@ class LayoutKernel(EpKernel):
         if tid == 0:
             flags[1] = ld_volatile_i32(element_addr(p.input_fault, INPUT_FAULT_RANKS))
         # 3c. the absolute bases: this rank's first slot of each expert (ends with a CTA barrier)
-        absolute_warp_bases(parts, p.num_sms + 1, hist, Int32(0), E, NW, tid, self.threads)
+        absolute_warp_bases(parts, p.num_sms + 1, hist, E, NW, tid, self.threads)
         return leader, got_ahead
 
     @cute.jit

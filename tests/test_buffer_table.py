@@ -26,7 +26,7 @@ from cute_ep.kernels.buffers import (
     packed_fp8_row_bytes,
     symmetric_bytes,
 )
-from cute_ep.kernels.config import EpConfig
+from cute_ep.kernels.config import MAX_SMS_PER_GPU, EpConfig
 
 BASE = dict(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256, dtype=torch.bfloat16,
             max_tokens=64)
@@ -43,7 +43,7 @@ def _expected_symmetric_bytes(c: EpConfig) -> int:
     # the rank layout's local ids and weights per (source rank, token), and its CTAs' count words (two
     # parities, per source rank and CTA: tokens per destination rank and invalid pairs), without expert
     # capacity only
-    words = 2 * c.world_size * (c.num_sms or 160) * (c.world_size + 1) * 8
+    words = 2 * c.world_size * (c.num_sms or MAX_SMS_PER_GPU) * (c.world_size + 1) * 8
     by_rank = 2 * c.world_size * c.max_tokens * c.topk * 4 + words if c.capacity_factor == 0 else 0
     reduced = 0
     if c.combine_algorithm == "reduced":  # partial rows + each receive slot's group list
