@@ -6,8 +6,9 @@ kernels/reduce_push.py and kernels/partial_sum.py, and the rank layout's push, k
 Each of them gives a warp one item at a time (a token, or a received group) in a persistent grid-stride
 loop, lists the rows to sum in a per-warp routing list in shared memory (row address and weight, in the
 order of the sum), and hands the list to ``kernels.rowsum.weighted_sum_rows``. With fewer items than
-warps an item's row is split into parts over the idle warps. The last CTA to finish completes the
-operation. ``CombineFamily`` holds those pieces; a kernel subclasses it and writes only its ``kernel``.
+warps an item's row is split into parts over the idle warps (``EpKernel.row_split``, which the dispatch
+kernel's decode sends use too). The last CTA to finish completes the operation. ``CombineFamily`` holds
+those pieces; a kernel subclasses it and writes only its ``kernel``.
 
 Every kernel is compiled under a name profilers show as ``cute_ep::<step>()::kernel``
 (``kernels.naming.profiler_name``).
@@ -71,6 +72,30 @@ class EpKernel:
         self.kernel(p).launch(grid=(self.grid_ctas(p), 1, 1), block=(self.threads, 1, 1), stream=stream,
                               **self.launch_hints())
 
+    @cute.jit
+    def row_split(self, work: Int32, num_pieces: Int32, num_warps: Int32, may_split: Int32):
+        """(parts, pieces per part): a row of ``num_pieces`` 128-bit pieces is split into parts over the
+        warps left idle by ``work`` items (at most one part per 32 pieces), only if ``may_split`` != 0."""
+        parts = Int32(1)
+        if may_split != 0:
+            if work > 0:
+                parts = num_warps // work
+            max_parts = (num_pieces + WARP - 1) // WARP
+            if parts > max_parts:
+                parts = max_parts
+            if parts < 1:
+                parts = Int32(1)
+        return parts, (num_pieces + parts - 1) // parts
+
+    @cute.jit
+    def part_of(self, u: Int32, parts: Int32, span: Int32, num_pieces: Int32):
+        """(item, first piece, end piece) of work unit ``u`` of the grid-stride loop over items x parts."""
+        v_begin = (u % parts) * span
+        v_end = v_begin + span
+        if v_end > num_pieces:
+            v_end = num_pieces
+        return u // parts, v_begin, v_end
+
 
 class RowCopyKernel(EpKernel):
     """Base of the local row copies around a dispatch (kernels/assemble.py before it, kernels/deliver.py
@@ -97,7 +122,7 @@ class RowCopyKernel(EpKernel):
 
 
 class CombineFamily(EpKernel):
-    """Base of the combine kernels: warp coordinates, routing list, row split, completion."""
+    """Base of the combine kernels: warp coordinates, routing list, completion."""
 
     warps_per_cta = COMBINE_WARPS_PER_CTA
     threads = COMBINE_WARPS_PER_CTA * WARP
@@ -153,30 +178,6 @@ class CombineFamily(EpKernel):
         if p.y_gather != 0:
             i = p.y_slot[q]
         return base + i * row_bytes
-
-    @cute.jit
-    def row_split(self, work: Int32, num_pieces: Int32, num_warps: Int32, may_split: Int32):
-        """(parts, pieces per part): a row of ``num_pieces`` 128-bit pieces is split into parts over the
-        warps left idle by ``work`` items (at most one part per 32 pieces), only if ``may_split`` != 0."""
-        parts = Int32(1)
-        if may_split != 0:
-            if work > 0:
-                parts = num_warps // work
-            max_parts = (num_pieces + WARP - 1) // WARP
-            if parts > max_parts:
-                parts = max_parts
-            if parts < 1:
-                parts = Int32(1)
-        return parts, (num_pieces + parts - 1) // parts
-
-    @cute.jit
-    def part_of(self, u: Int32, parts: Int32, span: Int32, num_pieces: Int32):
-        """(item, first piece, end piece) of work unit ``u`` of the grid-stride loop over items x parts."""
-        v_begin = (u % parts) * span
-        v_end = v_begin + span
-        if v_end > num_pieces:
-            v_end = num_pieces
-        return u // parts, v_begin, v_end
 
     @cute.jit
     def finish(self, p: EpParams, done_slot: Int32, epoch: Int64):

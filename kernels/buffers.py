@@ -270,8 +270,8 @@ BUFFERS: tuple[Buffer, ...] = (
            "counts), their sum (row num_sms, zero between calls) and this rank's first slot / row per "
            "column (row num_sms + 1)"),
     Buffer("layout_done", lambda s: (1,), "int64", LOCAL, ("layout", "dispatch"),
-           "the layout's leader: 2 * epoch - 1 once every CTA's counts are in, 2 * epoch once the offsets "
-           "are published (layout epoch)"),
+           "the expert layout's leader: 2 * epoch - 1 once every CTA's counts are in, 2 * epoch once the "
+           "offsets are published (layout epoch; the rank layout does not use it)"),
     # -- the status block: read by the host in one copy after a call ------------------------------
     Buffer("epochs", lambda s: (3,), "int64", STATUS, ("layout", "dispatch", "combine"),
            "completed calls per operation (indexed by OP_*)"),

@@ -1,8 +1,10 @@
 """Dispatch kernel: every (token, k) row goes to the rank that owns expert topk_idx[t, k].
 
 Each CTA sends the contiguous range of tokens ``cta_tokens`` gives it (the layout's CTAs count and
-place the same ranges), a warp per token (with fewer tokens than warps in the CTA, in scatter mode
-without FP8, a warp per (token, k) pair). For each k: skip -1; find the slot (precomputed
+place the same ranges), a warp per token; with fewer tokens than warps in the CTA, in scatter mode
+without FP8, a token's row in parts over the idle warps (``token_parts``: each part goes to every
+destination of the token, the first part carries the pair records; top-k > 32: a warp per (token, k)
+pair). For each k: skip -1; find the slot (precomputed
 ``scatter`` in MODE_SCATTER, or an atomic add on this rank's per-expert cursor in MODE_ATOMIC, written
 back into ``scatter`` for combine); ``p``-put the fp32 weight into ``recv_w[slot]``, the source tag
 (rank * max_tokens + t) * K + k into ``recv_src[slot]`` and ``recv_from[slot]``. With K <= 32 lane k
@@ -64,7 +66,7 @@ from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import DONE_DISPATCH, INPUT_FAULT_RANKS, SIGNAL_COUNT, SIGNAL_DISPATCH, EpParams
-from cute_ep.kernels.config import MODE_ATOMIC, MODE_SCATTER, OP_DISPATCH, OP_LAYOUT, WARP
+from cute_ep.kernels.config import MODE_ATOMIC, MODE_SCATTER, OP_DISPATCH, OP_LAYOUT, VECTOR_BYTES, WARP
 from cute_ep.kernels.dispatch_senders import pair_in_lane, send_pair, send_token_by_lanes, send_token_by_rank
 from cute_ep.kernels.layout import LayoutKernel, announce_entry, await_entry, cta_tokens
 from cute_ep.kernels.naming import profiler_name
@@ -146,6 +148,38 @@ class DispatchKernel(EpKernel):
         return cast
 
     @cute.jit
+    def token_parts(self, work: Int32, K: Int32, num_pieces: Int32, split: Int32):
+        """(parts, pieces per part, by pairs) of each of the CTA's ``work`` tokens in the send loop: with
+        ``split``, the row's 128-bit pieces in parts over the warps the tokens leave idle (``row_split``;
+        each part carries every destination's copy of its bytes, the first part the pair records too), or
+        with K > 32 a part per pair (``send_pair`` sends whole rows); else one part, the whole token. Why
+        parts rather than a warp per pair: a pair that sends carries a whole row (7 rounds of loads of a
+        7168-bf16 row), and only a rank's first pair sends in the rank layout, so most pair warps idled.
+        EP2, 24 SMs, 128 tokens: the rank layout's dispatch 28.3 us against 31.2-31.5 a warp per pair, its
+        cached dispatch 20.8-20.9 against 21.9-22.2, the expert layout's 42.4 against 45.9."""
+        parts, span = self.row_split(work, num_pieces, self.threads // WARP, split)
+        by_pairs = Int32(0)
+        if split != 0:
+            if K > WARP:
+                by_pairs = Int32(1)
+                parts = K
+                span = num_pieces
+        return parts, span, by_pairs
+
+    @cute.jit
+    def token_part(self, u: Int32, t_first: Int32, parts: Int32, span: Int32, by_pairs: Int32, K: Int32,
+                   num_pieces: Int32):
+        """Work unit ``u`` of the send loop (``token_parts``): (token, its pairs [k_begin, k_end), the part
+        of its row as (first byte, bytes))."""
+        i, v_begin, v_end = self.part_of(u, parts, span, num_pieces)
+        k_begin, k_end = Int32(0), K
+        if by_pairs != 0:
+            k_begin = u % parts
+            k_end = k_begin + 1
+            v_begin, v_end = Int32(0), num_pieces
+        return t_first + i, k_begin, k_end, (Int64(v_begin) * VECTOR_BYTES, (v_end - v_begin) * VECTOR_BYTES)
+
+    @cute.jit
     def send(self, p: EpParams):
         """The kernel's body, by every thread of every CTA (the module docstring); the rank layout's
         kernel (kernels/rank_dispatch.py) runs it too, under its own name."""
@@ -186,26 +220,19 @@ class DispatchKernel(EpKernel):
             # the layout refused invalid inputs (on any rank); written in this launch when folded in
             if ld_volatile_i32(element_addr(p.input_fault, INPUT_FAULT_RANKS)) == 0:
                 work = t_end - t_first
-        # Fewer tokens than warps (decode): a warp per (token, k) pair instead of per token, so that all
-        # warps work. Only in scatter mode without FP8: there a pair needs nothing an earlier pair of
-        # its token computes (slots are precomputed; atomic mode allocates them in k order, and FP8
+        # Fewer tokens than warps (decode): a token's row in parts over the warps (``token_parts``), so
+        # that all warps work. Only in scatter mode without FP8: there a part needs nothing another part
+        # of its token computes (slots are precomputed; atomic mode allocates them in k order, and FP8
         # quantizes each token once).
         split = Int32(0)
         if mode != MODE_ATOMIC:
             if p.fp8 == 0:
                 if work < WPC:
                     split = Int32(1)
-        items = work
-        if split != 0:
-            items = work * K
-        for u in range(warp, items, WPC):
-            t = t_first + u
-            k_begin = Int32(0)
-            k_end = K
-            if split != 0:
-                t = t_first + u // K
-                k_begin = u % K
-                k_end = k_begin + 1
+        NV = row_bytes // VECTOR_BYTES
+        parts, span, by_pairs = self.token_parts(work, K, NV, split)
+        for u in range(warp, work * parts, WPC):
+            t, k_begin, k_end, part = self.token_part(u, t_first, parts, span, by_pairs, K, NV)
             src_addr = x_rows.row(t)
             # K <= 32: the token's pairs in lanes, loaded before an FP8 cast so that their loads overlap it
             e, slot, w, d = Int32(-1), Int32(-1), Float32(0.0), Int32(-1)
@@ -226,14 +253,12 @@ class DispatchKernel(EpKernel):
                 # a token's pairs in lanes, loaded once (the per-pair loop below then only for K > 32)
                 pair = (e, slot, w, d)
                 if cutlass.const_expr(by_rank):
-                    send_token_by_rank(dtype, p, t, k_begin, k_end, pair, src_addr, row_bytes, lane)
+                    send_token_by_rank(dtype, p, t, k_begin, k_end, pair, src_addr, row_bytes, part, lane)
                 else:
-                    send_token_by_lanes(dtype, p, t, k_begin, k_end, pair, src_addr, row_bytes, lane)
+                    send_token_by_lanes(dtype, p, t, k_begin, k_end, pair, src_addr, row_bytes, part, lane)
                 k_stop = k_begin
             for k in range(k_begin, k_stop):
                 send_pair(dtype, p, t, k, src_addr, row_bytes, lane, by_rank)
-        if lead != 0:
-            self.folded_layout.finish(p, layout_epoch, accepted, tid)
         # The last CTA to finish announces every CTA's rows to the peers, then waits for theirs.
         smem = cutlass.memory.SmemAllocator()
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
@@ -244,6 +269,10 @@ class DispatchKernel(EpKernel):
                     p.epochs[OP_DISPATCH] = epoch
                     if p.routed != 0:  # every CTA read the layout epoch in announce_entry by now
                         p.epochs[OP_LAYOUT] = p.epochs[OP_LAYOUT] + Int64(1)
+        if lead != 0:
+            # After the CTA's arrival, so that the last CTA's signal does not wait for it; what it writes is
+            # read after this launch ends.
+            self.folded_layout.finish(p, layout_epoch, accepted, tid)
 
 
 profiler_name(DispatchKernel.kernel, "dispatch")

@@ -41,11 +41,13 @@ DISPATCH_ROW_UNROLL = 4
 
 @cute.jit
 def send_row_to_lanes(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d: Int32, slot: Int32,
-                      sends: Int32, row_bytes: Int32, lane: Int32):
-    """The warp moves one row (``row_bytes`` from ``src_addr``) into row ``slot`` of rank ``d``'s
-    ``recv_x`` for each lane set in ``sends`` (each such lane holds its own d and slot; every lane calls
-    this): ``send_row_into`` that buffer."""
-    send_row_into(dtype, p, row_space(p.recv_x, row_bytes), src_addr, d, slot, sends, row_bytes, lane)
+                      sends: Int32, row_bytes: Int32, part, lane: Int32):
+    """The warp moves ``part`` = (first byte, bytes) of one row (``row_bytes`` from ``src_addr``) into row
+    ``slot`` of rank ``d``'s ``recv_x`` for each lane set in ``sends`` (each such lane holds its own d and
+    slot; every lane calls this): ``send_row_into`` that buffer."""
+    at, size = part
+    send_row_into(dtype, p, row_space(p.recv_x, row_bytes).from_byte(at), src_addr + at, d, slot, sends, size,
+                  lane)
 
 
 @cute.jit
@@ -79,8 +81,8 @@ def send_row_into(dtype: cutlass.Constexpr, p: EpParams, dest: RowSpace, src_add
 @cute.jit
 def send_row(dtype: cutlass.Constexpr, p: EpParams, src_addr: Int64, d: Int32, slot: Int32, row_bytes: Int32,
              lane: Int32):
-    """``send_row_to_lanes`` for one destination (``d`` and ``slot`` the same in every lane)."""
-    send_row_to_lanes(dtype, p, src_addr, d, slot, Int32(1), row_bytes, lane)
+    """``send_row_to_lanes`` of the whole row to one destination (``d``, ``slot`` the same in every lane)."""
+    send_row_to_lanes(dtype, p, src_addr, d, slot, Int32(1), row_bytes, (Int64(0), row_bytes), lane)
 
 
 @cute.jit
@@ -110,14 +112,15 @@ def pair_in_lane(p: EpParams, t: Int32, lane: Int32, mode: Int32):
 
 @cute.jit
 def send_token_by_lanes(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin: Int32, k_end: Int32, pair,
-                        src_addr: Int64, row_bytes: Int32, lane: Int32):
+                        src_addr: Int64, row_bytes: Int32, part, lane: Int32):
     """Expert layout with K <= 32: lane j holds the token's pair j (``pair``: ``pair_in_lane``, loaded
     once, and in atomic mode every pair's slot taken at once, the token's experts being distinct). Each pair's
     group (the token's pairs bound for its rank) is one ``match_sync``; its primary (the group's first
     kept pair) the lowest bit of the group's kept lanes. Of the pairs [k_begin, k_end), each kept pair's
     lane writes its weight, source tag and from-slot (with ``groups`` the later members enter their
-    primary's list), then the row goes in one copy to every pair that receives it (all kept pairs, or
-    under dedup the primaries and the pairs of this rank)."""
+    primary's list; only with the row's first part), then ``part`` = (first byte, bytes) of the row goes
+    in one copy to every pair that receives it (all kept pairs, or under dedup the primaries and the
+    pairs of this rank)."""
     K, M, rank = p.topk, p.max_tokens, p.rank
     e, slot, w, d = pair
     lt = Int32(cute.arch.lanemask_lt())
@@ -141,6 +144,9 @@ def send_token_by_lanes(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin
                 if g != lane:
                     receives = Int32(0)
     sends = Int32(cute.arch.vote_ballot_sync(receives * mine != 0))
+    at, _ = part
+    if at != 0:
+        mine = Int32(0)  # the records go with the row's first part
     # The pair records before the row: the row's copy then needs only d and slot in registers.
     if mine != 0:
         if slot >= 0:
@@ -160,16 +166,17 @@ def send_token_by_lanes(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin
                     # group's pairs in [g, lane).
                     m = cute.arch.popc(group & lt & ~((Int32(1) << g) - Int32(1)))
                     nvshmem_cute.p(element(p.recv_group, (slot_g, m)), slot, d)
-    send_row_to_lanes(dtype, p, src_addr, d, slot, sends, row_bytes, lane)
+    send_row_to_lanes(dtype, p, src_addr, d, slot, sends, row_bytes, part, lane)
 
 
 @cute.jit
 def send_token_by_rank(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin: Int32, k_end: Int32, pair,
-                       src_addr: Int64, row_bytes: Int32, lane: Int32):
+                       src_addr: Int64, row_bytes: Int32, part, lane: Int32):
     """Rank layout with K <= 32: lane j holds the token's pair j (``pair``: ``pair_in_lane`` in scatter
     mode, one order in this layout: its rank and its row there, loaded once);
     the primaries (a rank's first pair, ``match_sync``) among pairs [k_begin, k_end) each send, from lanes
-    j < K, the token's ids and weights masked to that rank's experts, and the row."""
+    j < K, the token's ids and weights masked to that rank's experts (with the row's first part only),
+    and ``part`` = (first byte, bytes) of the row."""
     K, El = p.topk, p.experts_per_rank
     e, slot, w, d = pair
     same = Int32(cute.arch.match_sync(cute.arch.FULL_MASK, d))  # lanes bound for the same rank
@@ -182,8 +189,11 @@ def send_token_by_rank(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin:
                         lead = Int32(1)
     sends = Int32(cute.arch.vote_ballot_sync(lead != 0))
     # The records before the row: the row's copy then needs only d and slot in registers.
+    at, _ = part
     left = sends
-    for _ in range(cute.arch.popc(sends)):
+    if at != 0:
+        left = Int32(0)  # the records go with the row's first part
+    for _ in range(cute.arch.popc(left)):
         j = Int32(cute.arch.clz(cute.arch.brev(left)))  # the lowest primary left
         left = left & (left - 1)
         dj = cute.arch.shuffle_sync(d, j)
@@ -198,7 +208,7 @@ def send_token_by_rank(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin:
             nvshmem_cute.p(element(p.recv_topk_w, (row, lane)), wj, dj)
         if lane == 0:
             nvshmem_cute.p(element(p.recv_src, row), p.rank * p.max_tokens + t, dj)
-    send_row_to_lanes(dtype, p, src_addr, d, slot, sends, row_bytes, lane)  # one load for every rank
+    send_row_to_lanes(dtype, p, src_addr, d, slot, sends, row_bytes, part, lane)  # one load for every rank
 
 
 @cute.jit

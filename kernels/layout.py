@@ -473,8 +473,9 @@ class LayoutKernel(EpKernel):
                        NW: Int32, epoch: Int64):
         """Step 2: the CTA's count row (experts, invalid pairs, and in the rank layout destination ranks)
         into its row of ``layout_parts`` and added into the totals row; then the CTA arrives, and the last
-        to arrive (``flags[2]``) announces in ``layout_done`` that every CTA's counts are in. Every thread
-        calls it; it ends with a CTA barrier."""
+        to arrive (``flags[2]``) announces in ``layout_done`` that every CTA's counts are in (the expert
+        layout; in the rank layout only the leader reads them, see below). Every thread calls it; it ends
+        with a CTA barrier."""
         R, E = p.world_size, p.num_experts
         NT = self.threads
         parts = p.layout_parts
@@ -497,10 +498,18 @@ class LayoutKernel(EpKernel):
                 cute.arch.atomic_add(parts.iterator + cute.crd2idx((TOTALS, col), parts.layout), total)
         cute.arch.sync_threads()
         if tid == 0:
-            flags[2] = last_cta_arrives(p.done, DONE_LAYOUT)  # fences this CTA's counts first
-            if flags[2] != 0:
-                fence_sys()  # the other CTAs' counts before this CTA's reads of them, and before the release
-                p.layout_done[0] = epoch * 2 - Int64(1)
+            if cutlass.const_expr(self.by_rank):
+                # Only the leader reads the counts, on this GPU (it puts the row to the peers later, after
+                # its own system fence), and no CTA waits for layout_done: GPU-scope fences. EP2, 24 SMs,
+                # 128 tokens: the dispatch took 27.3-27.5 us against 28.3-28.4 with the system fence.
+                flags[2] = last_cta_arrives(p.done, DONE_LAYOUT, False)
+                if flags[2] != 0:
+                    cute.arch.fence_acq_rel_gpu()
+            else:
+                flags[2] = last_cta_arrives(p.done, DONE_LAYOUT)  # fences this CTA's counts first
+                if flags[2] != 0:
+                    fence_sys()  # the other CTAs' counts before this CTA's reads of them, and the release
+                    p.layout_done[0] = epoch * 2 - Int64(1)
         cute.arch.sync_threads()
 
     @cute.jit

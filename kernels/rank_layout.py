@@ -13,7 +13,7 @@ waits for every CTA's words of every rank. So no CTA waits for another CTA of it
 counts and hand them out (the expert layout's leader, whose exchange and offsets a decode dispatch waited
 for: 7 us at EP2, docs/results.md). The count row of ``counts`` still travels, by the leader (the last CTA
 to arrive) once its words are in, for ``tokens_per_expert`` and the push combine (kernels/rank_push.py);
-no CTA waits for it but the leader, after its slots.
+no CTA waits for it but the leader, after its slots (in a dispatch, after its CTA's arrival).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class RankLayoutKernel(LayoutKernel):
     @cute.jit
     def after_place(self, p: EpParams, leader, epoch: Int64, accepted: Int32, tid: Int32):
         """The leader, every thread, once its CTA's slots are placed: ``finish``, unless the CTA sends its
-        tokens first (``sends_after``: a dispatch, which calls it after them)."""
+        tokens first (``sends_after``: a dispatch, which calls it after the CTA's arrival)."""
         if cutlass.const_expr(not self.sends_after):
             if leader:
                 self.finish(p, epoch, accepted, tid)
@@ -189,10 +189,10 @@ class RankLayoutKernel(LayoutKernel):
     @cute.jit
     def finish(self, p: EpParams, epoch: Int64, accepted: Int32, tid: Int32):
         """The leader, every thread: every peer's count row awaited, then ``tokens_per_expert`` (a local
-        expert's column summed over the sources; 0 for a refused call). Why after the leader's sends in a
-        dispatch: the peers' rows travel meanwhile, and the leader's rows leave with the other CTAs'. At EP2
-        and 128 tokens the two orders measured alike (31.2-31.3 us after, 30.9-31.2 before, on two hosts);
-        the wait and the sum took the leader up to 1.3 us after its sends."""
+        expert's column summed over the sources; 0 for a refused call). Why after the leader's sends and
+        its CTA's arrival in a dispatch: the peers' rows travel meanwhile, the leader's rows leave with the
+        other CTAs', and the last CTA's completion signal does not wait for the leader's wait and sum (up
+        to 1.3 us after its sends, EP2, 128 tokens)."""
         R, El, rank = p.world_size, p.experts_per_rank, p.rank
         await_count_rows(p, epoch, tid, self.threads)
         for le in range(tid, El, self.threads):
