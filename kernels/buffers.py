@@ -267,8 +267,8 @@ BUFFERS: tuple[Buffer, ...] = (
            "arrival counters (DONE_* slots)"),
     Buffer("layout_parts", lambda s: (s.num_sms + 2, s.num_experts + 1 + s.world_size), "int32", LOCAL,
            ("layout", "dispatch"), "the layout's count row of each CTA (rows 0 .. num_sms - 1, columns as in "
-           "counts), their sum (row num_sms, zero between calls) and this rank's first slot / row per "
-           "column (row num_sms + 1)"),
+           "counts; the expert layout only), their sum (row num_sms, zero between calls) and this "
+           "rank's first slot / row per column (row num_sms + 1)"),
     Buffer("layout_done", lambda s: (1,), "int64", LOCAL, ("layout", "dispatch"),
            "the expert layout's leader: 2 * epoch - 1 once every CTA's counts are in, 2 * epoch once the "
            "offsets are published (layout epoch; the rank layout does not use it)"),

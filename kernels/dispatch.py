@@ -1,15 +1,15 @@
 """Dispatch kernel: every (token, k) row goes to the rank that owns expert topk_idx[t, k].
 
-Each CTA sends the contiguous range of tokens ``cta_tokens`` gives it (the layout's CTAs count and
-place the same ranges), a warp per token; with fewer tokens than warps in the CTA, in scatter mode
-without FP8, a token's row in parts over the idle warps (``token_parts``: each part goes to every
-destination of the token, the first part carries the pair records; top-k > 32: a warp per (token, k)
-pair). For each k: skip -1; find the slot (precomputed
-``scatter`` in MODE_SCATTER, or an atomic add on this rank's per-expert cursor in MODE_ATOMIC, written
-back into ``scatter`` for combine); ``p``-put the fp32 weight into ``recv_w[slot]``, the source tag
-(rank * max_tokens + t) * K + k into ``recv_src[slot]`` and ``recv_from[slot]``. With K <= 32 lane k
-holds pair k (``pair_in_lane``) and the lanes do this for all pairs at once (``send_token_by_lanes``);
-larger K walks the pairs one at a time, lane 0 writing.
+Each CTA sends the contiguous range of tokens ``cta_tokens`` gives it (the layout's CTAs count and place the
+same ranges), a warp per token; with fewer tokens than warps in the CTA, in scatter mode (FP8 only in the rank
+layout with the layout folded in, where every token is cast while the counts travel), a token's row in parts
+over the idle warps (``token_parts``: each part goes to every destination of the token, the first part carries
+the pair records; top-k > 32: a warp per (token, k) pair). For each k: skip -1; find the slot (precomputed
+``scatter`` in MODE_SCATTER, or an atomic add on this rank's per-expert cursor in MODE_ATOMIC, written back
+into ``scatter`` for combine); ``p``-put the fp32 weight into ``recv_w[slot]``, the source tag (rank *
+max_tokens + t) * K + k into ``recv_src[slot]`` and ``recv_from[slot]``. With K <= 32 lane k holds pair k
+(``pair_in_lane``) and the lanes do this for all pairs at once (``send_token_by_lanes``); larger K walks the
+pairs one at a time, lane 0 writing.
 
 Rank de-duplication (``algo`` ALGO_DEDUP, the default primitive; ALGO_PER_PAIR and ALGO_PUT_WARP send
 every pair's own row, see kernels.config): the row itself crosses the link once per destination RANK,
@@ -148,23 +148,37 @@ class DispatchKernel(EpKernel):
         return cast
 
     @cute.jit
-    def token_parts(self, work: Int32, K: Int32, num_pieces: Int32, split: Int32):
-        """(parts, pieces per part, by pairs) of each of the CTA's ``work`` tokens in the send loop: with
-        ``split``, the row's 128-bit pieces in parts over the warps the tokens leave idle (``row_split``;
-        each part carries every destination's copy of its bytes, the first part the pair records too), or
-        with K > 32 a part per pair (``send_pair`` sends whole rows); else one part, the whole token. Why
-        parts rather than a warp per pair: a pair that sends carries a whole row (7 rounds of loads of a
-        7168-bf16 row), and only a rank's first pair sends in the rank layout, so most pair warps idled.
-        EP2, 24 SMs, 128 tokens: the rank layout's dispatch 28.3 us against 31.2-31.5 a warp per pair, its
-        cached dispatch 20.8-20.9 against 21.9-22.2, the expert layout's 42.4 against 45.9."""
-        parts, span = self.row_split(work, num_pieces, self.threads // WARP, split)
+    def token_parts(self, p: EpParams, work: Int32, num_pieces: Int32, folded: Int32):
+        """(parts, pieces per part, by pairs, split) of each of the CTA's ``work`` tokens in the send loop
+        (``folded``: the layout ran in this launch). Split with fewer tokens than warps, in scatter mode
+        (there a part needs nothing another part of its token computes: slots are precomputed, atomic mode
+        allocates them in k order), FP8 only where every token was cast before (the rank layout folded in: a
+        warp per token while the words travel; EP2, 24 SMs, 128 tokens: the FP8 rank dispatch took 28.5-28.6
+        us in parts, 29.1-29.2 a warp per token). Split, the row's 128-bit pieces in parts over the warps the
+        tokens leave idle (``row_split``; each part carries every destination's copy of its bytes, the first
+        part the pair records too), or with K > 32 a part per pair (``send_pair`` sends whole rows); else one
+        part, the whole token. Why parts rather than a warp per pair: a pair that sends carries a whole row (7
+        rounds of loads of a 7168-bf16 row), and only a rank's first pair sends in the rank layout, so most
+        pair warps idled. EP2, 24 SMs, 128 tokens: the rank layout's dispatch 28.3 us against 31.2-31.5 a warp
+        per pair, its cached dispatch 20.8-20.9 against 21.9-22.2, the expert layout's 42.4 against 45.9."""
+        WPC = self.threads // WARP
+        split = Int32(0)
+        if p.mode != MODE_ATOMIC:
+            if work < WPC:
+                split = Int32(1)
+                if p.fp8 != 0:
+                    if cutlass.const_expr(not self.by_rank):
+                        split = Int32(0)
+                    if folded == 0:
+                        split = Int32(0)
+        parts, span = self.row_split(work, num_pieces, WPC, split)
         by_pairs = Int32(0)
         if split != 0:
-            if K > WARP:
+            if p.topk > WARP:
                 by_pairs = Int32(1)
-                parts = K
+                parts = p.topk
                 span = num_pieces
-        return parts, span, by_pairs
+        return parts, span, by_pairs, split
 
     @cute.jit
     def token_part(self, u: Int32, t_first: Int32, parts: Int32, span: Int32, by_pairs: Int32, K: Int32,
@@ -203,6 +217,7 @@ class DispatchKernel(EpKernel):
         t_first, t_end = cta_tokens(p.num_tokens, bid, NCTA)
         cast_ahead = Int32(0)  # FP8: this warp's first tokens cast while the CTA waited (cast_ahead)
         lead, layout_epoch, accepted = Int32(0), Int64(0), Int32(0)  # the folded layout's, for its finish
+        folded = Int32(0)  # the layout ran in this launch (the rank layout's warps then cast each token)
         if p.routed != 0:
             # The latest layout's slots: only the wait for every rank to enter the call, while which an FP8
             # dispatch's warps cast their first tokens.
@@ -213,6 +228,7 @@ class DispatchKernel(EpKernel):
             if p.num_tokens <= p.layout_in_dispatch:
                 # The layout runs here, in every CTA for its own tokens, instead of in a kernel of its own
                 # (one launch and one kernel boundary less on the critical path).
+                folded = Int32(1)
                 cast_ahead, lead, layout_epoch, accepted = self.folded_layout.route(p)
         # After a fault (a timed-out wait here or in the layout) this buffer moves no more data.
         work = Int32(0)
@@ -220,17 +236,11 @@ class DispatchKernel(EpKernel):
             # the layout refused invalid inputs (on any rank); written in this launch when folded in
             if ld_volatile_i32(element_addr(p.input_fault, INPUT_FAULT_RANKS)) == 0:
                 work = t_end - t_first
-        # Fewer tokens than warps (decode): a token's row in parts over the warps (``token_parts``), so
-        # that all warps work. Only in scatter mode without FP8: there a part needs nothing another part
-        # of its token computes (slots are precomputed; atomic mode allocates them in k order, and FP8
-        # quantizes each token once).
-        split = Int32(0)
-        if mode != MODE_ATOMIC:
-            if p.fp8 == 0:
-                if work < WPC:
-                    split = Int32(1)
+        # Fewer tokens than warps (decode): a token's row in parts over the warps (``token_parts``).
         NV = row_bytes // VECTOR_BYTES
-        parts, span, by_pairs = self.token_parts(work, K, NV, split)
+        parts, span, by_pairs, split = self.token_parts(p, work, NV, folded)
+        if split != 0:
+            cast_ahead = work * parts  # FP8 in parts: every token was cast while the counts travelled
         for u in range(warp, work * parts, WPC):
             t, k_begin, k_end, part = self.token_part(u, t_first, parts, span, by_pairs, K, NV)
             src_addr = x_rows.row(t)
@@ -259,6 +269,8 @@ class DispatchKernel(EpKernel):
                 k_stop = k_begin
             for k in range(k_begin, k_stop):
                 send_pair(dtype, p, t, k, src_addr, row_bytes, lane, by_rank)
+        if lead != 0:
+            self.folded_layout.before_arrival(p, layout_epoch, tid)
         # The last CTA to finish announces every CTA's rows to the peers, then waits for theirs.
         smem = cutlass.memory.SmemAllocator()
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)

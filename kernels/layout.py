@@ -418,6 +418,11 @@ class LayoutKernel(EpKernel):
             leader_done(p, epoch, tid)
 
     @cute.jit
+    def before_arrival(self, p: EpParams, epoch: Int64, tid: Int32):
+        """The leader of a dispatch, every thread, after its CTA's sends: nothing in this layout."""
+        pass
+
+    @cute.jit
     def finish(self, p: EpParams, epoch: Int64, accepted: Int32, tid: Int32):
         """The leader, every thread, after its CTA's sends (``sends_after``): nothing left in this layout."""
         pass
@@ -472,10 +477,10 @@ class LayoutKernel(EpKernel):
     def publish_counts(self, p: EpParams, hist: cute.Tensor, rhist: cute.Tensor, flags: cute.Tensor,
                        NW: Int32, epoch: Int64):
         """Step 2: the CTA's count row (experts, invalid pairs, and in the rank layout destination ranks)
-        into its row of ``layout_parts`` and added into the totals row; then the CTA arrives, and the last
-        to arrive (``flags[2]``) announces in ``layout_done`` that every CTA's counts are in (the expert
-        layout; in the rank layout only the leader reads them, see below). Every thread calls it; it ends
-        with a CTA barrier."""
+        into its row of ``layout_parts`` (the expert layout: the rank layout reads only the totals) and
+        added into the totals row; then the CTA arrives, and the last to arrive (``flags[2]``) announces in
+        ``layout_done`` that every CTA's counts are in (the expert layout; in the rank layout only the
+        leader reads them, see below). Every thread calls it; it ends with a CTA barrier."""
         R, E = p.world_size, p.num_experts
         NT = self.threads
         parts = p.layout_parts
@@ -493,7 +498,8 @@ class LayoutKernel(EpKernel):
                 if cutlass.const_expr(self.by_rank):
                     for w in range(NW):
                         total = total + rhist[w * R + (col - E - 1)]
-            parts[bid, col] = total
+            if cutlass.const_expr(not self.by_rank):  # the rank layout reads only the totals
+                parts[bid, col] = total
             if total != 0:
                 cute.arch.atomic_add(parts.iterator + cute.crd2idx((TOTALS, col), parts.layout), total)
         cute.arch.sync_threads()

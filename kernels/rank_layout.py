@@ -6,14 +6,14 @@ run-time branch so that the expert layout's kernel carries none of it: as one ke
 branch, the expert layout's kernel went from 79.1 to 137.6 us at 4096 tokens (2x H200) when an earlier
 form of the rank steps (shuffles per pair) was added.
 
-How its CTAs learn where their rows go (``meet``): a row's place on rank d is the rows lower source ranks
-send to d, then this rank's earlier CTAs' rows for d. Every CTA puts its own tokens per destination rank
-and its invalid pairs, each word tagged with the layout epoch, into ``layout_words`` on every rank, and
-waits for every CTA's words of every rank. So no CTA waits for another CTA of its rank to gather the
-counts and hand them out (the expert layout's leader, whose exchange and offsets a decode dispatch waited
-for: 7 us at EP2, docs/results.md). The count row of ``counts`` still travels, by the leader (the last CTA
-to arrive) once its words are in, for ``tokens_per_expert`` and the push combine (kernels/rank_push.py);
-no CTA waits for it but the leader, after its slots (in a dispatch, after its CTA's arrival).
+How its CTAs learn where their rows go (``meet``): a row's place on rank d is the rows lower source ranks send
+to d, then this rank's earlier CTAs' rows for d. Every CTA puts its own tokens per destination rank and its
+invalid pairs, each word tagged with the layout epoch, into ``layout_words`` on every rank, and waits for
+every CTA's words of every rank. So no CTA waits for another CTA of its rank to gather the counts and hand
+them out (the expert layout's leader, whose exchange and offsets a decode dispatch waited for: 7 us at EP2,
+docs/results.md). The count row of ``counts`` still travels, by the leader (the last CTA to arrive) once its
+words are in, for ``tokens_per_expert`` and the push combine (kernels/rank_push.py): in a dispatch the leader
+puts it after its CTA's sends and awaits the peers' after its CTA's arrival; no other CTA waits for it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Int32, Int64
 
 from cute_ep.kernels.buffers import EpParams
-from cute_ep.kernels.config import OP_LAYOUT
+from cute_ep.kernels.config import OP_LAYOUT, WARP
 from cute_ep.kernels.layout import (
     LayoutKernel,
     await_count_rows,
@@ -145,8 +145,9 @@ class RankLayoutKernel(LayoutKernel):
         """Steps 2 and 3 of the rank layout, by every thread of every CTA (the module docstring): the CTA's
         words out, its count row published (the last CTA to arrive leads), an FP8 dispatch's first token
         per warp cast (``ahead``), every CTA's words awaited; then the verdict (flags[1]), CTA 0's layout
-        epoch and status mirror (``leader_done``), the leader's count row out, and each histogram warp's
-        first row per destination rank in ``rhist``. Returns (this CTA leads, ``ahead``'s result)."""
+        epoch and status mirror (``leader_done``), the leader's count row out (``put_counts``; a dispatch's
+        leader puts it after its sends, ``before_arrival``), and each histogram warp's first row per
+        destination rank in ``rhist``. Returns (this CTA leads, ``ahead``'s result)."""
         R = p.world_size
         NT = self.threads
         tid, _, _ = cute.arch.thread_idx()
@@ -169,14 +170,28 @@ class RankLayoutKernel(LayoutKernel):
         cute.arch.sync_threads()
         if bid == 0:
             leader_done(p, epoch, tid)  # every CTA of this rank read the epoch before its words went out
-        if leader:
-            # After the words: every peer has entered this call, so its previous call is done with its
-            # count rows (kernels/layout.py: the order between calls).
-            self.count_row_from_totals(p, tid)
-            put_count_row(p, epoch, warp, NT)
+        if cutlass.const_expr(not self.sends_after):
+            if leader:
+                self.put_counts(p, epoch, tid)
         warp_bases(sums, rhist, R, NW, tid, NT)
         cute.arch.sync_threads()
         return leader, got_ahead
+
+    @cute.jit
+    def put_counts(self, p: EpParams, epoch: Int64, tid: Int32):
+        """The leader, every thread, after the words are in (every peer has then entered this call, so its
+        previous call is done with its count rows; kernels/layout.py: the order between calls): this
+        rank's count row from the totals, to every peer. In a dispatch (``sends_after``) after the CTA's
+        sends, before its arrival: the leader's rows then leave with the other CTAs'. EP2, 24 SMs, 128
+        tokens: the rank dispatch took 27.1-27.5 us that way, 27.3-27.6 with the row put before the slots
+        (FP8: 29.1-29.2 against 30.0-30.2)."""
+        self.count_row_from_totals(p, tid)
+        put_count_row(p, epoch, tid // WARP, self.threads)
+
+    @cute.jit
+    def before_arrival(self, p: EpParams, epoch: Int64, tid: Int32):
+        """The leader of a dispatch, every thread, after its CTA's sends: ``put_counts``."""
+        self.put_counts(p, epoch, tid)
 
     @cute.jit
     def after_place(self, p: EpParams, leader, epoch: Int64, accepted: Int32, tid: Int32):
