@@ -167,19 +167,20 @@ def exchange_counts(p: EpParams, epoch: Int64, tid: Int32, warp: Int32, NT: cutl
     """The leader's count exchange (every thread of it calls this; it ends with a CTA barrier): this
     rank's row of ``counts`` to every peer (``put_count_row``), then a bounded wait for every peer's row
     here (``await_count_rows``)."""
-    put_count_row(p, epoch, warp, NT)
+    put_count_row(p, epoch, warp, NT // WARP)
     await_count_rows(p, epoch, tid, NT)
 
 
 @cute.jit
-def put_count_row(p: EpParams, epoch: Int64, warp: Int32, NT: cutlass.Constexpr):
-    """Every warp of the leader: this rank's row of ``counts`` into row ``rank`` of every peer's, raising
-    ``signals[SIGNAL_COUNT, rank]`` there. After a fault (an earlier timed-out wait) nothing is sent."""
+def put_count_row(p: EpParams, epoch: Int64, warp: Int32, warps: cutlass.Constexpr):
+    """Warp ``warp`` of ``warps`` of the leader (every peer once over them): this rank's row of ``counts``
+    into row ``rank`` of every peer's, raising ``signals[SIGNAL_COUNT, rank]`` there. After a fault (an
+    earlier timed-out wait) nothing is sent."""
     R, rank = p.world_size, p.rank
     my_row = p.counts[rank, None]
     my_signal = element(p.signals, (SIGNAL_COUNT, rank))
     if fault_free(p.fault):
-        for q in range(warp, R, NT // WARP):
+        for q in range(warp, R, warps):
             if q != rank:
                 nvshmem_cute.put_signal_warp(my_row, my_row, my_signal, epoch, SIGNAL_SET, q)
 
@@ -416,11 +417,6 @@ class LayoutKernel(EpKernel):
         (``leader_done``)."""
         if leader:
             leader_done(p, epoch, tid)
-
-    @cute.jit
-    def before_arrival(self, p: EpParams, epoch: Int64, tid: Int32):
-        """The leader of a dispatch, every thread, after its CTA's sends: nothing in this layout."""
-        pass
 
     @cute.jit
     def finish(self, p: EpParams, epoch: Int64, accepted: Int32, tid: Int32):

@@ -12,8 +12,9 @@ invalid pairs, each word tagged with the layout epoch, into ``layout_words`` on 
 every CTA's words of every rank. So no CTA waits for another CTA of its rank to gather the counts and hand
 them out (the expert layout's leader, whose exchange and offsets a decode dispatch waited for: 7 us at EP2,
 docs/results.md). The count row of ``counts`` still travels, by the leader (the last CTA to arrive) once its
-words are in, for ``tokens_per_expert`` and the push combine (kernels/rank_push.py): in a dispatch the leader
-puts it after its CTA's sends and awaits the peers' after its CTA's arrival; no other CTA waits for it.
+words are in, for ``tokens_per_expert`` and the push combine (kernels/rank_push.py): in a dispatch one warp of
+the leader puts it while the others send, and the leader awaits the peers' after its CTA's arrival; no other
+CTA waits for it.
 """
 
 from __future__ import annotations
@@ -145,9 +146,9 @@ class RankLayoutKernel(LayoutKernel):
         """Steps 2 and 3 of the rank layout, by every thread of every CTA (the module docstring): the CTA's
         words out, its count row published (the last CTA to arrive leads), an FP8 dispatch's first token
         per warp cast (``ahead``), every CTA's words awaited; then the verdict (flags[1]), CTA 0's layout
-        epoch and status mirror (``leader_done``), the leader's count row out (``put_counts``; a dispatch's
-        leader puts it after its sends, ``before_arrival``), and each histogram warp's first row per
-        destination rank in ``rhist``. Returns (this CTA leads, ``ahead``'s result)."""
+        epoch and status mirror (``leader_done``), the leader's count row made and out (a dispatch's leader
+        puts it in ``after_place``), and each histogram warp's first row per destination rank in
+        ``rhist``. Returns (this CTA leads, ``ahead``'s result)."""
         R = p.world_size
         NT = self.threads
         tid, _, _ = cute.arch.thread_idx()
@@ -170,44 +171,38 @@ class RankLayoutKernel(LayoutKernel):
         cute.arch.sync_threads()
         if bid == 0:
             leader_done(p, epoch, tid)  # every CTA of this rank read the epoch before its words went out
-        if cutlass.const_expr(not self.sends_after):
-            if leader:
-                self.put_counts(p, epoch, tid)
+        if leader:
+            self.count_row_from_totals(p, tid)
+            if cutlass.const_expr(not self.sends_after):  # a dispatch's leader puts it in ``after_place``
+                put_count_row(p, epoch, warp, NT // WARP)
         warp_bases(sums, rhist, R, NW, tid, NT)
         cute.arch.sync_threads()
         return leader, got_ahead
 
     @cute.jit
-    def put_counts(self, p: EpParams, epoch: Int64, tid: Int32):
-        """The leader, every thread, after the words are in (every peer has then entered this call, so its
-        previous call is done with its count rows; kernels/layout.py: the order between calls): this
-        rank's count row from the totals, to every peer. In a dispatch (``sends_after``) after the CTA's
-        sends, before its arrival: the leader's rows then leave with the other CTAs'. EP2, 24 SMs, 128
-        tokens: the rank dispatch took 27.1-27.5 us that way, 27.3-27.6 with the row put before the slots
-        (FP8: 29.1-29.2 against 30.0-30.2)."""
-        self.count_row_from_totals(p, tid)
-        put_count_row(p, epoch, tid // WARP, self.threads)
-
-    @cute.jit
-    def before_arrival(self, p: EpParams, epoch: Int64, tid: Int32):
-        """The leader of a dispatch, every thread, after its CTA's sends: ``put_counts``."""
-        self.put_counts(p, epoch, tid)
-
-    @cute.jit
     def after_place(self, p: EpParams, leader, epoch: Int64, accepted: Int32, tid: Int32):
-        """The leader, every thread, once its CTA's slots are placed: ``finish``, unless the CTA sends its
-        tokens first (``sends_after``: a dispatch, which calls it after the CTA's arrival)."""
-        if cutlass.const_expr(not self.sends_after):
-            if leader:
+        """The leader, every thread, once its CTA's slots are placed: ``finish``; in a dispatch
+        (``sends_after``, which calls ``finish`` after the CTA's arrival) instead the count row out to
+        every peer by the CTA's last warp, the one the send loop gives the fewest tokens, before its own.
+        Why here, by one warp: the other warps send at once. EP2, 2x H200, 24 SMs, 128 tokens: the rank
+        dispatch took 24.5-24.8 us so, 27.1-27.3 with the row put by the whole CTA after its sends, 27.6-27.7
+        before its slots. Its code costs the FP8 dispatch with many tokens, which never runs it (ptxas spills
+        more in this kernel): FP8, 4096 tokens, 183 us against 174 and 169 in the other two forms
+        (docs/results.md)."""
+        if leader:
+            if cutlass.const_expr(self.sends_after):
+                if tid // WARP == self.threads // WARP - 1:
+                    put_count_row(p, epoch, Int32(0), 1)
+            else:
                 self.finish(p, epoch, accepted, tid)
 
     @cute.jit
     def finish(self, p: EpParams, epoch: Int64, accepted: Int32, tid: Int32):
         """The leader, every thread: every peer's count row awaited, then ``tokens_per_expert`` (a local
         expert's column summed over the sources; 0 for a refused call). Why after the leader's sends and
-        its CTA's arrival in a dispatch: the peers' rows travel meanwhile, the leader's rows leave with the
-        other CTAs', and the last CTA's completion signal does not wait for the leader's wait and sum (up
-        to 1.3 us after its sends, EP2, 128 tokens)."""
+        its CTA's arrival in a dispatch: the peers' rows travel meanwhile, and the last CTA's completion
+        signal does not wait for the leader's wait and sum (up to 1.3 us after its sends, EP2, 128
+        tokens)."""
         R, El, rank = p.world_size, p.experts_per_rank, p.rank
         await_count_rows(p, epoch, tid, self.threads)
         for le in range(tid, El, self.threads):
