@@ -172,6 +172,8 @@ class RankLayoutKernel(LayoutKernel):
         if bid == 0:
             leader_done(p, epoch, tid)  # every CTA of this rank read the epoch before its words went out
         if leader:
+            # After the words: every peer has entered this call, so its previous call is done with its
+            # count rows (kernels/layout.py: the order between calls).
             self.count_row_from_totals(p, tid)
             if cutlass.const_expr(not self.sends_after):  # a dispatch's leader puts it in ``after_place``
                 put_count_row(p, epoch, warp, NT // WARP)
