@@ -269,6 +269,8 @@ class DispatchKernel(EpKernel):
                 k_stop = k_begin
             for k in range(k_begin, k_stop):
                 send_pair(dtype, p, t, k, src_addr, row_bytes, lane, by_rank)
+        if lead != 0:
+            self.folded_layout.before_arrival(p, layout_epoch, tid)
         # The last CTA to finish announces every CTA's rows to the peers, then waits for theirs.
         smem = cutlass.memory.SmemAllocator()
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)

@@ -419,6 +419,12 @@ class LayoutKernel(EpKernel):
             leader_done(p, epoch, tid)
 
     @cute.jit
+    def before_arrival(self, p: EpParams, epoch: Int64, tid: Int32):
+        """The leader, every thread, after its CTA's sends and before its arrival (``sends_after``): nothing
+        in this layout."""
+        pass
+
+    @cute.jit
     def finish(self, p: EpParams, epoch: Int64, accepted: Int32, tid: Int32):
         """The leader, every thread, after its CTA's sends (``sends_after``): nothing left in this layout."""
         pass

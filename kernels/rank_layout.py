@@ -13,8 +13,8 @@ every CTA's words of every rank. So no CTA waits for another CTA of its rank to 
 them out (the expert layout's leader, whose exchange and offsets a decode dispatch waited for: 7 us at EP2,
 docs/results.md). The count row of ``counts`` still travels, by the leader (the last CTA to arrive) once its
 words are in, for ``tokens_per_expert`` and the push combine (kernels/rank_push.py): in a dispatch one warp of
-the leader puts it while the others send, and the leader awaits the peers' after its CTA's arrival; no other
-CTA waits for it.
+the leader puts it after its own tokens (at decode it has none: it puts while the others send), and the
+leader awaits the peers' after its CTA's arrival; no other CTA waits for it.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class RankLayoutKernel(LayoutKernel):
         words out, its count row published (the last CTA to arrive leads), an FP8 dispatch's first token
         per warp cast (``ahead``), every CTA's words awaited; then the verdict (flags[1]), CTA 0's layout
         epoch and status mirror (``leader_done``), the leader's count row made and out (a dispatch's leader
-        puts it in ``after_place``), and each histogram warp's first row per destination rank in
+        puts it in ``before_arrival``), and each histogram warp's first row per destination rank in
         ``rhist``. Returns (this CTA leads, ``ahead``'s result)."""
         R = p.world_size
         NT = self.threads
@@ -175,7 +175,7 @@ class RankLayoutKernel(LayoutKernel):
             # After the words: every peer has entered this call, so its previous call is done with its
             # count rows (kernels/layout.py: the order between calls).
             self.count_row_from_totals(p, tid)
-            if cutlass.const_expr(not self.sends_after):  # a dispatch's leader puts it in ``after_place``
+            if cutlass.const_expr(not self.sends_after):  # a dispatch's leader puts it in ``before_arrival``
                 put_count_row(p, epoch, warp, NT // WARP)
         warp_bases(sums, rhist, R, NW, tid, NT)
         cute.arch.sync_threads()
@@ -183,20 +183,23 @@ class RankLayoutKernel(LayoutKernel):
 
     @cute.jit
     def after_place(self, p: EpParams, leader, epoch: Int64, accepted: Int32, tid: Int32):
-        """The leader, every thread, once its CTA's slots are placed: ``finish``; in a dispatch
-        (``sends_after``, which calls ``finish`` after the CTA's arrival) instead the count row out to
-        every peer by the CTA's last warp, the one the send loop gives the fewest tokens, before its own.
-        Why here, by one warp: the other warps send at once. EP2, 2x H200, 24 SMs, 128 tokens: the rank
-        dispatch took 24.5-24.8 us so, 27.1-27.3 with the row put by the whole CTA after its sends, 27.6-27.7
-        before its slots. Its code costs the FP8 dispatch with many tokens, which never runs it (ptxas spills
-        more in this kernel): FP8, 4096 tokens, 183 us against 174 and 169 in the other two forms
-        (docs/results.md)."""
-        if leader:
-            if cutlass.const_expr(self.sends_after):
-                if tid // WARP == self.threads // WARP - 1:
-                    put_count_row(p, epoch, Int32(0), 1)
-            else:
+        """The leader, every thread, once its CTA's slots are placed: ``finish`` (a dispatch, with
+        ``sends_after``, instead puts the count row in ``before_arrival`` and calls ``finish`` after its
+        CTA's arrival)."""
+        if cutlass.const_expr(not self.sends_after):
+            if leader:
                 self.finish(p, epoch, accepted, tid)
+
+    @cute.jit
+    def before_arrival(self, p: EpParams, epoch: Int64, tid: Int32):
+        """A dispatch's leader, every thread, after its own sends: the count row out to every peer by the
+        CTA's last warp, the one the send loop gives the fewest tokens (at 128 tokens none, so it puts at
+        once). Why after the send loop: put before it, the decode dispatch was faster, but there its code
+        made ptxas spill in this kernel (36 bytes against 4) and cost the FP8 dispatch with many tokens,
+        which never runs it. EP2, 2x H200, 24 SMs: FP8 at 4096 / 8192 tokens 169 / 306 us here against
+        183 / 336 before the loop; 128 tokens 26.1 us against 24.6 (docs/results.md)."""
+        if tid // WARP == self.threads // WARP - 1:
+            put_count_row(p, epoch, Int32(0), 1)
 
     @cute.jit
     def finish(self, p: EpParams, epoch: Int64, accepted: Int32, tid: Int32):
