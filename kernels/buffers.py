@@ -219,8 +219,8 @@ BUFFERS: tuple[Buffer, ...] = (
            "rank layout: each received token's weights (0 where recv_topk_idx is -1)",
            needed=runs("rank")),
     Buffer("recv_group", lambda s: (s.capacity, s.topk), "int32", SYMMETRIC, ("dispatch", "combine"),
-           "each primary slot's later group members (reduced combine; -1: dropped)",
-           needed=runs("expert+reduced")),
+           "each primary slot's later group members (the fan-out under dedup, the reduced combine; -1: "
+           "dropped)", needed=_not_low_latency),
     Buffer("counts", lambda s: (s.world_size, s.num_experts + 1 + s.world_size), "int32", SYMMETRIC,
            ("layout", "combine"), "counts[s, e]: pairs source rank s routes to expert e; counts[s, E]: its "
            "pairs with invalid ids (out of [-1, E), or an expert named twice); counts[s, E + 1 + d]: its "

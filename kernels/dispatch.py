@@ -22,11 +22,11 @@ overlap the peers' transfers instead of adding fan-out reads after them. A same-
 written with 128-bit stores through its NVSHMEM peer pointer (unrolled, see ``copy_row_warp``);
 another node's with ``put_warp``.
 
-Groups for the reduced combine (``groups`` != 0, when the buffer was built for it): the pairs of a
-token bound for one rank form a group; its primary is the first kept pair. The primary's
+Groups (``records_groups``: the expert layout under dedup, for its fan-out, and every reduced combine):
+the pairs of a token bound for one rank form a group; its primary is the first kept pair. The primary's
 ``recv_from`` holds -1 - n (n: the group's pairs from the primary on, dropped ones included), and every
 later pair writes its slot (-1 if dropped for capacity) into ``recv_group[primary slot * K + m]``, m its
-place in the group. Without ``groups`` a primary's ``recv_from`` is -1.
+place in the group. Without groups a primary's ``recv_from`` is -1.
 
 Rank layout (``RankDispatchKernel``, kernels/rank_dispatch.py: this kernel compiled with ``by_rank``):
 the slot of a pair is its token's row on the destination rank (one

@@ -32,6 +32,21 @@ def bound_for(p: EpParams, t: Int32, j: Int32, end: Int32, d: Int32, kept_only: 
     return same
 
 
+@cute.jit
+def records_groups(p: EpParams, by_rank: cutlass.Constexpr) -> Int32:
+    """1 if this dispatch lists each group's later members under its primary (``recv_group``, the primary's
+    ``recv_from`` -1 - n). The expert layout does under dedup, whose fan-out (kernels/fanout.py) then copies
+    a primary's row to its members from one load, and for the reduced combine, which sums a group on its
+    rank; the rank layout only for its reduced combine, as before."""
+    groups = Int32(0)
+    if p.combine_algo != 0:
+        groups = Int32(1)
+    if cutlass.const_expr(not by_rank):
+        if p.algo == ALGO_DEDUP:
+            groups = Int32(1)
+    return groups
+
+
 # 128-bit pieces per lane in flight in the dispatch's row copies. With 8 (ROW_COPY_UNROLL) the dispatch
 # kernels, 16 warps at 128 registers, spilled (ptxas: 248 / 308 bytes of spill stores in Dispatch /
 # RankDispatch; ncu at 4096 tokens: 581,632 local-memory requests each); with 4 they use 122 / 128
@@ -147,19 +162,20 @@ def send_token_by_lanes(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin
     at, _ = part
     if at != 0:
         mine = Int32(0)  # the records go with the row's first part
+    groups = records_groups(p, False)
     # The pair records before the row: the row's copy then needs only d and slot in registers.
     if mine != 0:
         if slot >= 0:
             from_slot = Int32(-1)
             if receives == 0:
                 from_slot = slot_g
-            if p.combine_algo != 0:
+            if groups != 0:
                 if g == lane:
                     from_slot = Int32(-1) - cute.arch.popc(group & ~lt)  # a primary: its group from here on
             nvshmem_cute.p(element(p.recv_w, slot), w, d)
             nvshmem_cute.p(element(p.recv_src, slot), (rank * M + t) * K + lane, d)
             nvshmem_cute.p(element(p.recv_from, slot), from_slot, d)
-        if p.combine_algo != 0:
+        if groups != 0:
             if d >= 0:
                 if g < lane:
                     # A later member (or a dropped pair: -1) enters the primary's list at its place: the
@@ -237,8 +253,8 @@ def pair_group(p: EpParams, t: Int32, k: Int32, d: Int32, slot: Int32, lane: Int
     ascending k. Returns (g, m, n): its primary g, the first kept pair (dedup sends the row only there, and
     the reduced combine sums the group on rank d into one partial row); k's place m in the group (pairs
     bound for d in [g, k), dropped ones too); and for a primary its group size n (pairs bound for d in
-    [k, K)). m and n are counted only for a reduced-combine buffer (``combine_algo``)."""
-    groups = p.combine_algo
+    [k, K)). m and n are counted only where the dispatch lists groups (``records_groups``)."""
+    groups = records_groups(p, by_rank)
     g = k
     vote = Int32(0)
     if slot >= 0:
@@ -301,13 +317,14 @@ def send_pair(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k: Int32, src_add
     (``pair_group``); the row goes to the slot if this pair sends it (every kept pair under the per-pair
     primitives and for this rank; under dedup, and always in the rank layout, only the group's primary);
     then its weight, source tag and from-slot (expert layout) or the token's masked ids (rank layout), and
-    with ``combine_algo`` a later member's slot into its primary's list."""
+    where groups are listed (``records_groups``) a later member's slot into its primary's list."""
     K, M, rank = p.topk, p.max_tokens, p.rank
     e = p.topk_idx[t, k]
     if e >= 0:
         d = e // p.experts_per_rank
         slot = pair_slot(p, t, k, e, lane)
         g, m, n = pair_group(p, t, k, d, slot, lane, by_rank)
+        groups = records_groups(p, by_rank)
         if slot >= 0:
             first = g
             if p.algo != ALGO_DEDUP:
@@ -326,13 +343,13 @@ def send_pair(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k: Int32, src_add
                     from_slot = Int32(-1)
                     if first != k:
                         from_slot = p.scatter[t, first]  # atomic mode: written above by this lane
-                    if p.combine_algo != 0:
+                    if groups != 0:
                         if g == k:
                             from_slot = Int32(-1) - n  # a primary: <= -2 encodes its group size
                     nvshmem_cute.p(element(p.recv_w, slot), p.topk_w[t, k], d)
                     nvshmem_cute.p(element(p.recv_src, slot), (rank * M + t) * K + k, d)
                     nvshmem_cute.p(element(p.recv_from, slot), from_slot, d)
-        if p.combine_algo != 0:
+        if groups != 0:
             if g != k:
                 if lane == 0:
                     # A later member (or a dropped pair: -1) enters the primary's list.

@@ -1,33 +1,45 @@
 """Fan-out kernel: the receiver's half of dispatch's rank de-duplication.
 
-A token bound for several experts of one rank crosses the link once, into the slot of its first such
-(token, k) pair; every other pair's slot ``s`` holds ``recv_from[s]``, the slot its row arrived in
-(-1 for the slot that received the row itself). Launched right after the dispatch kernel on the same
-stream (dispatch ends only when every peer's rows and ``recv_from`` entries have arrived), a warp per
-slot in [0, num_recv) copies ``recv_x[recv_from[s]]`` into ``recv_x[s]``: local memory, no link. Rows
-are ``row_bytes`` apart: a row of the buffer's dtype, or a packed FP8 row (kernels/quantize.py) in the
-same memory.
+Under dedup a token bound for several experts of one rank crosses the link once, into the slot of its first
+such (token, k) pair, the group's primary; the dispatch lists the group's later members under it
+(``recv_from[q]`` = -1 - n for a primary q of n pairs, ``recv_group[q, m]`` for m in [1, n): the member's
+slot, -1 if it was dropped for capacity; kernels/dispatch.py). A group on its own rank received every row
+itself.
+
+Launched right after the dispatch kernel on the same stream (dispatch ends only when every peer's rows and
+records have arrived). Each warp reads the records (``recv_from``, ``recv_src``) of 32 of its slots in one
+load round, lane j slot q0 + j * (the grid's warps), and for each primary among them whose row came from
+another rank (its source tag outside this rank's) loads the row once and stores it into every kept member:
+local memory, no link. Nothing to do under the per-pair primitives, where every pair's row arrived itself.
+
+Why by primaries: a warp per member slot read the primary's row once per member (about 3 reads of each row
+that crossed the link at EP2, top-8 of 256), most of them from HBM since a group's slots lie in different
+experts' ranges; a primary's members from one load of each piece is the dispatch's own copy pattern
+(``copy_row_to_lanes``). Why 32 records a round: a warp that read one slot's record, then copied, then read
+the next, waited a memory latency per slot. Rows are ``row_bytes`` apart: a row of the buffer's dtype, or a
+packed FP8 row (kernels/quantize.py) in the same memory.
 """
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, Int64
 
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import EpParams
-from cute_ep.kernels.config import VECTOR_BYTES, WARP
+from cute_ep.kernels.config import ALGO_DEDUP, VECTOR_BYTES, WARP
 from cute_ep.kernels.naming import profiler_name
-from cute_ep.kernels.rows import copy_row_warp, row_space
+from cute_ep.kernels.rows import copy_row_to_lanes, row_space
 from cute_ep.kernels.signals import fault_free
 
 
 class FanoutKernel(EpKernel):
     """The fan-out kernel (see the module docstring); every size is a run-time argument."""
 
-    # 16 warps per CTA: a warp copies one row with 8 pieces per lane in flight, so the bytes in flight per
-    # SM grow with the warps. EP2 on 2x H200, expert layout, 24 SMs, dispatch call at 4096 / 8192 tokens:
-    # 8 warps 490.2 / 953.1 us, 16 warps 448.4 / 841.8, 32 warps 532.5 / 838.8 (one run).
+    # 16 warps per CTA: a warp copies a row with 8 pieces per lane in flight, so the bytes in flight per SM
+    # grow with the warps. EP2 on 2x H200, expert layout, 24 SMs, dispatch call at 4096 / 8192 tokens, a
+    # warp per member slot: 8 warps 490.2 / 953.1 us, 16 warps 448.4 / 841.8, 32 warps 532.5 / 838.8.
     threads = 16 * WARP
 
     @cute.kernel
@@ -51,11 +63,54 @@ class FanoutKernel(EpKernel):
             n = p.num_recv[0]
             if n > C:
                 n = C
-        for s in range(bid * WPC + tid // WARP, n, NCTA * WPC):
-            f = p.recv_from[s]
-            if f >= Int32(0):
-                if f < C:
-                    copy_row_warp(dtype, recv_x.row(f), recv_x.row(s), NV, lane)
+        # Only rows that crossed the link fan out (dedup): a group whose primary came from another rank,
+        # whose source tag lies outside this rank's [lo, hi).
+        lo = p.rank * p.max_tokens * p.topk
+        hi = lo + p.max_tokens * p.topk
+        if p.algo != ALGO_DEDUP:
+            n = Int32(0)
+        step = NCTA * WPC
+        for q0 in range(bid * WPC + tid // WARP, n, step * WARP):
+            # Lane j reads the records of this warp's slot q0 + j * step: 32 of its slots in one load round.
+            q = q0 + lane * step
+            f, tag = Int32(-1), lo
+            if q < n:
+                f = p.recv_from[q]
+                tag = p.recv_src[q]
+            fans = Int32(0)
+            if f <= Int32(-2):
+                fans = Int32(1)
+                if tag >= lo:
+                    if tag < hi:
+                        fans = Int32(0)  # this rank's own pairs received their rows themselves
+            primaries = Int32(cute.arch.vote_ballot_sync(fans != 0))
+            for _ in range(cute.arch.popc(primaries)):
+                j = Int32(cute.arch.clz(cute.arch.brev(primaries)))  # the lowest primary left
+                primaries = primaries & (primaries - 1)
+                self.copy_to_members(p, dtype, recv_x, q0 + j * step, cute.arch.shuffle_sync(f, j), NV, lane)
 
+    @cute.jit
+    def copy_to_members(self, p: EpParams, dtype: cutlass.Constexpr, recv_x, q: Int32, f: Int32, NV: Int32,
+                        lane: Int32):
+        """The warp copies primary q's row (its ``recv_from`` f = -1 - n for a group of n pairs, its row from
+        another rank) into each kept member of its list: lane j of each round holds member m0 + j."""
+        C = p.capacity
+        members = Int32(-1) - f
+        if members > p.topk:
+            members = p.topk
+        for m0 in range(0, members, WARP):
+            m = m0 + lane
+            dst = Int64(0)
+            takes = Int32(0)
+            if m >= Int32(1):
+                if m < members:
+                    s = p.recv_group[q, m]
+                    if s >= Int32(0):
+                        if s < C:
+                            takes = Int32(1)
+                            dst = recv_x.row(s)
+            dests = Int32(cute.arch.vote_ballot_sync(takes != 0))
+            if dests != 0:
+                copy_row_to_lanes(dtype, recv_x.row(q), dst, dests, NV, lane)
 
 profiler_name(FanoutKernel.kernel, "fanout")

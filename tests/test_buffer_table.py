@@ -35,7 +35,7 @@ BASE = dict(world_size=4, local_world_size=2, num_experts=32, topk=2, hidden=256
 def _expected_symmetric_bytes(c: EpConfig) -> int:
     """The symmetric memory a rank needs, written out by hand (what the table must add up to)."""
     rows = 2 * c.capacity * c.row_bytes  # recv_x, recv_y
-    meta = c.capacity * 4 * 3  # recv_w, recv_src, recv_from
+    meta = c.capacity * 4 * 3 + c.capacity * c.topk * 4  # recv_w, recv_src, recv_from, each slot's group list
     # counts (+ invalid pairs, + tokens per destination rank), signals
     exchange = c.world_size * (c.num_experts + 1 + c.world_size) * 4 + 3 * c.world_size * 8
     stage = c.stage_rows * c.row_bytes
@@ -46,8 +46,8 @@ def _expected_symmetric_bytes(c: EpConfig) -> int:
     words = 2 * c.world_size * (c.num_sms or MAX_SMS_PER_GPU) * (c.world_size + 1) * 8
     by_rank = 2 * c.world_size * c.max_tokens * c.topk * 4 + words if c.capacity_factor == 0 else 0
     reduced = 0
-    if c.combine_algorithm == "reduced":  # partial rows + each receive slot's group list
-        reduced = c.max_tokens * c.world_size * c.row_bytes + c.capacity * c.topk * 4
+    if c.combine_algorithm == "reduced":  # partial rows
+        reduced = c.max_tokens * c.world_size * c.row_bytes
     return rows + meta + exchange + stage + packed + reduced + by_rank
 
 
@@ -97,9 +97,12 @@ def test_shapes_serve_the_host_config_and_the_device_scalars():
 def test_buffers_a_config_does_not_need_are_one_16_byte_placeholder():
     pull = EpConfig(**{**BASE, "hidden": 200})  # no reduced combine, no FP8 (200 % 128 != 0)
     by = {b.name: b for b in BUFFERS}
-    for name in ("recv_group", "partials", "packed"):
+    for name in ("partials", "packed"):
         assert not by[name].is_needed(pull)
         assert by[name].nbytes(pull) == 16, name
+    # the fan-out reads a group's members under dedup with either combine; a low-latency buffer has no fan-out
+    assert by["recv_group"].alloc_shape(pull) == (pull.capacity, pull.topk)
+    assert by["recv_group"].nbytes(EpConfig(**{**BASE, "low_latency": True})) == 16
     assert math.prod(by["partials"].alloc_shape(EpConfig(**{**BASE, "combine_algorithm": "reduced"}))) == (
         64 * 4 * 256)
 
@@ -139,7 +142,7 @@ SYMBOLS = dict(num_tokens="T", hidden="H", topk="K", capacity="C", world_size="R
                stage_rows="stage_rows", max_tokens="M", fp8_row_bytes="fp8_row_bytes", experts_per_rank="E/R",
                rank_capacity="R * M", num_sms="num_sms", status_words="S", fp8_scales="H / 128",
                layout_ctas="num_sms")
-CONDITIONS = {"recv_group": 'only with `combine_algorithm="reduced"`',
+CONDITIONS = {"recv_group": "not with `low_latency`",
               "partials": 'only with `combine_algorithm="reduced"`', "packed": "only when H % 128 == 0",
               "recv_topk_idx": "only with `capacity_factor == 0`",
               "recv_topk_w": "only with `capacity_factor == 0`", "recv_x": "not with `low_latency`",

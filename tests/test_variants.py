@@ -102,7 +102,7 @@ def test_buffers_of_one_variant_follow_whether_the_config_runs_it(combine, capac
     assert ("rank+reduced" in runs) == (capacity_factor == 0 and combine == "reduced")
     for name in ("recv_topk_idx", "recv_topk_w"):
         assert BUFFERS_BY_NAME[name].is_needed(cfg) == ("rank" in runs)
-    for name in ("recv_group", "partials"):
-        assert BUFFERS_BY_NAME[name].is_needed(cfg) == ("expert+reduced" in runs)
-        full = BUFFERS_BY_NAME[name].alloc_shape(cfg)
-        assert (len(full) == 2) == (combine == "reduced")  # else a one-piece placeholder
+    assert BUFFERS_BY_NAME["recv_group"].is_needed(cfg)  # the fan-out's groups, with either combine
+    assert BUFFERS_BY_NAME["partials"].is_needed(cfg) == ("expert+reduced" in runs)
+    full = BUFFERS_BY_NAME["partials"].alloc_shape(cfg)
+    assert (len(full) == 2) == (combine == "reduced")  # else a one-piece placeholder
