@@ -73,7 +73,8 @@ def resolve_combine_algorithm(cfg: EpConfig, algorithm: str | None = None) -> st
 
     "pull" always works; "reduced" needs a buffer built for it (``EpConfig(combine_algorithm=
     "reduced")``: only then does the GPU buffer allocate its partial rows and its dispatches record
-    group lists). Shared by ``EpBuffer`` and the host backends (``ReferenceEpBuffer``, ``A2aEpBuffer``).
+    group lists under every dispatch primitive, not only dedup). Shared by ``EpBuffer`` and the host
+    backends (``ReferenceEpBuffer``, ``A2aEpBuffer``).
 
     Raises:
         ValueError: an unknown name, or "reduced" on a "pull" configuration.
@@ -85,8 +86,8 @@ def resolve_combine_algorithm(cfg: EpConfig, algorithm: str | None = None) -> st
     if algorithm == "reduced" and cfg.combine_algorithm != "reduced":
         raise ValueError(
             "combine algorithm 'reduced' needs EpConfig(combine_algorithm='reduced') "
-            f"(got {cfg.combine_algorithm!r}): only then do its partial rows and the dispatch's group "
-            "lists exist"
+            f"(got {cfg.combine_algorithm!r}): only then does it hold the partial rows this combine sums "
+            "into, and do its dispatches list every token's group under every dispatch primitive"
         )
     return algorithm
 

@@ -253,8 +253,8 @@ def test_the_normal_modes_combine_is_chosen_by_its_variable(monkeypatch):
     normal, low_latency = hints()
     monkeypatch.setenv(COMBINE_ENV_VAR, "push")
     assert normal_combine_algorithm() == "reduced"
-    # the partial rows (M * R rows of H bf16) and the reduced combine's group lists ([C, K] int32, C = M * R)
-    assert hints() == (normal + 256 * 2 * 7168 * 2 + 256 * 2 * 2 * 4, low_latency)
+    # the partial rows (M * R rows of H bf16); the group lists ([C, K] int32) every normal buffer has
+    assert hints() == (normal + 256 * 2 * 7168 * 2, low_latency)
     monkeypatch.setenv(COMBINE_ENV_VAR, "pull")
     assert normal_combine_algorithm() == "pull" and hints() == (normal, low_latency)
     monkeypatch.setenv(COMBINE_ENV_VAR, "reduced")

@@ -106,14 +106,15 @@ def test_capacity_factor_sizes_experts_and_buffers():
 
 
 def test_reduced_combine_sizes_its_buffers():
-    """The reduced combine allocates M * R partial rows and a group list of K slots per receive slot;
-    its phase 1 runs REDUCED_GRID_FACTOR times the CTAs and needs a staging row per warp on other nodes."""
+    """The reduced combine allocates M * R partial rows (the group list of K slots per receive slot, which
+    it reads, every buffer has: the fan-out reads it too); its phase 1 runs REDUCED_GRID_FACTOR times the
+    CTAs and needs a staging row per warp on other nodes."""
     from cute_ep.kernels.config import REDUCED_GRID_FACTOR
 
     pull = EpConfig(**BASE)
     red = EpConfig(**{**BASE, "combine_algorithm": "reduced"})
     assert pull.partial_rows == 0 and red.partial_rows == 64 * 4
-    extra = red.partial_rows * red.row_bytes + red.capacity * red.topk * 4
+    extra = red.partial_rows * red.row_bytes
     assert red.symmetric_bytes() - pull.symmetric_bytes() == extra
     assert red.key() != pull.key()  # ranks that disagree fail at construction
     for topk in (1, 2, 8):  # nnodes == 2 here: staging rows exist
