@@ -26,7 +26,8 @@ Groups (``records_groups``: the expert layout under dedup, for its fan-out, and 
 the pairs of a token bound for one rank form a group; its primary is the first kept pair. The primary's
 ``recv_from`` holds -1 - n (n: the group's pairs from the primary on, dropped ones included), and every
 later pair writes its slot (-1 if dropped for capacity) into ``recv_group[primary slot * K + m]``, m its
-place in the group. Without groups a primary's ``recv_from`` is -1.
+place in the group (``lists_members``: for the pull combine only groups bound for other ranks, the fan-out's;
+this rank's own pairs received their rows themselves). Without groups a primary's ``recv_from`` is -1.
 
 Rank layout (``RankDispatchKernel``, kernels/rank_dispatch.py: this kernel compiled with ``by_rank``):
 the slot of a pair is its token's row on the destination rank (one

@@ -47,6 +47,20 @@ def records_groups(p: EpParams, by_rank: cutlass.Constexpr) -> Int32:
     return groups
 
 
+@cute.jit
+def lists_members(p: EpParams, groups: Int32, d: Int32) -> Int32:
+    """1 if a group bound for rank d has its later members listed under its primary: where the dispatch
+    lists groups (``records_groups``), for a reduced combine every group, else (the fan-out's lists) only
+    groups bound for other ranks, since this rank's own pairs receive their rows themselves."""
+    lists = Int32(0)
+    if groups != 0:
+        lists = Int32(1)
+        if p.combine_algo == 0:
+            if d == p.rank:
+                lists = Int32(0)
+    return lists
+
+
 # 128-bit pieces per lane in flight in the dispatch's row copies. With 8 (ROW_COPY_UNROLL) the dispatch
 # kernels, 16 warps at 128 registers, spilled (ptxas: 248 / 308 bytes of spill stores in Dispatch /
 # RankDispatch; ncu at 4096 tokens: 581,632 local-memory requests each); with 4 they use 122 / 128
@@ -175,7 +189,7 @@ def send_token_by_lanes(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k_begin
             nvshmem_cute.p(element(p.recv_w, slot), w, d)
             nvshmem_cute.p(element(p.recv_src, slot), (rank * M + t) * K + lane, d)
             nvshmem_cute.p(element(p.recv_from, slot), from_slot, d)
-        if groups != 0:
+        if lists_members(p, groups, d) != 0:
             if d >= 0:
                 if g < lane:
                     # A later member (or a dropped pair: -1) enters the primary's list at its place: the
@@ -247,14 +261,13 @@ def pair_slot(p: EpParams, t: Int32, k: Int32, e: Int32, lane: Int32) -> Int32:
 
 
 @cute.jit
-def pair_group(p: EpParams, t: Int32, k: Int32, d: Int32, slot: Int32, lane: Int32,
+def pair_group(p: EpParams, t: Int32, k: Int32, d: Int32, slot: Int32, groups: Int32, lane: Int32,
                by_rank: cutlass.Constexpr):
     """The group of (t, d) for token t's pair k (rank d, ``slot``): token t's pairs bound for rank d,
     ascending k. Returns (g, m, n): its primary g, the first kept pair (dedup sends the row only there, and
     the reduced combine sums the group on rank d into one partial row); k's place m in the group (pairs
     bound for d in [g, k), dropped ones too); and for a primary its group size n (pairs bound for d in
-    [k, K)). m and n are counted only where the dispatch lists groups (``records_groups``)."""
-    groups = records_groups(p, by_rank)
+    [k, K)). m and n are counted only where the dispatch lists groups (``groups``: ``records_groups``)."""
     g = k
     vote = Int32(0)
     if slot >= 0:
@@ -323,8 +336,8 @@ def send_pair(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k: Int32, src_add
     if e >= 0:
         d = e // p.experts_per_rank
         slot = pair_slot(p, t, k, e, lane)
-        g, m, n = pair_group(p, t, k, d, slot, lane, by_rank)
         groups = records_groups(p, by_rank)
+        g, m, n = pair_group(p, t, k, d, slot, groups, lane, by_rank)
         if slot >= 0:
             first = g
             if p.algo != ALGO_DEDUP:
@@ -349,7 +362,7 @@ def send_pair(dtype: cutlass.Constexpr, p: EpParams, t: Int32, k: Int32, src_add
                     nvshmem_cute.p(element(p.recv_w, slot), p.topk_w[t, k], d)
                     nvshmem_cute.p(element(p.recv_src, slot), (rank * M + t) * K + k, d)
                     nvshmem_cute.p(element(p.recv_from, slot), from_slot, d)
-        if groups != 0:
+        if lists_members(p, groups, d) != 0:
             if g != k:
                 if lane == 0:
                     # A later member (or a dropped pair: -1) enters the primary's list.

@@ -7,10 +7,12 @@ slot, -1 if it was dropped for capacity; kernels/dispatch.py). A group on its ow
 itself.
 
 Launched right after the dispatch kernel on the same stream (dispatch ends only when every peer's rows and
-records have arrived). Each warp reads the records (``recv_from``, ``recv_src``) of 32 of its slots in one
-load round, lane j slot q0 + j * (the grid's warps), and for each primary among them whose row came from
-another rank (its source tag outside this rank's) loads the row once and stores it into every kept member:
-local memory, no link. Nothing to do under the per-pair primitives, where every pair's row arrived itself.
+records have arrived). With few received slots per warp (``FEW_SLOTS_PER_WARP``) a warp per slot copies a
+member's row from its primary (its ``recv_from``, the primary's slot). Otherwise each warp reads the records
+(``recv_from``, ``recv_src``) of 32 of its slots in one load round, lane j slot q0 + j * (the grid's
+warps), and for each primary among them whose row came from another rank (its source tag outside this
+rank's) loads the row once and stores it into every kept member: local memory, no link. Nothing to do
+under the per-pair primitives, where every pair's row arrived itself.
 
 Why by primaries: a warp per member slot read the primary's row once per member (about 3 reads of each row
 that crossed the link at EP2, top-8 of 256), most of them from HBM since a group's slots lie in different
@@ -30,8 +32,16 @@ from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import EpParams
 from cute_ep.kernels.config import ALGO_DEDUP, VECTOR_BYTES, WARP
 from cute_ep.kernels.naming import profiler_name
-from cute_ep.kernels.rows import copy_row_to_lanes, row_space
+from cute_ep.kernels.rows import copy_row_to_lanes, copy_row_warp, row_space
 from cute_ep.kernels.signals import fault_free
+
+# Up to this many received slots per warp of the grid (128 tokens of top-8 at EP2 on 24 SMs are about 2.7)
+# the fan-out goes a warp per member slot (``copy_by_members``), beyond it by primaries. Why: with few rows a
+# warp per primary stores its row ~3 times in turn while most warps idle; with many, a warp per member reads
+# each row ~3 times, mostly from HBM. One H200, 2 ranks sharing it, 24 SMs, the expert-layout dispatch:
+# 128 tokens 47.2-47.7 us a warp per member against 50.3-50.6 by primaries, 512 tokens 97.2-98.1 against
+# 97.9-98.4; at 1024 tokens (21 slots per warp) the two forms were within 3 us, by primaries ahead.
+FEW_SLOTS_PER_WARP = 16
 
 
 class FanoutKernel(EpKernel):
@@ -41,6 +51,9 @@ class FanoutKernel(EpKernel):
     # grow with the warps. EP2 on 2x H200, expert layout, 24 SMs, dispatch call at 4096 / 8192 tokens, a
     # warp per member slot: 8 warps 490.2 / 953.1 us, 16 warps 448.4 / 841.8, 32 warps 532.5 / 838.8.
     threads = 16 * WARP
+    # One CTA per SM by design: without the hint ptxas budgets 64 registers (two CTAs) and the warp per member
+    # slot beside the walk by primaries spilled (4 bytes of stores and loads per thread).
+    ctas_per_sm = 1
 
     @cute.kernel
     def kernel(self, p: EpParams):
@@ -70,6 +83,9 @@ class FanoutKernel(EpKernel):
         if p.algo != ALGO_DEDUP:
             n = Int32(0)
         step = NCTA * WPC
+        if n <= FEW_SLOTS_PER_WARP * step:
+            self.copy_by_members(p, dtype, recv_x, n, step, NV, lane)
+            n = Int32(0)  # the loop by primaries below has nothing left
         for q0 in range(bid * WPC + tid // WARP, n, step * WARP):
             # Lane j reads the records of this warp's slot q0 + j * step: 32 of its slots in one load round.
             q = q0 + lane * step
@@ -88,6 +104,19 @@ class FanoutKernel(EpKernel):
                 j = Int32(cute.arch.clz(cute.arch.brev(primaries)))  # the lowest primary left
                 primaries = primaries & (primaries - 1)
                 self.copy_to_members(p, dtype, recv_x, q0 + j * step, cute.arch.shuffle_sync(f, j), NV, lane)
+
+    @cute.jit
+    def copy_by_members(self, p: EpParams, dtype: cutlass.Constexpr, recv_x, n: Int32, step: Int32, NV: Int32,
+                        lane: Int32):
+        """A warp per slot in [0, n), ``step`` warps in the grid: a member whose row another rank sent to its
+        primary (``recv_from`` = the primary's slot, >= 0) copies that row into its own."""
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        for s in range(bid * (self.threads // WARP) + tid // WARP, n, step):
+            f = p.recv_from[s]
+            if f >= Int32(0):
+                if f < p.capacity:
+                    copy_row_warp(dtype, recv_x.row(f), recv_x.row(s), NV, lane)
 
     @cute.jit
     def copy_to_members(self, p: EpParams, dtype: cutlass.Constexpr, recv_x, q: Int32, f: Int32, NV: Int32,

@@ -34,7 +34,8 @@ CASES = [
 ]
 
 
-def _run_case(runtime, dtype, hidden, topk, el, tokens, routing, coverage, seed, algorithm="dedup"):
+def _run_case(runtime, dtype, hidden, topk, el, tokens, routing, coverage, seed, algorithm="dedup",
+              num_sms=16):
     env = runtime.env
     R, rank, L = env.world_size, env.rank, env.local_world_size
     E = el * R
@@ -49,7 +50,7 @@ def _run_case(runtime, dtype, hidden, topk, el, tokens, routing, coverage, seed,
         hidden=hidden,
         dtype=dtype,
         max_tokens=max_tokens,
-        num_sms=min(16, runtime.sm_share),
+        num_sms=min(num_sms, runtime.sm_share),
     )
     dev = runtime.device
     with EpBuffer(runtime, cfg, registry=runtime.registry, algorithm=algorithm) as buf:
@@ -127,6 +128,20 @@ def test_dispatch_primitives(runtime, algorithm):
               algorithm=algorithm)
     _run_case(runtime, torch.float32, 128, 6, 3, (16, 0, 24, 8), "dropped", False, seed=556,
               algorithm=algorithm)
+
+
+@pytest.mark.parametrize("topk, el, tokens, routing", [
+    (8, 8, (96, 80, 64, 112), "uniform"),  # 300-900 received slots: by primaries
+    (8, 8, (96, 72, 88, 64), "dropped"),
+    (40, 24, (24, 16, 32, 8), "uniform"),  # the per-pair senders (top-k > 32): by primaries
+    (8, 8, (4, 2, 6, 3), "uniform"),  # a few dozen slots: a warp per member slot
+    (40, 24, (2, 3, 1, 2), "dropped"),
+])
+def test_fanout_forms(runtime, topk, el, tokens, routing):
+    """On one SM (16 warps: the fan-out goes a warp per member slot up to 256 received slots, by group
+    primaries beyond), both forms of the fan-out give the exact rows, in both dispatch modes."""
+    _run_case(runtime, torch.bfloat16, 256, topk, el, tokens, routing, False, seed=900 + topk + len(routing),
+              num_sms=1)
 
 
 def _roomy(runtime) -> tuple[EpConfig, int, torch.device]:
