@@ -38,10 +38,11 @@ from cute_ep.kernels.signals import fault_free
 # Up to this many received slots per warp of the grid (128 tokens of top-8 at EP2 on 24 SMs are about 2.7)
 # the fan-out goes a warp per member slot (``copy_by_members``), beyond it by primaries. Why: with few rows a
 # warp per primary stores its row ~3 times in turn while most warps idle; with many, a warp per member reads
-# each row ~3 times, mostly from HBM. One H200, 2 ranks sharing it, 24 SMs, the expert-layout dispatch:
-# 128 tokens 47.2-47.7 us a warp per member against 50.3-50.6 by primaries, 512 tokens 97.2-98.1 against
-# 97.9-98.4; at 1024 tokens (21 slots per warp) the two forms were within 3 us, by primaries ahead.
-FEW_SLOTS_PER_WARP = 16
+# each row ~3 times, mostly from HBM. The expert-layout dispatch, us, by members against by primaries: one
+# H200 with 2 ranks sharing it, 24 SMs, 128 tokens 47.2-47.7 against 50.3-50.6, 512 tokens (10.7 slots a
+# warp) 97.2-98.1 against 97.9-98.4, 1024 tokens within 3 us with primaries ahead; 2x H200, 132 SMs, 4096
+# tokens (15.5 slots a warp): 293.8 by members, 281.9 by primaries in the EP2 report before.
+FEW_SLOTS_PER_WARP = 8
 
 
 class FanoutKernel(EpKernel):
