@@ -84,10 +84,29 @@ class FanoutKernel(EpKernel):
         if p.algo != ALGO_DEDUP:
             n = Int32(0)
         step = NCTA * WPC
+        warp = bid * WPC + tid // WARP
         if n <= FEW_SLOTS_PER_WARP * step:
-            self.copy_by_members(p, dtype, recv_x, n, step, NV, lane)
-            n = Int32(0)  # the loop by primaries below has nothing left
-        for q0 in range(bid * WPC + tid // WARP, n, step * WARP):
+            self.copy_by_members(p, dtype, recv_x, warp, n, step, NV, lane)
+        else:
+            self.copy_by_primaries(p, dtype, recv_x, warp, n, step, lo, hi, NV, lane)
+
+    @cute.jit
+    def copy_by_members(self, p: EpParams, dtype: cutlass.Constexpr, recv_x, warp: Int32, n: Int32,
+                        step: Int32, NV: Int32, lane: Int32):
+        """Warp ``warp`` of the grid's ``step`` takes slots warp, warp + step, ... below n: a member whose
+        row another rank sent to its primary (``recv_from`` = the primary's slot, >= 0) copies that row."""
+        for s in range(warp, n, step):
+            f = p.recv_from[s]
+            if f >= Int32(0):
+                if f < p.capacity:
+                    copy_row_warp(dtype, recv_x.row(f), recv_x.row(s), NV, lane)
+
+    @cute.jit
+    def copy_by_primaries(self, p: EpParams, dtype: cutlass.Constexpr, recv_x, warp: Int32, n: Int32,
+                          step: Int32, lo: Int32, hi: Int32, NV: Int32, lane: Int32):
+        """Warp ``warp`` of the grid's ``step`` walks its slots below n 32 at a time and copies each primary's
+        row whose source tag lies outside [lo, hi) (it came from another rank) into its members."""
+        for q0 in range(warp, n, step * WARP):
             # Lane j reads the records of this warp's slot q0 + j * step: 32 of its slots in one load round.
             q = q0 + lane * step
             f, tag = Int32(-1), lo
@@ -105,19 +124,6 @@ class FanoutKernel(EpKernel):
                 j = Int32(cute.arch.clz(cute.arch.brev(primaries)))  # the lowest primary left
                 primaries = primaries & (primaries - 1)
                 self.copy_to_members(p, dtype, recv_x, q0 + j * step, cute.arch.shuffle_sync(f, j), NV, lane)
-
-    @cute.jit
-    def copy_by_members(self, p: EpParams, dtype: cutlass.Constexpr, recv_x, n: Int32, step: Int32, NV: Int32,
-                        lane: Int32):
-        """A warp per slot in [0, n), ``step`` warps in the grid: a member whose row another rank sent to its
-        primary (``recv_from`` = the primary's slot, >= 0) copies that row into its own."""
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        for s in range(bid * (self.threads // WARP) + tid // WARP, n, step):
-            f = p.recv_from[s]
-            if f >= Int32(0):
-                if f < p.capacity:
-                    copy_row_warp(dtype, recv_x.row(f), recv_x.row(s), NV, lane)
 
     @cute.jit
     def copy_to_members(self, p: EpParams, dtype: cutlass.Constexpr, recv_x, q: Int32, f: Int32, NV: Int32,
