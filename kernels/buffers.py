@@ -65,8 +65,7 @@ DONE_DISPATCH = 0
 DONE_COMBINE = 1  # the pull combine, and phase 2 of the reduced combine
 DONE_PUSH = 2  # phase 1 of the reduced combine
 DONE_LAYOUT = 3  # the layout's CTAs (the last one to arrive exchanges the counts)
-DONE_LOW_LATENCY = 4  # the low-latency dispatch's receiving CTAs (the last one advances the epochs)
-DONE_SLOTS = 5
+DONE_SLOTS = 4
 
 # Element types: torch dtype name, CuTe type name, bytes per element. "row" is the buffer's dtype.
 ROW = "row"

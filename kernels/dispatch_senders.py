@@ -37,7 +37,7 @@ def records_groups(p: EpParams, by_rank: cutlass.Constexpr) -> Int32:
     """1 if this dispatch lists each group's later members under its primary (``recv_group``, the primary's
     ``recv_from`` -1 - n). The expert layout does under dedup, whose fan-out (kernels/fanout.py) then copies
     a primary's row to its members from one load, and for the reduced combine, which sums a group on its
-    rank; the rank layout only for its reduced combine, as before."""
+    rank; the rank layout only for its reduced combine."""
     groups = Int32(0)
     if p.combine_algo != 0:
         groups = Int32(1)

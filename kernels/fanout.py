@@ -69,26 +69,21 @@ class FanoutKernel(EpKernel):
         bid, _, _ = cute.arch.block_idx()
         lane = tid % WARP
         recv_x = row_space(p.recv_x, row_bytes)
-        C = p.capacity
         # After a fault num_recv and recv_from may be stale or partial: copy nothing. The bounds are
         # checked anyway, so no value read here can send a copy outside the buffer.
         n = Int32(0)
         if fault_free(p.fault):
             n = p.num_recv[0]
-            if n > C:
-                n = C
-        # Only rows that crossed the link fan out (dedup): a group whose primary came from another rank,
-        # whose source tag lies outside this rank's [lo, hi).
-        lo = p.rank * p.max_tokens * p.topk
-        hi = lo + p.max_tokens * p.topk
-        if p.algo != ALGO_DEDUP:
+            if n > p.capacity:
+                n = p.capacity
+        if p.algo != ALGO_DEDUP:  # only dedup sends a group's row once
             n = Int32(0)
         step = NCTA * WPC
         warp = bid * WPC + tid // WARP
         if n <= FEW_SLOTS_PER_WARP * step:
             self.copy_by_members(p, dtype, recv_x, warp, n, step, NV, lane)
         else:
-            self.copy_by_primaries(p, dtype, recv_x, warp, n, step, lo, hi, NV, lane)
+            self.copy_by_primaries(p, dtype, recv_x, warp, n, step, NV, lane)
 
     @cute.jit
     def copy_by_members(self, p: EpParams, dtype: cutlass.Constexpr, recv_x, warp: Int32, n: Int32,
@@ -103,9 +98,12 @@ class FanoutKernel(EpKernel):
 
     @cute.jit
     def copy_by_primaries(self, p: EpParams, dtype: cutlass.Constexpr, recv_x, warp: Int32, n: Int32,
-                          step: Int32, lo: Int32, hi: Int32, NV: Int32, lane: Int32):
+                          step: Int32, NV: Int32, lane: Int32):
         """Warp ``warp`` of the grid's ``step`` walks its slots below n 32 at a time and copies each primary's
-        row whose source tag lies outside [lo, hi) (it came from another rank) into its members."""
+        row whose source tag lies outside this rank's [lo, hi) (it came from another rank) into its
+        members."""
+        lo = p.rank * p.max_tokens * p.topk
+        hi = lo + p.max_tokens * p.topk
         for q0 in range(warp, n, step * WARP):
             # Lane j reads the records of this warp's slot q0 + j * step: 32 of its slots in one load round.
             q = q0 + lane * step
@@ -130,7 +128,6 @@ class FanoutKernel(EpKernel):
                         lane: Int32):
         """The warp copies primary q's row (its ``recv_from`` f = -1 - n for a group of n pairs, its row from
         another rank) into each kept member of its list: lane j of each round holds member m0 + j."""
-        C = p.capacity
         members = Int32(-1) - f
         if members > p.topk:
             members = p.topk
@@ -142,7 +139,7 @@ class FanoutKernel(EpKernel):
                 if m < members:
                     s = p.recv_group[q, m]
                     if s >= Int32(0):
-                        if s < C:
+                        if s < p.capacity:
                             takes = Int32(1)
                             dst = recv_x.row(s)
             dests = Int32(cute.arch.vote_ballot_sync(takes != 0))

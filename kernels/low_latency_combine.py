@@ -17,9 +17,13 @@ needs no staging copy into symmetric memory, and a store is not waited for as a 
    t * K + k of ``ll_comb`` on source rank s (peer-pointer stores on this node, ``put_warp`` to other
    nodes).
 2. The last CTA to finish its pushes (``done[DONE_PUSH]``) raises ``signals[SIGNAL_COMBINE, rank]`` on every
-   peer to this call's epoch; every CTA waits until all peers have raised theirs here (bounded waits).
+   peer to this call's epoch, having advanced epochs[OP_COMBINE] (every CTA read it before it arrived, and
+   nothing was recorded in ``fault`` when the launch started); every CTA waits until all peers have raised
+   theirs here (bounded waits). Why the epoch here: an arrival of every summing CTA after its sum put a
+   fence and an atomic's round trip at the end of the launch; a wait that times out records a fault,
+   which the host reads before the epochs.
 3. Sum (a warp per token, split into parts over idle warps at decode sizes): the token's rows of
-   ``ll_comb`` weighted by ``topk_w`` into ``out``. The last CTA advances epochs[OP_COMBINE].
+   ``ll_comb`` weighted by ``topk_w`` into ``out``.
 Why one set of ``ll_comb`` suffices: a peer pushes its next combine only after its next dispatch, which
 waits for this rank's counts of that dispatch, enqueued after this combine; two combines in a row are
 ordered by the host (``cute_ep.deep_ep``'s fence between them).
@@ -34,7 +38,7 @@ import cutlass.memory
 from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.base import CombineFamily
-from cute_ep.kernels.buffers import DONE_COMBINE, DONE_PUSH, SIGNAL_COMBINE, EpParams
+from cute_ep.kernels.buffers import DONE_PUSH, SIGNAL_COMBINE, EpParams
 from cute_ep.kernels.config import MAX_EXPERTS, OP_COMBINE, PHASE_RECEIVE, PHASE_SEND, VECTOR_BYTES, WARP
 from cute_ep.kernels.dispatch_senders import send_row_into
 from cute_ep.kernels.naming import profiler_name
@@ -69,11 +73,21 @@ class LowLatencyCombineKernel(CombineFamily):
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
         firsts = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS), 16)
         sums = smem.allocate_tensor(Int32, cute.make_layout(self.threads // WARP + 1), 4)
+        if p.phase == PHASE_RECEIVE:  # the sending half advanced it
+            epoch = epoch - Int64(1)
+        live = Int32(0)  # read once, at the start: no latency of its own where the epoch advances
+        if fault_free(p.fault):
+            live = Int32(1)
         announce = Int32(0)  # this CTA finished the pushes last: it raises the signal
         if p.phase != PHASE_RECEIVE:
             self.push_rows(p, firsts, sums, comb, lane, gwarp, NWARPS, NV, ROW_BYTES)  # 1. push
             announce = cta_arrives_last(p, DONE_PUSH, last, tid)
-        # 2. the last CTA announces every CTA's rows; every CTA waits for every peer's (not when sending only)
+        # 2. the last CTA advances the epoch (every CTA read it before it arrived) and announces every CTA's
+        # rows; every CTA waits for every peer's (not when sending only)
+        if announce != 0:
+            if tid == 0:
+                if live != 0:
+                    p.epochs[OP_COMBINE] = epoch
         if p.phase == PHASE_SEND:
             if announce != 0:
                 signal_peers(p, Int32(SIGNAL_COMBINE), epoch)
@@ -108,8 +122,6 @@ class LowLatencyCombineKernel(CombineFamily):
             cute.arch.sync_warp()
             weighted_sum_rows(self.dtype, my_addr, my_weight, n, v_begin, v_end, lane, out_rows.row(t))
             cute.arch.sync_warp()
-        if p.phase != PHASE_SEND:
-            self.finish(p, Int32(DONE_COMBINE), epoch)
 
     @cute.jit
     def push_rows(self, p: EpParams, firsts: cute.Tensor, sums: cute.Tensor, comb: RowSpace, lane: Int32,

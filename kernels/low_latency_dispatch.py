@@ -27,14 +27,17 @@ next one on set q) before this rank has finished reading set q.
    ``ll_rows[q * R * M + r * M + t]``. Then (every thread, a pair each) t * K + k goes into
    ``ll_index[q, l, r, j]`` on the expert's rank.
 3. Counts (the last CTA to finish step 2, its histogram): for every expert e, ``ll_signals[q, l, r]`` on
-   e's rank becomes (epoch << 32) | count after a system fence (rows and indices land first).
-4. Receive (each CTA a contiguous range of local experts, 16 at a time): a warp per expert waits for its R
-   counts, scans them into its blocks' starts and writes the expert's count, statistics and ranges; then
-   the CTA's warps copy the rows of those experts from ``ll_rows`` into their padded slots, a warp per row
-   (a decode batch's few rows per expert spread over every warp, not one warp's), each with its slot's
-   ``ll_src_info`` and ``y_slot`` (one read of the row's ``ll_index`` entry for both).
-5. The last CTA to finish advances epochs[OP_LAYOUT] and epochs[OP_DISPATCH] (unless a wait timed out).
-With ``phase`` PHASE_SEND a launch runs steps 1-3 and returns, and a later one with PHASE_RECEIVE steps 4-5
+   e's rank becomes (epoch << 32) | count after a system fence (rows and indices land first); then it
+   advances epochs[OP_LAYOUT] and epochs[OP_DISPATCH] (every CTA read the epoch before it arrived). Why
+   here and not after the receive: an arrival of every receiving CTA before the last one's update put a
+   fence and an atomic's round trip at the end of the launch; a receive whose wait times out records a
+   fault, which the host reads before the epochs.
+4. Receive (``per`` = the grid's warps // El, at least 1, consecutive warps per local expert): each warp
+   waits for its expert's R counts and scans them into the blocks' starts, the expert's first warp writes
+   its count, statistics and ranges, and each warp copies every per-th of the expert's rows from
+   ``ll_rows`` into their padded slots, each with its slot's ``ll_src_info`` and ``y_slot`` (one read of
+   the row's ``ll_index`` entry for both); no CTA barrier.
+With ``phase`` PHASE_SEND a launch runs steps 1-3 and returns, and a later one with PHASE_RECEIVE step 4
 (DeepEP's ``return_recv_hook``: the receiving half launched when the caller asks for the data).
 Ids outside [-1, E) and a token naming an expert twice are recorded in ``input_fault`` (this rank); an
 invalid id's pair is skipped, a repeated expert's pairs travel as two. After a fault nothing moves.
@@ -51,7 +54,6 @@ from cutlass import Float32, Int32, Int64
 from cute_ep.kernels.base import EpKernel
 from cute_ep.kernels.buffers import (
     DONE_DISPATCH,
-    DONE_LOW_LATENCY,
     FP8_BLOCK,
     INPUT_FAULT_FIRST,
     INPUT_FAULT_RANKS,
@@ -78,14 +80,12 @@ from cute_ep.kernels.signals import (
     SIGNAL_SET,
     cta_arrives_last,
     fault_free,
-    last_cta_arrives,
     record_fault,
     wait_signal_value,
 )
 
 NUMBER_UNROLL = 8  # 32-pair steps whose ids warp 0 loads at once (one latency per 8 steps)
 SOURCE_SEARCH_STEPS = 9  # binary-search steps over the R + 1 block starts (R <= MAX_WORLD_SIZE = 256)
-EXPERT_SEARCH_STEPS = 5  # ... over the first rows of a CTA's 16 experts
 STARTS = MAX_WORLD_SIZE + 1  # shared-memory ints per warp: its expert's block starts and total
 # 128-bit pieces per lane in flight in the receiving copies: a decode batch gives each warp a few rows of
 # local memory to move, each a chain of load latencies (7168 bf16: 2 steps of 16 against 4 of 8)
@@ -113,9 +113,10 @@ class LowLatencyDispatchKernel(EpKernel):
         smem = cutlass.memory.SmemAllocator()
         hist = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS), 16)
         starts = smem.allocate_tensor(Int32, cute.make_layout(self.threads // WARP * STARTS), 16)
-        firsts = smem.allocate_tensor(Int32, cute.make_layout(self.threads // WARP + 1), 4)
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
-        epoch = p.epochs[OP_DISPATCH] + Int64(1)  # the receiving half advances it: both see this call's
+        epoch = p.epochs[OP_DISPATCH] + Int64(1)
+        if p.phase == PHASE_RECEIVE:  # the sending half advanced it
+            epoch = epoch - Int64(1)
         q = Int32(epoch % 2)
         live = Int32(0)
         if fault_free(p.fault):
@@ -137,13 +138,11 @@ class LowLatencyDispatchKernel(EpKernel):
             if cta_arrives_last(p, DONE_DISPATCH, last, tid) != 0:  # its rows and indices are out
                 if live != 0:
                     self.announce_counts(p, hist, q, epoch, tid)
-        if p.phase != PHASE_SEND:  # steps 4-5
-            self.receive(p, starts, firsts, q, epoch, live, tid)
-            if tid == 0:  # the epochs are read after the launch ends: arrivals fenced within this GPU
-                if last_cta_arrives(p.done, DONE_LOW_LATENCY, system=False) != 0:
-                    if fault_free(p.fault):
+                    if tid == 0:  # every CTA read the epoch before it arrived
                         p.epochs[OP_LAYOUT] = p.epochs[OP_LAYOUT] + Int64(1)
                         p.epochs[OP_DISPATCH] = epoch
+        if p.phase != PHASE_SEND:  # step 4
+            self.receive(p, starts, q, epoch, live, tid)
 
     @cute.jit
     def number_pairs(self, p: EpParams, hist: cute.Tensor, t_first: Int32, t_end: Int32, lane: Int32):
@@ -299,50 +298,42 @@ class LowLatencyDispatchKernel(EpKernel):
             nvshmem_cute.signal_op(element(p.ll_signals, (q, e % El, p.rank)), value, SIGNAL_SET, e // El)
 
     @cute.jit
-    def receive(self, p: EpParams, starts: cute.Tensor, firsts: cute.Tensor, q: Int32, epoch: Int64,
-                live: Int32, tid: Int32):
-        """Step 4, by every thread: the CTA's contiguous range of local experts, NW at a time (NW = warps
-        per CTA): a warp per expert waits for its counts and places its blocks (``place_blocks``), then
-        the CTA's warps copy the rows of those NW experts, spread over them all."""
+    def receive(self, p: EpParams, starts: cute.Tensor, q: Int32, epoch: Int64, live: Int32, tid: Int32):
+        """Step 4, warp by warp with no CTA barrier: ``per`` = the grid's warps // El (at least 1)
+        consecutive warps per local expert, each of which reads the expert's counts and scans them into the
+        blocks' starts (``place_blocks``, the first of them also writing the expert's metadata) and copies
+        every per-th of its rows (``copy_rows``). Why no barrier: a CTA's copying warps waited at two
+        barriers for its few placing warps and a warp-0 scan (35% of the receiving launch's warp samples,
+        Nsight Compute, 128 tokens, one H200); counts read again by ``per`` warps are a few loads each."""
         NW = self.threads // WARP
         warp, lane = tid // WARP, tid % WARP
         bid, _, _ = cute.arch.block_idx()
         NCTA, _, _ = cute.arch.grid_dim()
         mine = cute.make_tensor(starts.iterator + warp * STARTS, cute.make_layout(STARTS))
-        e_first, e_end = cta_tokens(p.experts_per_rank, bid, NCTA)  # the same even split, over experts
-        for chunk in range(e_first, e_end, NW):
-            total = Int32(0)
-            if chunk + warp < e_end:
-                total = self.place_blocks(p, mine, q, epoch, chunk + warp, live, lane)
-            if lane == 0:
-                firsts[warp] = total
-            cute.arch.sync_threads()
-            if warp == 0:  # each expert's first row among the chunk's rows (NW <= WARP)
-                n = Int32(0)
-                if lane < NW:
-                    n = firsts[lane]
-                incl = warp_inclusive_scan(n, lane)
-                if lane < NW:
-                    firsts[lane] = incl - n
-                if lane == WARP - 1:
-                    firsts[NW] = incl
-            cute.arch.sync_threads()
-            self.copy_rows(p, starts, firsts, q, chunk, warp, lane)
-            cute.arch.sync_threads()  # starts and firsts are rewritten by the next chunk
+        El = p.experts_per_rank
+        per = (NCTA * NW) // El
+        if per < 1:
+            per = Int32(1)
+        for job in range(bid * NW + warp, El * per, NCTA * NW):
+            el, sub = job // per, job % per
+            total = self.place_blocks(p, mine, q, epoch, el, live, sub, lane)
+            self.copy_rows(p, mine, q, el, total, sub, per, lane)
+            cute.arch.sync_warp()  # every lane has read ``mine`` before the next expert's starts
 
     @cute.jit
     def place_blocks(self, p: EpParams, starts: cute.Tensor, q: Int32, epoch: Int64, el: Int32, live: Int32,
-                     lane: Int32) -> Int32:
-        """Local expert ``el``, by one warp: wait for each source's count (a lane per source), the blocks'
-        starts into ``starts`` (R + 1 entries, the last the total), and the expert's metadata: count,
-        statistics and layout range (each row's own, by the warp that copies it: ``copy_rows``). Returns the
-        expert's rows."""
+                     sub: Int32, lane: Int32) -> Int32:
+        """Local expert ``el``, by one of its warps: wait for each source's count (a lane per source), the
+        blocks' starts into ``starts`` (R + 1 entries, the last the total); the expert's first warp
+        (``sub`` 0) also writes its count, statistics and layout ranges. Returns the expert's rows."""
         R = p.world_size
+        writes = sub == 0
         keeps_stats = p.ll_stats.iterator.toint() != p.ll_count.iterator.toint()
         prior = Int32(0)  # read before the waits, so the statistics' update adds no latency of its own
         if lane == 0:
-            if keeps_stats:
-                prior = p.ll_stats[el]
+            if writes:
+                if keeps_stats:
+                    prior = p.ll_stats[el]
         carry = Int32(0)
         for s0 in range(0, R, WARP):
             s = s0 + lane
@@ -361,24 +352,24 @@ class LowLatencyDispatchKernel(EpKernel):
             carry = carry + cute.arch.shuffle_sync(incl, WARP - 1)
         if lane == 0:
             starts[R] = carry
-            p.ll_count[el] = carry
-            if keeps_stats:
-                p.ll_stats[el] = prior + carry
+            if writes:
+                p.ll_count[el] = carry
+                if keeps_stats:
+                    p.ll_stats[el] = prior + carry
         cute.arch.sync_warp()
-        for s in range(lane, R, WARP):
-            p.ll_range[el, s] = (Int64(starts[s]) << 32) | Int64(starts[s + 1] - starts[s])
+        if writes:
+            for s in range(lane, R, WARP):
+                p.ll_range[el, s] = (Int64(starts[s]) << 32) | Int64(starts[s + 1] - starts[s])
         return carry
 
     @cute.jit
-    def copy_rows(self, p: EpParams, starts: cute.Tensor, firsts: cute.Tensor, q: Int32, chunk: Int32,
-                  warp: Int32, lane: Int32):
-        """Step 4's rows, a warp per row over the chunk's rows: row r is expert w's (the warp that placed
-        it: ``firsts``) row r - firsts[w], source s's j-th (``starts`` of w), pair ll_index[q, el, s, j].
-        A warp's rows are looked up 32 at a time, a lane per row (searches, the ``ll_index`` read, the slot's
-        ``ll_src_info`` and ``y_slot``), before it copies them one after another: one latency for 32 rows'
-        lookups, not one per row before its copy can start."""
+    def copy_rows(self, p: EpParams, starts: cute.Tensor, q: Int32, el: Int32, total: Int32, sub: Int32,
+                  per: Int32, lane: Int32):
+        """Step 4's rows of local expert ``el``: rows sub, sub + per, ... below ``total``, row r source s's
+        j-th (``starts``), pair ll_index[q, el, s, j]. The warp's rows are looked up 32 at a time, a lane per
+        row (the search, the ``ll_index`` read, the slot's ``ll_src_info`` and ``y_slot``), before it copies
+        them one after another: one latency for 32 rows' lookups, not one per row before its copy."""
         dtype = p.x.element_type
-        NW = self.threads // WARP
         row_bytes = p.hidden * (dtype.width // 8)
         if p.fp8 != 0:
             row_bytes = p.fp8_row_bytes
@@ -387,30 +378,35 @@ class LowLatencyDispatchKernel(EpKernel):
         if p.fp8 != 0:
             if p.ll_scales.iterator.toint() != p.ll_count.iterator.toint():
                 scales_out = Int32(1)
-        rows = firsts[NW]
-        for base in range(warp, rows, NW * WARP):
-            src_row, slot = Int32(0), Int32(0)
-            r = base + lane * NW  # this lane's row of the warp's next 32
-            if r < rows:
-                w = last_at_or_before(firsts, r, NW - 1, EXPERT_SEARCH_STEPS)
-                theirs = cute.make_tensor(starts.iterator + w * STARTS, cute.make_layout(STARTS))
-                row = r - firsts[w]
-                s = last_at_or_before(theirs, row, p.world_size - 1, SOURCE_SEARCH_STEPS)
-                pair = p.ll_index[q, chunk + w, s, row - theirs[s]]
+        S = p.fp8_scales
+        for base in range(sub, total, per * WARP):
+            src_row, r = Int32(0), base + lane * per  # this lane's row of the warp's next 32
+            if r < total:
+                s = last_at_or_before(starts, r, p.world_size - 1, SOURCE_SEARCH_STEPS)
+                pair = p.ll_index[q, el, s, r - starts[s]]
                 t = pair // p.topk
-                slot = (chunk + w) * p.rank_capacity + row
                 src_row = q * p.rank_capacity + s * p.max_tokens + t
-                p.ll_src_info[slot] = t  # the slot's token, and its pair for the combine
-                p.y_slot[slot] = Int64(s * p.max_tokens) * p.topk + pair
-            for i in range(warp_batch(rows, base, NW)):
+                p.ll_src_info[el * p.rank_capacity + r] = t  # the slot's token, and its pair for the combine
+                p.y_slot[el * p.rank_capacity + r] = Int64(s * p.max_tokens) * p.topk + pair
+            for i in range(warp_batch(total, base, per)):
                 src = staged.row(cute.arch.shuffle_sync(src_row, i))
-                dst_slot = cute.arch.shuffle_sync(slot, i)
-                copy_row_to_lanes(dtype, src, padded.row(dst_slot), Int32(1), row_bytes // VECTOR_BYTES, lane,
-                                  RECEIVE_ROW_UNROLL)
+                row = base + i * per
+                # FP8: the first 2 * WARP scales loaded before the row, so their latency hides under its own
+                early = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+                if scales_out != 0:
+                    scales = gmem_tensor(Float32, src + p.hidden, cute.make_layout(S), 4)
+                    for u in cutlass.range_constexpr(2):
+                        if lane + u * WARP < S:
+                            early[u] = scales[lane + u * WARP]
+                copy_row_to_lanes(dtype, src, padded.row(el * p.rank_capacity + row), Int32(1),
+                                  row_bytes // VECTOR_BYTES, lane, RECEIVE_ROW_UNROLL)
                 if scales_out != 0:  # [H bytes of e4m3 | H / 128 fp32 scales | ...]
-                    scales = gmem_tensor(Float32, src + p.hidden, cute.make_layout(p.fp8_scales), 4)
-                    for c in range(lane, p.fp8_scales, WARP):
-                        p.ll_scales[dst_slot // p.rank_capacity, c, dst_slot % p.rank_capacity] = scales[c]
+                    scales = gmem_tensor(Float32, src + p.hidden, cute.make_layout(S), 4)
+                    for u in cutlass.range_constexpr(2):
+                        if lane + u * WARP < S:
+                            p.ll_scales[el, lane + u * WARP, row] = early[u]
+                    for c in range(lane + 2 * WARP, S, WARP):  # H above 8192
+                        p.ll_scales[el, c, row] = scales[c]
 
 
 # "dispatch_low_latency": DeepEP's bench_kineto finds a call's dispatch kernels by "::dispatch"
