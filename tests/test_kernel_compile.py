@@ -112,14 +112,25 @@ def test_combine_accumulates_without_fma_and_loads_128_bit_past_l1(compiled_ptx,
     assert ops["st.global.v4.b32"] > 0
 
 
-@pytest.mark.parametrize("kernel", ["Combine", "RankCombine", "PartialSum", "CombineLowLatency",
-                                    "DispatchLowLatency"])
+@pytest.mark.parametrize("kernel", ["Combine", "RankCombine", "PartialSum"])
 def test_last_cta_of_a_launch_is_counted_after_a_gpu_fence(compiled_ptx, kernel):
-    """The combines' ``finish`` and the low-latency dispatch's end count their CTAs' arrivals after a
-    fence within the GPU (``last_cta_arrives(system=False)``): the epochs they advance are read after the
-    launch ends, so no system fence is needed there."""
+    """The combines' ``finish`` counts their CTAs' arrivals after a fence within the GPU
+    (``last_cta_arrives(system=False)``): the epochs they advance are read after the launch ends, so no
+    system fence is needed there."""
     _, ptx = compiled_ptx
     assert _ops(_kernels(ptx)[kernel])["fence.acq_rel.gpu"] >= 1
+
+
+@pytest.mark.parametrize("kernel", ["CombineLowLatency", "DispatchLowLatency"])
+def test_low_latency_receive_ends_without_an_arrival(compiled_ptx, kernel):
+    """The low-latency kernels advance their epochs in the sending half (its last CTA, which counted every
+    CTA's sends or pushes): no CTA counts an arrival after its receiving work, so there is no GPU fence
+    for one, and the one arrival counter left is the sending half's (``cta_arrives_last``: a system fence
+    and one atomic add)."""
+    _, ptx = compiled_ptx
+    ops = _ops(_kernels(ptx)[kernel])
+    assert ops["fence.acq_rel.gpu"] == 0, ops["fence.acq_rel.gpu"]
+    assert ops["fence.sc.sys"] + ops["fence.acq_rel.sys"] >= 1
 
 
 def test_reduced_combine_pushes_partials_and_signals(compiled_ptx):
