@@ -1,11 +1,12 @@
-"""New output tensors made ahead of the call that returns them: ``SpareOutputs``.
+"""New output tensors made ahead of the calls that return them: ``SpareOutputs``.
 
 A call that hands the caller new tensors allocates them before its launch, on the path from the call to its
-kernel (DeepEP's ``get_dispatch_layout``: three tensors, 2-4 us of host time each on an H200 host,
-2026-11-29). Made right after the launch instead, while the kernel runs, the next call of the same shape on
-the same stream takes them ready. Each set is handed out once, so the caller owns what it gets as it owned
-a fresh allocation. It moves host time, it does not remove it: it pays where the kernel outlasts the host
-work after the launch (the layout of 4096 tokens runs about 10 us), not where that work is already longer.
+kernel (DeepEP's ``get_dispatch_layout``: three tensors, 10.2-10.5 us of host time per call on an H200 host,
+2026-12-01). Here the sets of the next calls of the same shape on the same stream are made right after a
+launch, while its kernel runs, and many at once: one allocation per output for up to ``SPARE_AHEAD`` calls,
+split into each call's views by one ``unbind`` (2.3 us a set on that host). Each set is handed out once,
+so the caller owns what it gets as it owned a fresh allocation; its tensors are views of blocks that other
+calls' sets share (a tensor kept keeps its block: at most ``SPARE_MAX_BYTES`` of sets in all).
 """
 
 from __future__ import annotations
@@ -15,21 +16,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["SpareOutputs", "SPARE_MAX_BYTES"]
+__all__ = ["SPARE_AHEAD", "SPARE_MAX_BYTES", "SpareOutputs"]
 
-# Outputs larger than this are not made ahead: for them the allocation is a small part of the call, and a
-# spare set would hold that much memory between calls.
+# Sets made ahead in one go, and the most bytes they may hold together: for larger outputs the allocation is
+# a small part of the call, and a batch would hold that much memory between calls.
+SPARE_AHEAD = 64
 SPARE_MAX_BYTES = 16 << 20
 
 
 class SpareOutputs:
-    """At most one set of new tensors, made ahead for the next call of a kind.
+    """New output sets made ahead for the next calls of a kind.
 
-    make(key): a new set for ``key``. ``take(key)``: the set made ahead for ``key`` if there is one, else
-    ``make(key)`` now; either way the caller's from then on. ``refill(key, nbytes)``, after the launch:
-    makes the next call's set when the call before this one had the same ``key`` too (a run of calls of
-    one shape, as decode steps are; a call of a new shape makes nothing ahead) and the set's ``nbytes``
-    are at most ``SPARE_MAX_BYTES``.
+    make(key, n): ``n`` new sets for ``key`` (a list; each set a tuple of tensors). ``take(key)``: a set made
+    ahead for ``key`` if one is left, else one made now; either way the caller's from then on.
+    ``refill(key, nbytes)``, after the launch: once every set made ahead is handed out, makes the next
+    calls' sets when the call before this one had the same ``key`` too (a run of calls of one shape, as
+    decode steps are; a call of a new shape makes nothing ahead): ``SPARE_MAX_BYTES // nbytes`` of them, at
+    most ``SPARE_AHEAD`` (none when one set is larger).
 
     ``key`` must hold everything the tensors depend on (shapes, dtypes, device) and the CUDA stream they
     are made on: the caching allocator orders the reuse of a block on the stream that allocated it, so a
@@ -38,22 +41,23 @@ class SpareOutputs:
     capture on the current stream (default torch's; a CPU-only build of torch has none, so pass one there).
     """
 
-    __slots__ = ("_make", "_key", "_set", "_last", "_capturing")
+    __slots__ = ("_make", "_key", "_sets", "_last", "_capturing")
 
-    def __init__(self, make: Callable[[Any], Any], capturing: Callable[[], bool] | None = None) -> None:
+    def __init__(self, make: Callable[[Any, int], list], capturing: Callable[[], bool] | None = None) -> None:
         self._make = make
         self._key: Hashable = None
-        self._set: Any = None
+        self._sets: list = []
         self._last: Hashable = None
         self._capturing = torch.cuda.is_current_stream_capturing if capturing is None else capturing
 
     def take(self, key: Hashable) -> Any:
-        if self._set is not None and self._key == key and not self._capturing():
-            got, self._set = self._set, None
-            return got
-        return self._make(key)
+        if self._sets and self._key == key and not self._capturing():
+            return self._sets.pop()
+        return self._make(key, 1)[0]
 
     def refill(self, key: Hashable, nbytes: int) -> None:
-        if self._last == key and nbytes <= SPARE_MAX_BYTES and not self._capturing():
-            self._key, self._set = key, self._make(key)
+        ahead = min(SPARE_AHEAD, SPARE_MAX_BYTES // max(1, nbytes))
+        left = bool(self._sets) and self._key == key
+        if self._last == key and ahead > 0 and not left and not self._capturing():
+            self._key, self._sets = key, self._make(key, ahead)
         self._last = key

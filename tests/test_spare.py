@@ -1,22 +1,27 @@
-"""``cute_ep.spare.SpareOutputs``: outputs made ahead for the next call of a kind, handed out once, only for
-the same key (shape and stream), never during CUDA graph capture, none beyond the size cap."""
+"""``cute_ep.spare.SpareOutputs``: output sets made ahead for the next calls of a kind, many at once, each
+handed out once, only for the same key (shape and stream), never during CUDA graph capture, none beyond the
+size cap; and the layout call's sets (``cute_ep.deep_ep.token_layout``): views that share no byte."""
 
 from __future__ import annotations
 
 import torch
 
-from cute_ep.spare import SPARE_MAX_BYTES, SpareOutputs
+from cute_ep.deep_ep.token_layout import _outputs
+from cute_ep.spare import SPARE_AHEAD, SPARE_MAX_BYTES, SpareOutputs
 
 
 class _Maker:
-    """make(key): a new tensor per call, counted."""
+    """make(key, n): n new tensors, each numbered by the sets made so far; the batch sizes recorded."""
 
     def __init__(self) -> None:
-        self.made: list[tuple] = []
+        self.made = 0
+        self.batches: list[tuple] = []
 
-    def __call__(self, key: tuple) -> torch.Tensor:
-        self.made.append(key)
-        return torch.full((key[0],), len(self.made))
+    def __call__(self, key: tuple, n: int) -> list[torch.Tensor]:
+        self.batches.append((key, n))
+        first = self.made
+        self.made += n
+        return [torch.full((key[0],), first + i + 1) for i in range(n)]
 
 
 def _spare(capturing: list[bool] | None = None) -> tuple[SpareOutputs, _Maker]:
@@ -25,20 +30,26 @@ def _spare(capturing: list[bool] | None = None) -> tuple[SpareOutputs, _Maker]:
     return SpareOutputs(make, capturing=lambda: flag[0]), make
 
 
-def test_the_second_call_of_a_key_makes_the_third_calls_outputs_ahead() -> None:
+def test_a_run_of_one_key_gets_its_sets_made_ahead_in_batches() -> None:
     spare, make = _spare()
     key = (4, 7)  # (size, stream)
     first = spare.take(key)
     spare.refill(key, 16)  # the first call of this key: nothing ahead
-    assert len(make.made) == 1
+    assert make.batches == [(key, 1)]
     second = spare.take(key)
-    assert len(make.made) == 2 and second is not first
-    spare.refill(key, 16)  # the key repeats: the next call's set is made now
-    assert len(make.made) == 3
-    third = spare.take(key)
-    assert len(make.made) == 3 and int(third[0]) == 3  # the one made ahead, no allocation in the call
-    fourth = spare.take(key)  # not refilled in between: a set is never handed out twice
-    assert len(make.made) == 4 and fourth is not third
+    assert make.made == 2 and second is not first
+    spare.refill(key, 16)  # the key repeats: the next calls' sets, SPARE_AHEAD of them at once
+    assert make.batches[-1] == (key, SPARE_AHEAD)
+    got = []
+    for _ in range(SPARE_AHEAD - 1):  # handed out one by one, none made in a call
+        got.append(spare.take(key))
+        spare.refill(key, 16)  # sets are left: nothing made
+    assert make.made == 2 + SPARE_AHEAD
+    got.append(spare.take(key))  # the batch's last
+    assert make.made == 2 + SPARE_AHEAD and len({int(t[0]) for t in got}) == SPARE_AHEAD
+    assert len({id(t) for t in got} | {id(first), id(second)}) == SPARE_AHEAD + 2
+    spare.refill(key, 16)  # all handed out: the next batch
+    assert make.batches[-1] == (key, SPARE_AHEAD) and make.made == 2 + 2 * SPARE_AHEAD
 
 
 def test_a_set_goes_only_to_a_call_of_its_key() -> None:
@@ -46,15 +57,15 @@ def test_a_set_goes_only_to_a_call_of_its_key() -> None:
     for _ in range(2):
         spare.take((4, 7))
         spare.refill((4, 7), 16)
-    ahead = len(make.made)
+    ahead = make.made
     other_stream = spare.take((4, 8))  # same size, another stream: made now
-    assert len(make.made) == ahead + 1 and int(other_stream[0]) == ahead + 1
+    assert make.made == ahead + 1 and int(other_stream[0]) == ahead + 1
     other_size = spare.take((5, 7))
-    assert len(make.made) == ahead + 2 and other_size.numel() == 5
-    kept = spare.take((4, 7))  # the set made ahead is still there for its own key
-    assert len(make.made) == ahead + 2 and int(kept[0]) == ahead
+    assert make.made == ahead + 2 and other_size.numel() == 5
+    kept = spare.take((4, 7))  # the sets made ahead are still there for their own key
+    assert make.made == ahead + 2 and 2 < int(kept[0]) <= ahead
     spare.refill((5, 7), 20)  # the key changed since the last call: nothing ahead
-    assert len(make.made) == ahead + 2
+    assert make.made == ahead + 2
 
 
 def test_nothing_is_taken_or_made_ahead_during_graph_capture() -> None:
@@ -63,22 +74,41 @@ def test_nothing_is_taken_or_made_ahead_during_graph_capture() -> None:
     for _ in range(2):
         spare.take((4, 7))
         spare.refill((4, 7), 16)
-    ahead = len(make.made)
+    ahead = make.made
     capturing[0] = True
     captured = spare.take((4, 7))  # the graph's tensors come from its own pool: made now
-    assert len(make.made) == ahead + 1 and int(captured[0]) == ahead + 1
+    assert make.made == ahead + 1 and int(captured[0]) == ahead + 1
     spare.refill((4, 7), 16)
-    assert len(make.made) == ahead + 1
+    assert make.made == ahead + 1
     capturing[0] = False
-    after = spare.take((4, 7))  # the set made before the capture, kept through it
-    assert len(make.made) == ahead + 1 and int(after[0]) == ahead
+    after = spare.take((4, 7))  # a set made before the capture, kept through it
+    assert make.made == ahead + 1 and int(after[0]) <= ahead
 
 
-def test_outputs_beyond_the_size_cap_are_not_made_ahead() -> None:
+def test_the_sets_made_ahead_hold_at_most_the_size_cap() -> None:
     spare, make = _spare()
     for _ in range(3):
         spare.take((4, 7))
-        spare.refill((4, 7), SPARE_MAX_BYTES + 1)
-    assert len(make.made) == 3  # one per call, none ahead
-    spare.refill((4, 7), SPARE_MAX_BYTES)
-    assert len(make.made) == 4
+        spare.refill((4, 7), SPARE_MAX_BYTES + 1)  # one set above the cap: none ahead
+    assert make.batches == [((4, 7), 1)] * 3
+    spare.refill((4, 7), SPARE_MAX_BYTES // 3)
+    assert make.batches[-1] == ((4, 7), 3)  # as many as fit under the cap
+
+
+def test_layout_sets_are_contiguous_views_that_share_no_byte() -> None:
+    t, r, e, n = 5, 3, 7, 4
+    sets = _outputs((t, r, e, torch.device("cpu"), 0), n)
+    assert len(sets) == n
+    spans = []
+    for per_rank, per_expert, in_rank in sets:
+        assert (per_rank.shape, per_rank.dtype) == ((r,), torch.int32)
+        assert (per_expert.shape, per_expert.dtype) == ((e,), torch.int32)
+        assert (in_rank.shape, in_rank.dtype) == ((t, r), torch.bool)
+        for x in (per_rank, per_expert, in_rank):
+            assert x.is_contiguous() and x.data_ptr() % x.element_size() == 0
+            spans.append((x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()))
+    spans.sort()
+    assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:], strict=False))
+    sets[0][2].fill_(True)  # a write to one set's tensor leaves every other set's as it was
+    sets[1][2].fill_(False)
+    assert bool(sets[0][2].all()) and not bool(sets[1][2].any())

@@ -363,23 +363,26 @@ def test_layout_kernel_matches_torch(runtime, buffers, id_dtype: torch.dtype) ->
 
 
 def test_layout_calls_of_one_shape_each_return_their_own_tensors(runtime, buffers) -> None:
-    """get_dispatch_layout four times on fresh ids of one shape, every result kept: from the third call on
-    the outputs were made during the call before (cute_ep.spare). After all four, each call's three tensors
-    hold its own layout, bit for bit against the torch form, and share no memory with another call's."""
+    """get_dispatch_layout on fresh ids of one shape, every result kept, SPARE_AHEAD + 6 times: from the third
+    call on the outputs were made ahead, a batch of calls' at a time (cute_ep.spare), so the calls cross a
+    batch's end. After all of them, each call's three tensors hold its own layout, bit for bit against the
+    torch form, and share no byte with another call's."""
     from cute_ep.deep_ep import normal
+    from cute_ep.spare import SPARE_AHEAD
 
     kern, _ = buffers
     world = runtime.env.world_size
     g = torch.Generator().manual_seed(runtime.seed * 1000 + 31 * runtime.env.rank + 3)
     experts = world * 32
     kept = []
-    for _ in range(4):
+    for _ in range(SPARE_AHEAD + 6):
         idx = torch.rand(512, experts, generator=g).topk(8, dim=1).indices
         idx[torch.rand(512, 8, generator=g) < 0.1] = -1
         per_rank, _, per_expert, in_rank, _ = kern.get_dispatch_layout(idx.to(runtime.device), experts)
         kept.append((idx, (per_rank, per_expert, in_rank)))
-    addresses = [t.data_ptr() for _, got in kept for t in got]
-    assert len(set(addresses)) == len(addresses)
+    tensors = [t for _, got in kept for t in got]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
     for i, (idx, got) in enumerate(kept):
         want = normal.dispatch_layout(idx, experts, world)
         for name, a, b in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"), got, want,
