@@ -51,13 +51,18 @@ class SpareOutputs:
         self._capturing = torch.cuda.is_current_stream_capturing if capturing is None else capturing
 
     def take(self, key: Hashable) -> Any:
-        if self._sets and self._key == key and not self._capturing():
+        if self._left_for(key) and not self._capturing():
             return self._sets.pop()
         return self._make(key, 1)[0]
 
     def refill(self, key: Hashable, nbytes: int) -> None:
-        ahead = min(SPARE_AHEAD, SPARE_MAX_BYTES // max(1, nbytes))
-        left = bool(self._sets) and self._key == key
-        if self._last == key and ahead > 0 and not left and not self._capturing():
-            self._key, self._sets = key, self._make(key, ahead)
+        # Sized only when a batch is due: most calls of a run find sets left and do nothing more.
+        if self._last == key and not self._left_for(key) and not self._capturing():
+            ahead = min(SPARE_AHEAD, SPARE_MAX_BYTES // max(1, nbytes))
+            if ahead > 0:
+                self._key, self._sets = key, self._make(key, ahead)
         self._last = key
+
+    def _left_for(self, key: Hashable) -> bool:
+        """Sets made ahead for ``key`` are left to hand out."""
+        return bool(self._sets) and self._key == key
