@@ -63,6 +63,7 @@ from cute_ep.launcher import current_stream_handle, storage_addresses
 from cute_ep.low_latency_launches import LowLatencyLaunches
 from cute_ep.module_launch import ModuleLaunch
 from cute_ep.received_views import ReceivedViews
+from cute_ep.spare import SpareOutputs, combine_outputs, handle_storage
 from cute_ep.status import StatusBlock
 from cute_ep.status_checks import StatusChecks
 from cute_ep.streams import on_stream
@@ -124,6 +125,8 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
         self._sent: tuple[torch.Tensor, torch.Tensor] | None = None  # routing of the latest dispatch
         self._latest_recv: int | None = None  # its num_recv (None: not read back, sync=False or launch_*)
         self._drops = torch.zeros(cfg.num_experts, dtype=torch.int64)  # read from the device, not reported
+        # dispatch()'s handle storage and combine()'s outputs, made ahead of the calls (cute_ep.spare)
+        self._handle_sets, self._outputs = SpareOutputs(handle_storage), SpareOutputs(combine_outputs)
         self.poison()
         runtime.barrier()  # synchronizes the device first: every rank's signals are zero before any signal
 
@@ -199,25 +202,26 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
         # the kernels write into, the handle while they run, after the wait the count's views. A tensor op
         # costs 1.4-5 us of host time on an H200 host, so the calls below are counted.
         with on_stream(self.device, stream, previous_event, x, idx, w) as on:
-            # The handle owns its routing (a caller editing its tensors later cannot change combine): one
-            # [3, T, K] int32 block; the layout writes the slots into its first plane and copies the ids
-            # and weights into the others (the launch takes their addresses, the views follow it).
-            owned = torch.empty((3, t, c.topk), dtype=torch.int32, device=self.device)
-            first, plane = owned.data_ptr(), t * c.topk * 4
+            # The handle owns its routing (a caller editing its tensors later cannot change combine): the
+            # layout writes the slots into the first of its three [T, K] tensors and copies the ids and
+            # weights into the others (the launch takes their addresses). Made ahead of the call, many at
+            # once, on this stream (``cute_ep.spare``).
+            on_this = current_stream_handle(self._device_index)
+            key = (t, c.topk, self.device, on_this)
+            scatter, idx_own, w_own, own = self._handle_sets.take(key)
             # A synced call's status: the layout kernel writes it into pinned host memory once the count
             # is known, which the host polls (no copy, no stream sync); ``read()`` when that is off or did
             # not happen.
             seq = self.status.next_seq() if sync and self.status.use_mirror() else 0
-            self._enqueue_dispatch(x, idx, w, mode, fp8, algorithm, layout,
-                                   own=(first, first + plane, first + 2 * plane) if t else None,
+            self._enqueue_dispatch(x, idx, w, mode, fp8, algorithm, layout, own=own if t else None,
                                    mirror_seq=seq, deliver=deliver)
+            self._handle_sets.refill(key, 12 * t * c.topk)  # while the kernels run
             event = on.record_event() if stream is not None else None
-            scatter, idx_own, w_bits = owned.unbind(0)
-            handle = DispatchHandle(idx_own, w_bits.view(torch.float32), scatter, t, mode, layout)
-            self._sent = (handle.topk_idx, handle.topk_weights)
+            handle = DispatchHandle(idx_own, w_own, scatter, t, mode, layout)
+            self._sent = (idx_own, w_own)
             self._latest_scatter = scatter  # device's num_recv is this dispatch's (combine's staging)
             status = num_recv = running = None
-            if seq and self.status.wait_mirror(seq, current_stream_handle(self._device_index)):
+            if seq and self.status.wait_mirror(seq, on_this):
                 # mirrored by the layout kernel: this dispatch's rows may still be moving
                 running = OP_DISPATCH
                 num_recv = self.status.quiet_count(self._calls, OP_LAYOUT, OP_DISPATCH, OP_COMBINE,
@@ -226,7 +230,9 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
             elif sync:
                 status = self.status.read()
         if stream is not None:  # made on ``stream``, used on the caller's
-            owned.record_stream(torch.cuda.current_stream(self.device))
+            caller = torch.cuda.current_stream(self.device)
+            scatter.record_stream(caller)  # the slots' and ids' storage
+            w_own.record_stream(caller)
         if status is not None:
             self._check_ran(status, OP_LAYOUT, OP_DISPATCH, OP_COMBINE, running=running)
             refused = self.status.refused_inputs(status)
@@ -405,13 +411,16 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
         check_combine_input(c, self.device, y, handle, self._latest_recv)
         check_kernel_handle(handle)
         self._check_combine_algorithm(handle, algorithm)
-        out = torch.empty((handle.num_tokens, c.hidden), dtype=c.dtype, device=self.device)
+        # A new output, made ahead of the call with the next calls' on the caller's stream (cute_ep.spare).
+        key = (handle.num_tokens, c.hidden, c.dtype, self.device, current_stream_handle(self._device_index))
+        out = self._outputs.take(key)
         with on_stream(self.device, stream, previous_event, y, out, handle.topk_idx, handle.topk_weights,
                        handle.scatter):
             staged, y_rows = None, 0
             if y.data_ptr() != self.recv_y.data_ptr():
                 staged, y_rows, _ = self._staging(y, handle)
             self._enqueue_combine(handle, out, algorithm, staged, y_rows)
+        self._outputs.refill(key, out.nbytes)  # while the kernels run
         return out
 
     def _staging(self, y: torch.Tensor, handle: DispatchHandle, y_slot: torch.Tensor | None = None

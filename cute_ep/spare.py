@@ -1,4 +1,6 @@
-"""New output tensors made ahead of the calls that return them: ``SpareOutputs``.
+"""New output tensors made ahead of the calls that return them: ``SpareOutputs``, and the sets of the calls that
+use it (``handle_storage``: ``EpBuffer.dispatch``'s handle; ``combine_outputs``: ``EpBuffer.combine``'s result;
+the layout call's in ``cute_ep.deep_ep.token_layout``).
 
 A call that hands the caller new tensors allocates them before its launch, on the path from the call to its
 kernel (DeepEP's ``get_dispatch_layout``: three tensors, 10.2-10.5 us of host time per call on an H200 host,
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SPARE_AHEAD", "SPARE_MAX_BYTES", "SpareOutputs"]
+__all__ = ["SPARE_AHEAD", "SPARE_MAX_BYTES", "SpareOutputs", "combine_outputs", "handle_storage"]
 
 # Sets made ahead in one go, and the most bytes they may hold together: for larger outputs the allocation is
 # a small part of the call, and a batch would hold that much memory between calls.
@@ -66,3 +68,22 @@ class SpareOutputs:
     def _left_for(self, key: Hashable) -> bool:
         """Sets made ahead for ``key`` are left to hand out."""
         return bool(self._sets) and self._key == key
+
+
+def handle_storage(key: tuple, n: int) -> list[tuple]:
+    """``n`` sets of a dispatch handle's own routing for key (T, K, device, stream): (slots [T, K] int32, ids
+    [T, K] int32, weights [T, K] fp32, their three addresses), from one int32 and one fp32 allocation (the
+    slots and ids planes interleaved per set), each set's tensors contiguous and apart from every other's."""
+    t, k, dev, _ = key
+    ints = torch.empty((n, 2, t, k), dtype=torch.int32, device=dev)
+    floats = torch.empty((n, t, k), dtype=torch.float32, device=dev)
+    planes, rows = ints.view(2 * n, t, k).unbind(0), floats.unbind(0)
+    first, first_w, plane = ints.data_ptr(), floats.data_ptr(), 4 * t * k
+    return [(planes[2 * i], planes[2 * i + 1], rows[i],
+             (first + 2 * i * plane, first + (2 * i + 1) * plane, first_w + i * plane)) for i in range(n)]
+
+
+def combine_outputs(key: tuple, n: int) -> list[torch.Tensor]:
+    """``n`` new combine outputs for key (T, H, dtype, device, stream): [T, H] each, from one allocation."""
+    t, h, dtype, dev, _ = key
+    return list(torch.empty((n, t, h), dtype=dtype, device=dev).unbind(0))

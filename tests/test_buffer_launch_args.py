@@ -22,6 +22,7 @@ from cute_ep.buffer import EpBuffer
 from cute_ep.kernels.buffers import BUFFERS, CALL, HOST, STATUS, buffers_of
 from cute_ep.kernels.config import DISPATCH_ALGORITHMS, MODES, OP_COMBINE, OP_DISPATCH, OP_LAYOUT, EpConfig
 from cute_ep.kernels.variants import COMBINE_ALGORITHMS, LAYOUTS
+from cute_ep.spare import SPARE_AHEAD, SpareOutputs, combine_outputs, handle_storage
 from cute_ep.status import StatusBlock
 
 STREAM = 0x5EED
@@ -45,6 +46,9 @@ def buf(monkeypatch) -> EpBuffer:
     cfg = EpConfig(world_size=2, local_world_size=2, num_experts=8, topk=2, hidden=64, dtype=torch.bfloat16,
                    max_tokens=16, combine_algorithm="reduced")
     b = object.__new__(EpBuffer)
+    # the calls' sets made ahead (cute_ep.spare); no CUDA graph capture on the CPU
+    b._handle_sets = SpareOutputs(handle_storage, capturing=lambda: False)
+    b._outputs = SpareOutputs(combine_outputs, capturing=lambda: False)
     b.cfg, b.rank, b.device, b._device_index, b._closed = cfg, 0, torch.device("cpu"), 0, False
     b.status = StatusBlock(cfg, "cpu")
     for t in BUFFERS:
@@ -88,6 +92,24 @@ def inputs(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torc
     x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)
     idx = torch.argsort(torch.rand(tokens, 8, generator=g), dim=1)[:, :2].to(torch.int32).contiguous()
     return x, idx, torch.rand(tokens, 2, generator=g)
+
+
+def test_calls_across_a_batch_made_ahead_each_launch_into_their_own_storage(buf) -> None:
+    """SPARE_AHEAD + 3 sync-free dispatches and combines of one size: each dispatch's launch names its own
+    handle's storage, each combine writes a new output, and no two of those share a byte."""
+    x, idx, w = inputs(5)
+    kept = []
+    for _ in range(SPARE_AHEAD + 3):
+        res = buf.dispatch(x, idx, w, sync=False)
+        h = res.handle
+        ptrs = buf._launcher.launches[-1][1]
+        assert (ptrs["scatter"], ptrs["own_idx"], ptrs["own_w"]) == (
+            h.scatter.data_ptr(), h.topk_idx.data_ptr(), h.topk_weights.data_ptr())
+        out = buf.combine(buf.recv_y[: buf.cfg.capacity], h)
+        assert buf._launcher.launches[-1][1]["out"] == out.data_ptr() and out.shape == (5, 64)
+        kept += [h.scatter, h.topk_idx, h.topk_weights, out]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in kept)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
 
 
 @pytest.mark.parametrize("layout", ["expert", "rank"])

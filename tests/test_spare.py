@@ -1,13 +1,14 @@
 """``cute_ep.spare.SpareOutputs``: output sets made ahead for the next calls of a kind, many at once, each
 handed out once, only for the same key (shape and stream), never during CUDA graph capture, none beyond the
-size cap; and the layout call's sets (``cute_ep.deep_ep.token_layout``): views that share no byte."""
+size cap; and the sets of the calls that use it (the layout call's, a dispatch handle's storage, a combine's
+output): contiguous views that share no byte."""
 
 from __future__ import annotations
 
 import torch
 
 from cute_ep.deep_ep.token_layout import _outputs
-from cute_ep.spare import SPARE_AHEAD, SPARE_MAX_BYTES, SpareOutputs
+from cute_ep.spare import SPARE_AHEAD, SPARE_MAX_BYTES, SpareOutputs, combine_outputs, handle_storage
 
 
 class _Maker:
@@ -95,6 +96,13 @@ def test_the_sets_made_ahead_hold_at_most_the_size_cap() -> None:
     assert make.batches[-1] == ((4, 7), 3)  # as many as fit under the cap
 
 
+def _apart(tensors: list[torch.Tensor]) -> bool:
+    """Every tensor contiguous, aligned to its element, and no two sharing a byte."""
+    spans = sorted((x.data_ptr(), x.data_ptr() + x.nbytes) for x in tensors)
+    aligned = all(x.is_contiguous() and x.data_ptr() % x.element_size() == 0 for x in tensors)
+    return aligned and all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:], strict=False))
+
+
 def test_layout_sets_are_contiguous_views_that_share_no_byte() -> None:
     t, r, e, n = 5, 3, 7, 4
     sets = _outputs((t, r, e, torch.device("cpu"), 0), n)
@@ -112,3 +120,24 @@ def test_layout_sets_are_contiguous_views_that_share_no_byte() -> None:
     sets[0][2].fill_(True)  # a write to one set's tensor leaves every other set's as it was
     sets[1][2].fill_(False)
     assert bool(sets[0][2].all()) and not bool(sets[1][2].any())
+
+
+def test_handle_storage_sets_are_apart_and_carry_their_addresses() -> None:
+    t, k, n = 5, 3, 4
+    sets = handle_storage((t, k, torch.device("cpu"), 0), n)
+    assert len(sets) == n
+    for slots, ids, weights, addrs in sets:
+        assert [(x.shape, x.dtype) for x in (slots, ids, weights)] == [
+            ((t, k), torch.int32), ((t, k), torch.int32), ((t, k), torch.float32)]
+        assert addrs == (slots.data_ptr(), ids.data_ptr(), weights.data_ptr())  # what the launch is given
+    assert _apart([x for s in sets for x in s[:3]])
+    sets[0][1].fill_(7)  # a write to one set's ids leaves the others' as they were
+    sets[1][1].fill_(-1)
+    assert bool((sets[0][1] == 7).all()) and not bool((sets[1][0] == 7).any())
+    assert handle_storage((0, k, torch.device("cpu"), 0), 2)[1][0].shape == (0, k)  # no tokens: empty sets
+
+
+def test_combine_output_sets_are_apart() -> None:
+    outs = combine_outputs((3, 16, torch.bfloat16, torch.device("cpu"), 0), 5)
+    assert len(outs) == 5 and all((o.shape, o.dtype) == ((3, 16), torch.bfloat16) for o in outs)
+    assert _apart(outs)

@@ -7,8 +7,8 @@ and combine on a communication stream beside a GEMM.
 - ``combine`` and ``dispatch(sync=False)`` make no host sync (torch's sync debug mode raises on one), a
   synced ``dispatch`` makes one; the sync-free dispatch returns worst-case views with the count on the
   device, eagerly and replayed in a CUDA graph, with the synced call's results.
-- calls of one size each keep their own results (no later call writes into a handle's routing or a
-  combine's output);
+- calls of one size each keep their own results, across the end of a batch of them made ahead (no later
+  call writes into a handle's routing or a combine's output);
 - a cached dispatch (``launch_cached_dispatch``, no layout) receives what a full dispatch of the same rows
   along the same routing receives, bit for bit, and leaves its counts;
 - a dispatch copies its received rows into the caller's tensors in its own launch when asked
@@ -33,6 +33,7 @@ from cute_ep.buffer import EpBuffer
 from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
 from cute_ep.reference import apply_test_expert
+from cute_ep.spare import SPARE_AHEAD
 from cute_ep.validators.checks import check_combine, check_dispatch, check_rank_combine
 
 pytestmark = pytest.mark.gpu
@@ -134,14 +135,16 @@ def test_combine_and_sync_free_dispatch_make_no_host_sync(runtime):
 
 @pytest.mark.parametrize("sync", [True, False])
 def test_results_of_calls_of_one_size_stay_the_callers(runtime, sync):
-    """dispatch() + combine() four times on fresh inputs of one size, every result kept: each round is
-    checked when it returns; after all four, every round's combine output and its handle's ids, weights and
-    slots are as they were (no later call wrote into them) and share no memory."""
+    """dispatch() + combine() on fresh inputs of one size, SPARE_AHEAD + 6 times (handles and outputs are made
+    ahead in batches: across a batch's end), every result kept: some rounds are checked when they return;
+    after all, every round's combine output and its handle's ids, weights and slots are as they were (no
+    later call wrote into them) and no two of them share a byte."""
     cfg, rank, _ = _setup(runtime, seed=11)
     dev, g = runtime.device, runtime.cpu_group
+    rounds = SPARE_AHEAD + 6
     with EpBuffer(runtime, cfg, registry=runtime.registry) as buf:
         kept = []
-        for i in range(4):
+        for i in range(rounds):
             x, idx, w = (t.to(dev) for t in make_inputs(rank, cfg.max_tokens, cfg.hidden, cfg.num_experts,
                                                          cfg.topk, cfg.dtype, runtime.seed + 300 + i,
                                                          routing="uniform"))
@@ -150,18 +153,23 @@ def test_results_of_calls_of_one_size_stay_the_callers(runtime, sync):
             y = buf.expert_output(res.num_recv)
             y.copy_(res.recv_x)
             out = buf.combine(y, res.handle)
-            rc = check_combine(out, idx, w, y[:n], local_world_size=cfg.local_world_size,
-                               num_experts=cfg.num_experts, scatter=res.handle.scatter,
-                               require_coverage=False, group=g)
-            assert rc.passed, f"round {i}: {rc.message}"
+            if i in (0, 1, SPARE_AHEAD, rounds - 1):
+                rc = check_combine(out, idx, w, y[:n], local_world_size=cfg.local_world_size,
+                                   num_experts=cfg.num_experts, scatter=res.handle.scatter,
+                                   require_coverage=False, group=g)
+                assert rc.passed, f"round {i}: {rc.message}"
             h = res.handle
             kept.append((out, out.clone(), h, h.scatter.clone(), idx.to(torch.int32), w))
+        spans = []
         for i, (out, out_then, h, slots_then, idx, w) in enumerate(kept):
             assert torch.equal(out, out_then), f"round {i}: combine output written by a later call"
             assert torch.equal(h.topk_idx, idx) and torch.equal(h.topk_weights, w), f"round {i}: routing"
             assert torch.equal(h.scatter, slots_then), f"round {i}: slots written by a later call"
-        owned = [t.data_ptr() for out, _, h, *_ in kept for t in (out, h.scatter)]
-        assert len(set(owned)) == len(owned)
+            mine = (out, h.scatter, h.topk_idx, h.topk_weights)
+            assert all(t.is_contiguous() for t in mine)
+            spans += [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in mine]
+        spans.sort()
+        assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False)), "bytes shared"
         buf.check_ran()
 
 
