@@ -189,7 +189,8 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
         ...) are the same tensors in every call of a layout, format and count (views of the buffer's memory,
         made once: resize or restride them in place and the next such results see it). The ids' values are
         checked on the device; a refused call raises ``ValueError`` on every rank (this rank's own inputs
-        named as before, else the rank that passed invalid ones).
+        named as before, else the rank that passed invalid ones). The handle's slots, ids and weights are its
+        own, made ahead for the next calls of one shape as ``combine``'s outputs are.
         """
         self._check_open()
         check_kernel_layout(self.cfg, layout, mode, fp8)
@@ -394,7 +395,9 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
                 stream: torch.cuda.Stream | None = None, previous_event: torch.cuda.Event | None = None
                 ) -> torch.Tensor:
         """The top-k weighted sum of each token's expert outputs: a new [T, H] cfg.dtype tensor
-        (arguments: ``cute_ep.api.EpBackend.combine``). Collective.
+        (arguments: ``cute_ep.api.EpBackend.combine``). Collective. New outputs of one shape are made ahead,
+        up to 64 from one allocation of at most 16 MB (``cute_ep.spare``): an output kept alive keeps that
+        allocation; each is the caller's alone.
 
         The reduced combine weights rows with the weights the dispatch sent, so it needs the handle of
         this buffer's latest dispatch, unchanged; the pull combine uses the handle's ids and weights

@@ -1,6 +1,6 @@
-"""New output tensors made ahead of the calls that return them: ``SpareOutputs``, and the sets of the calls that
-use it (``handle_storage``: ``EpBuffer.dispatch``'s handle; ``combine_outputs``: ``EpBuffer.combine``'s result;
-the layout call's in ``cute_ep.deep_ep.token_layout``).
+"""New output tensors made ahead of the calls that return them: ``SpareOutputs``; and the sets of the calls
+that use it: ``handle_storage`` (``EpBuffer.dispatch``'s handle), ``combine_outputs`` (``EpBuffer.combine``'s
+result), the layout call's in ``cute_ep.deep_ep.token_layout``.
 
 A call that hands the caller new tensors allocates them before its launch, on the path from the call to its
 kernel (DeepEP's ``get_dispatch_layout``: three tensors, 10.2-10.5 us of host time per call on an H200 host,
