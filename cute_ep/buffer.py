@@ -395,9 +395,8 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
                 stream: torch.cuda.Stream | None = None, previous_event: torch.cuda.Event | None = None
                 ) -> torch.Tensor:
         """The top-k weighted sum of each token's expert outputs: a new [T, H] cfg.dtype tensor
-        (arguments: ``cute_ep.api.EpBackend.combine``). Collective. New outputs of one shape are made ahead,
-        up to 64 from one allocation of at most 16 MB (``cute_ep.spare``): an output kept alive keeps that
-        allocation; each is the caller's alone.
+        (arguments: ``cute_ep.api.EpBackend.combine``). Collective. Outputs of one shape are made ahead for
+        the next calls (up to 64, at most 16 MB; ``cute_ep.spare``), each an allocation of its own.
 
         The reduced combine weights rows with the weights the dispatch sent, so it needs the handle of
         this buffer's latest dispatch, unchanged; the pull combine uses the handle's ids and weights

@@ -8,7 +8,8 @@ kernel (DeepEP's ``get_dispatch_layout``: three tensors, 10.2-10.5 us of host ti
 launch, while its kernel runs, and many at once: one allocation per output for up to ``SPARE_AHEAD`` calls,
 split into each call's views by one ``unbind`` (2.3 us a set on that host). Each set is handed out once,
 so the caller owns what it gets as it owned a fresh allocation; its tensors are views of blocks that other
-calls' sets share (a tensor kept keeps its block: at most ``SPARE_MAX_BYTES`` of sets in all).
+calls' sets share (a tensor kept keeps its block: at most ``SPARE_MAX_BYTES`` of sets in all). Combine's
+outputs are made ahead the same way but each as an allocation of its own (``combine_outputs`` says why).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class SpareOutputs:
 def handle_storage(key: tuple, n: int) -> list[tuple]:
     """``n`` sets of a dispatch handle's own routing for key (T, K, device, stream): (slots [T, K] int32, ids
     [T, K] int32, weights [T, K] fp32, their three addresses), from one int32 and one fp32 allocation (the
-    slots and ids planes interleaved per set), each set's tensors contiguous and apart from every other's."""
+    slots and ids planes interleaved per set), each set's tensors contiguous and apart from every other's.
+    Views, so they share the blocks' version counters: the kernels write them, no torch op does."""
     t, k, dev, _ = key
     ints = torch.empty((n, 2, t, k), dtype=torch.int32, device=dev)
     floats = torch.empty((n, t, k), dtype=torch.float32, device=dev)
@@ -84,6 +86,9 @@ def handle_storage(key: tuple, n: int) -> list[tuple]:
 
 
 def combine_outputs(key: tuple, n: int) -> list[torch.Tensor]:
-    """``n`` new combine outputs for key (T, H, dtype, device, stream): [T, H] each, from one allocation."""
+    """``n`` new combine outputs for key (T, H, dtype, device, stream): [T, H] each, an allocation of its own.
+    Not views of one block: views share one version counter, and a combine output is an activation, where
+    an in-place op on one (``out += shared``) would then fail autograd's check of another saved for
+    backward, and where an in-place op on a view made inside a custom ``autograd.Function`` is refused."""
     t, h, dtype, dev, _ = key
-    return list(torch.empty((n, t, h), dtype=dtype, device=dev).unbind(0))
+    return [torch.empty((t, h), dtype=dtype, device=dev) for _ in range(n)]
