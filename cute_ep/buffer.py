@@ -63,7 +63,7 @@ from cute_ep.launcher import current_stream_handle, storage_addresses
 from cute_ep.low_latency_launches import LowLatencyLaunches
 from cute_ep.module_launch import ModuleLaunch
 from cute_ep.received_views import ReceivedViews
-from cute_ep.spare import SpareOutputs, combine_outputs, handle_storage
+from cute_ep.spare import SpareOutputs, handle_storage
 from cute_ep.status import StatusBlock
 from cute_ep.status_checks import StatusChecks
 from cute_ep.streams import on_stream
@@ -125,8 +125,7 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
         self._sent: tuple[torch.Tensor, torch.Tensor] | None = None  # routing of the latest dispatch
         self._latest_recv: int | None = None  # its num_recv (None: not read back, sync=False or launch_*)
         self._drops = torch.zeros(cfg.num_experts, dtype=torch.int64)  # read from the device, not reported
-        # dispatch()'s handle storage and combine()'s outputs, made ahead of the calls (cute_ep.spare)
-        self._handle_sets, self._outputs = SpareOutputs(handle_storage), SpareOutputs(combine_outputs)
+        self._handle_sets = SpareOutputs(handle_storage)  # dispatch()'s handle storage made ahead (spare.py)
         self.poison()
         runtime.barrier()  # synchronizes the device first: every rank's signals are zero before any signal
 
@@ -190,7 +189,7 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
         made once: resize or restride them in place and the next such results see it). The ids' values are
         checked on the device; a refused call raises ``ValueError`` on every rank (this rank's own inputs
         named as before, else the rank that passed invalid ones). The handle's slots, ids and weights are its
-        own, made ahead for the next calls of one shape as ``combine``'s outputs are.
+        own, made ahead for the next calls of one shape (``cute_ep.spare``).
         """
         self._check_open()
         check_kernel_layout(self.cfg, layout, mode, fp8)
@@ -395,8 +394,7 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
                 stream: torch.cuda.Stream | None = None, previous_event: torch.cuda.Event | None = None
                 ) -> torch.Tensor:
         """The top-k weighted sum of each token's expert outputs: a new [T, H] cfg.dtype tensor
-        (arguments: ``cute_ep.api.EpBackend.combine``). Collective. Outputs of one shape are made ahead for
-        the next calls (up to 64, at most 16 MB; ``cute_ep.spare``), each an allocation of its own.
+        (arguments: ``cute_ep.api.EpBackend.combine``). Collective.
 
         The reduced combine weights rows with the weights the dispatch sent, so it needs the handle of
         this buffer's latest dispatch, unchanged; the pull combine uses the handle's ids and weights
@@ -413,16 +411,13 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
         check_combine_input(c, self.device, y, handle, self._latest_recv)
         check_kernel_handle(handle)
         self._check_combine_algorithm(handle, algorithm)
-        # A new output, made ahead of the call with the next calls' on the caller's stream (cute_ep.spare).
-        key = (handle.num_tokens, c.hidden, c.dtype, self.device, current_stream_handle(self._device_index))
-        out = self._outputs.take(key)
+        out = torch.empty((handle.num_tokens, c.hidden), dtype=c.dtype, device=self.device)
         with on_stream(self.device, stream, previous_event, y, out, handle.topk_idx, handle.topk_weights,
                        handle.scatter):
             staged, y_rows = None, 0
             if y.data_ptr() != self.recv_y.data_ptr():
                 staged, y_rows, _ = self._staging(y, handle)
             self._enqueue_combine(handle, out, algorithm, staged, y_rows)
-        self._outputs.refill(key, out.nbytes)  # while the kernels run
         return out
 
     def _staging(self, y: torch.Tensor, handle: DispatchHandle, y_slot: torch.Tensor | None = None

@@ -1,6 +1,6 @@
 """New output tensors made ahead of the calls that return them: ``SpareOutputs``; and the sets of the calls
-that use it: ``handle_storage`` (``EpBuffer.dispatch``'s handle), ``combine_outputs`` (``EpBuffer.combine``'s
-result), the layout call's in ``cute_ep.deep_ep.token_layout``.
+that use it: ``handle_storage`` (``EpBuffer.dispatch``'s handle), the layout call's in
+``cute_ep.deep_ep.token_layout``.
 
 A call that hands the caller new tensors allocates them before its launch, on the path from the call to its
 kernel (DeepEP's ``get_dispatch_layout``: three tensors, 10.2-10.5 us of host time per call on an H200 host,
@@ -8,8 +8,13 @@ kernel (DeepEP's ``get_dispatch_layout``: three tensors, 10.2-10.5 us of host ti
 launch, while its kernel runs, and many at once: one allocation per output for up to ``SPARE_AHEAD`` calls,
 split into each call's views by one ``unbind`` (2.3 us a set on that host). Each set is handed out once,
 so the caller owns what it gets as it owned a fresh allocation; its tensors are views of blocks that other
-calls' sets share (a tensor kept keeps its block: at most ``SPARE_MAX_BYTES`` of sets in all). Combine's
-outputs are made ahead the same way but each as an allocation of its own (``combine_outputs`` says why).
+calls' sets share (a tensor kept keeps its block: at most ``SPARE_MAX_BYTES`` of sets in all).
+
+Views of one block share its version counter: an in-place torch op on one set's tensor counts as one on
+every other's (autograd then refuses a backward through a saved one), and a view made inside a custom
+``autograd.Function`` may not be changed in place. So only tensors that kernels write and torch ops only
+read come from here: a combine's output is an activation, and is allocated by its call (each output made
+ahead as an allocation of its own took more host time per call back to back, one H200 host, 2026-12-01).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SPARE_AHEAD", "SPARE_MAX_BYTES", "SpareOutputs", "combine_outputs", "handle_storage"]
+__all__ = ["SPARE_AHEAD", "SPARE_MAX_BYTES", "SpareOutputs", "handle_storage"]
 
 # Sets made ahead in one go, and the most bytes they may hold together: for larger outputs the allocation is
 # a small part of the call, and a batch would hold that much memory between calls.
@@ -84,11 +89,3 @@ def handle_storage(key: tuple, n: int) -> list[tuple]:
     return [(planes[2 * i], planes[2 * i + 1], rows[i],
              (first + 2 * i * plane, first + (2 * i + 1) * plane, first_w + i * plane)) for i in range(n)]
 
-
-def combine_outputs(key: tuple, n: int) -> list[torch.Tensor]:
-    """``n`` new combine outputs for key (T, H, dtype, device, stream): [T, H] each, an allocation of its own.
-    Not views of one block: views share one version counter, and a combine output is an activation, where
-    an in-place op on one (``out += shared``) would then fail autograd's check of another saved for
-    backward, and where an in-place op on a view made inside a custom ``autograd.Function`` is refused."""
-    t, h, dtype, dev, _ = key
-    return [torch.empty((t, h), dtype=dtype, device=dev) for _ in range(n)]

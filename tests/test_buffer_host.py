@@ -17,7 +17,7 @@ from cute_ep.buffer import EpBuffer
 from cute_ep.kernels.buffers import BUFFERS, FAULT_WORDS, STATUS, status_layout
 from cute_ep.kernels.config import EpConfig
 from cute_ep.profiler import pick_fastest_algorithm
-from cute_ep.spare import SpareOutputs, combine_outputs, handle_storage
+from cute_ep.spare import SpareOutputs, handle_storage
 from cute_ep.status import CapacityExceeded, KernelDidNotRun, PeerTimeout, StatusBlock
 
 
@@ -25,9 +25,8 @@ def _buffer(on_overflow: str = "raise") -> EpBuffer:
     cfg = EpConfig(world_size=2, local_world_size=2, num_experts=8, topk=2, hidden=128, dtype=torch.bfloat16,
                    max_tokens=16, capacity_factor=0.5, on_overflow=on_overflow)
     buf = object.__new__(EpBuffer)
-    # the calls' sets made ahead (cute_ep.spare); no CUDA graph capture on the CPU
+    # dispatch()'s handle sets made ahead (cute_ep.spare); no CUDA graph capture on the CPU
     buf._handle_sets = SpareOutputs(handle_storage, capturing=lambda: False)
-    buf._outputs = SpareOutputs(combine_outputs, capturing=lambda: False)
     buf.cfg, buf.rank = cfg, 0
     buf.status = StatusBlock(cfg, "cpu")
     for name, view in buf.status.views.items():  # what EpBuffer.__init__ does for the STATUS buffers
@@ -302,9 +301,8 @@ def test_combine_algorithm_checks_of_the_gpu_buffer(configured):
     cfg = EpConfig(world_size=2, local_world_size=2, num_experts=8, topk=2, hidden=128, dtype=torch.bfloat16,
                    max_tokens=16, combine_algorithm=configured)
     buf = object.__new__(EpBuffer)
-    # the calls' sets made ahead (cute_ep.spare); no CUDA graph capture on the CPU
+    # dispatch()'s handle sets made ahead (cute_ep.spare); no CUDA graph capture on the CPU
     buf._handle_sets = SpareOutputs(handle_storage, capturing=lambda: False)
-    buf._outputs = SpareOutputs(combine_outputs, capturing=lambda: False)
     buf.cfg = cfg
     idx, w = torch.zeros(4, 2, dtype=torch.int32), torch.ones(4, 2)
     handle = DispatchHandle(idx, w, torch.zeros(4, 2, dtype=torch.int32), 4, "scatter")

@@ -22,7 +22,7 @@ from cute_ep.buffer import EpBuffer
 from cute_ep.kernels.buffers import BUFFERS, CALL, HOST, STATUS, buffers_of
 from cute_ep.kernels.config import DISPATCH_ALGORITHMS, MODES, OP_COMBINE, OP_DISPATCH, OP_LAYOUT, EpConfig
 from cute_ep.kernels.variants import COMBINE_ALGORITHMS, LAYOUTS
-from cute_ep.spare import SPARE_AHEAD, SpareOutputs, combine_outputs, handle_storage
+from cute_ep.spare import SPARE_AHEAD, SpareOutputs, handle_storage
 from cute_ep.status import StatusBlock
 
 STREAM = 0x5EED
@@ -46,9 +46,8 @@ def buf(monkeypatch) -> EpBuffer:
     cfg = EpConfig(world_size=2, local_world_size=2, num_experts=8, topk=2, hidden=64, dtype=torch.bfloat16,
                    max_tokens=16, combine_algorithm="reduced")
     b = object.__new__(EpBuffer)
-    # the calls' sets made ahead (cute_ep.spare); no CUDA graph capture on the CPU
+    # dispatch()'s handle sets made ahead (cute_ep.spare); no CUDA graph capture on the CPU
     b._handle_sets = SpareOutputs(handle_storage, capturing=lambda: False)
-    b._outputs = SpareOutputs(combine_outputs, capturing=lambda: False)
     b.cfg, b.rank, b.device, b._device_index, b._closed = cfg, 0, torch.device("cpu"), 0, False
     b.status = StatusBlock(cfg, "cpu")
     for t in BUFFERS:

@@ -21,7 +21,7 @@ from cute_ep.buffer import EpBuffer
 from cute_ep.input_checks import InputTypeError, check_combine_input, check_combine_out, note_dispatch_rows
 from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
-from cute_ep.spare import SpareOutputs, combine_outputs, handle_storage
+from cute_ep.spare import SpareOutputs, handle_storage
 from cute_ep.status import StatusBlock
 
 CPU = torch.device("cpu")
@@ -181,9 +181,8 @@ def gpu_buffer(monkeypatch):
     from cute_ep.kernels.buffers import CALL, buffers_of
 
     buf = object.__new__(EpBuffer)
-    # the calls' sets made ahead (cute_ep.spare); no CUDA graph capture on the CPU
+    # dispatch()'s handle sets made ahead (cute_ep.spare); no CUDA graph capture on the CPU
     buf._handle_sets = SpareOutputs(handle_storage, capturing=lambda: False)
-    buf._outputs = SpareOutputs(combine_outputs, capturing=lambda: False)
     buf.cfg, buf.rank, buf.device, buf._device_index = CFG, 0, CPU, 0
     buf.status = StatusBlock(CFG, "cpu")
     buf._calls, buf._closed, buf.algorithm = [0, 0, 0], False, "dedup"

@@ -1,14 +1,14 @@
 """``cute_ep.spare.SpareOutputs``: output sets made ahead for the next calls of a kind, many at once, each
 handed out once, only for the same key (shape and stream), never during CUDA graph capture, none beyond the
-size cap; and the sets of the calls that use it (the layout call's, a dispatch handle's storage, a combine's
-output): contiguous views that share no byte."""
+size cap; and the sets of the calls that use it (the layout call's, a dispatch handle's storage): contiguous
+views that share no byte."""
 
 from __future__ import annotations
 
 import torch
 
 from cute_ep.deep_ep.token_layout import _outputs
-from cute_ep.spare import SPARE_AHEAD, SPARE_MAX_BYTES, SpareOutputs, combine_outputs, handle_storage
+from cute_ep.spare import SPARE_AHEAD, SPARE_MAX_BYTES, SpareOutputs, handle_storage
 
 
 class _Maker:
@@ -135,32 +135,3 @@ def test_handle_storage_sets_are_apart_and_carry_their_addresses() -> None:
     sets[1][1].fill_(-1)
     assert bool((sets[0][1] == 7).all()) and not bool((sets[1][0] == 7).any())
     assert handle_storage((0, k, torch.device("cpu"), 0), 2)[1][0].shape == (0, k)  # no tokens: empty sets
-
-
-def test_combine_outputs_are_apart_and_each_its_own_tensor_to_autograd() -> None:
-    """Each output is a tensor of its own, not a view: an in-place op on one leaves another saved for
-    backward valid, and an output made inside a custom autograd Function may be changed in place."""
-    outs = combine_outputs((3, 16, torch.bfloat16, torch.device("cpu"), 0), 5)
-    assert len(outs) == 5 and all((o.shape, o.dtype) == ((3, 16), torch.bfloat16) for o in outs)
-    assert _apart(outs) and not any(o._is_view() for o in outs)
-    first, second = (o.fill_(1.0) for o in combine_outputs((3, 4, torch.float32, torch.device("cpu"), 0), 2))
-    w = torch.ones(4, requires_grad=True)
-    loss = (first * w).sum()  # saves first for backward
-    second.add_(1.0)  # another output changed in place
-    loss.backward()
-    assert torch.equal(w.grad, torch.full((4,), 3.0))
-
-    class Combine(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return combine_outputs((3, 4, torch.float32, torch.device("cpu"), 0), 2)[1].copy_(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
-
-    x = torch.ones(3, 4, requires_grad=True)
-    out = Combine.apply(x)
-    out += 1.0  # refused for a view made inside the Function
-    out.sum().backward()
-    assert torch.equal(x.grad, torch.ones(3, 4))
