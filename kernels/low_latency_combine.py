@@ -45,7 +45,13 @@ from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.rows import RowSpace, row_space
 from cute_ep.kernels.rowsum import weighted_sum_rows
 from cute_ep.kernels.scan import exclusive_scan_cta, last_at_or_before, warp_batch
-from cute_ep.kernels.signals import cta_arrives_last, fault_free, signal_and_wait_peers, signal_peers
+from cute_ep.kernels.signals import (
+    call_epoch,
+    cta_arrives_last,
+    fault_free,
+    signal_and_wait_peers,
+    signal_peers,
+)
 
 # 128-bit pieces per lane in flight in a pushed row: a decode batch gives each warp a row or two, each a
 # chain of load latencies (7168 bf16: 4 steps of 8 against 7 of the dispatch's 4; with 16, ptxas spilled)
@@ -65,7 +71,8 @@ class LowLatencyCombineKernel(CombineFamily):
 
     @cute.kernel
     def kernel(self, p: EpParams):
-        lane, gwarp, NWARPS, my_addr, my_weight, NV, ROW_BYTES, epoch = self.begin(p)
+        lane, gwarp, NWARPS, my_addr, my_weight, NV, ROW_BYTES, _ = self.begin(p)
+        epoch = call_epoch(p, OP_COMBINE)
         tid, _, _ = cute.arch.thread_idx()
         K = p.topk
         comb = row_space(p.ll_comb, ROW_BYTES)
@@ -73,8 +80,6 @@ class LowLatencyCombineKernel(CombineFamily):
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
         firsts = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS), 16)
         sums = smem.allocate_tensor(Int32, cute.make_layout(self.threads // WARP + 1), 4)
-        if p.phase == PHASE_RECEIVE:  # the sending half advanced it
-            epoch = epoch - Int64(1)
         live = Int32(0)  # read once, at the start: no latency of its own where the epoch advances
         if fault_free(p.fault):
             live = Int32(1)

@@ -78,6 +78,7 @@ from cute_ep.kernels.rows import copy_row_to_lanes, element, element_addr, gmem_
 from cute_ep.kernels.scan import last_at_or_before, warp_batch, warp_inclusive_scan
 from cute_ep.kernels.signals import (
     SIGNAL_SET,
+    call_epoch,
     cta_arrives_last,
     fault_free,
     record_fault,
@@ -114,9 +115,7 @@ class LowLatencyDispatchKernel(EpKernel):
         hist = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS), 16)
         starts = smem.allocate_tensor(Int32, cute.make_layout(self.threads // WARP * STARTS), 16)
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
-        epoch = p.epochs[OP_DISPATCH] + Int64(1)
-        if p.phase == PHASE_RECEIVE:  # the sending half advanced it
-            epoch = epoch - Int64(1)
+        epoch = call_epoch(p, OP_DISPATCH)
         q = Int32(epoch % 2)
         live = Int32(0)
         if fault_free(p.fault):
@@ -386,8 +385,9 @@ class LowLatencyDispatchKernel(EpKernel):
                 pair = p.ll_index[q, el, s, r - starts[s]]
                 t = pair // p.topk
                 src_row = q * p.rank_capacity + s * p.max_tokens + t
-                p.ll_src_info[el * p.rank_capacity + r] = t  # the slot's token, and its pair for the combine
-                p.y_slot[el * p.rank_capacity + r] = Int64(s * p.max_tokens) * p.topk + pair
+                slot = el * p.rank_capacity + r
+                p.ll_src_info[slot] = t  # the slot's token, and its pair for the combine
+                p.y_slot[slot] = Int64(s * p.max_tokens) * p.topk + pair
             for i in range(warp_batch(total, base, per)):
                 src = staged.row(cute.arch.shuffle_sync(src_row, i))
                 row = base + i * per
@@ -401,6 +401,7 @@ class LowLatencyDispatchKernel(EpKernel):
                 copy_row_to_lanes(dtype, src, padded.row(el * p.rank_capacity + row), Int32(1),
                                   row_bytes // VECTOR_BYTES, lane, RECEIVE_ROW_UNROLL)
                 if scales_out != 0:  # [H bytes of e4m3 | H / 128 fp32 scales | ...]
+                    # (made in each branch: made once above both, the kernel reads two more parameters)
                     scales = gmem_tensor(Float32, src + p.hidden, cute.make_layout(S), 4)
                     for u in cutlass.range_constexpr(2):
                         if lane + u * WARP < S:
