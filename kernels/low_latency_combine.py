@@ -46,9 +46,9 @@ from cute_ep.kernels.rows import RowSpace, row_space
 from cute_ep.kernels.rowsum import weighted_sum_rows
 from cute_ep.kernels.scan import exclusive_scan_cta, last_at_or_before, warp_batch
 from cute_ep.kernels.signals import (
-    call_epoch,
     cta_arrives_last,
     fault_free,
+    launch_epoch,
     signal_and_wait_peers,
     signal_peers,
 )
@@ -71,8 +71,8 @@ class LowLatencyCombineKernel(CombineFamily):
 
     @cute.kernel
     def kernel(self, p: EpParams):
-        lane, gwarp, NWARPS, my_addr, my_weight, NV, ROW_BYTES, _ = self.begin(p)
-        epoch = call_epoch(p, OP_COMBINE)
+        lane, gwarp, NWARPS, my_addr, my_weight, NV, ROW_BYTES, next_epoch = self.begin(p)
+        epoch = launch_epoch(p, next_epoch)
         tid, _, _ = cute.arch.thread_idx()
         K = p.topk
         comb = row_space(p.ll_comb, ROW_BYTES)

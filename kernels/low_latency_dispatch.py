@@ -78,9 +78,9 @@ from cute_ep.kernels.rows import copy_row_to_lanes, element, element_addr, gmem_
 from cute_ep.kernels.scan import last_at_or_before, warp_batch, warp_inclusive_scan
 from cute_ep.kernels.signals import (
     SIGNAL_SET,
-    call_epoch,
     cta_arrives_last,
     fault_free,
+    launch_epoch,
     record_fault,
     wait_signal_value,
 )
@@ -115,7 +115,7 @@ class LowLatencyDispatchKernel(EpKernel):
         hist = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS), 16)
         starts = smem.allocate_tensor(Int32, cute.make_layout(self.threads // WARP * STARTS), 16)
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
-        epoch = call_epoch(p, OP_DISPATCH)
+        epoch = launch_epoch(p, p.epochs[OP_DISPATCH] + Int64(1))
         q = Int32(epoch % 2)
         live = Int32(0)
         if fault_free(p.fault):

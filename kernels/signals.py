@@ -59,10 +59,10 @@ def wait_signal_value(addr: Int64, target: Int64, timeout_ns: Int64):
 
 
 @cute.jit
-def call_epoch(p, op: cutlass.Constexpr) -> Int64:
-    """This launch's epoch of ``op`` (OP_*): the next one, or in a receiving half (``PHASE_RECEIVE``) the one
-    its sending half already advanced ``epochs[op]`` to."""
-    epoch = p.epochs[op] + Int64(1)
+def launch_epoch(p, next_epoch: Int64) -> Int64:
+    """This launch's epoch of an op whose next one is ``next_epoch`` (its ``epochs`` word + 1): that one, or
+    in a receiving half (``PHASE_RECEIVE``) the one before, to which its sending half already advanced it."""
+    epoch = next_epoch
     if p.phase == PHASE_RECEIVE:
         epoch = epoch - Int64(1)
     return epoch
