@@ -6,6 +6,7 @@ views that share no byte."""
 from __future__ import annotations
 
 import torch
+from _memory import share_no_byte
 
 from cute_ep.deep_ep.token_layout import _outputs
 from cute_ep.spare import SPARE_AHEAD, SPARE_MAX_BYTES, SpareOutputs, handle_storage
@@ -98,25 +99,19 @@ def test_the_sets_made_ahead_hold_at_most_the_size_cap() -> None:
 
 def _apart(tensors: list[torch.Tensor]) -> bool:
     """Every tensor contiguous, aligned to its element, and no two sharing a byte."""
-    spans = sorted((x.data_ptr(), x.data_ptr() + x.nbytes) for x in tensors)
     aligned = all(x.is_contiguous() and x.data_ptr() % x.element_size() == 0 for x in tensors)
-    return aligned and all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:], strict=False))
+    return aligned and share_no_byte(tensors)
 
 
 def test_layout_sets_are_contiguous_views_that_share_no_byte() -> None:
     t, r, e, n = 5, 3, 7, 4
     sets = _outputs((t, r, e, torch.device("cpu"), 0), n)
     assert len(sets) == n
-    spans = []
     for per_rank, per_expert, in_rank in sets:
         assert (per_rank.shape, per_rank.dtype) == ((r,), torch.int32)
         assert (per_expert.shape, per_expert.dtype) == ((e,), torch.int32)
         assert (in_rank.shape, in_rank.dtype) == ((t, r), torch.bool)
-        for x in (per_rank, per_expert, in_rank):
-            assert x.is_contiguous() and x.data_ptr() % x.element_size() == 0
-            spans.append((x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()))
-    spans.sort()
-    assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:], strict=False))
+    assert _apart([x for one in sets for x in one])
     sets[0][2].fill_(True)  # a write to one set's tensor leaves every other set's as it was
     sets[1][2].fill_(False)
     assert bool(sets[0][2].all()) and not bool(sets[1][2].any())
