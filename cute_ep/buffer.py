@@ -215,7 +215,7 @@ class EpBuffer(StatusChecks, ModuleLaunch, LowLatencyLaunches, CachedDispatch, R
             seq = self.status.next_seq() if sync and self.status.use_mirror() else 0
             self._enqueue_dispatch(x, idx, w, mode, fp8, algorithm, layout, own=own if t else None,
                                    mirror_seq=seq, deliver=deliver)
-            self._handle_sets.refill(key, 12 * t * c.topk)  # while the kernels run
+            self._handle_sets.refill(key, 3 * 4 * t * c.topk)  # three [T, K] of 4 bytes, as the kernels run
             event = on.record_event() if stream is not None else None
             handle = DispatchHandle(idx_own, w_own, scatter, t, mode, layout)
             self._sent = (idx_own, w_own)

@@ -88,4 +88,3 @@ def handle_storage(key: tuple, n: int) -> list[tuple]:
     first, first_w, plane = ints.data_ptr(), floats.data_ptr(), 4 * t * k
     return [(planes[2 * i], planes[2 * i + 1], rows[i],
              (first + 2 * i * plane, first + (2 * i + 1) * plane, first_w + i * plane)) for i in range(n)]
-
