@@ -40,9 +40,13 @@ def _entries(ptx: str) -> list[tuple[str, str]]:
 
 
 def _kernels(ptx: str) -> dict[str, str]:
-    """PTX text of each kernel (the first entry point of its kind)."""
+    """PTX text of each kernel (the first entry point of its kind). The low-latency dispatch compiles two
+    kernels under one name (kernels/naming.py): the whole one as "DispatchLowLatency", and its receiving
+    half alone as "DispatchLowLatencyReceive", the one of the two that sends no signal."""
     out: dict[str, str] = {}
     for kind, part in _entries(ptx):
+        if kind == "DispatchLowLatency" and "nvshmemx_signal_op" not in part:
+            kind += "Receive"
         out.setdefault(kind, part)
     return out
 
@@ -58,15 +62,17 @@ def compiled_ptx(request, sm90_module):
     return module.dtype, module.ptx
 
 
-def test_targets_sm90_with_sixteen_kernels(compiled_ptx):
+def test_targets_sm90_with_seventeen_kernels(compiled_ptx):
     _, ptx = compiled_ptx
     assert re.search(r"(?m)^\.target sm_90$", ptx)
     kinds = Counter(kind for kind, _ in _entries(ptx))
     assert sorted(kinds) == ["Assemble", "Combine", "CombineLowLatency", "Deliver", "Dispatch",
                              "DispatchLowLatency", "Fanout", "Layout", "PartialSum", "RankCombine",
                              "RankDispatch", "RankLayout", "RankPush", "RankSum", "ReducePush", "StageY"]
-    # The DSL emits an entry point per launch site: the module launches each kernel from one site.
-    assert kinds == {kind: 1 for kind in kinds}
+    # The DSL emits an entry point per launch site: the module launches each kernel from one site; the
+    # low-latency dispatch's two kernels (the whole one, its receiving half) share a name.
+    assert kinds == {kind: 2 if kind == "DispatchLowLatency" else 1 for kind in kinds}
+    assert "DispatchLowLatencyReceive" in _kernels(ptx)
 
 
 def test_rank_layout_variants_carry_only_their_own_code(compiled_ptx):
@@ -119,6 +125,25 @@ def test_last_cta_of_a_launch_is_counted_after_a_gpu_fence(compiled_ptx, kernel)
     system fence is needed there."""
     _, ptx = compiled_ptx
     assert _ops(_kernels(ptx)[kernel])["fence.acq_rel.gpu"] >= 1
+
+
+def test_low_latency_dispatch_receiving_half_holds_only_the_receive(compiled_ptx):
+    """The low-latency dispatch's receiving half (``return_recv_hook``) is a kernel of its own: it sends
+    nothing (no put, no signal, no single-element put), counts no arrival (no fence; its one global atomic
+    is a timed-out wait's fault record), and its waits for the peers' counts are bounded after it checks
+    for a recorded fault; it copies rows into the padded layout 128 bits at a time, RECEIVE_ROW_UNROLL in
+    flight per lane; and it is the smaller."""
+    _, ptx = compiled_ptx
+    kernels = _kernels(ptx)
+    text = kernels["DispatchLowLatencyReceive"]
+    ops = _ops(text)
+    assert "put" not in text and "nvshmemx_signal_op" not in text and "nvshmem_int32_p" not in text
+    synchronizing = {op: n for op, n in ops.items() if op.startswith(("atom.", "red.", "fence.", "membar."))}
+    assert synchronizing == {"atom.global.add.u32": 1}, synchronizing
+    assert "ld.acquire.sys.global.u64" in text and text.count("%globaltimer") >= 2
+    assert "ld.volatile.global.b32" in text
+    assert min(ops["st.global.v4.b32"], ops["ld.global.v4.b32"]) >= RECEIVE_ROW_UNROLL, ops
+    assert len(text) < len(kernels["DispatchLowLatency"]) / 2
 
 
 @pytest.mark.parametrize("kernel", ["CombineLowLatency", "DispatchLowLatency"])
