@@ -28,7 +28,8 @@ Why one set of ``ll_comb`` suffices: a peer pushes its next combine only after i
 waits for this rank's counts of that dispatch, enqueued after this combine; two combines in a row are
 ordered by the host (``cute_ep.deep_ep``'s fence between them).
 With ``phase`` PHASE_SEND a launch runs steps 1-2 (the signal raised, nothing waited for) and a later one
-with PHASE_RECEIVE step 3 after the wait (DeepEP's ``return_recv_hook``).
+with PHASE_RECEIVE step 3 after the wait, from a kernel of its own, ``receive_kernel`` (DeepEP's
+``return_recv_hook``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass import Float32, Int32, Int64
 
-from cute_ep.kernels.base import CombineFamily
+from cute_ep.kernels.base import CombineFamily, WarpStart
 from cute_ep.kernels.buffers import DONE_PUSH, SIGNAL_COMBINE, EpParams
 from cute_ep.kernels.config import MAX_EXPERTS, OP_COMBINE, PHASE_RECEIVE, PHASE_SEND, VECTOR_BYTES, WARP
 from cute_ep.kernels.dispatch_senders import send_row_into
@@ -51,6 +52,7 @@ from cute_ep.kernels.signals import (
     launch_epoch,
     signal_and_wait_peers,
     signal_peers,
+    wait_peers,
 )
 
 # 128-bit pieces per lane in flight in a pushed row: a decode batch gives each warp a row or two, each a
@@ -69,12 +71,31 @@ class LowLatencyCombineKernel(CombineFamily):
     # the grid fits only where twice the budget's SMs are free).
     ctas_per_sm = 2
 
+    @cute.jit
+    def __call__(self, p: EpParams, stream):
+        # A receiving half runs step 3 from a kernel of its own, as the dispatch's does: its SMs fetch only
+        # that code (kernels/low_latency_dispatch.py).
+        if p.phase == PHASE_RECEIVE:
+            self.receive_kernel(p).launch(grid=(self.grid_ctas(p), 1, 1), block=(self.threads, 1, 1),
+                                          stream=stream, **self.launch_hints())
+        else:
+            self.kernel(p).launch(grid=(self.grid_ctas(p), 1, 1), block=(self.threads, 1, 1), stream=stream,
+                                  **self.launch_hints())
+
+    @cute.kernel
+    def receive_kernel(self, p: EpParams):
+        """Step 3 alone (``PHASE_RECEIVE``), after the wait for every peer's signal: the call's epoch is the
+        one its sending half advanced to."""
+        start = self.begin(p)
+        epoch = launch_epoch(p, start.epoch)
+        wait_peers(p, Int32(SIGNAL_COMBINE), epoch, Int32(OP_COMBINE), epoch)
+        self.sum_tokens(p, start)
+
     @cute.kernel
     def kernel(self, p: EpParams):
-        lane, gwarp, NWARPS, my_addr, my_weight, NV, ROW_BYTES, next_epoch = self.begin(p)
-        epoch = launch_epoch(p, next_epoch)
+        start = self.begin(p)
+        lane, gwarp, NWARPS, _, _, NV, ROW_BYTES, epoch = start  # (a receiving half runs ``receive_kernel``)
         tid, _, _ = cute.arch.thread_idx()
-        K = p.topk
         comb = row_space(p.ll_comb, ROW_BYTES)
         smem = cutlass.memory.SmemAllocator()
         last = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
@@ -83,10 +104,8 @@ class LowLatencyCombineKernel(CombineFamily):
         live = Int32(0)  # read once, at the start: no latency of its own where the epoch advances
         if fault_free(p.fault):
             live = Int32(1)
-        announce = Int32(0)  # this CTA finished the pushes last: it raises the signal
-        if p.phase != PHASE_RECEIVE:
-            self.push_rows(p, firsts, sums, comb, lane, gwarp, NWARPS, NV, ROW_BYTES)  # 1. push
-            announce = cta_arrives_last(p, DONE_PUSH, last, tid)
+        self.push_rows(p, firsts, sums, comb, lane, gwarp, NWARPS, NV, ROW_BYTES)  # 1. push
+        announce = cta_arrives_last(p, DONE_PUSH, last, tid)  # this CTA finished the pushes last
         # 2. the last CTA advances the epoch (every CTA read it before it arrived) and announces every CTA's
         # rows; every CTA waits for every peer's (not when sending only)
         if announce != 0:
@@ -98,14 +117,21 @@ class LowLatencyCombineKernel(CombineFamily):
                 signal_peers(p, Int32(SIGNAL_COMBINE), epoch)
         else:
             signal_and_wait_peers(p, Int32(SIGNAL_COMBINE), epoch, Int32(OP_COMBINE), epoch, announce)
+            self.sum_tokens(p, start)
+
+    @cute.jit
+    def sum_tokens(self, p: EpParams, start: WarpStart):
+        """Step 3: each token's pushed rows of ``ll_comb`` weighted by ``topk_w`` into ``out`` (a warp per
+        token, split into parts over idle warps at decode sizes); nothing once a fault is recorded."""
+        lane, gwarp, NWARPS, my_addr, my_weight, NV, ROW_BYTES, _ = start
+        K = p.topk
+        comb = row_space(p.ll_comb, ROW_BYTES)
         work = Int32(0)
         if fault_free(p.fault):
             work = p.num_tokens
         out_rows = row_space(p.out, ROW_BYTES)
         parts, span = self.row_split(work, NV, NWARPS, Int32(1))
-        if p.phase == PHASE_SEND:
-            work = Int32(0)
-        for u in range(gwarp, work * parts, NWARPS):  # 3. sum
+        for u in range(gwarp, work * parts, NWARPS):
             t, v_begin, v_end = self.part_of(u, parts, span, NV)
             # a lane per pair (K <= 32, EpConfig's low-latency bound): the token's ids, slots and weights
             # loaded at once, not one pair's after another's (16 dependent loads at top-8)
@@ -183,5 +209,7 @@ class LowLatencyCombineKernel(CombineFamily):
         return best, (num_pieces + best - 1) // best
 
 
-# "combine_low_latency": DeepEP's bench_kineto finds a call's combine kernels by "::combine"
+# "combine_low_latency": DeepEP's bench_kineto finds a call's combine kernels by "::combine"; the receiving
+# half under the same name (bench_kineto splits one profiler line's kernels into the halves)
 profiler_name(LowLatencyCombineKernel.kernel, "combine_low_latency")
+profiler_name(LowLatencyCombineKernel.receive_kernel, "combine_low_latency")

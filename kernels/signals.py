@@ -98,12 +98,19 @@ def signal_and_wait_peers(p, row: Int32, value: Int64, op: Int32, epoch: Int64, 
     peer that never arrives is recorded in ``p.fault`` as (op, q, epoch). Nothing happens once a fault is
     recorded. Ends with a CTA barrier. Every thread of the CTA must call it.
     """
-    tid, _, _ = cute.arch.thread_idx()
-    R = p.world_size
     if signal != 0:
         signal_peers(p, row, value)
+    wait_peers(p, row, value, op, epoch)
+
+
+@cute.jit
+def wait_peers(p, row: Int32, value: Int64, op: Int32, epoch: Int64):
+    """The wait of ``signal_and_wait_peers`` alone (a CTA that raises nothing): this CTA's first R threads
+    wait until ``signals[row, q] >= value`` for every peer q (bounded; a peer that never arrives recorded
+    as (op, q, epoch)), then a CTA barrier. Every thread of the CTA must call it."""
+    tid, _, _ = cute.arch.thread_idx()
     if fault_free(p.fault):
-        if tid < R:
+        if tid < p.world_size:
             if wait_signal_ge(element_addr(p.signals, (row, tid)), value, Int64(p.timeout_ms) * 1000000) == 0:
                 record_fault(p.fault, op, tid, epoch)
     cute.arch.sync_threads()

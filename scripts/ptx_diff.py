@@ -49,11 +49,18 @@ def normalize(ptx: str) -> str:
 
 
 def functions(ptx: str) -> dict[str, str]:
-    """Normalized text of each function by name ("<header>" for what precedes the first)."""
+    """Normalized text of each function by name ("<header>" for what precedes the first). Kernels compiled
+    under one name (a kernel and its receiving half) are told apart by their order: the second one of a
+    name is ``<name>#2``."""
     out: dict[str, str] = {}
     for part in _FUNCTION_START.split(normalize(ptx)):
         m = _FUNCTION_NAME.match(part)
-        out[m.group(1) if m else "<header>"] = part
+        name = m.group(1) if m else "<header>"
+        key, n = name, 1
+        while key in out:
+            n += 1
+            key = f"{name}#{n}"
+        out[key] = part
     return out
 
 
@@ -90,11 +97,12 @@ def compare(before: str, after: str) -> list[FunctionDiff]:
 def short_name(name: str) -> str:
     """The kernel of an entry point (``DispatchKernel``, or ``cute_ep::dispatch`` for the names profilers
     read), else the name itself."""
+    name, hash_, n = name.partition("#")
     m = re.search(r"([A-Z]\w*Kernel)$", name)
     if m:
-        return m.group(1)
+        return m.group(1) + hash_ + n
     m = re.fullmatch(r"_ZZN7cute_ep\d+(\w+?)EvE6kernel", name)
-    return f"cute_ep::{m.group(1)}" if m else name
+    return (f"cute_ep::{m.group(1)}" if m else name) + hash_ + n
 
 
 def report(diffs: list[FunctionDiff]) -> str:

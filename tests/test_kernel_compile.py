@@ -23,6 +23,8 @@ from cute_ep.kernels.low_latency_combine import PUSH_UNROLL
 from cute_ep.kernels.low_latency_dispatch import RECEIVE_ROW_UNROLL, SEND_ROW_UNROLL
 from cute_ep.kernels.rows import ROW_COPY_UNROLL
 
+LOW_LATENCY = ("DispatchLowLatency", "CombineLowLatency")
+
 
 def _entries(ptx: str) -> list[tuple[str, str]]:
     """(kind, PTX text) of each entry point in order; kind is Layout / Dispatch / Fanout / StageY / Combine /
@@ -40,12 +42,13 @@ def _entries(ptx: str) -> list[tuple[str, str]]:
 
 
 def _kernels(ptx: str) -> dict[str, str]:
-    """PTX text of each kernel (the first entry point of its kind). The low-latency dispatch compiles two
-    kernels under one name (kernels/naming.py): the whole one as "DispatchLowLatency", and its receiving
-    half alone as "DispatchLowLatencyReceive", the one of the two that sends no signal."""
+    """PTX text of each kernel (the first entry point of its kind). The low-latency kernels compile two
+    kernels each under one name (kernels/naming.py): the whole one as "DispatchLowLatency" /
+    "CombineLowLatency", and its receiving half alone as "DispatchLowLatencyReceive" /
+    "CombineLowLatencyReceive", the one of the two that sends no signal."""
     out: dict[str, str] = {}
     for kind, part in _entries(ptx):
-        if kind == "DispatchLowLatency" and "nvshmemx_signal_op" not in part:
+        if kind in LOW_LATENCY and "nvshmemx_signal_op" not in part:
             kind += "Receive"
         out.setdefault(kind, part)
     return out
@@ -62,17 +65,17 @@ def compiled_ptx(request, sm90_module):
     return module.dtype, module.ptx
 
 
-def test_targets_sm90_with_seventeen_kernels(compiled_ptx):
+def test_targets_sm90_with_eighteen_kernels(compiled_ptx):
     _, ptx = compiled_ptx
     assert re.search(r"(?m)^\.target sm_90$", ptx)
     kinds = Counter(kind for kind, _ in _entries(ptx))
     assert sorted(kinds) == ["Assemble", "Combine", "CombineLowLatency", "Deliver", "Dispatch",
                              "DispatchLowLatency", "Fanout", "Layout", "PartialSum", "RankCombine",
                              "RankDispatch", "RankLayout", "RankPush", "RankSum", "ReducePush", "StageY"]
-    # The DSL emits an entry point per launch site: the module launches each kernel from one site; the
-    # low-latency dispatch's two kernels (the whole one, its receiving half) share a name.
-    assert kinds == {kind: 2 if kind == "DispatchLowLatency" else 1 for kind in kinds}
-    assert "DispatchLowLatencyReceive" in _kernels(ptx)
+    # The DSL emits an entry point per launch site: the module launches each kernel from one site; each
+    # low-latency kernel's two (the whole one, its receiving half) share a name.
+    assert kinds == {kind: 2 if kind in LOW_LATENCY else 1 for kind in kinds}
+    assert {"DispatchLowLatencyReceive", "CombineLowLatencyReceive"} <= set(_kernels(ptx))
 
 
 def test_rank_layout_variants_carry_only_their_own_code(compiled_ptx):
@@ -127,23 +130,27 @@ def test_last_cta_of_a_launch_is_counted_after_a_gpu_fence(compiled_ptx, kernel)
     assert _ops(_kernels(ptx)[kernel])["fence.acq_rel.gpu"] >= 1
 
 
-def test_low_latency_dispatch_receiving_half_holds_only_the_receive(compiled_ptx):
-    """The low-latency dispatch's receiving half (``return_recv_hook``) is a kernel of its own: it sends
+@pytest.mark.parametrize("kernel", LOW_LATENCY)
+def test_low_latency_receiving_halves_hold_only_the_receive(compiled_ptx, kernel):
+    """Each low-latency kernel's receiving half (``return_recv_hook``) is a kernel of its own: it sends
     nothing (no put, no signal, no single-element put), counts no arrival (no fence; its one global atomic
-    is a timed-out wait's fault record), and its waits for the peers' counts are bounded after it checks
-    for a recorded fault; it copies rows into the padded layout 128 bits at a time, RECEIVE_ROW_UNROLL in
-    flight per lane; and it is the smaller."""
+    is a timed-out wait's fault record), and its waits for the peers are bounded after it checks for a
+    recorded fault; it is the smaller of the two. The dispatch's copies rows into the padded layout 128
+    bits at a time (RECEIVE_ROW_UNROLL in flight per lane), the combine's sums rows read past L1."""
     _, ptx = compiled_ptx
     kernels = _kernels(ptx)
-    text = kernels["DispatchLowLatencyReceive"]
+    text = kernels[kernel + "Receive"]
     ops = _ops(text)
     assert "put" not in text and "nvshmemx_signal_op" not in text and "nvshmem_int32_p" not in text
     synchronizing = {op: n for op, n in ops.items() if op.startswith(("atom.", "red.", "fence.", "membar."))}
     assert synchronizing == {"atom.global.add.u32": 1}, synchronizing
     assert "ld.acquire.sys.global.u64" in text and text.count("%globaltimer") >= 2
     assert "ld.volatile.global.b32" in text
-    assert min(ops["st.global.v4.b32"], ops["ld.global.v4.b32"]) >= RECEIVE_ROW_UNROLL, ops
-    assert len(text) < len(kernels["DispatchLowLatency"]) / 2
+    assert sum(ops.values()) < sum(_ops(kernels[kernel]).values())
+    if kernel == "DispatchLowLatency":
+        assert min(ops["st.global.v4.b32"], ops["ld.global.v4.b32"]) >= RECEIVE_ROW_UNROLL, ops
+    else:
+        assert ops["ld.global.cg.v4.b32"] > 0 and not any(op.startswith("fma.") for op in ops), ops
 
 
 @pytest.mark.parametrize("kernel", ["CombineLowLatency", "DispatchLowLatency"])

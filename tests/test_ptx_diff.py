@@ -38,6 +38,19 @@ def test_profiler_names_lose_their_launch_site_too(monkeypatch):
     assert named == [("<header>", "identical"), ("cute_ep::rank_dispatch", "identical")]
 
 
+def test_kernels_under_one_name_are_compared_each_with_its_counterpart(monkeypatch):
+    """Two kernels compiled under one profiler name (a kernel and its receiving half) are the name's first
+    and second function, each compared with the same one of the other side."""
+    monkeypatch.setattr(sys.modules[__name__], "ENTRY", "_ZZN7cute_ep20dispatch_low_latencyEvE6kernel_{site}")
+    other = BODY.replace("st.global.v4.b32", "st.global.b32")
+    second = _module(5, other).split("\t// .globl", 1)[1]
+    before = _module(4, BODY) + "\t// .globl" + second
+    after = _module(6, BODY) + "\t// .globl" + second.replace("st.global.b32", "ld.global.b32")
+    named = {ptx_diff.short_name(d.name): d.verdict for d in ptx_diff.compare(before, after)}
+    assert named == {"<header>": "identical", "cute_ep::dispatch_low_latency": "identical",
+                     "cute_ep::dispatch_low_latency#2": "changed"}
+
+
 def test_the_same_instructions_in_another_order_have_the_same_counts():
     lines = BODY.splitlines(keepends=True)
     diffs = ptx_diff.compare(_module(0, BODY), _module(0, "".join([lines[1], lines[0], lines[2]])))
