@@ -40,7 +40,7 @@ from cutlass import Float32, Int32, Int64
 
 from cute_ep.kernels.base import CombineFamily, WarpStart
 from cute_ep.kernels.buffers import DONE_PUSH, SIGNAL_COMBINE, EpParams
-from cute_ep.kernels.config import MAX_EXPERTS, OP_COMBINE, PHASE_RECEIVE, PHASE_SEND, VECTOR_BYTES, WARP
+from cute_ep.kernels.config import MAX_EXPERTS, OP_COMBINE, PHASE_SEND, VECTOR_BYTES, WARP
 from cute_ep.kernels.dispatch_senders import send_row_into
 from cute_ep.kernels.naming import profiler_name
 from cute_ep.kernels.rows import RowSpace, row_space
@@ -73,14 +73,7 @@ class LowLatencyCombineKernel(CombineFamily):
 
     @cute.jit
     def __call__(self, p: EpParams, stream):
-        # A receiving half runs step 3 from a kernel of its own, as the dispatch's does: its SMs fetch only
-        # that code (kernels/low_latency_dispatch.py).
-        if p.phase == PHASE_RECEIVE:
-            self.receive_kernel(p).launch(grid=(self.grid_ctas(p), 1, 1), block=(self.threads, 1, 1),
-                                          stream=stream, **self.launch_hints())
-        else:
-            self.kernel(p).launch(grid=(self.grid_ctas(p), 1, 1), block=(self.threads, 1, 1), stream=stream,
-                                  **self.launch_hints())
+        self.launch_halves(p, stream)  # a receiving half: step 3 alone, ``receive_kernel``
 
     @cute.kernel
     def receive_kernel(self, p: EpParams):

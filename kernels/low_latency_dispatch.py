@@ -65,7 +65,6 @@ from cute_ep.kernels.config import (
     MAX_WORLD_SIZE,
     OP_DISPATCH,
     OP_LAYOUT,
-    PHASE_RECEIVE,
     PHASE_SEND,
     VECTOR_BYTES,
     WARP,
@@ -109,15 +108,7 @@ class LowLatencyDispatchKernel(EpKernel):
 
     @cute.jit
     def __call__(self, p: EpParams, stream):
-        # A receiving half runs step 4 from a kernel of its own: its SMs fetch only that code (in the whole
-        # kernel the receive starts ~3,100 instructions in; 14% of its stall samples waited for an
-        # instruction fetch, against 2% in DeepEP's receive, Nsight Compute, one H200).
-        if p.phase == PHASE_RECEIVE:
-            self.receive_kernel(p).launch(grid=(self.grid_ctas(p), 1, 1), block=(self.threads, 1, 1),
-                                          stream=stream, **self.launch_hints())
-        else:
-            self.kernel(p).launch(grid=(self.grid_ctas(p), 1, 1), block=(self.threads, 1, 1), stream=stream,
-                                  **self.launch_hints())
+        self.launch_halves(p, stream)  # a receiving half: step 4 alone, ``receive_kernel``
 
     @cute.kernel
     def receive_kernel(self, p: EpParams):
