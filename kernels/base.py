@@ -77,8 +77,13 @@ class EpKernel:
 
     @cute.jit
     def __call__(self, p: EpParams, stream):
-        self.kernel(p).launch(grid=(self.grid_ctas(p), 1, 1), block=(self.threads, 1, 1), stream=stream,
-                              **self.launch_hints())
+        self.start(self.kernel(p), p, stream)
+
+    @cute.jit
+    def start(self, traced, p: EpParams, stream):
+        """Launch ``traced`` (one of this class's kernels applied to ``p``) as every module kernel is."""
+        traced.launch(grid=(self.grid_ctas(p), 1, 1), block=(self.threads, 1, 1), stream=stream,
+                      **self.launch_hints())
 
     @cute.jit
     def launch_halves(self, p: EpParams, stream):
@@ -87,11 +92,9 @@ class EpKernel:
         whole dispatch kernel its launch started ~3,100 instructions in; 14% of its stall samples waited for
         an instruction fetch, against 2% in DeepEP's receive, Nsight Compute, one H200)."""
         if p.phase == PHASE_RECEIVE:
-            self.receive_kernel(p).launch(grid=(self.grid_ctas(p), 1, 1), block=(self.threads, 1, 1),
-                                          stream=stream, **self.launch_hints())
+            self.start(self.receive_kernel(p), p, stream)
         else:
-            self.kernel(p).launch(grid=(self.grid_ctas(p), 1, 1), block=(self.threads, 1, 1), stream=stream,
-                                  **self.launch_hints())
+            self.start(self.kernel(p), p, stream)
 
     @cute.jit
     def row_split(self, work: Int32, num_pieces: Int32, num_warps: Int32, may_split: Int32):
