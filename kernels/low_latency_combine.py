@@ -49,7 +49,6 @@ from cute_ep.kernels.scan import exclusive_scan_cta, last_at_or_before, warp_bat
 from cute_ep.kernels.signals import (
     cta_arrives_last,
     fault_free,
-    launch_epoch,
     signal_and_wait_peers,
     signal_peers,
     wait_peers,
@@ -80,7 +79,7 @@ class LowLatencyCombineKernel(CombineFamily):
         """Step 3 alone (``PHASE_RECEIVE``), after the wait for every peer's signal: the call's epoch is the
         one its sending half advanced to."""
         start = self.begin(p)
-        epoch = launch_epoch(p, start.epoch)
+        epoch = start.epoch - Int64(1)  # the sending half already advanced the word to this call's
         wait_peers(p, Int32(SIGNAL_COMBINE), epoch, Int32(OP_COMBINE), epoch)
         self.sum_tokens(p, start)
 

@@ -80,7 +80,6 @@ from cute_ep.kernels.signals import (
     SIGNAL_SET,
     cta_arrives_last,
     fault_free,
-    launch_epoch,
     record_fault,
     wait_signal_value,
 )
@@ -116,7 +115,7 @@ class LowLatencyDispatchKernel(EpKernel):
         tid, _, _ = cute.arch.thread_idx()
         smem = cutlass.memory.SmemAllocator()
         starts = smem.allocate_tensor(Int32, cute.make_layout(self.threads // WARP * STARTS), 16)
-        epoch = launch_epoch(p, p.epochs[OP_DISPATCH] + Int64(1))
+        epoch = p.epochs[OP_DISPATCH]  # the sending half already advanced it to this call's
         live = Int32(0)
         if fault_free(p.fault):
             live = Int32(1)

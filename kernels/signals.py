@@ -18,7 +18,7 @@ import nvshmem.core.device.cute as nvshmem_cute
 from cutlass import Int32, Int64
 
 from cute_ep.kernels.buffers import FAULT_COUNT, FAULT_EPOCH, FAULT_OP, FAULT_PEER
-from cute_ep.kernels.config import ALGO_PUT_WARP, PHASE_RECEIVE
+from cute_ep.kernels.config import ALGO_PUT_WARP
 from cute_ep.kernels.ptx import fence_sys, global_timer_ns, ld_acquire_u64, ld_volatile_i32
 from cute_ep.kernels.rows import element, element_addr
 
@@ -56,16 +56,6 @@ def wait_signal_value(addr: Int64, target: Int64, timeout_ns: Int64):
     if state == Int32(1):
         arrived = Int32(1)
     return arrived, seen
-
-
-@cute.jit
-def launch_epoch(p, next_epoch: Int64) -> Int64:
-    """This launch's epoch of an op whose next one is ``next_epoch`` (its ``epochs`` word + 1): that one, or
-    in a receiving half (``PHASE_RECEIVE``) the one before, to which its sending half already advanced it."""
-    epoch = next_epoch
-    if p.phase == PHASE_RECEIVE:
-        epoch = epoch - Int64(1)
-    return epoch
 
 
 @cute.jit
