@@ -1,8 +1,8 @@
 """EpBuffer's host-side bookkeeping on the CPU (no NVSHMEM): the status block it reads in one copy,
 capacity drop accounting under both overflow policies, and the per-call pointer cache.
 
-The buffer is built with ``object.__new__`` and only the attributes these methods use, so the logic
-that decides what a user sees (errors, counts) is tested without a GPU.
+The buffer is built without ``__init__`` (``_host_buffer.host_buffer``: no runtime, no compiled module), so
+the logic that decides what a user sees (errors, counts) is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -11,29 +11,20 @@ import ctypes
 
 import pytest
 import torch
+from _host_buffer import host_buffer
 
 from cute_ep.api import DispatchHandle
 from cute_ep.buffer import EpBuffer
 from cute_ep.kernels.buffers import BUFFERS, FAULT_WORDS, STATUS, status_layout
 from cute_ep.kernels.config import EpConfig
 from cute_ep.profiler import pick_fastest_algorithm
-from cute_ep.spare import SpareOutputs, handle_storage
-from cute_ep.status import CapacityExceeded, KernelDidNotRun, PeerTimeout, StatusBlock
+from cute_ep.status import CapacityExceeded, KernelDidNotRun, PeerTimeout
 
 
 def _buffer(on_overflow: str = "raise") -> EpBuffer:
     cfg = EpConfig(world_size=2, local_world_size=2, num_experts=8, topk=2, hidden=128, dtype=torch.bfloat16,
                    max_tokens=16, capacity_factor=0.5, on_overflow=on_overflow)
-    buf = object.__new__(EpBuffer)
-    # dispatch()'s handle sets made ahead (cute_ep.spare); no CUDA graph capture on the CPU
-    buf._handle_sets = SpareOutputs(handle_storage, capturing=lambda: False)
-    buf.cfg, buf.rank = cfg, 0
-    buf.status = StatusBlock(cfg, "cpu")
-    for name, view in buf.status.views.items():  # what EpBuffer.__init__ does for the STATUS buffers
-        setattr(buf, name, view)
-    buf._drops = torch.zeros(cfg.num_experts, dtype=torch.int64)
-    buf._calls = [0, 0, 0]
-    return buf
+    return host_buffer(cfg)
 
 
 def test_status_block_reads_every_field_in_one_copy():
@@ -300,10 +291,7 @@ def test_combine_algorithm_checks_of_the_gpu_buffer(configured):
 
     cfg = EpConfig(world_size=2, local_world_size=2, num_experts=8, topk=2, hidden=128, dtype=torch.bfloat16,
                    max_tokens=16, combine_algorithm=configured)
-    buf = object.__new__(EpBuffer)
-    # dispatch()'s handle sets made ahead (cute_ep.spare); no CUDA graph capture on the CPU
-    buf._handle_sets = SpareOutputs(handle_storage, capturing=lambda: False)
-    buf.cfg = cfg
+    buf = host_buffer(cfg)
     idx, w = torch.zeros(4, 2, dtype=torch.int32), torch.ones(4, 2)
     handle = DispatchHandle(idx, w, torch.zeros(4, 2, dtype=torch.int32), 4, "scatter")
     buf._sent = (idx, w)

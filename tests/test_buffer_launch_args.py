@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _host_buffer import host_buffer
 from _memory import share_no_byte
 
 import cute_ep.buffer as buffer_module
@@ -23,8 +24,7 @@ from cute_ep.buffer import EpBuffer
 from cute_ep.kernels.buffers import BUFFERS, CALL, HOST, STATUS, buffers_of
 from cute_ep.kernels.config import DISPATCH_ALGORITHMS, MODES, OP_COMBINE, OP_DISPATCH, OP_LAYOUT, EpConfig
 from cute_ep.kernels.variants import COMBINE_ALGORITHMS, LAYOUTS
-from cute_ep.spare import SPARE_AHEAD, SpareOutputs, handle_storage
-from cute_ep.status import StatusBlock
+from cute_ep.spare import SPARE_AHEAD
 
 STREAM = 0x5EED
 
@@ -46,20 +46,12 @@ def buf(monkeypatch) -> EpBuffer:
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     cfg = EpConfig(world_size=2, local_world_size=2, num_experts=8, topk=2, hidden=64, dtype=torch.bfloat16,
                    max_tokens=16, combine_algorithm="reduced")
-    b = object.__new__(EpBuffer)
-    # dispatch()'s handle sets made ahead (cute_ep.spare); no CUDA graph capture on the CPU
-    b._handle_sets = SpareOutputs(handle_storage, capturing=lambda: False)
-    b.cfg, b.rank, b.device, b._device_index, b._closed = cfg, 0, torch.device("cpu"), 0, False
-    b.status = StatusBlock(cfg, "cpu")
-    for t in BUFFERS:
-        if t.place == STATUS:
-            setattr(b, t.name, b.status.views[t.name])
-        elif t.place == HOST:
+    b = host_buffer(cfg)
+    for t in BUFFERS:  # the rest of the table (host_buffer set the STATUS views)
+        if t.place == HOST:
             setattr(b, t.name, b.status.mirror)
-        elif t.place != CALL:
+        elif t.place not in (CALL, STATUS):
             setattr(b, t.name, torch.zeros(t.alloc_shape(cfg), dtype=t.torch_dtype(cfg)))
-    b._calls, b._sent, b._latest_recv = [0, 0, 0], None, None
-    b._drops = torch.zeros(cfg.num_experts, dtype=torch.int64)
     one = SimpleNamespace(num_tokens=1, capacity=1, hidden=cfg.hidden, topk=cfg.topk, experts_per_rank=1,
                           rank_capacity=1, world_size=1, fp8_scales=1)
     b._empty = {t.name: torch.empty(t.shape(one), dtype=t.torch_dtype(cfg)) for t in buffers_of(CALL)}

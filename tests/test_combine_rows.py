@@ -13,16 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _host_buffer import host_buffer
 from _worlds import HOST_BACKENDS, expert_outputs, host_config, world_of_one
 
 from cute_ep import autograd as ep
 from cute_ep.api import DispatchHandle
-from cute_ep.buffer import EpBuffer
 from cute_ep.input_checks import InputTypeError, check_combine_input, check_combine_out, note_dispatch_rows
 from cute_ep.inputs import make_inputs
 from cute_ep.kernels.config import EpConfig
-from cute_ep.spare import SpareOutputs, handle_storage
-from cute_ep.status import StatusBlock
 
 CPU = torch.device("cpu")
 CFG = EpConfig(world_size=2, local_world_size=2, num_experts=8, topk=2, hidden=128, dtype=torch.bfloat16,
@@ -180,14 +178,7 @@ def gpu_buffer(monkeypatch):
     """An EpBuffer whose device is the CPU and whose launches are recorded instead of run."""
     from cute_ep.kernels.buffers import CALL, buffers_of
 
-    buf = object.__new__(EpBuffer)
-    # dispatch()'s handle sets made ahead (cute_ep.spare); no CUDA graph capture on the CPU
-    buf._handle_sets = SpareOutputs(handle_storage, capturing=lambda: False)
-    buf.cfg, buf.rank, buf.device, buf._device_index = CFG, 0, CPU, 0
-    buf.status = StatusBlock(CFG, "cpu")
-    buf._calls, buf._closed, buf.algorithm = [0, 0, 0], False, "dedup"
-    buf._sent = buf._latest_recv = None
-    buf._dispatches = 0
+    buf = host_buffer(CFG, algorithm="dedup", _dispatches=0)
     buf.num_recv = torch.zeros(1, dtype=torch.int32)
     buf.scatter = torch.full((CFG.max_tokens, CFG.topk), -1, dtype=torch.int32)
     buf.recv_y = torch.full((CFG.capacity, CFG.hidden), float("nan"), dtype=CFG.dtype)
