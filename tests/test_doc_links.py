@@ -3,12 +3,15 @@ names one of its headings (as GitHub makes heading anchors)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
 import pytest
+from _launch import REPO as ROOT
+from _launch import import_script
 
-ROOT = Path(__file__).resolve().parent.parent
+slug = import_script(ROOT / "scripts" / "gen_api_docs.py", "gen_api_docs_script").slug  # GitHub's anchor rule
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
          *sorted((ROOT / "baselines").glob("*.md"))]
 LINK = re.compile(r"\]\(([^()\s]+)\)")  # [text](target)
@@ -16,13 +19,15 @@ FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 
 
 def anchor_of(heading: str) -> str:
-    """GitHub's anchor of a heading: lower case, punctuation dropped (hyphens kept), spaces to hyphens."""
-    text = re.sub(r"[`*]|<[^>]+>", "", heading.strip()).lower()
-    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)  # a link in a heading keeps its text
-    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+    """GitHub's anchor of a heading as written in Markdown: its text (markup and a link's target dropped),
+    then ``slug``."""
+    text = re.sub(r"[`*]|<[^>]+>", "", heading.strip())
+    return slug(re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text))  # a link in a heading keeps its text
 
 
+@functools.cache
 def anchors(page: Path) -> set[str]:
+    """Every heading anchor of ``page`` (read once, however many links lead into it)."""
     found, seen = set(), {}
     for line in FENCE.sub("", page.read_text()).splitlines():
         m = re.match(r"#{1,6} (.+)", line)
