@@ -414,7 +414,7 @@ class LowLatencyDispatchKernel(EpKernel):
                         if lane + u * WARP < S:
                             early[u] = scales[lane + u * WARP]
                 copy_row_to_lanes(dtype, src, padded.row(el * p.rank_capacity + row), Int32(1),
-                                  row_bytes // VECTOR_BYTES, lane, RECEIVE_ROW_UNROLL)
+                                  row_bytes // VECTOR_BYTES, lane, RECEIVE_ROW_UNROLL, store_no_l1=True)
                 if scales_out != 0:  # [H bytes of e4m3 | H / 128 fp32 scales | ...]
                     # (made in each branch: made once above both, the kernel reads two more parameters)
                     scales = gmem_tensor(Float32, src + p.hidden, cute.make_layout(S), 4)

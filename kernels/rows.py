@@ -72,7 +72,8 @@ ROW_COPY_UNROLL = 8  # 128-bit pieces per lane in flight while a warp copies a r
 
 @cute.jit
 def copy_row_to_lanes(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64, dests: Int32,
-                      num_pieces: Int32, lane: Int32, unroll: cutlass.Constexpr = ROW_COPY_UNROLL):
+                      num_pieces: Int32, lane: Int32, unroll: cutlass.Constexpr = ROW_COPY_UNROLL,
+                      store_no_l1: cutlass.Constexpr = False):
     """A warp copies ``num_pieces`` 128-bit pieces from ``src_addr`` to the address ``dst_addr`` held by
     each lane whose bit is set in ``dests`` (all 16-byte aligned; a destination may be a peer's memory
     through its NVSHMEM peer pointer). Every lane calls it with the same ``dests``.
@@ -82,6 +83,10 @@ def copy_row_to_lanes(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64
     Why unrolled: a warp that loads one piece, stores it and moves on has one load in flight and waits
     a full memory latency per 512 bytes; ``unroll`` independent loads per lane before the stores hide it
     (ROW_COPY_UNROLL, or fewer where registers are short: kernels/dispatch_senders.py).
+    ``store_no_l1``: the stores do not allocate in L1 (``st.global.L1::no_allocate``), for rows nothing in
+    the launch reads again (the low-latency receive into the padded layout). Why: at a world of one on an
+    H200 the combine kernel that follows such a dispatch took 19.4 us instead of 20.2 (docs/results.md,
+    2026-12-02); loading the rows through the read-only path (``ld.global.nc``) changed nothing.
     Why the last step is predicated rather than a loop of single pieces: a row of 7168 bf16 (896 pieces)
     is 3 full steps and 128 pieces, and that tail piece by piece was 4 more latencies per row.
     """
@@ -90,6 +95,10 @@ def copy_row_to_lanes(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64
     step = U * 32
     layout = cute.make_layout(V)
     piece = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    store = piece
+    if cutlass.const_expr(store_no_l1):
+        store = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), dtype, num_bits_per_copy=128,
+                                    l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
     pieces = cute.make_layout((V, num_pieces))  # the row as 128-bit pieces: row[None, v] is piece v
     src = gmem_tensor(dtype, src_addr, pieces, 16)
     for base in range(0, num_pieces, step):
@@ -106,7 +115,7 @@ def copy_row_to_lanes(dtype: cutlass.Constexpr, src_addr: Int64, dst_addr: Int64
             for j in cutlass.range_constexpr(U):
                 v = base + j * 32 + lane
                 if v < num_pieces:
-                    cute.copy(piece, frags[j], dst[None, v])
+                    cute.copy(store, frags[j], dst[None, v])
 
 
 @cute.jit
