@@ -35,7 +35,8 @@ _FUNCTION_NAME = re.compile(r"(?:\.visible \.entry|\.func|\.visible \.func|\.wea
 # its default names, after ``...EvE6kernel`` in the names profilers read (kernels/naming.py).
 _ENTRY_SUFFIX = re.compile(r"(kernel_cutlass_kernel_\w+?Kernel)_object_at_\w*?_\d+\b"
                            r"|(_ZZN7cute_ep\d+\w+?EvE6kernel)_\d+\b")
-_INSTRUCTION = re.compile(r"(?m)^\s*([a-z]+(?:\.\w+)*)")
+# an opcode with every modifier, "::" ones too: st.global.L1::no_allocate.v4.b32 is not st.global.L1
+_INSTRUCTION = re.compile(r"(?m)^\s*([a-z]+(?:(?:\.|::)\w+)*)")
 
 
 def normalize(ptx: str) -> str:

@@ -21,6 +21,8 @@ Not a test module (the leading underscore keeps pytest from collecting it); test
 from __future__ import annotations
 
 import functools
+import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,12 @@ from cute_ep.kernels.host import build
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "half", torch.float32: "float"}
 """The element types the module is compiled for, with the name NVSHMEM's typed calls use."""
+
+
+def ptx_ops(text: str) -> Counter:
+    """How often each PTX instruction occurs, named by its opcode and every modifier, ``::`` ones included
+    (``st.global.L1::no_allocate.v4.b32``, not ``st.global.L1``)."""
+    return Counter(re.findall(r"(?m)^\s*([a-z]+(?:(?:\.|::)\w+)+)", text))
 
 
 def sm90_group(dtype: torch.dtype) -> pytest.MarkDecorator:

@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
-from _sm90 import DTYPES, sm90_params
+from _sm90 import DTYPES, ptx_ops, sm90_params
 
 from cute_ep.bootstrap.compile import ModuleRegistry
 from cute_ep.kernels.dispatch_senders import DISPATCH_ROW_UNROLL
@@ -54,15 +54,6 @@ def _kernels(ptx: str) -> dict[str, str]:
     return out
 
 
-def _ops(text: str) -> Counter:
-    return Counter(re.findall(r"(?m)^\s*([a-z]+(?:\.[\w]+)+)", text))
-
-
-def _stores_128(text: str) -> int:
-    """128-bit global stores, with those that allocate no L1 line (``_ops`` names them ``st.global.L1``)."""
-    return _ops(text)["st.global.v4.b32"] + text.count("st.global.L1::no_allocate.v4.b32")
-
-
 @pytest.fixture(scope="module", params=sm90_params())
 def compiled_ptx(request, sm90_module):
     """(dtype, PTX) of the dtype's module, compiled once per test run (tests/_sm90.py)."""
@@ -88,7 +79,7 @@ def test_rank_layout_variants_carry_only_their_own_code(compiled_ptx):
     dispatch writes from-slots and no ids (the variants are compiled apart, not branched at run time)."""
     _, ptx = compiled_ptx
     kernels = _kernels(ptx)
-    expert, rank = _ops(kernels["Dispatch"]), _ops(kernels["RankDispatch"])
+    expert, rank = ptx_ops(kernels["Dispatch"]), ptx_ops(kernels["RankDispatch"])
     assert sum(n for op, n in rank.items() if op.startswith("call")) > 0
     assert "nvshmem_int32_p" in kernels["RankDispatch"]  # local ids and the source tag
     assert "nvshmem_float_p" in kernels["RankDispatch"]  # the per-k weights
@@ -116,7 +107,7 @@ def test_combine_accumulates_without_fma_and_loads_128_bit_past_l1(compiled_ptx,
     """The pull combine, both phases of the reduced combine and the low-latency combine share
     kernels/rowsum.py."""
     _, ptx = compiled_ptx
-    ops = _ops(_kernels(ptx)[kernel])
+    ops = ptx_ops(_kernels(ptx)[kernel])
     assert ops["mul.rn.f32"] > 0 and ops["mul.rn.f32"] == ops["add.rn.f32"]
     assert ops["fma.rn.f32"] == 0
     loads = {op: n for op, n in ops.items() if op.startswith("ld.global") and ".v4." in op}
@@ -132,7 +123,7 @@ def test_last_cta_of_a_launch_is_counted_after_a_gpu_fence(compiled_ptx, kernel)
     (``last_cta_arrives(system=False)``): the epochs they advance are read after the launch ends, so no
     system fence is needed there."""
     _, ptx = compiled_ptx
-    assert _ops(_kernels(ptx)[kernel])["fence.acq_rel.gpu"] >= 1
+    assert ptx_ops(_kernels(ptx)[kernel])["fence.acq_rel.gpu"] >= 1
 
 
 @pytest.mark.parametrize("kernel", LOW_LATENCY)
@@ -146,15 +137,15 @@ def test_low_latency_receiving_halves_hold_only_the_receive(compiled_ptx, kernel
     _, ptx = compiled_ptx
     kernels = _kernels(ptx)
     text = kernels[kernel + "Receive"]
-    ops = _ops(text)
+    ops = ptx_ops(text)
     assert "put" not in text and "nvshmemx_signal_op" not in text and "nvshmem_int32_p" not in text
     synchronizing = {op: n for op, n in ops.items() if op.startswith(("atom.", "red.", "fence.", "membar."))}
     assert synchronizing == {"atom.global.add.u32": 1}, synchronizing
     assert "ld.acquire.sys.global.u64" in text and text.count("%globaltimer") >= 2
     assert "ld.volatile.global.b32" in text
-    assert sum(ops.values()) < sum(_ops(kernels[kernel]).values())
+    assert sum(ops.values()) < sum(ptx_ops(kernels[kernel]).values())
     if kernel == "DispatchLowLatency":
-        no_l1 = text.count("st.global.L1::no_allocate.v4.b32")
+        no_l1 = ops["st.global.L1::no_allocate.v4.b32"]
         assert no_l1 >= RECEIVE_ROW_UNROLL and ops["ld.global.v4.b32"] >= RECEIVE_ROW_UNROLL, ops
         assert ops["st.global.v4.b32"] == 0, ops  # every row store of the receive skips L1
     else:
@@ -168,7 +159,7 @@ def test_low_latency_receive_ends_without_an_arrival(compiled_ptx, kernel):
     for one, and the one arrival counter left is the sending half's (``cta_arrives_last``: a system fence
     and one atomic add)."""
     _, ptx = compiled_ptx
-    ops = _ops(_kernels(ptx)[kernel])
+    ops = ptx_ops(_kernels(ptx)[kernel])
     assert ops["fence.acq_rel.gpu"] == 0, ops["fence.acq_rel.gpu"]
     assert ops["fence.sc.sys"] + ops["fence.acq_rel.sys"] >= 1
 
@@ -223,8 +214,8 @@ def test_row_copies_are_128_bit(compiled_ptx):
     for name, unroll in (("Dispatch", DISPATCH_ROW_UNROLL), ("Fanout", ROW_COPY_UNROLL),
                          ("RankDispatch", DISPATCH_ROW_UNROLL),
                          ("DispatchLowLatency", SEND_ROW_UNROLL + RECEIVE_ROW_UNROLL)):
-        ops = _ops(kernels[name])
-        assert _stores_128(kernels[name]) >= unroll, (name, ops)
+        ops = ptx_ops(kernels[name])
+        assert ops["st.global.v4.b32"] + ops["st.global.L1::no_allocate.v4.b32"] >= unroll, (name, ops)
         assert ops["ld.global.v4.b32"] >= unroll, (name, ops)
 
 
@@ -236,7 +227,7 @@ def test_local_row_copies_move_pieces_where_aligned_and_words_elsewhere(compiled
     any stride, as 4-byte words; neither calls NVSHMEM (every row they touch is this rank's)."""
     _, ptx = compiled_ptx
     text = _kernels(ptx)[kernel]
-    ops = _ops(text)
+    ops = ptx_ops(text)
     assert ops["st.global.v4.b32"] >= ROW_COPY_UNROLL and ops["ld.global.v4.b32"] >= ROW_COPY_UNROLL, ops
     assert ops["ld.global.u32"] + ops["ld.global.b32"] >= 1, ops
     assert ops["st.global.u32"] + ops["st.global.b32"] >= 1, ops
@@ -249,12 +240,12 @@ def test_layout_steps_use_warp_votes(compiled_ptx):
     rank dispatch holds a token's pairs in lanes."""
     _, ptx = compiled_ptx
     kernels = _kernels(ptx)
-    assert _ops(kernels["Layout"])["match.any.sync.b32"] >= 1
-    rank = _ops(kernels["RankLayout"])
+    assert ptx_ops(kernels["Layout"])["match.any.sync.b32"] >= 1
+    rank = ptx_ops(kernels["RankLayout"])
     assert rank["vote.sync.ballot.b32"] >= 2 and rank["popc.b32"] >= 2, rank
     assert "match.any.sync.b32" not in rank
     # the rank dispatch finds a token's first pair per rank with one match.any over the token's lanes
-    assert _ops(kernels["RankDispatch"])["match.any.sync.b32"] >= 1
+    assert ptx_ops(kernels["RankDispatch"])["match.any.sync.b32"] >= 1
 
 
 def test_layout_ctas_meet_once_and_dispatch_runs_the_layout_folded_in(compiled_ptx):
@@ -264,7 +255,7 @@ def test_layout_ctas_meet_once_and_dispatch_runs_the_layout_folded_in(compiled_p
     _, ptx = compiled_ptx
     kernels = _kernels(ptx)
     for name in ("Layout", "RankLayout", "Dispatch", "RankDispatch"):
-        ops = _ops(kernels[name])
+        ops = ptx_ops(kernels[name])
         assert ops["atom.shared.add.u32"] > 0, name  # per-warp histograms
         global_adds = sum(n for op, n in ops.items() if op.startswith(("atom.global.add", "red.global.add")))
         assert global_adds >= 2, name  # the counts into the totals row, the arrival
@@ -287,8 +278,8 @@ def test_every_wait_for_a_peer_is_bounded(compiled_ptx):
 
 def test_dispatch_has_the_atomic_slot_path(compiled_ptx):
     _, ptx = compiled_ptx
-    assert _ops(_kernels(ptx)["Dispatch"])["atom.global.add.u32"] > 0
-    assert _ops(_kernels(ptx)["Layout"])["atom.shared.add.u32"] > 0
+    assert ptx_ops(_kernels(ptx)["Dispatch"])["atom.global.add.u32"] > 0
+    assert ptx_ops(_kernels(ptx)["Layout"])["atom.shared.add.u32"] > 0
 
 
 def test_dispatch_quantizes_fp8_like_the_reference(compiled_ptx):
@@ -298,7 +289,7 @@ def test_dispatch_quantizes_fp8_like_the_reference(compiled_ptx):
     dtype, ptx = compiled_ptx
     text = _kernels(ptx)["Dispatch"]
     assert "cvt.rn.satfinite.e4m3x2.f32" in text
-    ops = _ops(text)
+    ops = ptx_ops(text)
     assert ops["div.rn.f32"] >= 2 and ops["shfl.sync.bfly.b32"] >= 4, ops
     assert not any(op.startswith(("rcp.", "div.approx", "div.full", "fma.")) for op in ops), ops
     assert ops["st.global.b32"] > 0, ops  # the scales and padding (and fp32 rows' FP8 words)
@@ -313,7 +304,7 @@ def test_low_latency_dispatch_numbers_pairs_and_signals_counts(compiled_ptx):
     put_warp."""
     dtype, ptx = compiled_ptx
     text = _kernels(ptx)["DispatchLowLatency"]
-    ops = _ops(text)
+    ops = ptx_ops(text)
     assert ops["match.any.sync.b32"] >= 2, ops  # the numbering and the destination ranks of a token
     assert "nvshmem_int32_p" in text and "nvshmemx_signal_op" in text
     assert re.search(rf"\bnvshmemx_{DTYPES[dtype]}_put_warp\b", text)
@@ -328,7 +319,7 @@ def test_low_latency_combine_pushes_rows_then_signals(compiled_ptx):
     text = _kernels(ptx)["CombineLowLatency"]
     assert re.search(rf"\bnvshmemx_{DTYPES[dtype]}_put_warp\b", text)
     assert "nvshmemx_signal_op" in text and ("nvshmem_quiet" in text or "transfer_quiet" in text)
-    assert _ops(text)["st.global.v4.b32"] > 0
+    assert ptx_ops(text)["st.global.v4.b32"] > 0
 
 
 class _FakeLib:
@@ -366,7 +357,7 @@ def test_combine_widens_bf16_from_bits(compiled_ptx, kernel):
     not through the conversion instruction, whose lowering took more; FP16 keeps the conversion (FP32 has
     none)."""
     dtype, ptx = compiled_ptx
-    ops = _ops(_kernels(ptx)[kernel])
+    ops = ptx_ops(_kernels(ptx)[kernel])
     if dtype == torch.bfloat16:
         assert ops["cvt.f32.bf16"] == 0, ops
     elif dtype == torch.float16:

@@ -69,6 +69,14 @@ def test_changed_counts_are_listed_and_one_sided_functions_named():
     assert "st.global.v4.b32: 1 -> 0" in text and "helper: only after" in text
 
 
+def test_modifiers_after_double_colons_name_the_instruction():
+    """A cache hint is part of the instruction: the same store with and without one is a change of
+    counts, named in full."""
+    after = BODY.replace("st.global.v4.b32", "st.global.L1::no_allocate.v4.b32")
+    (diff,) = [d for d in ptx_diff.compare(_module(0, BODY), _module(0, after)) if d.name != "<header>"]
+    assert diff.changes == {"st.global.L1::no_allocate.v4.b32": (0, 1), "st.global.v4.b32": (1, 0)}
+
+
 def test_command_exit_status(tmp_path):
     a, b, c = tmp_path / "a.ptx", tmp_path / "b.ptx", tmp_path / "c.ptx"
     a.write_text(_module(0, BODY))

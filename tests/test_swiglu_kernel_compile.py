@@ -11,18 +11,14 @@ size is read on the device), and IEEE division and no approximate one in the sig
 from __future__ import annotations
 
 import re
-from collections import Counter
 
 import pytest
 import torch
+from _sm90 import ptx_ops
 
 from cute_ep.bootstrap.compile import ModuleRegistry, compile_kernel, ptx_options, use_cpu_target
 
 DTYPE = torch.bfloat16
-
-
-def _ops(text: str) -> Counter:
-    return Counter(re.findall(r"(?m)^\s*([a-z]+(?:\.[\w]+)+)", text))
 
 
 @pytest.fixture(scope="module", params=["forward", "backward"])
@@ -45,7 +41,7 @@ def test_one_sm90_entry_without_nvshmem(compiled):
 
 def test_rows_move_in_128_bit_vectors(compiled):
     direction, fn, ptx = compiled
-    ops = _ops(ptx)
+    ops = ptx_ops(ptx)
     per_half = fn.vectors_per_lane  # vectors of each [rows, I] operand a lane moves per tile
     loads_in, stores_out = (2, 1) if direction == "forward" else (3, 2)
     assert ops["ld.global.v4.b32"] == loads_in * per_half, ops
@@ -62,7 +58,7 @@ def test_walks_the_live_tiles_in_a_grid_stride_loop(compiled):
 
 def test_the_sigmoid_divides_exactly(compiled):
     _, _, ptx = compiled
-    ops = _ops(ptx)
+    ops = ptx_ops(ptx)
     assert ops["div.rn.f32"] > 0
     assert not any(op.startswith(("div.approx", "div.full")) for op in ops), ops
 

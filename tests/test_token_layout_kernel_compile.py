@@ -7,16 +7,12 @@ it under its own key."""
 from __future__ import annotations
 
 import re
-from collections import Counter
 
 import pytest
 import torch
+from _sm90 import ptx_ops
 
 from cute_ep.bootstrap.compile import ModuleRegistry, compile_kernel, ptx_options, use_cpu_target
-
-
-def _ops(text: str) -> Counter:
-    return Counter(re.findall(r"(?m)^\s*([a-z]+(?:\.[\w]+)+)", text))
 
 
 @pytest.fixture(scope="module", params=["int64", "int32"])
@@ -40,7 +36,7 @@ def test_one_sm90_entry_without_nvshmem(compiled):
 
 def test_counts_gather_in_shared_memory_and_are_stored_once(compiled):
     _, ptx = compiled
-    ops = _ops(ptx)
+    ops = ptx_ops(ptx)
     assert ops["atom.shared.add.u32"] >= 2, ops  # per-expert and per-rank histograms
     assert not any(op.startswith(("atom.global", "red.global")) for op in ops), ops
     assert ops["bar.sync"] == 2, ops  # after zeroing, before the counts go out
@@ -49,7 +45,7 @@ def test_counts_gather_in_shared_memory_and_are_stored_once(compiled):
 
 def test_ids_are_compared_at_their_own_width(compiled):
     id_type, ptx = compiled
-    ops = _ops(ptx)
+    ops = ptx_ops(ptx)
     if id_type == "int64":
         wide = [op for op in ops if op.startswith("setp") and op.endswith("s64")]
         assert ops["ld.global.b64"] >= 1 and wide, ops
